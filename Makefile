@@ -1,0 +1,32 @@
+# Two entry points a new user needs: `make demo` and `make test`.
+# Both build their own virtualenv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m dispatcher.demo
+
+test: $(STAMP)
+	$(BIN)/ruff check dispatcher tests bench
+	$(BIN)/mypy dispatcher
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check dispatcher tests bench
+	$(BIN)/mypy dispatcher
+
+bench: $(STAMP)
+	$(BIN)/python bench/dispatch_overhead.py
+
+clean:
+	rm -rf $(VENV) demo-output

@@ -1,0 +1,171 @@
+"""``dispatcher`` command line: ``run`` plus the helper servers and run inspection tools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import orjson
+import structlog
+
+from dispatcher import __version__
+from dispatcher.config import RunSettings, load_settings, parse_agent_flags
+from dispatcher.errors import ConfigError, DispatcherError, ExitCode
+
+# Flags of `run` that map one-to-one onto RunSettings keys (values validated there).
+_RUN_FLAGS: dict[str, str] = {
+    "--input": "task file (JSONL), streamed",
+    "--output": "output file X.jsonl; sidecars are named after it",
+    "--default-agent": "agent for rows without agent_ref",
+    "--num-repeats": 'repeats per task: N, or a JSON map like {"a": 4, "_default": 1}',
+    "--limit": "read at most N input rows",
+    "--concurrency": "rollouts in flight at most (default 64; 'unbounded' for no bound)",
+    "--rollout-timeout-s": "per-rollout timeout in seconds",
+    "--dispatch-budget-s": "walltime budget for dispatch in seconds, or 'auto' (Slurm)",
+    "--budget-reserve-s": "with 'auto': seconds kept back before the job's end (default 300)",
+    "--drain-margin-s": "do not start a rollout with less time left (default: this run's p75)",
+    "--max-attempts": "attempts per rollout before it is final (default 3)",
+    "--shutdown-grace-s": "on SIGTERM/SIGINT, seconds in-flight rollouts get (default 30)",
+    "--fsync": "always | batch (default: group commit) | never",
+    "--log-format": "json | console (default: console on a terminal, else json)",
+    "--metrics-listen": "HOST:PORT of /metrics /healthz /status, or 'off' (127.0.0.1:9464)",
+    "--progress-interval-s": "seconds between progress events (default 30)",
+    "--capture-dir": "capture directory shared with the capture proxy",
+    "--capture-poll-s": "capture quiescence poll interval (default 0.05)",
+    "--capture-wait-limit-s": "capture quiescence limit (default 10)",
+    "--responses-create-params": "JSON object merged over each row's responses_create_params",
+    "--shard": "K/N: run only tasks with task_index %% N == K; 'auto' from Slurm/Kubernetes",
+}
+_JSON_FLAGS = {"num_repeats", "responses_create_params"}
+_SWITCHES = {
+    "--fresh": "start over: move the earlier run's files aside (never deleted)",
+    "--skip-invalid-rows": "log and skip task lines that are not JSON objects",
+    "--capture-include-payloads": "keep raw request/response payloads in attached calls",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dispatcher", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run_parser(sub)
+    for module in _command_modules():
+        module.add_parser(sub)
+    return parser
+
+
+_COMMAND_MODULES = (
+    "dispatcher.sim.agent",
+    "dispatcher.sim.model",
+    "dispatcher.capture.proxy",
+    "dispatcher.ops.status",
+    "dispatcher.ops.report",
+    "dispatcher.ops.merge",
+)
+
+
+def _command_modules() -> list[Any]:
+    import importlib
+
+    modules = []
+    for name in _COMMAND_MODULES:
+        try:  # TODO(lead): drop once every command module has landed
+            modules.append(importlib.import_module(name))
+        except ModuleNotFoundError:
+            continue
+    return modules
+
+
+def _add_run_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="dispatch a task file to agent servers")
+    p.add_argument("--config", help="TOML file with the same settings as keys")
+    p.add_argument(
+        "--agent",
+        action="append",
+        metavar="NAME=URL[,URL...]",
+        help="an agent and its replicas (repeatable)",
+    )
+    for flag, text in _RUN_FLAGS.items():
+        p.add_argument(flag, help=text)
+    for flag, text in _SWITCHES.items():
+        p.add_argument(flag, action="store_const", const=True, default=None, help=text)
+    p.set_defaults(handler=_run_command, is_async=True)
+
+
+def run_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the user gave, as settings keys (absent flags are left out)."""
+    values: dict[str, Any] = {"config": args.config, "agents": parse_agent_flags(args.agent)}
+    for flag in (*_RUN_FLAGS, *_SWITCHES):
+        key = flag.removeprefix("--").replace("-", "_")
+        value = getattr(args, key)
+        if value is not None and key in _JSON_FLAGS and value.lstrip().startswith("{"):
+            value = _json_flag(flag, value)
+        values[key] = value
+    return values
+
+
+def _json_flag(flag: str, value: str) -> Any:
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        raise ConfigError(f"{flag}: not valid JSON") from None
+
+
+async def _run_command(args: argparse.Namespace) -> int:
+    from dispatcher.ops.shard import resolve_shard
+    from dispatcher.service import Dispatcher
+    from dispatcher.telemetry.logs import configure_logging
+
+    settings = load_settings(run_flag_values(args))
+    configure_logging(settings.log_format)
+    shard = resolve_shard(settings.shard, os.environ)
+    if shard is not None:
+        settings = settings.model_copy(
+            update={"shard": str(shard), "output": shard.output_for(settings.output)}
+        )
+    dispatcher = Dispatcher(
+        settings,
+        budget_s=_budget_seconds(settings),
+        shard_filter=shard.contains if shard is not None else None,
+    )
+    return int(await dispatcher.run())
+
+
+def _budget_seconds(settings: RunSettings) -> float | None:
+    if settings.dispatch_budget_s != "auto":
+        return settings.dispatch_budget_s
+    from dispatcher.ops.walltime import resolve_budget_auto
+
+    return resolve_budget_auto(os.environ, reserve_s=settings.budget_reserve_s, now=time.time())
+
+
+def _run_async(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.handler(args)
+        if getattr(args, "is_async", False):
+            result = _run_async(result)
+        return int(result)
+    except DispatcherError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        return int(ExitCode.RESUMABLE)
+    except Exception as exc:
+        structlog.get_logger("dispatcher").exception("unexpected_error")
+        sys.stderr.write(f"error: unexpected {type(exc).__name__}: {exc}\n")
+        return int(ExitCode.UNEXPECTED)

@@ -1,0 +1,190 @@
+"""One validated settings model for a run: TOML file < ``DISPATCHER_*`` env < CLI flags.
+
+Every key has a unit in its name where it has one and a default where one is
+safe. A bad value is a ``ConfigError`` naming the key and where it came from;
+nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dispatcher.errors import ConfigError
+
+ENV_PREFIX = "DISPATCHER_"
+FsyncPolicy = Literal["always", "batch", "never"]
+LogFormat = Literal["json", "console"]
+
+
+class RunSettings(BaseModel):
+    """Settings of ``dispatcher run``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: Path
+    output: Path
+    agents: dict[str, list[str]] = Field(default_factory=dict)
+    default_agent: str | None = None
+    num_repeats: int | dict[str, int] = 1
+    limit: int | None = Field(default=None, ge=0)
+    responses_create_params: dict[str, Any] = Field(default_factory=dict)
+    skip_invalid_rows: bool = False
+    shard: str | None = None
+
+    concurrency: int | None = Field(default=64, ge=1)
+    rollout_timeout_s: float | None = Field(default=None, gt=0)
+    dispatch_budget_s: float | Literal["auto"] | None = None
+    budget_reserve_s: float = Field(default=300.0, ge=0)
+    drain_margin_s: float | None = Field(default=None, ge=0)
+    max_attempts: int = Field(default=3, ge=1)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    fresh: bool = False
+
+    fsync: FsyncPolicy = "batch"
+    fsync_batch_interval_s: float = Field(default=0.05, gt=0)
+    fsync_batch_rows: int = Field(default=256, ge=1)
+
+    capture_dir: Path | None = None
+    capture_poll_s: float = Field(default=0.05, gt=0)
+    capture_wait_limit_s: float = Field(default=10.0, ge=0)
+    capture_include_payloads: bool = False
+
+    log_format: LogFormat | None = None
+    metrics_listen: str = "127.0.0.1:9464"
+    progress_interval_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("agents")
+    @classmethod
+    def _agents_have_urls(cls, agents: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, urls in agents.items():
+            if not urls:
+                raise ValueError(f"agent {name!r} has no URL")
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"agent {name!r}: {url!r} is not an http(s) URL")
+        return {name: [u.rstrip("/") for u in urls] for name, urls in agents.items()}
+
+    @field_validator("num_repeats")
+    @classmethod
+    def _repeats_positive(cls, value: int | dict[str, int]) -> int | dict[str, int]:
+        counts = [value] if isinstance(value, int) else list(value.values())
+        if any(n < 1 for n in counts):
+            raise ValueError("repeats must be >= 1")
+        return value
+
+    @field_validator("dispatch_budget_s")
+    @classmethod
+    def _budget_not_negative(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and value < 0:
+            raise ValueError("must be >= 0 (or 'auto')")
+        return value
+
+    @model_validator(mode="after")
+    def _budget_needs_bound(self) -> RunSettings:
+        if self.dispatch_budget_s is not None and self.concurrency is None:
+            raise ValueError(
+                "dispatch_budget_s needs a concurrency bound: without one every rollout "
+                "starts at once and the budget can drain nothing"
+            )
+        if self.default_agent is not None and self.default_agent not in self.agents:
+            raise ValueError(f"default_agent {self.default_agent!r} is not among the agents")
+        return self
+
+
+# Keys whose environment value is JSON (objects, lists, maps).
+_JSON_ENV_KEYS = {"agents", "num_repeats", "responses_create_params"}
+
+
+def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> RunSettings:
+    """Merge the TOML file named by ``cli['config']``, the environment, then CLI flags."""
+    env = os.environ if env is None else env
+    sources: dict[str, str] = {}
+    merged: dict[str, Any] = {}
+    config_path = cli.get("config") or env.get(f"{ENV_PREFIX}CONFIG")
+    if config_path:
+        for key, value in _read_toml(Path(config_path)).items():
+            merged[key], sources[key] = value, f"{config_path}"
+    for key, value in _from_env(env).items():
+        merged[key], sources[key] = value, f"{ENV_PREFIX}{key.upper()}"
+    for key, value in cli.items():
+        if key != "config" and value is not None:
+            merged[key], sources[key] = value, f"--{key.replace('_', '-')}"
+    _normalize_unbounded(merged)
+    try:
+        return RunSettings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, sources)) from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in RunSettings.model_fields:
+            raise ConfigError(f"{name}: unknown setting (no config key {key!r})")
+        if key in _JSON_ENV_KEYS:
+            try:
+                values[key] = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise ConfigError(f"{name}: expected a JSON value") from None
+        else:
+            values[key] = raw
+    return values
+
+
+def _normalize_unbounded(merged: dict[str, Any]) -> None:
+    # "unbounded" is how a file or flag says "no concurrency bound"; None
+    # cannot be written in TOML.
+    if merged.get("concurrency") in ("unbounded", "none"):
+        merged["concurrency"] = None
+    agents = merged.get("agents")
+    if isinstance(agents, dict):
+        merged["agents"] = {k: [v] if isinstance(v, str) else v for k, v in agents.items()}
+
+
+def _describe(exc: ValidationError, sources: Mapping[str, str]) -> str:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    key = loc[0] if loc else ""
+    where = sources.get(key)
+    message = first["msg"].removeprefix("Value error, ")
+    if not key:
+        return f"config: {message}"
+    if first["type"] == "extra_forbidden":
+        return f"config key {key!r} (from {where}): unknown setting"
+    if first["type"] == "missing":
+        return f"config key {key!r}: required (flag --{key.replace('_', '-')} or config file)"
+    shown = ".".join(loc)
+    return f"config key {shown!r} (from {where}): {message}"
+
+
+def parse_agent_flags(values: list[str] | None) -> dict[str, list[str]] | None:
+    """``--agent NAME=URL[,URL...]`` flags → ``{name: [urls]}``."""
+    if not values:
+        return None
+    agents: dict[str, list[str]] = {}
+    for value in values:
+        name, sep, urls = value.partition("=")
+        if not sep or not name or not urls:
+            raise ConfigError(f"--agent {value!r}: expected NAME=URL[,URL...]")
+        agents.setdefault(name, []).extend(u for u in urls.split(",") if u)
+    return agents

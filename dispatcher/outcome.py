@@ -1,0 +1,31 @@
+"""How an attempt ended: the classes of DESIGN A5 plus the states that write nothing."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """Outcome of one rollout attempt, as it appears in logs and metric labels."""
+
+    SUCCESS = "success"
+    # Dispatcher-observed failures (A5), written to the failures sidecar.
+    AGENT_REQUEST_FAILED = "agent_request_failed"
+    AGENT_RUN_ERROR = "agent_run_error"
+    TIMEOUT_EXCEEDED = "timeout_exceeded"
+    PROTOCOL_VIOLATION = "protocol_violation"
+    # The agent answered with its own ``_ng_failure_class``.
+    AGENT_REPORTED_FAILURE = "agent_reported_failure"
+    # Written nowhere: the absence of a row makes resume run it again.
+    KILL_SHAPED = "kill_shaped"
+    CANCELLED = "cancelled"
+    DRAINED = "drained"
+
+    @property
+    def writes_failure_row(self) -> bool:
+        return self not in _NO_FAILURE_ROW
+
+
+_NO_FAILURE_ROW = frozenset(
+    {Outcome.SUCCESS, Outcome.KILL_SHAPED, Outcome.CANCELLED, Outcome.DRAINED}
+)

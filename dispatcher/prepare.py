@@ -1,0 +1,202 @@
+"""Everything between "settings are valid" and "the first rollout may start".
+
+Takes the run lock, moves old files aside on ``--fresh``, materializes the task
+file, checks this command is the same run as the one recorded in the manifest
+(or starts a new one), repairs torn tails and reads back what is already done.
+Blocking file work: the service runs it in a thread. A ``ConfigError`` here
+leaves no new file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from dispatcher import __version__
+from dispatcher.config import RunSettings
+from dispatcher.errors import ConfigError
+from dispatcher.state import OutputPaths, RunState, TailRepair, load_run_state, repair_torn_tail
+from dispatcher.store import RunLock, move_aside, read_manifest, write_json_atomic
+from dispatcher.tasks import MaterializeResult, MaterializeSpec, materialize
+
+log = structlog.get_logger(__name__)
+
+# Settings that change what a rollout is; any other setting may change on resume.
+TASK_SETTINGS = (
+    "num_repeats",
+    "limit",
+    "default_agent",
+    "responses_create_params",
+    "skip_invalid_rows",
+    "shard",
+)
+
+
+@dataclass
+class PreparedRun:
+    paths: OutputPaths
+    lock: RunLock
+    manifest: dict[str, Any]
+    materialized: MaterializeResult
+    state: RunState
+    already_final: int
+    resumed: bool
+
+
+def task_settings(settings: RunSettings) -> dict[str, Any]:
+    return {key: getattr(settings, key) for key in TASK_SETTINGS}
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | None) -> PreparedRun:
+    """Lock, materialize, check identity, repair and load state (blocking)."""
+    paths = OutputPaths.for_output(settings.output)
+    _ensure_output_dir(paths.output.parent)
+    lock = RunLock(paths.lock)
+    lock.acquire()
+    try:
+        return _prepare_locked(settings, paths, lock, shard_filter)
+    except BaseException:
+        # Nothing was dispatched: leave the folder as it was found.
+        lock.release(remove=lock.created)
+        raise
+
+
+def _ensure_output_dir(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{folder}: cannot create the output directory: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{folder}: output directory is not writable")
+
+
+def _prepare_locked(
+    settings: RunSettings,
+    paths: OutputPaths,
+    lock: RunLock,
+    shard_filter: Callable[[int], bool] | None,
+) -> PreparedRun:
+    if settings.fresh:
+        folder = move_aside(paths)
+        if folder is not None:
+            log.info("fresh_start_moved_old_files", folder=str(folder))
+    previous = read_manifest(paths.manifest)
+    if previous is None:
+        _refuse_orphan_outputs(paths)
+    result = _materialize_checked(settings, paths, previous, shard_filter)
+    manifest = _manifest(settings, result, previous)
+    write_json_atomic(paths.manifest, manifest)
+    for path in (paths.output, paths.failures):
+        repair = repair_torn_tail(path)
+        if repair is not TailRepair.NONE:
+            log.warning("torn_tail_repaired", path=str(path), repair=repair.value)
+    state = load_run_state(paths, settings.max_attempts)
+    return PreparedRun(
+        paths=paths,
+        lock=lock,
+        manifest=manifest,
+        materialized=result,
+        state=state,
+        already_final=_count_final(state),
+        resumed=previous is not None,
+    )
+
+
+def _refuse_orphan_outputs(paths: OutputPaths) -> None:
+    for path in (paths.output, paths.failures):
+        if path.exists() and path.stat().st_size > 0:
+            raise ConfigError(
+                f"{path}: output rows exist but {paths.manifest.name} does not, so this "
+                "cannot be checked to be the same run; rerun with --fresh to move them aside"
+            )
+
+
+def _materialize_checked(
+    settings: RunSettings,
+    paths: OutputPaths,
+    previous: dict[str, Any] | None,
+    shard_filter: Callable[[int], bool] | None,
+) -> MaterializeResult:
+    spec = MaterializeSpec(
+        input_path=settings.input,
+        agents=frozenset(settings.agents),
+        default_agent=settings.default_agent,
+        num_repeats=settings.num_repeats,
+        limit=settings.limit,
+        overrides=settings.responses_create_params,
+        skip_invalid_rows=settings.skip_invalid_rows,
+        shard_filter=shard_filter,
+    )
+    tmp = paths.materialized.with_name(f".{paths.materialized.name}.{os.getpid()}.tmp")
+    try:
+        result = materialize(spec, tmp)
+        if previous is not None:
+            _check_same_run(settings, previous, result)
+        os.replace(tmp, paths.materialized)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return result
+
+
+def _check_same_run(
+    settings: RunSettings, previous: dict[str, Any], result: MaterializeResult
+) -> None:
+    hint = "rerun with --fresh to start over (the old files are moved aside, not deleted)"
+    if previous.get("input_digest") != result.input_digest:
+        raise ConfigError(
+            f"{settings.input}: the task file changed since this run started "
+            f"(its digest differs from {settings.output.stem}_manifest.json); {hint}"
+        )
+    before = previous.get("task_settings", {})
+    now = orjson.loads(orjson.dumps(task_settings(settings)))
+    changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+    if changed:
+        raise ConfigError(f"task-affecting settings changed ({'; '.join(changed)}); {hint}")
+    if previous.get("materialized_digest") != result.materialized_digest:
+        raise ConfigError(f"the materialized rows differ from this run's earlier ones; {hint}")
+
+
+def _manifest(
+    settings: RunSettings, result: MaterializeResult, previous: dict[str, Any] | None
+) -> dict[str, Any]:
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    earlier = previous or {}
+    return {
+        **earlier,
+        "run_id": earlier.get("run_id") or uuid.uuid4().hex,
+        "created_at": earlier.get("created_at") or now,
+        "hops": int(earlier.get("hops", 0)) + 1,
+        "hop_started_at": now,
+        "dispatcher_version": __version__,
+        "input": str(settings.input),
+        "input_digest": result.input_digest,
+        "materialized_digest": result.materialized_digest,
+        "task_settings": orjson.loads(orjson.dumps(task_settings(settings))),
+        "task_settings_digest": _digest(task_settings(settings)),
+        "tasks": result.tasks,
+        "rollouts": result.rollouts,
+        "rollouts_by_agent": result.rollouts_by_agent,
+    }
+
+
+def _count_final(state: RunState) -> int:
+    successes, terminal = state.successes, state.terminal
+    count = len(successes)
+    count += sum(1 for key in terminal if key not in successes)
+    count += state.exhausted
+    return count

@@ -1,0 +1,103 @@
+"""The bounded pool and the drain decision (DESIGN A9).
+
+Rollouts are admitted one at a time, in input order, by a single producer:
+each first wins a concurrency slot, then the budget decides whether it starts
+or is drained. Drained rollouts write nothing and run on resume. The pool
+holds at most ``concurrency`` asyncio tasks, so a task file of any size costs
+the same memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from enum import StrEnum
+from typing import Any
+
+import structlog
+
+from dispatcher.tasks import Rollout
+
+log = structlog.get_logger(__name__)
+
+
+class Budget:
+    """The dispatch deadline, fixed when dispatch starts."""
+
+    def __init__(self, budget_s: float | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.budget_s = budget_s
+        self._deadline = None if budget_s is None else clock() + budget_s
+
+    def remaining_s(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return self._deadline - self._clock()
+
+    def should_drain(self, margin_s: float | None) -> bool:
+        """Drain when no time is left, or less than a known drain margin."""
+        remaining = self.remaining_s()
+        if remaining is None:
+            return False
+        return remaining <= 0 or (margin_s is not None and remaining < margin_s)
+
+
+class Admission(StrEnum):
+    STARTED = "started"
+    DRAINED = "drained"
+
+
+class RolloutPool:
+    """Owns the in-flight set: at most ``concurrency`` rollouts run at once."""
+
+    def __init__(
+        self,
+        concurrency: int | None,
+        budget: Budget,
+        drain_margin: Callable[[], float | None],
+        run: Callable[[Rollout], Coroutine[Any, Any, None]],
+    ) -> None:
+        self._slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
+        self._budget = budget
+        self._drain_margin = drain_margin
+        self._run = run
+        self.in_flight: set[asyncio.Task[None]] = set()
+
+    async def admit(self, rollout: Rollout) -> Admission:
+        """Wait for a slot, then start the rollout or drain it."""
+        if self._slots is not None:
+            await self._slots.acquire()
+        # Decided after the slot is won: the wait itself may have used up the budget.
+        if self._budget.should_drain(self._drain_margin()):
+            self._release_slot()
+            return Admission.DRAINED
+        task = asyncio.create_task(self._run(rollout), name=f"rollout:{rollout.rollout_id}")
+        self.in_flight.add(task)
+        task.add_done_callback(self._finished)
+        return Admission.STARTED
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self.in_flight.discard(task)
+        self._release_slot()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout_task_crashed", task=task.get_name(), exc_info=task.exception())
+
+    def _release_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    async def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait for every in-flight rollout; True when none is left."""
+        if self.in_flight:
+            await asyncio.wait(set(self.in_flight), timeout=timeout_s)
+        return not self.in_flight
+
+    async def cancel_all(self, reason: str) -> int:
+        """Cancel what is still running; cancelled rollouts write no row."""
+        tasks = set(self.in_flight)
+        for task in tasks:
+            task.cancel(reason)
+        if tasks:
+            await asyncio.wait(tasks)
+        return len(tasks)

@@ -1,0 +1,481 @@
+"""The daemon: one ``Dispatcher`` owns a run from startup to its exit code.
+
+Reading order: ``run`` is the table of contents (startup, main loop,
+shutdown). Data flow: materialized rows → pool (slot, drain check) → agent
+call with timeout → commit (capture merge, one append, then the rollout
+counts) → tracker and metrics, updated in ``_record`` and nowhere else.
+
+Crash-only: the output files are the only state. Graceful shutdown only
+saves time; a kill -9 anywhere loses nothing that was acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+
+from dispatcher import __version__
+from dispatcher.agents import AgentClient, Attempt
+from dispatcher.config import RunSettings
+from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
+from dispatcher.latency import DispatchLatencyTracker
+from dispatcher.outcome import Outcome
+from dispatcher.prepare import PreparedRun, prepare_run
+from dispatcher.rows import build_row, is_terminal
+from dispatcher.scheduler import Admission, Budget, RolloutPool
+from dispatcher.state import rollout_key
+from dispatcher.store import RowWriter, write_json_atomic
+from dispatcher.tasks import Rollout
+from dispatcher.telemetry.lag import LoopLagMonitor
+from dispatcher.telemetry.metrics import Metrics
+from dispatcher.telemetry.progress import ProgressLine, estimate_eta_s, progress_fields
+from dispatcher.telemetry.server import parse_listen, start_http_server
+
+log = structlog.get_logger("dispatcher.run")
+
+READ_BATCH_ROWS = 512
+QUANTILES = (0.5, 0.75, 0.95, 0.99)
+
+
+class Dispatcher:
+    """Owns one run: the pool, the writers, the tracker, the metrics and the stop flags."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        *,
+        budget_s: float | None,
+        shard_filter: Callable[[int], bool] | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self._budget_s = budget_s
+        self._shard_filter = shard_filter
+        self.metrics = metrics or Metrics()
+        self.tracker = DispatchLatencyTracker()
+        self.outcomes: Counter[str] = Counter()
+        self.state = "starting"
+        self._prepared: PreparedRun | None = None
+        self._stop_requested = asyncio.Event()
+        self._fatal: DispatcherError | None = None
+        self._final_this_run = 0
+        self._commits: set[asyncio.Task[None]] = set()
+        self._started_monotonic = time.monotonic()
+        self._budget = Budget(None)
+        self._background: list[asyncio.Task[None]] = []
+        self._sigint_count = 0
+
+    # ---- the table of contents -------------------------------------------------
+
+    async def run(self) -> ExitCode:
+        """Run to completion or to a stop; return the process exit code."""
+        await self._startup()
+        try:
+            await self._main_loop()
+        finally:
+            await self._shutdown()
+        return self._exit_code()
+
+    async def _startup(self) -> None:
+        self._prepared = await asyncio.to_thread(prepare_run, self.settings, self._shard_filter)
+        prepared = self._prepared
+        self._install_signal_handlers()
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.settings.concurrency or 0),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        self._agents = AgentClient(self.settings.agents, self._session)
+        self._output = RowWriter(prepared.paths.output, self.settings.fsync, **self._batching())
+        self._failures = RowWriter(prepared.paths.failures, self.settings.fsync, **self._batching())
+        self._output.open()
+        self._failures.open()
+        await self._start_telemetry()
+        log.info(
+            "run_started",
+            run_id=prepared.manifest["run_id"],
+            hop=prepared.manifest["hops"],
+            resumed=prepared.resumed,
+            expected=prepared.materialized.rollouts,
+            already_final=prepared.already_final,
+            concurrency=self.settings.concurrency,
+            dispatch_budget_s=self._budget_s,
+            output=str(prepared.paths.output),
+        )
+
+    async def _main_loop(self) -> None:
+        # The budget's deadline is fixed when dispatch starts, not at startup.
+        self._budget = Budget(self._budget_s)
+        self.metrics.dispatch_started()
+        self.state = "running"
+        self._pool = RolloutPool(
+            self.settings.concurrency, self._budget, self._drain_margin, self._run_rollout
+        )
+        producer = asyncio.create_task(self._produce(), name="producer")
+        await self._until_stopped(producer)
+        if producer.done() and not producer.cancelled() and producer.exception() is None:
+            idle = asyncio.create_task(self._pool.wait_idle(), name="wait-idle")
+            await self._until_stopped(idle)
+        await _cancel(producer)
+
+    async def _shutdown(self) -> None:
+        self.state = "shutting_down"
+        # 1. Let in-flight rollouts finish within the grace period; cancel the rest
+        #    (no row: they run on resume).
+        pool = getattr(self, "_pool", None)
+        if pool is not None and not await pool.wait_idle(self.settings.shutdown_grace_s):
+            cancelled = await pool.cancel_all("shutdown grace period ended")
+            log.warning("rollouts_cancelled", count=cancelled, reason="shutdown grace ended")
+        # 2. Commits already under way are shielded from cancellation: wait for them.
+        if self._commits:
+            await asyncio.wait(set(self._commits))
+        # 3. Flush and close the writers; only now is every counted row on disk.
+        await self._output.close()
+        await self._failures.close()
+        await self._session.close()
+        # 4. Record this hop in the manifest and tell the operator.
+        self.state = "finished"
+        await asyncio.to_thread(self._write_last_run)
+        log.info("run_summary", **self.summary())
+        # 5. Stop serving metrics last, so a final scrape can see the end state.
+        for task in self._background:
+            await _cancel(task)
+        await self._stop_telemetry()
+        assert self._prepared is not None
+        self._prepared.lock.release()
+
+    # ---- producing rollouts ----------------------------------------------------
+
+    async def _produce(self) -> None:
+        async for rollout in self._pending_rollouts():
+            if self._stop_requested.is_set():
+                return
+            if await self._pool.admit(rollout) is Admission.DRAINED:
+                self._record_drained(rollout)
+
+    async def _pending_rollouts(self) -> AsyncIterator[Rollout]:
+        """Rollouts still to run, in input order, read in batches off the event loop."""
+        assert self._prepared is not None
+        state = self._prepared.state
+        with self._prepared.paths.materialized.open("rb") as f:
+            while True:
+                batch = await asyncio.to_thread(_read_batch, f, state)
+                if batch is None:
+                    return
+                await self._clear_captures(batch)
+                for rollout in batch:
+                    yield rollout
+
+    async def _clear_captures(self, batch: list[Rollout]) -> None:
+        if self.settings.capture_dir is None or not batch:
+            return
+        from dispatcher.capture.finalize import clear_rollout_captures
+
+        await clear_rollout_captures(self.settings.capture_dir, [r.rollout_id for r in batch])
+
+    def _drain_margin(self) -> float | None:
+        return self.tracker.drain_margin(self.settings.drain_margin_s)
+
+    # ---- one rollout -----------------------------------------------------------
+
+    async def _run_rollout(self, rollout: Rollout) -> None:
+        self.metrics.rollout_started(rollout.agent)
+        started = time.perf_counter()
+        try:
+            attempt = await self._agents.run(
+                rollout.agent, rollout.body, self.settings.rollout_timeout_s
+            )
+        except asyncio.CancelledError:
+            self._record(rollout, Outcome.CANCELLED, time.perf_counter() - started)
+            raise
+        # The commit is its own task, shielded: once an answer is in, a shutdown
+        # must not lose it half-way between the agent and the file.
+        commit = asyncio.create_task(self._commit(rollout, attempt))
+        self._commits.add(commit)
+        commit.add_done_callback(self._commits.discard)
+        await asyncio.shield(commit)
+
+    async def _commit(self, rollout: Rollout, attempt: Attempt) -> None:
+        row = build_row(rollout, attempt)
+        capture: dict[str, Any] = {}
+        if row is not None and self.settings.capture_dir is not None:
+            capture = await self._attach_capture(rollout, attempt, row)
+        try:
+            if attempt.outcome is Outcome.SUCCESS:
+                await self._output.append(row or {})
+            elif row is not None:
+                await self._failures.append(row)
+        except OutputWriteError as exc:
+            self._fail(exc)
+            self._record(rollout, Outcome.CANCELLED, attempt.duration_s)
+            return
+        self._record(rollout, attempt.outcome, attempt.duration_s, attempt, row, capture)
+
+    async def _attach_capture(
+        self, rollout: Rollout, attempt: Attempt, row: dict[str, Any]
+    ) -> dict[str, Any]:
+        from dispatcher.capture.finalize import attach_capture
+
+        assert self.settings.capture_dir is not None
+        summary = await attach_capture(
+            row,
+            capture_dir=self.settings.capture_dir,
+            rollout_id=rollout.rollout_id,
+            task_id=rollout.task_index,
+            agent_result=attempt.result,
+            total_latency_ms=attempt.duration_s * 1000.0,
+            poll_s=self.settings.capture_poll_s,
+            limit_s=self.settings.capture_wait_limit_s,
+            include_payloads=self.settings.capture_include_payloads,
+        )
+        self.metrics.capture_waited(summary.wait_s, summary.gaps)
+        return {"calls": summary.num_calls, "gaps": summary.gaps, "wait_s": summary.wait_s}
+
+    # ---- the one place outcomes are counted ------------------------------------
+
+    def _record(
+        self,
+        rollout: Rollout,
+        outcome: Outcome,
+        duration_s: float,
+        attempt: Attempt | None = None,
+        row: dict[str, Any] | None = None,
+        capture: dict[str, Any] | None = None,
+    ) -> None:
+        self.outcomes[outcome.value] += 1
+        if outcome is Outcome.SUCCESS:
+            self.tracker.record(duration_s)
+        elif outcome.writes_failure_row:
+            self.tracker.record_failure(duration_s)
+        final = self._is_final(rollout, outcome, row)
+        if final:
+            self._final_this_run += 1
+        self.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
+        log.info(
+            "rollout_finished",
+            rollout_id=rollout.rollout_id,
+            task_index=rollout.task_index,
+            rollout_index=rollout.rollout_index,
+            attempt=rollout.attempt_index,
+            agent=rollout.agent,
+            replica=attempt.replica if attempt else None,
+            outcome=outcome.value,
+            final=final,
+            duration_s=round(duration_s, 4),
+            capture=capture or None,
+        )
+
+    def _is_final(self, rollout: Rollout, outcome: Outcome, row: dict[str, Any] | None) -> bool:
+        if outcome is Outcome.SUCCESS:
+            return True
+        if not outcome.writes_failure_row or row is None:
+            return False
+        return is_terminal(row) or rollout.attempt_index + 1 >= self.settings.max_attempts
+
+    def _record_drained(self, rollout: Rollout) -> None:
+        self.outcomes[Outcome.DRAINED.value] += 1
+        self.tracker.record_drained()
+        self.metrics.rollout_drained()
+
+    # ---- stopping ----------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._handle_signal, signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGINT, self._handle_signal, signal.SIGINT)
+
+    def _handle_signal(self, sig: signal.Signals) -> None:
+        """Record intent only; a second SIGINT exits at once."""
+        if sig == signal.SIGINT:
+            self._sigint_count += 1
+            if self._sigint_count > 1:
+                self._exit_now()
+        if not self._stop_requested.is_set():
+            log.warning(
+                "shutdown_requested", signal=sig.name, grace_s=self.settings.shutdown_grace_s
+            )
+            self.state = "draining"
+            self._stop_requested.set()
+
+    def _exit_now(self) -> None:
+        # Take each writer's I/O lock so no batch is cut half-way, then leave.
+        for writer in (self._output, self._failures):
+            writer.io_lock.acquire(timeout=5)
+        log.warning("exit_now", reason="second SIGINT")
+        os._exit(ExitCode.RESUMABLE)
+
+    def _fail(self, error: DispatcherError) -> None:
+        if self._fatal is None:
+            self._fatal = error
+            log.error("run_failed", error=str(error))
+        self._stop_requested.set()
+
+    async def _until_stopped(self, task: asyncio.Task[Any]) -> None:
+        stop = asyncio.create_task(self._stop_requested.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await _cancel(stop)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+    def _exit_code(self) -> ExitCode:
+        if self._fatal is not None:
+            raise self._fatal
+        return ExitCode.RESUMABLE if self.remaining() > 0 else ExitCode.DONE
+
+    # ---- figures -------------------------------------------------------------------
+
+    def remaining(self) -> int:
+        prepared = self._prepared
+        if prepared is None:
+            return 0
+        final = prepared.already_final + self._final_this_run
+        return max(0, prepared.materialized.rollouts - final)
+
+    def status(self) -> dict[str, Any]:
+        """The live snapshot behind /status, progress events and the summary."""
+        prepared = self._prepared
+        expected = prepared.materialized.rollouts if prepared else None
+        remaining = self.remaining()
+        rate = self.metrics.rollouts_per_hour()
+        latency = {f"p{int(q * 100)}": self.tracker.quantile(q) for q in QUANTILES}
+        in_flight = len(self._pool.in_flight) if hasattr(self, "_pool") else 0
+        return {
+            "run_id": prepared.manifest["run_id"] if prepared else None,
+            "state": self.state,
+            "elapsed_s": round(time.monotonic() - self._started_monotonic, 3),
+            "progress": {
+                "expected": expected,
+                "done": (expected or 0) - remaining,
+                "remaining": remaining,
+                "in_flight": in_flight,
+            },
+            "outcomes": dict(self.outcomes),
+            "rollouts_per_hour": rate,
+            "latency_s": latency,
+            "drain_margin_s": self._drain_margin(),
+            "budget_remaining_s": self._budget.remaining_s(),
+            "eta_s": estimate_eta_s(remaining, rate),
+            "in_flight_by_agent": self._agents.in_flight() if hasattr(self, "_agents") else {},
+            "drained": self.tracker.drained,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        elapsed_s = time.monotonic() - self._started_monotonic
+        successes = self.outcomes.get(Outcome.SUCCESS.value, 0)
+        summary = {
+            "outcomes": dict(self.outcomes),
+            "remaining": self.remaining(),
+            "rollouts_per_hour": successes / elapsed_s * 3600.0 if elapsed_s > 0 else 0.0,
+            "latency_s": {
+                f"p{int(q * 100)}": self.tracker.quantile(q) for q in (0.5, 0.75, 0.95, 0.99)
+            },
+            "elapsed_s": round(elapsed_s, 3),
+            **self.tracker.summary(),
+        }
+        if self.remaining() > 0:
+            summary["resume"] = "rerun the same command to run the remaining rollouts"
+        return summary
+
+    # ---- telemetry plumbing --------------------------------------------------------
+
+    def _batching(self) -> dict[str, Any]:
+        return {
+            "interval_s": self.settings.fsync_batch_interval_s,
+            "max_rows": self.settings.fsync_batch_rows,
+        }
+
+    async def _start_telemetry(self) -> None:
+        self.metrics.declare_agents(self.settings.agents)
+        self._http = None
+        listen = parse_listen(self.settings.metrics_listen)
+        if listen is not None:
+            self._http, port = await start_http_server(
+                listen[0],
+                listen[1],
+                metrics=self.metrics,
+                status=self.status,
+                healthy=self._healthy,
+            )
+            log.info("metrics_listening", url=f"http://{listen[0]}:{port}/metrics")
+            self.metrics_port = port
+        self._lag = LoopLagMonitor(self.metrics)
+        await self._lag.start()
+        self._progress_line = ProgressLine(enabled=self.settings.log_format == "console" or None)
+        await self._progress_line.start(self.status)
+        self._background.append(asyncio.create_task(self._tick(), name="ticker"))
+
+    def _healthy(self) -> bool:
+        return self.state in ("starting", "running")
+
+    async def _tick(self) -> None:
+        """Refresh the gauges every second and log progress every interval."""
+        next_progress = time.monotonic() + self.settings.progress_interval_s
+        while True:
+            self._update_gauges()
+            if time.monotonic() >= next_progress:
+                next_progress += self.settings.progress_interval_s
+                log.info("progress", **progress_fields(self.status()))
+            await asyncio.sleep(1.0)
+
+    def _update_gauges(self) -> None:
+        self.metrics.update(
+            quantiles={q: self.tracker.quantile(q) for q in (0.5, 0.75, 0.95)},
+            drain_margin_s=self._drain_margin(),
+            budget_remaining_s=self._budget.remaining_s(),
+            remaining=self.remaining(),
+        )
+
+    async def _stop_telemetry(self) -> None:
+        self._update_gauges()
+        await self._progress_line.stop()
+        await self._lag.stop()
+        if self._http is not None:
+            await self._http.cleanup()
+
+    def _write_last_run(self) -> None:
+        assert self._prepared is not None
+        manifest = dict(self._prepared.manifest)
+        manifest["last_run"] = {
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "exit_code": int(ExitCode.RESUMABLE if self.remaining() else ExitCode.DONE),
+            "outcomes": dict(self.outcomes),
+            "drained": self.outcomes.get(Outcome.DRAINED.value, 0),
+            "cancelled": self.outcomes.get(Outcome.CANCELLED.value, 0),
+            "kill_shaped": self.outcomes.get(Outcome.KILL_SHAPED.value, 0),
+            "remaining": self.remaining(),
+            "dispatcher_version": __version__,
+        }
+        write_json_atomic(self._prepared.paths.manifest, manifest)
+
+
+def _read_batch(f: Any, state: Any) -> list[Rollout] | None:
+    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end."""
+    batch: list[Rollout] = []
+    for _ in range(READ_BATCH_ROWS * 8):
+        line = f.readline()
+        if not line:
+            return batch or None
+        row = orjson.loads(line)
+        key = rollout_key(row["_ng_task_index"], row["_ng_rollout_index"])
+        if state.is_final(key):
+            continue
+        batch.append(Rollout.from_materialized(row, state.attempt_index(key)))
+        if len(batch) >= READ_BATCH_ROWS:
+            break
+    return batch
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

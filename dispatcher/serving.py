@@ -1,0 +1,49 @@
+"""Run an aiohttp application as a command: bind, announce the URL, stop on a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+from aiohttp import web
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` → ``(host, port)``; port 0 picks a free one."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen {value!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]"), int(port)
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start ``app`` on ``host:port`` and return the runner and the bound port."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound: int = runner.addresses[0][1]
+    return runner, bound
+
+
+async def serve_until_signal(app: web.Application, listen: str, name: str) -> int:
+    """Serve until SIGTERM or SIGINT; print ``<name> listening on <url>`` once bound."""
+    host, port = parse_listen(listen)
+    runner, bound = await start_site(app, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # The one line other programs wait for: it means the server accepts requests.
+    sys.stdout.write(f"{name} listening on http://{host}:{bound}\n")
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+        await runner.cleanup()
+    return 0

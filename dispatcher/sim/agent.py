@@ -1,0 +1,207 @@
+"""A simulated agent server speaking the agent protocol (``POST /run``).
+
+Latency is fixed or lognormal; each attempt can fail as HTTP 500, HTTP 503,
+a hang, a malformed body or a kill-shaped answer, with probabilities drawn
+from a generator seeded by the rollout's identity, so a run is reproducible.
+``GET /stats`` reports the requests seen and the most ever in flight at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from dispatcher.serving import serve_until_signal
+
+
+@dataclass(frozen=True)
+class SimAgentConfig:
+    latency: str = "fixed"
+    latency_s: float = 0.0
+    latency_sigma: float = 0.5
+    fail_500: float = 0.0
+    fail_503: float = 0.0
+    hang: float = 0.0
+    malformed: float = 0.0
+    kill_shaped: float = 0.0
+    reward_p: float = 0.5
+    seed: int = 0
+    model_url: str | None = None
+    model_calls: int = 0
+    model_dialect: str = "chat"
+    model_stream: bool = False
+
+
+@dataclass
+class SimAgentStats:
+    requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+
+_FAILURES = ("fail_500", "fail_503", "hang", "malformed", "kill_shaped")
+STATS_KEY = web.AppKey("stats", SimAgentStats)
+CONFIG_KEY = web.AppKey("config", SimAgentConfig)
+SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
+
+
+def _rng_for(config: SimAgentConfig, row: dict[str, Any]) -> random.Random:
+    identity = (
+        f"{config.seed}:{row.get('_ng_task_index')}:{row.get('_ng_rollout_index')}:"
+        f"{row.get('_ng_attempt_index', 0)}"
+    )
+    return random.Random(hashlib.blake2b(identity.encode(), digest_size=8).digest())
+
+
+def _pick_failure(config: SimAgentConfig, rng: random.Random) -> str | None:
+    draw = rng.random()
+    for name in _FAILURES:
+        draw -= getattr(config, name)
+        if draw < 0:
+            return name
+    return None
+
+
+def _latency(config: SimAgentConfig, rng: random.Random) -> float:
+    if config.latency == "lognormal" and config.latency_s > 0:
+        return rng.lognormvariate(math.log(config.latency_s), config.latency_sigma)
+    return config.latency_s
+
+
+def _result(row: dict[str, Any], rng: random.Random, calls: list[Any]) -> dict[str, Any]:
+    reward = 1.0 if rng.random() < 0.5 else 0.0
+    return {
+        **row,
+        "response": {"id": f"sim-{row.get('_ng_task_index')}", "output_text": "42"},
+        "reward": reward,
+        "model_calls_made": len(calls),
+    }
+
+
+async def _handle_run(request: web.Request) -> web.StreamResponse:
+    stats, config = request.app[STATS_KEY], request.app[CONFIG_KEY]
+    stats.requests += 1
+    stats.in_flight += 1
+    stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
+    try:
+        row = await request.json(loads=orjson.loads)
+        rng = _rng_for(config, row)
+        failure = _pick_failure(config, rng)
+        await asyncio.sleep(_latency(config, rng))
+        return await _answer(request, config, row, rng, failure)
+    finally:
+        stats.in_flight -= 1
+
+
+async def _answer(
+    request: web.Request,
+    config: SimAgentConfig,
+    row: dict[str, Any],
+    rng: random.Random,
+    failure: str | None,
+) -> web.StreamResponse:
+    if failure == "fail_500":
+        return web.Response(status=500, text="simulated agent error")
+    if failure == "fail_503":
+        return web.Response(status=503, text="simulated overload")
+    if failure == "hang":
+        await asyncio.Event().wait()
+    if failure == "malformed":
+        return web.Response(status=200, body=b"{not json", content_type="application/json")
+    if failure == "kill_shaped":
+        return _json({"_ng_no_persist": True, "reason": "simulated preemption"})
+    calls = await _call_model(request, config, row)
+    result = _result(row, rng, calls)
+    result["reward"] = 1.0 if rng.random() < config.reward_p else 0.0
+    return _json(result)
+
+
+async def _call_model(
+    request: web.Request, config: SimAgentConfig, row: dict[str, Any]
+) -> list[Any]:
+    if not config.model_url or config.model_calls <= 0:
+        return []
+    from dispatcher.sim.model import call_model  # imported late: capture is optional
+
+    rollout_id = _rollout_id(row)
+    session = request.app[SESSION_KEY]
+    return [
+        await call_model(
+            session,
+            config.model_url,
+            rollout_id,
+            dialect=config.model_dialect,
+            stream=config.model_stream,
+        )
+        for _ in range(config.model_calls)
+    ]
+
+
+def _rollout_id(row: dict[str, Any]) -> str:
+    from dispatcher.tasks import rollout_id_for
+
+    return rollout_id_for(row, int(row.get("_ng_attempt_index", 0)))
+
+
+def _json(data: dict[str, Any]) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+
+async def _handle_stats(request: web.Request) -> web.Response:
+    stats = request.app[STATS_KEY]
+    return _json(
+        {
+            "requests": stats.requests,
+            "in_flight": stats.in_flight,
+            "max_in_flight": stats.max_in_flight,
+        }
+    )
+
+
+def build_sim_agent_app(config: SimAgentConfig) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[STATS_KEY] = SimAgentStats()
+    app[CONFIG_KEY] = config
+    app.router.add_post("/run", _handle_run)
+    app.router.add_get("/stats", _handle_stats)
+    app.cleanup_ctx.append(_client_session)
+    return app
+
+
+async def _client_session(app: web.Application) -> Any:
+    app[SESSION_KEY] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+    yield
+    await app[SESSION_KEY].close()
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("sim-agent", help="run a simulated agent server")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
+    p.add_argument("--latency", choices=("fixed", "lognormal"), default="fixed")
+    p.add_argument("--latency-s", type=float, default=0.0, help="fixed latency or lognormal median")
+    p.add_argument("--latency-sigma", type=float, default=0.5)
+    for name in _FAILURES:
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=float, default=0.0, help=f"probability of {name}")
+    p.add_argument("--reward-p", type=float, default=0.5, help="probability of reward 1.0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-url", help="capture proxy base URL the agent calls the model through")
+    p.add_argument("--model-calls", type=int, default=0, help="model calls per rollout")
+    p.add_argument("--model-dialect", choices=("chat", "responses", "messages"), default="chat")
+    p.add_argument("--model-stream", action="store_true")
+    p.set_defaults(handler=_main, is_async=True)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    fields = SimAgentConfig.__dataclass_fields__
+    config = SimAgentConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    return await serve_until_signal(build_sim_agent_app(config), args.listen, "sim-agent")

@@ -1,0 +1,204 @@
+"""What the output files say about a run: the resume contract, in one place.
+
+A rollout is done iff its row is in ``X.jsonl``. The failures sidecar says how
+many attempts each unfinished (task, rollout) has spent. Nothing else is
+state: no database, no checkpoint, so a kill -9 at any instant leaves files
+this module can read back (a torn last line is repaired first, see
+``repair_torn_tail``).
+
+A (task, rollout) is *final* when it has a success, a terminal failure, or
+``max_attempts`` counted failures. Otherwise it runs again with
+``_ng_attempt_index`` = its number of earlier failed attempts. Drained,
+cancelled and kill-shaped rollouts wrote no row anywhere, so they run again
+without spending an attempt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+TASK_INDEX = "_ng_task_index"
+ROLLOUT_INDEX = "_ng_rollout_index"
+ATTEMPT_INDEX = "_ng_attempt_index"
+ROLLOUT_ID = "_ng_rollout_id"
+FAILURE_CLASS = "_ng_failure_class"
+FAILURE_TERMINAL = "_ng_failure_terminal"
+NO_PERSIST = "_ng_no_persist"
+AGENT_REF = "agent_ref"
+
+_READ_CHUNK = 1 << 20
+_ROLLOUT_BITS = 24
+
+
+def rollout_key(task_index: int, rollout_index: int) -> int:
+    """A compact key for a (task, rollout): one int per rollout keeps resume sets small."""
+    return (task_index << _ROLLOUT_BITS) | rollout_index
+
+
+@dataclass(frozen=True)
+class OutputPaths:
+    """The file set of one run, named after its ``--output X.jsonl`` (DESIGN A4)."""
+
+    output: Path
+    failures: Path
+    materialized: Path
+    manifest: Path
+    lock: Path
+
+    @classmethod
+    def for_output(cls, output: Path) -> OutputPaths:
+        stem = output.with_suffix("")
+        return cls(
+            output=output,
+            failures=Path(f"{stem}_failures.jsonl"),
+            materialized=Path(f"{stem}_materialized_inputs.jsonl"),
+            manifest=Path(f"{stem}_manifest.json"),
+            lock=Path(f"{stem}_run.lock"),
+        )
+
+    def all(self) -> tuple[Path, ...]:
+        return (self.output, self.failures, self.materialized, self.manifest, self.lock)
+
+
+class TailRepair(StrEnum):
+    NONE = "none"
+    TERMINATED = "terminated"
+    DROPPED = "dropped"
+
+
+def repair_torn_tail(path: Path) -> TailRepair:
+    """Make ``path`` end on a whole line before anything is appended to it.
+
+    A hard kill can cut the last row. A tail that parses is a complete row
+    missing only its newline, so it is terminated; one that does not parse is
+    dropped (it was never acknowledged).
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return TailRepair.NONE
+    if size == 0:
+        return TailRepair.NONE
+    with path.open("rb+") as f:
+        start = _last_line_start(f, size)
+        f.seek(start)
+        tail = f.read()
+        if tail.endswith(b"\n"):
+            return TailRepair.NONE
+        if _parses_as_object(tail):
+            f.seek(size)
+            f.write(b"\n")
+            repair = TailRepair.TERMINATED
+        else:
+            f.truncate(start)
+            repair = TailRepair.DROPPED
+        f.flush()
+        os.fsync(f.fileno())
+    return repair
+
+
+def _last_line_start(f: BinaryIO, size: int) -> int:
+    """Offset just after the last newline before the final byte (0 if none)."""
+    pos = size - 1
+    while pos > 0:
+        step = min(_READ_CHUNK, pos)
+        f.seek(pos - step)
+        chunk = f.read(step)
+        idx = chunk.rfind(b"\n")
+        if idx >= 0:
+            return pos - step + idx + 1
+        pos -= step
+    return 0
+
+
+def _parses_as_object(data: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(data), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """Yield ``(line_no, row)`` for each non-blank line; ``row`` is None when unparseable."""
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                yield line_no, None
+                continue
+            yield line_no, row if isinstance(row, dict) else None
+
+
+@dataclass
+class RunState:
+    """Successes and failed attempts found in a run's output files."""
+
+    max_attempts: int
+    successes: set[int] = field(default_factory=set)
+    failed_attempts: Counter[int] = field(default_factory=Counter)
+    terminal: set[int] = field(default_factory=set)
+    failure_classes: Counter[str] = field(default_factory=Counter)
+    unreadable_rows: int = 0
+
+    def is_final(self, key: int) -> bool:
+        return (
+            key in self.successes
+            or key in self.terminal
+            or self.failed_attempts[key] >= self.max_attempts
+        )
+
+    def attempt_index(self, key: int) -> int:
+        """The next attempt's index: the number of earlier failed attempts."""
+        return self.failed_attempts.get(key, 0)
+
+    @property
+    def exhausted(self) -> int:
+        """Unfinished rollouts whose failures reached the attempt cap."""
+        return sum(
+            1
+            for key, n in self.failed_attempts.items()
+            if n >= self.max_attempts and key not in self.successes and key not in self.terminal
+        )
+
+
+def _row_key(row: dict[str, Any]) -> int | None:
+    task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
+    if type(task) is not int or type(rollout) is not int:
+        return None
+    return rollout_key(task, rollout)
+
+
+def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
+    """Read successes and failures back (blocking: call it in a thread)."""
+    state = RunState(max_attempts=max_attempts)
+    for _, row in iter_rows(paths.output):
+        key = _row_key(row) if row is not None else None
+        if key is None:
+            state.unreadable_rows += 1
+            continue
+        state.successes.add(key)
+    for _, row in iter_rows(paths.failures):
+        key = _row_key(row) if row is not None else None
+        if row is None or key is None:
+            state.unreadable_rows += 1
+            continue
+        state.failed_attempts[key] += 1
+        state.failure_classes[str(row.get(FAILURE_CLASS))] += 1
+        if row.get(FAILURE_TERMINAL) is True:
+            state.terminal.add(key)
+    return state

@@ -1,0 +1,251 @@
+"""Output files (DESIGN A4): the run lock, the manifest and the durable row writer.
+
+A row is appended whole with one ``write(2)`` on an ``O_APPEND`` descriptor, and
+the rollout counts as done only once its batch is written (and fsynced, by
+policy). A write that fails truncates the file back to its last good size, so
+what is on disk always parses; the writer then refuses further rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from dispatcher.config import FsyncPolicy
+from dispatcher.errors import ConfigError, OutputWriteError
+from dispatcher.state import OutputPaths
+
+log = structlog.get_logger(__name__)
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``X_run.lock`` for the whole run; it dies with the process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self.created = False
+
+    def acquire(self) -> None:
+        self.created = not self.path.exists()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot create the run lock: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_pid(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"{self.path}: another dispatcher{holder} is already running on this output"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self, *, remove: bool = False) -> None:
+        if self._fd is None:
+            return
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode().strip()
+    except OSError:
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    """Write, fsync, rename, fsync the directory: readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        data = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: manifest is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: manifest is not a JSON object")
+    return data
+
+
+def move_aside(paths: OutputPaths) -> Path | None:
+    """``--fresh``: move an earlier run's files into a dated folder; never delete them."""
+    existing = [p for p in paths.all() if p.exists() and p != paths.lock]
+    if not existing:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder = paths.output.with_name(f"{paths.output.stem}_previous_{stamp}")
+    suffix = 1
+    while folder.exists():
+        suffix += 1
+        folder = folder.with_name(f"{paths.output.stem}_previous_{stamp}_{suffix}")
+    folder.mkdir()
+    for path in existing:
+        os.replace(path, folder / path.name)
+    fsync_dir(paths.output.parent)
+    return folder
+
+
+class RowWriter:
+    """Appends JSON rows to one file with group commit.
+
+    ``append`` returns once the row is on disk by the fsync policy:
+    ``always`` fsyncs each batch as soon as the previous one is done,
+    ``batch`` gathers rows for up to ``interval_s`` or ``max_rows`` first,
+    ``never`` writes without fsync. Writes and fsyncs run in a thread.
+    """
+
+    def __init__(
+        self, path: Path, policy: FsyncPolicy, *, interval_s: float = 0.05, max_rows: int = 256
+    ) -> None:
+        self.path = path
+        self._policy = policy
+        self._interval_s = interval_s if policy == "batch" else 0.0
+        self._max_rows = max_rows
+        self._fd: int | None = None
+        self._size = 0
+        self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
+        self._wakeup = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self._error: OutputWriteError | None = None
+        self._closing = False
+        self.rows_written = 0
+        # Held for the duration of each write(2); an immediate exit takes it
+        # first so it never leaves half a batch behind.
+        self.io_lock = threading.Lock()
+
+    @property
+    def error(self) -> OutputWriteError | None:
+        return self._error
+
+    def open(self) -> None:
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputWriteError(f"{self.path}: cannot open for writing: {exc.strerror}") from exc
+        self._size = os.fstat(self._fd).st_size
+        self._flusher = asyncio.create_task(self._flush_loop(), name=f"writer:{self.path.name}")
+
+    async def append(self, row: Mapping[str, Any]) -> None:
+        """Queue one row and wait until it is durable; raises ``OutputWriteError``."""
+        if self._error is not None:
+            raise self._error
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((orjson.dumps(row) + b"\n", future))
+        self._wakeup.set()
+        await future
+
+    async def close(self) -> None:
+        """Write what is queued, then close."""
+        self._closing = True
+        self._wakeup.set()
+        if self._flusher is not None:
+            await self._flusher
+            self._flusher = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            if self._interval_s and not self._closing:
+                await self._gather_window()
+            self._wakeup.clear()
+            batch = self._take_batch()
+            if batch:
+                await asyncio.to_thread(self._commit, batch)
+            if self._closing and not self._pending:
+                return
+
+    async def _gather_window(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self._interval_s
+        while len(self._pending) < self._max_rows and not self._closing:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+
+    def _take_batch(self) -> list[tuple[bytes, asyncio.Future[None]]]:
+        batch, self._pending = self._pending, []
+        return batch
+
+    def _commit(self, batch: list[tuple[bytes, asyncio.Future[None]]]) -> None:
+        """Write one batch (in a thread) and settle its futures on the loop."""
+        data = b"".join(line for line, _ in batch)
+        error: OutputWriteError | None = None
+        try:
+            self._write_all(data)
+        except OSError as exc:
+            error = self._fail(exc)
+        loop = batch[0][1].get_loop()
+        loop.call_soon_threadsafe(_settle, [f for _, f in batch], error)
+        if error is None:
+            self.rows_written += len(batch)
+
+    def _write_all(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        with self.io_lock:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+            if self._policy != "never":
+                os.fsync(self._fd)
+            self._size += len(data)
+
+    def _fail(self, exc: OSError) -> OutputWriteError:
+        # Cut back to the last whole batch so the file still parses.
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+        self._error = OutputWriteError(f"{self.path}: write failed: {exc.strerror or exc}")
+        log.error("output_write_failed", path=str(self.path), error=str(exc))
+        return self._error
+
+
+def _settle(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for future in futures:
+        if future.done():
+            continue
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

@@ -1,0 +1,337 @@
+"""Task file → materialized rollouts (DESIGN A1, A2).
+
+The task file may be far larger than memory, so it is streamed twice at most:
+once to validate and materialize into ``X_materialized_inputs.jsonl`` (before
+anything is dispatched, so a bad line stops the run with nothing sent), and
+the dispatcher then streams that file. Memory stays flat: the only per-task
+state is a compact open-addressing table of row digests (12 bytes a slot),
+needed because identical input rows share one task index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from array import array
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+import structlog
+
+from dispatcher.errors import ConfigError
+from dispatcher.state import (
+    AGENT_REF,
+    ATTEMPT_INDEX,
+    ROLLOUT_ID,
+    ROLLOUT_INDEX,
+    TASK_INDEX,
+    rollout_key,
+)
+
+log = structlog.get_logger(__name__)
+
+RESPONSES_CREATE_PARAMS = "responses_create_params"
+ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+DEFAULT_REPEATS_KEY = "_default"
+
+
+def rollout_id_for(row: Mapping[str, Any], attempt_index: int = 0) -> str:
+    """Rollout id (A2): the row's own ``_ng_rollout_id`` or ``task-rollout``; ``-aN`` on retries."""
+    base = row.get(ROLLOUT_ID)
+    if base is None:
+        base = f"{row[TASK_INDEX]}-{row[ROLLOUT_INDEX]}"
+    return f"{base}-a{attempt_index}" if attempt_index > 0 else str(base)
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """One attempt to run: what is POSTed to the agent and how it is named."""
+
+    task_index: int
+    rollout_index: int
+    attempt_index: int
+    rollout_id: str
+    agent: str
+    body: dict[str, Any]
+
+    @property
+    def key(self) -> int:
+        return rollout_key(self.task_index, self.rollout_index)
+
+    @classmethod
+    def from_materialized(cls, row: dict[str, Any], attempt_index: int) -> Rollout:
+        body = dict(row)
+        if attempt_index > 0:
+            body[ATTEMPT_INDEX] = attempt_index
+        return cls(
+            task_index=row[TASK_INDEX],
+            rollout_index=row[ROLLOUT_INDEX],
+            attempt_index=attempt_index,
+            rollout_id=rollout_id_for(row, attempt_index),
+            agent=row[AGENT_REF]["name"],
+            body=body,
+        )
+
+
+@dataclass(frozen=True)
+class MaterializeSpec:
+    """The task-affecting settings: everything that changes what a rollout is."""
+
+    input_path: Path
+    agents: frozenset[str]
+    default_agent: str | None
+    num_repeats: int | Mapping[str, int]
+    limit: int | None
+    overrides: Mapping[str, Any]
+    skip_invalid_rows: bool
+    shard_filter: Callable[[int], bool] | None = None
+
+
+@dataclass(frozen=True)
+class MaterializeResult:
+    input_rows: int
+    tasks: int
+    rollouts: int
+    rollouts_by_agent: dict[str, int]
+    input_digest: str
+    materialized_digest: str
+
+
+class _DigestTable:
+    """Map a row's 64-bit digest to its task index in 12 bytes a slot.
+
+    A dict of Python ints costs ~100 bytes an entry; this keeps a 1M-row task
+    file within a few tens of MB.
+    """
+
+    _MAX_LOAD = 0.7
+
+    def __init__(self, capacity: int = 1 << 12) -> None:
+        self._mask = capacity - 1
+        self._keys = array("Q", bytes(8 * capacity))
+        self._values = array("I", bytes(4 * capacity))
+        self._size = 0
+
+    def get_or_add(self, digest: int, value: int) -> int:
+        digest = digest or 1  # 0 marks an empty slot
+        slot = self._find(digest)
+        if self._keys[slot] == digest:
+            return self._values[slot]
+        self._keys[slot] = digest
+        self._values[slot] = value
+        self._size += 1
+        if self._size > self._MAX_LOAD * (self._mask + 1):
+            self._grow()
+        return value
+
+    def _find(self, digest: int) -> int:
+        slot = digest & self._mask
+        keys = self._keys
+        while keys[slot] != 0 and keys[slot] != digest:
+            slot = (slot + 1) & self._mask
+        return slot
+
+    def _grow(self) -> None:
+        old_keys, old_values = self._keys, self._values
+        capacity = (self._mask + 1) * 2
+        self._mask = capacity - 1
+        self._keys = array("Q", bytes(8 * capacity))
+        self._values = array("I", bytes(4 * capacity))
+        for digest, value in zip(old_keys, old_values, strict=True):
+            if digest:
+                slot = self._find(digest)
+                self._keys[slot] = digest
+                self._values[slot] = value
+
+
+class _RolloutCounters:
+    """Next rollout index per task: dense for assigned indices, a dict for the row's own."""
+
+    def __init__(self) -> None:
+        self._dense = array("I")
+        self._sparse: dict[int, int] = {}
+
+    def new_task(self, task_index: int) -> None:
+        if task_index == len(self._dense):
+            self._dense.append(self._sparse.pop(task_index, 0))
+
+    def take(self, task_index: int, count: int) -> int:
+        if 0 <= task_index < len(self._dense):
+            first = self._dense[task_index]
+            self._dense[task_index] = first + count
+        else:
+            first = self._sparse.get(task_index, 0)
+            self._sparse[task_index] = first + count
+        return first
+
+
+class Materializer:
+    """Validates input rows and expands each into its repeats, laid out aabbcc."""
+
+    def __init__(self, spec: MaterializeSpec) -> None:
+        self._spec = spec
+        self._digests = _DigestTable()
+        self._counters = _RolloutCounters()
+        self._next_task = 0
+        self.tasks = 0
+
+    def expand(self, raw: bytes, row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+        """The materialized rows for one input row (empty when its task is in another shard)."""
+        agent = self._resolve_agent(row, where)
+        self._merge_overrides(row, where)
+        task_index = self._task_index(raw, row, where)
+        if self._spec.shard_filter is not None and not self._spec.shard_filter(task_index):
+            return []
+        repeats = self._repeats_for(agent, where)
+        if ROLLOUT_ID in row:
+            _check_own_rollout_id(row[ROLLOUT_ID], repeats, where)
+        first = self._counters.take(task_index, repeats)
+        rows = []
+        for rollout_index in range(first, first + repeats):
+            copy = dict(row)
+            copy[TASK_INDEX] = task_index
+            copy[ROLLOUT_INDEX] = rollout_index
+            rows.append(copy)
+        return rows
+
+    def _resolve_agent(self, row: dict[str, Any], where: str) -> str:
+        ref = row.get(AGENT_REF)
+        if ref is None and self._spec.default_agent is not None:
+            ref = row[AGENT_REF] = {"name": self._spec.default_agent}
+        if ref is None:
+            raise ConfigError(f"{where}: row has no agent_ref and no default agent is set")
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if not isinstance(name, str):
+            raise ConfigError(f'{where}: agent_ref must be an object like {{"name": "..."}}')
+        if name not in self._spec.agents:
+            known = ", ".join(sorted(self._spec.agents)) or "none"
+            raise ConfigError(f"{where}: agent {name!r} is not configured (configured: {known})")
+        return name
+
+    def _merge_overrides(self, row: dict[str, Any], where: str) -> None:
+        params = row.get(RESPONSES_CREATE_PARAMS)
+        if params is not None and not isinstance(params, dict):
+            raise ConfigError(f"{where}: {RESPONSES_CREATE_PARAMS} must be an object")
+        if self._spec.overrides:
+            row[RESPONSES_CREATE_PARAMS] = {**(params or {}), **self._spec.overrides}
+
+    def _task_index(self, raw: bytes, row: dict[str, Any], where: str) -> int:
+        own = row.get(TASK_INDEX)
+        if own is not None:
+            if type(own) is not int or own < 0:
+                raise ConfigError(f"{where}: {TASK_INDEX} must be a non-negative integer")
+            self.tasks += 1
+            return own
+        digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+        index = self._digests.get_or_add(digest, self._next_task)
+        if index == self._next_task:
+            self._counters.new_task(index)
+            self._next_task += 1
+            self.tasks += 1
+        return index
+
+    def _repeats_for(self, agent: str, where: str) -> int:
+        repeats = self._spec.num_repeats
+        if isinstance(repeats, int):
+            return repeats
+        if agent in repeats:
+            return repeats[agent]
+        if DEFAULT_REPEATS_KEY in repeats:
+            return repeats[DEFAULT_REPEATS_KEY]
+        raise ConfigError(
+            f"{where}: num_repeats has no entry for agent {agent!r} and no {DEFAULT_REPEATS_KEY!r}"
+        )
+
+
+def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
+    if not isinstance(value, str) or not ROLLOUT_ID_PATTERN.match(value):
+        raise ConfigError(
+            f"{where}: {ROLLOUT_ID} {value!r} must match {ROLLOUT_ID_PATTERN.pattern}"
+        )
+    if repeats != 1:
+        raise ConfigError(
+            f"{where}: a row with its own {ROLLOUT_ID} cannot be repeated ({repeats} repeats)"
+        )
+
+
+def iter_input_rows(
+    path: Path, limit: int | None, skip_invalid: bool, hasher: Any
+) -> Iterator[tuple[str, bytes, dict[str, Any]]]:
+    """Yield ``(where, raw, row)`` per task line, streaming; ``hasher`` sees every byte read."""
+    taken = 0
+    with _open_input(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if limit is not None and taken >= limit:
+                return
+            hasher.update(line)
+            raw = line.strip()
+            if not raw:
+                continue
+            where = f"{path}:{line_no}"
+            row = _parse_row(raw, where, skip_invalid)
+            if row is None:
+                continue
+            taken += 1
+            yield where, raw, row
+
+
+def _open_input(path: Path) -> BinaryIO:
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: input file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read input: {exc.strerror}") from None
+
+
+def _parse_row(raw: bytes, where: str, skip_invalid: bool) -> dict[str, Any] | None:
+    try:
+        row = orjson.loads(raw)
+        problem = None if isinstance(row, dict) else "line is not a JSON object"
+    except orjson.JSONDecodeError as exc:
+        problem = f"line is not valid JSON ({exc})"
+    if problem is None:
+        return row  # type: ignore[no-any-return]
+    if skip_invalid:
+        log.warning("input_row_skipped", where=where, reason=problem)
+        return None
+    raise ConfigError(f"{where}: {problem}")
+
+
+def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:
+    """Stream the task file into ``destination`` (blocking: run it in a thread).
+
+    The caller writes to a temporary name and renames it into place, so a bad
+    line leaves no materialized file behind.
+    """
+    materializer = Materializer(spec)
+    input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
+    input_rows = rollouts = 0
+    by_agent: dict[str, int] = {}
+    rows = iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, input_hash)
+    with destination.open("wb") as out:
+        for where, raw, row in rows:
+            input_rows += 1
+            expanded = materializer.expand(raw, row, where)
+            if not expanded:
+                continue
+            data = b"".join(orjson.dumps(r) + b"\n" for r in expanded)
+            output_hash.update(data)
+            out.write(data)
+            rollouts += len(expanded)
+            agent = expanded[0][AGENT_REF]["name"]
+            by_agent[agent] = by_agent.get(agent, 0) + len(expanded)
+        out.flush()
+        os.fsync(out.fileno())
+    return MaterializeResult(
+        input_rows=input_rows,
+        tasks=materializer.tasks,
+        rollouts=rollouts,
+        rollouts_by_agent=by_agent,
+        input_digest=input_hash.hexdigest(),
+        materialized_digest=output_hash.hexdigest(),
+    )
