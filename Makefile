@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py
+
+bench-smoke: $(STAMP)
+	$(BIN)/python bench/dispatch_overhead.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output

@@ -33,6 +33,7 @@ _RUN_FLAGS: dict[str, str] = {
     "--shutdown-grace-s": "on SIGTERM/SIGINT, seconds in-flight rollouts get (default 30)",
     "--fsync": "always | batch (default: group commit) | never",
     "--log-format": "json | console (default: console on a terminal, else json)",
+    "--log-level": "debug | info (default) | warning | error",
     "--metrics-listen": "HOST:PORT of /metrics /healthz /status, or 'off' (127.0.0.1:9464)",
     "--progress-interval-s": "seconds between progress events (default 30)",
     "--capture-dir": "capture directory shared with the capture proxy",
@@ -122,7 +123,7 @@ async def _run_command(args: argparse.Namespace) -> int:
     from dispatcher.telemetry.logs import configure_logging
 
     settings = load_settings(run_flag_values(args))
-    configure_logging(settings.log_format)
+    configure_logging(settings.log_format, level=settings.log_level)
     shard = resolve_shard(settings.shard, os.environ)
     if shard is not None:
         settings = settings.model_copy(

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from dispatcher.errors import ConfigError
 
@@ -57,6 +64,7 @@ class RunSettings(BaseModel):
     capture_include_payloads: bool = False
 
     log_format: LogFormat | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_listen: str = "127.0.0.1:9464"
     progress_interval_s: float = Field(default=30.0, gt=0)
 
@@ -86,16 +94,26 @@ class RunSettings(BaseModel):
             raise ValueError("must be >= 0 (or 'auto')")
         return value
 
-    @model_validator(mode="after")
-    def _budget_needs_bound(self) -> RunSettings:
-        if self.dispatch_budget_s is not None and self.concurrency is None:
+    # Cross-key checks are field validators (reading earlier fields from
+    # ``info.data``) so the error's location names the key and its source.
+    @field_validator("dispatch_budget_s")
+    @classmethod
+    def _budget_needs_bound(
+        cls, value: float | str | None, info: ValidationInfo
+    ) -> float | str | None:
+        if value is not None and "concurrency" in info.data and info.data["concurrency"] is None:
             raise ValueError(
-                "dispatch_budget_s needs a concurrency bound: without one every rollout "
-                "starts at once and the budget can drain nothing"
+                "needs a concurrency bound (concurrency is unbounded): without one every "
+                "rollout starts at once and the budget can drain nothing"
             )
-        if self.default_agent is not None and self.default_agent not in self.agents:
-            raise ValueError(f"default_agent {self.default_agent!r} is not among the agents")
-        return self
+        return value
+
+    @field_validator("default_agent")
+    @classmethod
+    def _default_agent_known(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and "agents" in info.data and value not in info.data["agents"]:
+            raise ValueError(f"agent {value!r} is not among the agents")
+        return value
 
 
 # Keys whose environment value is JSON (objects, lists, maps).
@@ -115,7 +133,7 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         merged[key], sources[key] = value, f"{ENV_PREFIX}{key.upper()}"
     for key, value in cli.items():
         if key != "config" and value is not None:
-            merged[key], sources[key] = value, f"--{key.replace('_', '-')}"
+            merged[key], sources[key] = value, flag_for(key)
     _normalize_unbounded(merged)
     try:
         return RunSettings.model_validate(merged)
@@ -172,9 +190,14 @@ def _describe(exc: ValidationError, sources: Mapping[str, str]) -> str:
     if first["type"] == "extra_forbidden":
         return f"config key {key!r} (from {where}): unknown setting"
     if first["type"] == "missing":
-        return f"config key {key!r}: required (flag --{key.replace('_', '-')} or config file)"
+        return f"config key {key!r}: required (flag {flag_for(key)} or config file)"
     shown = ".".join(loc)
     return f"config key {shown!r} (from {where}): {message}"
+
+
+def flag_for(key: str) -> str:
+    """The ``dispatcher run`` flag that sets ``key`` (``agents`` is the repeatable ``--agent``)."""
+    return "--agent" if key == "agents" else f"--{key.replace('_', '-')}"
 
 
 def parse_agent_flags(values: list[str] | None) -> dict[str, list[str]] | None:

@@ -70,10 +70,13 @@ class Dispatcher:
         self._fatal: DispatcherError | None = None
         self._final_this_run = 0
         self._commits: set[asyncio.Task[None]] = set()
+        self._commit_slots = asyncio.Semaphore(max(256, 4 * (settings.concurrency or 64)))
         self._started_monotonic = time.monotonic()
         self._budget = Budget(None)
         self._background: list[asyncio.Task[None]] = []
         self._sigint_count = 0
+        self._dispatch_started: float | None = None
+        self._dispatch_ended: float | None = None
 
     # ---- the table of contents -------------------------------------------------
 
@@ -116,6 +119,7 @@ class Dispatcher:
         # The budget's deadline is fixed when dispatch starts, not at startup.
         self._budget = Budget(self._budget_s)
         self.metrics.dispatch_started()
+        self._dispatch_started = time.monotonic()
         self.state = "running"
         self._pool = RolloutPool(
             self.settings.concurrency, self._budget, self._drain_margin, self._run_rollout
@@ -126,6 +130,7 @@ class Dispatcher:
             idle = asyncio.create_task(self._pool.wait_idle(), name="wait-idle")
             await self._until_stopped(idle)
         await _cancel(producer)
+        self._dispatch_ended = time.monotonic()
 
     async def _shutdown(self) -> None:
         self.state = "shutting_down"
@@ -135,7 +140,7 @@ class Dispatcher:
         if pool is not None and not await pool.wait_idle(self.settings.shutdown_grace_s):
             cancelled = await pool.cancel_all("shutdown grace period ended")
             log.warning("rollouts_cancelled", count=cancelled, reason="shutdown grace ended")
-        # 2. Commits already under way are shielded from cancellation: wait for them.
+        # 2. Commits under way are never cancelled: wait for them.
         if self._commits:
             await asyncio.wait(set(self._commits))
         # 3. Flush and close the writers; only now is every counted row on disk.
@@ -197,12 +202,21 @@ class Dispatcher:
         except asyncio.CancelledError:
             self._record(rollout, Outcome.CANCELLED, time.perf_counter() - started)
             raise
-        # The commit is its own task, shielded: once an answer is in, a shutdown
-        # must not lose it half-way between the agent and the file.
+        # The commit is its own task: the concurrency slot is for the agent, so
+        # it frees as soon as the agent has answered, while the row waits for its
+        # capture and group commit. A shutdown never cancels a commit, so an
+        # answer is not lost between the agent and the file. The commit slots
+        # bound that backlog (backpressure if the disk stalls).
+        await self._commit_slots.acquire()
         commit = asyncio.create_task(self._commit(rollout, attempt))
         self._commits.add(commit)
-        commit.add_done_callback(self._commits.discard)
-        await asyncio.shield(commit)
+        commit.add_done_callback(self._commit_done)
+
+    def _commit_done(self, commit: asyncio.Task[None]) -> None:
+        self._commits.discard(commit)
+        self._commit_slots.release()
+        if not commit.cancelled() and commit.exception() is not None:
+            self._fail(DispatcherError(f"commit failed: {commit.exception()!r}"))
 
     async def _commit(self, rollout: Rollout, attempt: Attempt) -> None:
         row = build_row(rollout, attempt)
@@ -357,6 +371,7 @@ class Dispatcher:
                 "done": (expected or 0) - remaining,
                 "remaining": remaining,
                 "in_flight": in_flight,
+                "committing": len(self._commits),
             },
             "outcomes": dict(self.outcomes),
             "rollouts_per_hour": rate,
@@ -370,20 +385,29 @@ class Dispatcher:
 
     def summary(self) -> dict[str, Any]:
         elapsed_s = time.monotonic() - self._started_monotonic
+        dispatch_s = self._dispatch_seconds()
         successes = self.outcomes.get(Outcome.SUCCESS.value, 0)
         summary = {
             "outcomes": dict(self.outcomes),
             "remaining": self.remaining(),
-            "rollouts_per_hour": successes / elapsed_s * 3600.0 if elapsed_s > 0 else 0.0,
+            "rollouts_per_hour": successes / dispatch_s * 3600.0 if dispatch_s > 0 else 0.0,
             "latency_s": {
                 f"p{int(q * 100)}": self.tracker.quantile(q) for q in (0.5, 0.75, 0.95, 0.99)
             },
             "elapsed_s": round(elapsed_s, 3),
+            "dispatch_s": round(dispatch_s, 3),
+            "event_loop_lag_p99_s": self._lag.p99_s() if hasattr(self, "_lag") else None,
+            "peak_rss_mb": peak_rss_mb(),
             **self.tracker.summary(),
         }
         if self.remaining() > 0:
             summary["resume"] = "rerun the same command to run the remaining rollouts"
         return summary
+
+    def _dispatch_seconds(self) -> float:
+        if self._dispatch_started is None:
+            return 0.0
+        return (self._dispatch_ended or time.monotonic()) - self._dispatch_started
 
     # ---- telemetry plumbing --------------------------------------------------------
 
@@ -453,8 +477,22 @@ class Dispatcher:
             "kill_shaped": self.outcomes.get(Outcome.KILL_SHAPED.value, 0),
             "remaining": self.remaining(),
             "dispatcher_version": __version__,
+            "summary": self.summary(),
         }
         write_json_atomic(self._prepared.paths.manifest, manifest)
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory since exec (Linux ``VmHWM``), in MB."""
+    # ru_maxrss would also count the parent's memory copied by fork before exec.
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return round(int(line.split()[1]) / 1024.0, 1)
+    except OSError:
+        pass
+    return None
 
 
 def _read_batch(f: Any, state: Any) -> list[Rollout] | None:

@@ -105,16 +105,20 @@ class _DigestTable:
     """Map a row's 64-bit digest to its task index in 12 bytes a slot.
 
     A dict of Python ints costs ~100 bytes an entry; this keeps a 1M-row task
-    file within a few tens of MB.
+    file within ~16 MB. It is sized up front from an estimate of the row count,
+    since growing would briefly hold the old and the new arrays at once.
     """
 
-    _MAX_LOAD = 0.7
+    _MAX_LOAD = 0.75
 
-    def __init__(self, capacity: int = 1 << 12) -> None:
-        self._mask = capacity - 1
+    def __init__(self, expected_rows: int = 0) -> None:
+        self._allocate(max(4096, int(expected_rows / self._MAX_LOAD) + 1))
+        self._size = 0
+
+    def _allocate(self, capacity: int) -> None:
+        self._capacity = capacity
         self._keys = array("Q", bytes(8 * capacity))
         self._values = array("I", bytes(4 * capacity))
-        self._size = 0
 
     def get_or_add(self, digest: int, value: int) -> int:
         digest = digest or 1  # 0 marks an empty slot
@@ -124,28 +128,38 @@ class _DigestTable:
         self._keys[slot] = digest
         self._values[slot] = value
         self._size += 1
-        if self._size > self._MAX_LOAD * (self._mask + 1):
+        if self._size > self._MAX_LOAD * self._capacity:
             self._grow()
         return value
 
     def _find(self, digest: int) -> int:
-        slot = digest & self._mask
-        keys = self._keys
+        capacity, keys = self._capacity, self._keys
+        slot = digest % capacity
         while keys[slot] != 0 and keys[slot] != digest:
-            slot = (slot + 1) & self._mask
+            slot = slot + 1 if slot + 1 < capacity else 0
         return slot
 
     def _grow(self) -> None:
         old_keys, old_values = self._keys, self._values
-        capacity = (self._mask + 1) * 2
-        self._mask = capacity - 1
-        self._keys = array("Q", bytes(8 * capacity))
-        self._values = array("I", bytes(4 * capacity))
+        self._allocate(self._capacity * 2)
         for digest, value in zip(old_keys, old_values, strict=True):
             if digest:
                 slot = self._find(digest)
                 self._keys[slot] = digest
                 self._values[slot] = value
+
+
+def estimate_rows(path: Path, limit: int | None, sample_bytes: int = 1 << 20) -> int:
+    """Rows in a task file, from its size and the mean length of its first lines."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            sample = f.read(sample_bytes)
+    except OSError:
+        return 0
+    lines = max(1, sample.count(b"\n"))
+    estimate = size * lines // max(1, len(sample)) + 1
+    return estimate if limit is None else min(limit, estimate)
 
 
 class _RolloutCounters:
@@ -174,7 +188,7 @@ class Materializer:
 
     def __init__(self, spec: MaterializeSpec) -> None:
         self._spec = spec
-        self._digests = _DigestTable()
+        self._digests = _DigestTable(estimate_rows(spec.input_path, spec.limit))
         self._counters = _RolloutCounters()
         self._next_task = 0
         self.tasks = 0

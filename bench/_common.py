@@ -1,0 +1,93 @@
+"""Shared pieces of the benchmarks: servers in their own process, child rusage."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+@contextmanager
+def dispatcher_server(*args: str) -> Iterator[str]:
+    """Run ``dispatcher ARGS`` (a server command) in its own process; yield its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", *args, "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    try:
+        if "listening on " not in line:
+            raise SystemExit(f"{args[0]} did not start: {line!r}")
+        yield line.rsplit(" ", 1)[-1].strip()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@dataclass
+class ChildRun:
+    returncode: int
+    wall_s: float
+    cpu_s: float
+    stderr: bytes
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        found = []
+        for line in self.stderr.splitlines():
+            if line.startswith(b"{"):
+                event = orjson.loads(line)
+                if event.get("event") == name:
+                    found.append(event)
+        return found
+
+
+def run_child(args: Sequence[str], stderr_path: Path) -> ChildRun:
+    """Run a command; measure its wall time and CPU time (``wait4``)."""
+    started = time.perf_counter()
+    with stderr_path.open("wb") as err:
+        proc = subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall_s = time.perf_counter() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return ChildRun(
+        returncode=proc.returncode,
+        wall_s=wall_s,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        stderr=stderr_path.read_bytes(),
+    )
+
+
+def write_tasks(path: Path, count: int, agent: str = "sim") -> None:
+    """A task file of ``count`` distinct, realistic small rows, written in chunks."""
+    with path.open("wb") as f:
+        chunk = []
+        for i in range(count):
+            row = {
+                "agent_ref": {"name": agent},
+                "responses_create_params": {
+                    "input": [{"role": "user", "content": f"Solve problem number {i}."}],
+                    "temperature": 1.0,
+                },
+                "expected_answer": str(i),
+            }
+            chunk.append(orjson.dumps(row))
+            if len(chunk) == 10_000:
+                f.write(b"\n".join(chunk) + b"\n")
+                chunk = []
+        if chunk:
+            f.write(b"\n".join(chunk) + b"\n")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)

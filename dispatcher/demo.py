@@ -1,0 +1,172 @@
+"""``make demo``: the main job, for real, on the built-in simulated servers.
+
+Starts a simulated model server, the capture proxy in front of it and two
+simulated agent replicas, all on 127.0.0.1 as separate processes, then runs
+``dispatcher run`` twice: a first hop with a tight dispatch budget (some
+rollouts are drained, exit 75), and a second hop of the same command that
+resumes and finishes the run. Everything lands in ``demo-output/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+TASKS = 120
+REPEATS = 4
+
+
+def _start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``dispatcher ARGS`` and wait for its "listening on URL" line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", *args],
+        stdout=subprocess.PIPE,
+        stderr=log.open("wb"),
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if "listening on " not in line:
+        proc.kill()
+        raise SystemExit(f"demo: {args[0]} did not start (see {log})")
+    return proc, line.rsplit(" ", 1)[-1].strip()
+
+
+def _write_tasks(path: Path) -> None:
+    with path.open("wb") as f:
+        for i in range(TASKS):
+            row = {
+                "agent_ref": {"name": "math_agent"},
+                "responses_create_params": {"input": f"What is {i} + {i}?"},
+                "expected_answer": str(2 * i),
+            }
+            f.write(orjson.dumps(row) + b"\n")
+
+
+def _events(log: Path, name: str) -> list[dict[str, Any]]:
+    events = []
+    for line in log.read_bytes().splitlines():
+        if line.startswith(b"{"):
+            event = orjson.loads(line)
+            if event.get("event") == name:
+                events.append(event)
+    return events
+
+
+def _fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def _hop(number: int, base: list[str], budget_s: float | None, out: Path) -> int:
+    log = out / f"run-hop{number}.log"
+    args = [*base, "--log-format", "json"]
+    if budget_s is not None:
+        args += ["--dispatch-budget-s", str(budget_s)]
+    what = f"dispatch budget {budget_s:g} s" if budget_s is not None else "no budget"
+    print(f"\n-- hop {number}: dispatcher run ... ({what})")
+    with log.open("wb") as stderr:
+        code = subprocess.call([sys.executable, "-m", "dispatcher", *args], stderr=stderr)
+    summary = _events(log, "run_summary")[-1]
+    outcomes = summary["outcomes"]
+    latency = summary["latency_s"]
+    print(f"   exit {code}; outcomes {outcomes}")
+    print(
+        f"   latency p50 {_fmt_s(latency['p50'])}  p75 {_fmt_s(latency['p75'])}  "
+        f"p95 {_fmt_s(latency['p95'])}; {summary['rollouts_per_hour']:.0f} rollouts/hour"
+    )
+    if summary.get("drained"):
+        print(f"   {summary['drained_note']}")
+    print(f"   remaining for a rerun: {summary['remaining']}   (log: {log})")
+    return code
+
+
+@contextlib.contextmanager
+def _servers(out: Path) -> Iterator[dict[str, str]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        model, model_url = _start(["sim-model", "--listen", "127.0.0.1:0"], out / "sim-model.log")
+        procs.append(model)
+        proxy_args = ["capture-proxy", "--listen", "127.0.0.1:0", "--upstream", model_url]
+        proxy, proxy_url = _start(
+            [*proxy_args, "--capture-dir", str(out / "captures")], out / "proxy.log"
+        )
+        procs.append(proxy)
+        agents = []
+        for i in range(2):
+            agent_args = [
+                "sim-agent", "--listen", "127.0.0.1:0", "--latency", "lognormal",
+                "--latency-s", "0.25", "--latency-sigma", "0.6", "--fail-503", "0.03",
+                "--fail-500", "0.02", "--model-url", proxy_url, "--model-calls", "2",
+                "--seed", str(i),
+            ]  # fmt: skip
+            proc, url = _start(agent_args, out / f"sim-agent-{i}.log")
+            procs.append(proc)
+            agents.append(url)
+        yield {"model": model_url, "proxy": proxy_url, "agents": ",".join(agents)}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="demo-output", help="folder for every demo file")
+    parser.add_argument("--budget-s", type=float, default=4.0, help="first hop's budget")
+    options = parser.parse_args()
+    out = Path(options.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tasks = out / "tasks.jsonl"
+    _write_tasks(tasks)
+    print("== rollout-dispatcher demo ==")
+    print(f"tasks: {TASKS} x {REPEATS} repeats = {TASKS * REPEATS} rollouts ({tasks})")
+    with _servers(out) as urls:
+        print(f"sim model {urls['model']}  <-  capture proxy {urls['proxy']}")
+        print(f"agent 'math_agent' replicas: {urls['agents']}")
+        base = [
+            "run", "--input", str(tasks), "--output", str(out / "rollouts.jsonl"),
+            "--agent", f"math_agent={urls['agents']}", "--num-repeats", str(REPEATS),
+            "--concurrency", "24", "--rollout-timeout-s", "30",
+            "--capture-dir", str(out / "captures"), "--metrics-listen", "127.0.0.1:0",
+            "--progress-interval-s", "2",
+        ]  # fmt: skip
+        started = time.monotonic()
+        code = _hop(1, base, options.budget_s, out)
+        hop = 1
+        while code == 75 and hop < 4:
+            hop += 1
+            code = _hop(hop, base, None, out)
+        print(f"\n== done in {time.monotonic() - started:.1f}s, exit {code} ==")
+    _show_files(out)
+    _show(["status", str(out / "rollouts.jsonl")])
+    return code
+
+
+def _show_files(out: Path) -> None:
+    print("\nfiles:")
+    for path in sorted(out.glob("rollouts*")):
+        lines = sum(1 for _ in path.open("rb")) if path.suffix == ".jsonl" else None
+        print(f"  {path}" + (f"  ({lines} lines)" if lines is not None else ""))
+    row = orjson.loads((out / "rollouts.jsonl").read_bytes().split(b"\n", 1)[0])
+    capture = row.get("ng_model_call_capture", {})
+    print(f"  a row's capture metrics: {capture.get('metrics')}")
+
+
+def _show(args: list[str], stream: IO[str] | None = None) -> None:
+    print(f"\n$ dispatcher {' '.join(args)}", flush=True)
+    subprocess.call([sys.executable, "-m", "dispatcher", *args], env=os.environ)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

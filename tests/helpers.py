@@ -1,0 +1,360 @@
+"""Shared test helpers: real servers on 127.0.0.1, the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from dispatcher.serving import start_site
+
+
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, step_s: float = 0.01
+) -> None:
+    """Poll ``condition`` until true; fail after ``timeout_s``. The only polling helper."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(step_s)
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Start ``app`` on a free 127.0.0.1 port; returns the runner and base URL."""
+    runner, port = await start_site(app, "127.0.0.1", 0)
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def write_tasks(path: Path, count: int, agent: str | None = "sim", **extra: Any) -> Path:
+    with path.open("wb") as f:
+        for i in range(count):
+            row: dict[str, Any] = {"responses_create_params": {"input": f"question {i}"}, **extra}
+            if agent is not None:
+                row["agent_ref"] = {"name": agent}
+            f.write(orjson.dumps(row) + b"\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def keys_of(rows: Iterable[dict[str, Any]]) -> list[tuple[int, int]]:
+    return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows]
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISPATCHER_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+async def start_cli(
+    *args: str, env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None
+) -> asyncio.subprocess.Process:
+    """Start ``dispatcher ARGS`` as a subprocess (the test's loop keeps serving meanwhile)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "dispatcher",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=cli_env(env),
+        preexec_fn=preexec_fn,
+    )
+
+
+async def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 120
+) -> CliResult:
+    """Run ``dispatcher ARGS`` to completion and collect its output."""
+    proc = await start_cli(*args, env=env)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
+    assert proc.returncode is not None
+    return CliResult(proc.returncode, stdout.decode(), stderr.decode())
+
+
+def run_args(tasks: Path, output: Path, agent_url: str, *extra: str) -> list[str]:
+    """The usual ``dispatcher run`` arguments for a test run."""
+    return [
+        "run",
+        "--input",
+        str(tasks),
+        "--output",
+        str(output),
+        "--agent",
+        f"sim={agent_url}",
+        "--metrics-listen",
+        "off",
+        "--log-format",
+        "json",
+        *extra,
+    ]
+
+
+def log_events(stderr: str) -> list[dict[str, Any]]:
+    """The JSON log lines of a run's stderr."""
+    events = []
+    for line in stderr.splitlines():
+        if line.startswith("{"):
+            events.append(orjson.loads(line))
+    return events
+
+
+class CliProcess:
+    """A running ``dispatcher`` subprocess whose output is read as it comes.
+
+    Reading both pipes continuously keeps a chatty run from blocking on a full
+    pipe, and lets a test wait for a log event while the run goes on.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.stdout: list[bytes] = []
+        self.stderr: list[bytes] = []
+        self._pumps = [
+            asyncio.create_task(_pump(proc.stdout, self.stdout)),
+            asyncio.create_task(_pump(proc.stderr, self.stderr)),
+        ]
+
+    @property
+    def exited(self) -> bool:
+        return self.proc.returncode is not None
+
+    def events(self) -> list[dict[str, Any]]:
+        return log_events(b"".join(self.stderr).decode())
+
+    def saw(self, event: str) -> bool:
+        needle = f'"event":"{event}"'.encode()
+        return any(needle in line for line in self.stderr)
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    async def wait(self, timeout_s: float = 60) -> CliResult:
+        """Wait for the exit and the end of both pipes."""
+        await asyncio.wait_for(self.proc.wait(), timeout_s)
+        await asyncio.wait_for(asyncio.gather(*self._pumps), timeout_s)
+        assert self.proc.returncode is not None
+        return CliResult(
+            self.proc.returncode,
+            b"".join(self.stdout).decode(),
+            b"".join(self.stderr).decode(),
+        )
+
+    async def kill(self) -> CliResult:
+        """SIGKILL (if still running) and collect what it wrote."""
+        if not self.exited:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        return await self.wait()
+
+
+async def _pump(stream: asyncio.StreamReader | None, into: list[bytes]) -> None:
+    assert stream is not None
+    async for line in stream:
+        into.append(line)
+
+
+async def spawn_cli(
+    *args: str, env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None
+) -> CliProcess:
+    """Start ``dispatcher ARGS`` and keep reading its output (see ``CliProcess``)."""
+    return CliProcess(await start_cli(*args, env=env, preexec_fn=preexec_fn))
+
+
+def count_lines(path: Path) -> int:
+    """Whole lines in ``path`` so far (0 when it does not exist yet)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def expected_keys(tasks: int, repeats: int) -> set[tuple[int, int]]:
+    """The (task, rollout) keys of ``write_tasks(count=tasks)`` run with ``repeats``."""
+    return {(t, r) for t in range(tasks) for r in range(repeats)}
+
+
+def expected_rollout_id(key: tuple[int, int], attempt: int) -> str:
+    base = f"{key[0]}-{key[1]}"
+    return f"{base}-a{attempt}" if attempt else base
+
+
+@dataclass
+class Audit:
+    """What a run's output files hold, once ``audit_outputs`` found them consistent."""
+
+    successes: dict[tuple[int, int], dict[str, Any]]
+    failures: dict[tuple[int, int], list[dict[str, Any]]]
+
+    def final_failures(self, max_attempts: int) -> set[tuple[int, int]]:
+        return {
+            key
+            for key, rows in self.failures.items()
+            if key not in self.successes
+            and (rows[-1]["_ng_failure_terminal"] is True or len(rows) >= max_attempts)
+        }
+
+
+def audit_outputs(output: Path, expected: set[tuple[int, int]], max_attempts: int) -> Audit:
+    """Check the resume contract (DESIGN A4, A5) on a finished run's files.
+
+    Every line of both files parses and ends in a newline; each expected key
+    is in ``X.jsonl`` exactly once or final in the failures sidecar; failed
+    attempts of a key are numbered 0..n-1 with ``-aN`` ids; a success carries
+    the attempt index after its failures; nothing final was run again.
+    """
+    failures_path = output.with_name(f"{output.stem}_failures.jsonl")
+    for path in (output, failures_path):
+        data = path.read_bytes() if path.exists() else b""
+        assert not data or data.endswith(b"\n"), f"{path} ends in a torn line"
+    success_rows = read_jsonl(output)
+    duplicates = [k for k, n in Counter(keys_of(success_rows)).items() if n > 1]
+    assert not duplicates, f"rollouts written twice: {sorted(duplicates)[:10]}"
+    audit = Audit({}, defaultdict(list))
+    for row in success_rows:
+        audit.successes[(row["_ng_task_index"], row["_ng_rollout_index"])] = row
+    for row in read_jsonl(failures_path):
+        audit.failures[(row["_ng_task_index"], row["_ng_rollout_index"])].append(row)
+    for key, rows in audit.failures.items():
+        _check_failed_attempts(key, rows, max_attempts, key in audit.successes)
+    for key, row in audit.successes.items():
+        _check_attempt(key, row, len(audit.failures.get(key, ())))
+    assert set(audit.successes) | set(audit.failures) <= expected, "rows for unknown rollouts"
+    unfinished = expected - set(audit.successes) - audit.final_failures(max_attempts)
+    assert not unfinished, f"{len(unfinished)} rollouts unfinished: {sorted(unfinished)[:10]}"
+    return audit
+
+
+def _check_attempt(key: tuple[int, int], row: dict[str, Any], attempt: int) -> None:
+    if attempt:
+        assert row["_ng_attempt_index"] == attempt, (key, row)
+    else:
+        assert "_ng_attempt_index" not in row, (key, row)
+    assert row["_ng_dispatch"]["rollout_id"] == expected_rollout_id(key, attempt), (key, row)
+
+
+def _check_failed_attempts(
+    key: tuple[int, int], rows: list[dict[str, Any]], max_attempts: int, succeeded: bool
+) -> None:
+    assert len(rows) <= max_attempts, f"{key}: {len(rows)} failed attempts, cap {max_attempts}"
+    for attempt, row in enumerate(rows):
+        _check_attempt(key, row, attempt)
+        assert row["_ng_failure_class"], (key, row)
+    # Only the last attempt may be terminal, and nothing runs after it.
+    assert not any(r["_ng_failure_terminal"] for r in rows[:-1]), (key, rows)
+    if succeeded:
+        assert rows[-1]["_ng_failure_terminal"] is False, f"{key}: success after terminal"
+        assert len(rows) < max_attempts, f"{key}: success after the attempt cap"
+
+
+Responder = Callable[[dict[str, Any]], web.StreamResponse]
+
+
+def echo_result(body: dict[str, Any]) -> web.StreamResponse:
+    """A plain success: the agent's result names the task it ran."""
+    return web.json_response({"reward": 1.0, "echo_task": body.get("_ng_task_index")})
+
+
+class FakeAgent:
+    """A scriptable agent server on 127.0.0.1 that the test controls.
+
+    Records every ``POST /run`` body in arrival order and the most requests
+    ever in flight at once. When ``gated``, each answer waits until the test
+    calls ``release_next`` or ``open``; a client that goes away cancels the
+    handler (``handler_cancellation``), which is counted in ``disconnects``.
+    """
+
+    def __init__(self, respond: Responder = echo_result, *, gated: bool = False) -> None:
+        self.respond = respond
+        self.gated = gated
+        self.bodies: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.disconnects = 0
+        self._held: list[asyncio.Future[None]] = []
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    @property
+    def seen(self) -> int:
+        return len(self.bodies)
+
+    def task_indexes(self) -> list[int]:
+        return [b["_ng_task_index"] for b in self.bodies]
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/run", self._handle)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, shutdown_timeout=1.0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.url
+
+    def release_next(self) -> None:
+        """Let the oldest held request answer."""
+        for future in self._held:
+            if not future.done():
+                future.set_result(None)
+                return
+        raise AssertionError("no request is held")
+
+    def open(self) -> None:
+        """Answer every held request and stop holding new ones."""
+        self.gated = False
+        for future in self._held:
+            if not future.done():
+                future.set_result(None)
+
+    async def close(self) -> None:
+        self.open()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json(loads=orjson.loads)
+        self.bodies.append(body)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.gated:
+                held = asyncio.get_running_loop().create_future()
+                self._held.append(held)
+                await held
+            return self.respond(body)
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+        finally:
+            self.in_flight -= 1
