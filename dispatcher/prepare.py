@@ -157,16 +157,17 @@ def _check_same_run(
     settings: RunSettings, previous: dict[str, Any], result: MaterializeResult
 ) -> None:
     hint = "rerun with --fresh to start over (the old files are moved aside, not deleted)"
-    if previous.get("input_digest") != result.input_digest:
-        raise ConfigError(
-            f"{settings.input}: the task file changed since this run started "
-            f"(its digest differs from {settings.output.stem}_manifest.json); {hint}"
-        )
+    # Settings first: a changed ``limit`` also changes the digest of the lines read.
     before = previous.get("task_settings", {})
     now = orjson.loads(orjson.dumps(task_settings(settings)))
     changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ConfigError(f"task-affecting settings changed ({'; '.join(changed)}); {hint}")
+    if previous.get("input_digest") != result.input_digest:
+        raise ConfigError(
+            f"{settings.input}: the task file changed since this run started "
+            f"(its digest differs from {settings.output.stem}_manifest.json); {hint}"
+        )
     if previous.get("materialized_digest") != result.materialized_digest:
         raise ConfigError(f"the materialized rows differ from this run's earlier ones; {hint}")
 
@@ -188,6 +189,8 @@ def _manifest(
         "materialized_digest": result.materialized_digest,
         "task_settings": orjson.loads(orjson.dumps(task_settings(settings))),
         "task_settings_digest": _digest(task_settings(settings)),
+        "max_attempts": settings.max_attempts,
+        "rollout_timeout_s": settings.rollout_timeout_s,
         "tasks": result.tasks,
         "rollouts": result.rollouts,
         "rollouts_by_agent": result.rollouts_by_agent,

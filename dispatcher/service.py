@@ -166,6 +166,10 @@ class Dispatcher:
                 return
             if await self._pool.admit(rollout) is Admission.DRAINED:
                 self._record_drained(rollout)
+            else:
+                # Yield after each start: starting hundreds of rollouts in one
+                # loop iteration would stall every other rollout's I/O.
+                await asyncio.sleep(0)
 
     async def _pending_rollouts(self) -> AsyncIterator[Rollout]:
         """Rollouts still to run, in input order, read in batches off the event loop."""

@@ -20,9 +20,12 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start ``app`` on ``host:port`` and return the runner and the bound port."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # A short shutdown timeout: a simulated hang must not hold up a SIGTERM.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    # A deep accept queue: a dispatcher opening a thousand connections at once
+    # must not hit SYN retries (a 1 s stall each) on the default of 128.
+    site = web.TCPSite(runner, host, port, backlog=4096)
     await site.start()
     bound: int = runner.addresses[0][1]
     return runner, bound

@@ -1,8 +1,10 @@
 """A simulated agent server speaking the agent protocol (``POST /run``).
 
-Latency is fixed or lognormal; each attempt can fail as HTTP 500, HTTP 503,
-a hang, a malformed body or a kill-shaped answer, with probabilities drawn
-from a generator seeded by the rollout's identity, so a run is reproducible.
+Latency is fixed or lognormal; each request can fail as HTTP 500, HTTP 503,
+a hang, a malformed body or a kill-shaped answer, with the given
+probabilities (drawn per request from a generator seeded by ``--seed``).
+Latency and reward are drawn from the rollout's identity, so they are the
+same on every resume.
 ``GET /stats`` reports the requests seen and the most ever in flight at once.
 """
 
@@ -50,6 +52,7 @@ class SimAgentStats:
 
 _FAILURES = ("fail_500", "fail_503", "hang", "malformed", "kill_shaped")
 STATS_KEY = web.AppKey("stats", SimAgentStats)
+FAILURE_RNG_KEY = web.AppKey("failure_rng", random.Random)
 CONFIG_KEY = web.AppKey("config", SimAgentConfig)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 
@@ -77,8 +80,10 @@ def _latency(config: SimAgentConfig, rng: random.Random) -> float:
     return config.latency_s
 
 
-def _result(row: dict[str, Any], rng: random.Random, calls: list[Any]) -> dict[str, Any]:
-    reward = 1.0 if rng.random() < 0.5 else 0.0
+def _result(
+    row: dict[str, Any], reward_p: float, rng: random.Random, calls: list[Any]
+) -> dict[str, Any]:
+    reward = 1.0 if rng.random() < reward_p else 0.0
     return {
         **row,
         "response": {"id": f"sim-{row.get('_ng_task_index')}", "output_text": "42"},
@@ -95,7 +100,9 @@ async def _handle_run(request: web.Request) -> web.StreamResponse:
     try:
         row = await request.json(loads=orjson.loads)
         rng = _rng_for(config, row)
-        failure = _pick_failure(config, rng)
+        # Failures are drawn per request, not per rollout: a rollout that was
+        # interrupted once is not doomed to be interrupted on every resume.
+        failure = _pick_failure(config, request.app[FAILURE_RNG_KEY])
         await asyncio.sleep(_latency(config, rng))
         return await _answer(request, config, row, rng, failure)
     finally:
@@ -120,9 +127,7 @@ async def _answer(
     if failure == "kill_shaped":
         return _json({"_ng_no_persist": True, "reason": "simulated preemption"})
     calls = await _call_model(request, config, row)
-    result = _result(row, rng, calls)
-    result["reward"] = 1.0 if rng.random() < config.reward_p else 0.0
-    return _json(result)
+    return _json(_result(row, config.reward_p, rng, calls))
 
 
 async def _call_model(
@@ -171,6 +176,7 @@ def build_sim_agent_app(config: SimAgentConfig) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[STATS_KEY] = SimAgentStats()
     app[CONFIG_KEY] = config
+    app[FAILURE_RNG_KEY] = random.Random(config.seed)
     app.router.add_post("/run", _handle_run)
     app.router.add_get("/stats", _handle_stats)
     app.cleanup_ctx.append(_client_session)

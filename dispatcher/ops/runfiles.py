@@ -1,0 +1,260 @@
+"""Read-only access to a run's files (DESIGN A4) for the operator commands.
+
+Nothing here writes, repairs or creates a file: ``status`` and ``report`` may
+run beside a live dispatcher or on a copy of a killed run. A torn last line
+(see ``dispatcher.state.repair_torn_tail``) is reported, never fixed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dispatcher.errors import ConfigError
+from dispatcher.state import (
+    AGENT_REF,
+    ROLLOUT_INDEX,
+    TASK_INDEX,
+    OutputPaths,
+    rollout_key,
+)
+
+NO_AGENT = "<none>"
+_TAIL_CHUNK = 1 << 16
+_ROLLOUT_MASK = (1 << 24) - 1
+# Slack for file-system timestamps (coarse or set by a file server's clock)
+# when comparing them with the manifest's ``last_run.finished_at``.
+_MTIME_SLACK_S = 2.0
+
+
+def require_run(output: Path) -> OutputPaths:
+    """The run's paths; a clear error when ``output`` names no run (nothing materialized)."""
+    paths = OutputPaths.for_output(output)
+    if not paths.materialized.is_file():
+        raise ConfigError(
+            f"no run at {output}: {paths.materialized.name} not found "
+            "(the run has not materialized its inputs yet, or OUTPUT names another file)"
+        )
+    return paths
+
+
+def row_key(row: dict[str, Any] | None) -> int | None:
+    """``rollout_key`` of a row's (task, rollout) identity, or None without a valid one."""
+    if row is None:
+        return None
+    task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
+    if type(task) is not int or type(rollout) is not int or task < 0 or rollout < 0:
+        return None
+    return rollout_key(task, rollout)
+
+
+def task_of(key: int) -> int:
+    return key >> 24
+
+
+def key_label(key: int) -> str:
+    """The default rollout id of a key (DESIGN A2), for messages."""
+    return f"{key >> 24}-{key & _ROLLOUT_MASK}"
+
+
+def agent_name(row: dict[str, Any]) -> str:
+    ref = row.get(AGENT_REF)
+    if isinstance(ref, dict) and isinstance(ref.get("name"), str):
+        return str(ref["name"])
+    return NO_AGENT
+
+
+def iter_lines(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
+    """Yield ``(raw_line, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                yield line, None
+                continue
+            yield line, row if isinstance(row, dict) else None
+
+
+class Tail(StrEnum):
+    """How a JSONL file ends, as resume's torn-tail repair would see it."""
+
+    ABSENT = "absent"
+    OK = "ok"
+    UNTERMINATED = "unterminated"  # a whole row without its newline: resume keeps it
+    TORN = "torn"  # an unparseable last line: resume drops it
+
+
+def tail_state(path: Path) -> Tail:
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return Tail.ABSENT
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return Tail.OK
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return Tail.OK
+        f.seek(_last_line_start(f, size))
+        tail = f.read()
+    try:
+        parsed = orjson.loads(tail)
+    except orjson.JSONDecodeError:
+        return Tail.TORN
+    return Tail.UNTERMINATED if isinstance(parsed, dict) else Tail.TORN
+
+
+def _last_line_start(f: Any, size: int) -> int:
+    pos = size
+    while pos > 0:
+        step = min(_TAIL_CHUNK, pos)
+        f.seek(pos - step)
+        idx = f.read(step).rfind(b"\n")
+        if idx >= 0:
+            return int(pos - step + idx + 1)
+        pos -= step
+    return 0
+
+
+@dataclass(frozen=True)
+class LockStatus:
+    """Whether a dispatcher holds the run lock, and the pid it wrote there."""
+
+    held: bool
+    pid: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"held": self.held, "pid": self.pid}
+
+
+def lock_status(lock_path: Path) -> LockStatus:
+    """Probe ``X_run.lock`` without taking it: a shared non-blocking flock, released at once.
+
+    The file is opened read-only and never created. A run holds an exclusive
+    flock for its whole life, so the probe fails exactly while one is running.
+    """
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return LockStatus(held=False)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            return LockStatus(held=True, pid=_read_pid(fd))
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return LockStatus(held=False)
+    finally:
+        os.close(fd)
+
+
+def _read_pid(fd: int) -> int | None:
+    data = os.pread(fd, 4096, 0).strip()
+    if not data:
+        return None
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(value, dict):
+        value = value.get("pid")
+    return value if type(value) is int else None
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest as a dict, or None when absent or unreadable (status never fails on it)."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass(frozen=True)
+class LastRun:
+    """The summary the last hop wrote into the manifest as ``last_run``."""
+
+    finished_at: float | None
+    exit_code: int | None
+    drained: int
+    cancelled: int
+    kill_shaped: int
+    stale: bool  # rows were written after it: a later hop died or is running
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "finished_at": self.finished_at,
+            "exit_code": self.exit_code,
+            "drained": self.drained,
+            "cancelled": self.cancelled,
+            "kill_shaped": self.kill_shaped,
+            "stale": self.stale,
+        }
+
+
+def last_run(paths: OutputPaths, manifest: dict[str, Any] | None) -> LastRun | None:
+    raw = manifest.get("last_run") if manifest is not None else None
+    if not isinstance(raw, dict):
+        return None
+    finished = _timestamp(raw.get("finished_at"))
+    exit_code = raw.get("exit_code")
+    return LastRun(
+        finished_at=finished,
+        exit_code=exit_code if type(exit_code) is int else None,
+        drained=_count(raw.get("drained")),
+        cancelled=_count(raw.get("cancelled")),
+        kill_shaped=_count(raw.get("kill_shaped")),
+        stale=finished is not None and _written_after(paths, finished),
+    )
+
+
+def _written_after(paths: OutputPaths, when: float) -> bool:
+    for path in (paths.output, paths.failures):
+        try:
+            if path.stat().st_mtime > when + _MTIME_SLACK_S:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def _timestamp(value: Any) -> float | None:
+    """Unix seconds, or an ISO-8601 time (UTC when it names no zone)."""
+    if not isinstance(value, str):
+        return _number(value)
+    try:
+        when = datetime.fromisoformat(value.strip())
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and value >= 0 else 0

@@ -1,0 +1,448 @@
+"""``dispatcher status OUTPUT``: where a run stands, read from its files alone.
+
+Every materialized row is one expected rollout (DESIGN A1). Its standing
+follows the resume contract of ``dispatcher.state``: succeeded, failed for
+good (a terminal failure, or as many failed attempts as ``max_attempts``),
+or left to run: *retryable* (it failed, attempts remain) or *no row* (no
+trace in any file).
+
+Drained, cancelled, kill-shaped and never-started rollouts all write nothing
+(A4), so files alone cannot tell them apart. The manifest's ``last_run``
+(the last hop's own summary) says how many the last hop drained, cancelled
+or saw kill-shaped; the rest of the no-row rollouts never started. A
+``last_run`` older than the newest row (a later hop died, or one is running)
+is reported as stale and not used for that split.
+
+Exit code: 0 when every rollout is final, 75 when some are left to run (the
+same meaning as the run's own exit code), 2 when OUTPUT names no run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dispatcher.errors import ExitCode
+from dispatcher.ops.args import positive_int
+from dispatcher.ops.runfiles import (
+    LastRun,
+    LockStatus,
+    Tail,
+    agent_name,
+    last_run,
+    lock_status,
+    read_manifest,
+    require_run,
+    row_key,
+    tail_state,
+)
+from dispatcher.ops.table import format_table, percent, ratio, utc_time
+from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, OutputPaths, RunState, iter_rows
+
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+class Standing(StrEnum):
+    """Where one expected rollout stands, in the order the checks apply."""
+
+    SUCCEEDED = "succeeded"
+    TERMINAL = "terminal"
+    ATTEMPTS_USED_UP = "attempts_used_up"
+    RETRYABLE = "retryable"
+    NO_ROW = "no_row"
+
+
+_FINAL = (Standing.SUCCEEDED, Standing.TERMINAL, Standing.ATTEMPTS_USED_UP)
+_LEFT = (Standing.RETRYABLE, Standing.NO_ROW)
+
+
+def standing(state: RunState, key: int) -> Standing:
+    if key in state.successes:
+        return Standing.SUCCEEDED
+    if key in state.terminal:
+        return Standing.TERMINAL
+    failed = state.failed_attempts[key]
+    if failed >= state.max_attempts:
+        return Standing.ATTEMPTS_USED_UP
+    return Standing.RETRYABLE if failed else Standing.NO_ROW
+
+
+def note_failure(state: RunState, key: int, row: dict[str, Any]) -> str:
+    """Count one failure row into ``state`` as resume does; returns its class."""
+    failure_class = str(row.get(FAILURE_CLASS))
+    state.failed_attempts[key] += 1
+    state.failure_classes[failure_class] += 1
+    if row.get(FAILURE_TERMINAL) is True:
+        state.terminal.add(key)
+    return failure_class
+
+
+@dataclass
+class Tally:
+    """Counts for all rollouts or for one agent's."""
+
+    expected: int = 0
+    standings: Counter[Standing] = field(default_factory=Counter)
+    failures_by_class: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def final(self) -> int:
+        return sum(self.standings[s] for s in _FINAL)
+
+    @property
+    def left_to_run(self) -> int:
+        return sum(self.standings[s] for s in _LEFT)
+
+    def add(self, other: Tally) -> None:
+        self.expected += other.expected
+        self.standings.update(other.standings)
+        self.failures_by_class.update(other.failures_by_class)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "expected": self.expected,
+            "successes": self.standings[Standing.SUCCEEDED],
+            "terminal": self.standings[Standing.TERMINAL],
+            "attempts_used_up": self.standings[Standing.ATTEMPTS_USED_UP],
+            "retryable": self.standings[Standing.RETRYABLE],
+            "no_row": self.standings[Standing.NO_ROW],
+            "final": self.final,
+            "left_to_run": self.left_to_run,
+            "coverage": ratio(self.standings[Standing.SUCCEEDED], self.expected),
+            "failed_attempts": sum(self.failures_by_class.values()),
+            "failures_by_class": dict(self.failures_by_class.most_common()),
+        }
+
+
+@dataclass
+class FileHealth:
+    """Rows read from one file, lines resume cannot use, and how the file ends."""
+
+    path: str
+    rows: int = 0
+    unreadable: int = 0
+    tail: Tail = Tail.OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "rows": self.rows,
+            "unreadable": self.unreadable,
+            "tail": str(self.tail),
+        }
+
+
+@dataclass
+class RunStatus:
+    """Everything ``status`` reports about one run."""
+
+    output: str
+    max_attempts: int
+    lock: LockStatus
+    last_run: LastRun | None
+    agents: dict[str, Tally] = field(default_factory=dict)
+    files: dict[str, FileHealth] = field(default_factory=dict)
+    anomalies: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> Tally:
+        total = Tally()
+        for tally in self.agents.values():
+            total.add(tally)
+        return total
+
+    @property
+    def never_started(self) -> int | None:
+        """No-row rollouts the last hop did not drain, cancel or see kill-shaped."""
+        if self.last_run is None or self.last_run.stale:
+            return None
+        run = self.last_run
+        no_row = self.total.standings[Standing.NO_ROW]
+        return max(0, no_row - run.drained - run.cancelled - run.kill_shaped)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.RESUMABLE if self.total.left_to_run else ExitCode.DONE
+
+    def to_json(self) -> dict[str, Any]:
+        total = self.total.to_json()
+        left = {
+            "total": total.pop("left_to_run"),
+            "retryable": total.pop("retryable"),
+            "no_row": total.pop("no_row"),
+            "never_started": self.never_started,
+            "last_run": self.last_run.to_json() if self.last_run else None,
+        }
+        return {
+            "output": self.output,
+            "running": self.lock.held,
+            "lock": self.lock.to_json(),
+            "max_attempts": self.max_attempts,
+            **total,
+            "left_to_run": left,
+            "complete": left["total"] == 0,
+            "per_agent": {name: t.to_json() for name, t in sorted(self.agents.items())},
+            "files": {name: h.to_json() for name, h in self.files.items()},
+            "anomalies": dict(self.anomalies),
+        }
+
+
+def collect_status(output: Path, max_attempts: int | None = None) -> RunStatus:
+    """Read a run's files (read-only, streaming) into a ``RunStatus``."""
+    paths = require_run(output)
+    manifest = read_manifest(paths.manifest)
+    status = RunStatus(
+        output=str(output),
+        max_attempts=max_attempts_for(max_attempts, manifest),
+        lock=lock_status(paths.lock),
+        last_run=last_run(paths, manifest),
+    )
+    state = RunState(max_attempts=status.max_attempts)
+    _scan_successes(paths, state, status)
+    _scan_failures(paths, state, status)
+    expected = _scan_materialized(paths, state, status)
+    status.anomalies["success_rows_not_materialized"] = len(state.successes - expected)
+    status.anomalies["failure_rows_not_materialized"] = sum(
+        1 for key in state.failed_attempts if key not in expected
+    )
+    return status
+
+
+def max_attempts_for(given: int | None, manifest: dict[str, Any] | None) -> int:
+    """The attempt cap: as given, else the manifest's ``max_attempts``, else the default."""
+    if given is not None:
+        return given
+    recorded = manifest.get("max_attempts") if manifest else None
+    return recorded if type(recorded) is int and recorded > 0 else DEFAULT_MAX_ATTEMPTS
+
+
+def _health(status: RunStatus, name: str, path: Path) -> FileHealth:
+    health = FileHealth(path=str(path), tail=tail_state(path))
+    status.files[name] = health
+    return health
+
+
+def _settle(health: FileHealth) -> None:
+    # The torn last line was counted as unreadable; it is reported as the tail.
+    if health.tail is Tail.TORN and health.unreadable:
+        health.unreadable -= 1
+
+
+def _scan_successes(paths: OutputPaths, state: RunState, status: RunStatus) -> None:
+    health = _health(status, "output", paths.output)
+    for _, row in iter_rows(paths.output):
+        key = row_key(row)
+        if key is None:
+            health.unreadable += 1
+            continue
+        health.rows += 1
+        if key in state.successes:
+            status.anomalies["duplicate_success_rows"] += 1
+        state.successes.add(key)
+    _settle(health)
+
+
+def _scan_failures(paths: OutputPaths, state: RunState, status: RunStatus) -> None:
+    health = _health(status, "failures", paths.failures)
+    for _, row in iter_rows(paths.failures):
+        key = row_key(row)
+        if row is None or key is None:
+            health.unreadable += 1
+            continue
+        health.rows += 1
+        failure_class = note_failure(state, key, row)
+        _agent(status, agent_name(row)).failures_by_class[failure_class] += 1
+    _settle(health)
+
+
+def _scan_materialized(paths: OutputPaths, state: RunState, status: RunStatus) -> set[int]:
+    health = _health(status, "materialized", paths.materialized)
+    expected: set[int] = set()
+    for _, row in iter_rows(paths.materialized):
+        key = row_key(row)
+        if row is None or key is None:
+            health.unreadable += 1
+            continue
+        health.rows += 1
+        if key in expected:
+            status.anomalies["duplicate_materialized_rows"] += 1
+            continue
+        expected.add(key)
+        tally = _agent(status, agent_name(row))
+        tally.expected += 1
+        tally.standings[standing(state, key)] += 1
+    _settle(health)
+    return expected
+
+
+def _agent(status: RunStatus, name: str) -> Tally:
+    tally = status.agents.get(name)
+    if tally is None:
+        tally = status.agents[name] = Tally()
+    return tally
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def render_status(status: RunStatus) -> str:
+    """The human-readable status report."""
+    total = status.total
+    sections = [
+        _render_header(status, total),
+        _render_standings(total),
+        _render_why(status, total),
+        _render_failures(total),
+        _render_agents(status),
+        _render_files(status),
+        _render_anomalies(status),
+    ]
+    return "\n".join(s for s in sections if s) + "\n"
+
+
+def _render_header(status: RunStatus, total: Tally) -> str:
+    if status.lock.held:
+        pid = f"pid {status.lock.pid}" if status.lock.pid is not None else "pid unknown"
+        running = f"running ({pid} holds the run lock; counts are moving)"
+    else:
+        running = "not running (run lock free)"
+    succeeded = total.standings[Standing.SUCCEEDED]
+    return "\n".join(
+        [
+            f"run          {status.output}",
+            f"dispatcher   {running}",
+            f"expected     {total.expected} rollouts (max attempts {status.max_attempts})",
+            f"coverage     {percent(succeeded, total.expected)} ({succeeded} succeeded)",
+            f"final        {total.final}; left to run on resume: {total.left_to_run}",
+        ]
+    )
+
+
+def _render_standings(total: Tally) -> str:
+    labels = {
+        Standing.SUCCEEDED: "succeeded",
+        Standing.TERMINAL: "failed: terminal",
+        Standing.ATTEMPTS_USED_UP: "failed: attempts used up",
+        Standing.RETRYABLE: "left: retryable (failed, attempts left)",
+        Standing.NO_ROW: "left: no row (never started, drained, cancelled)",
+    }
+    rows = [
+        (label, total.standings[s], percent(total.standings[s], total.expected))
+        for s, label in labels.items()
+    ]
+    return "\n" + format_table(("rollouts", "count", "share"), rows)
+
+
+def _render_why(status: RunStatus, total: Tally) -> str:
+    no_row = total.standings[Standing.NO_ROW]
+    run = status.last_run
+    if not no_row:
+        return ""
+    if run is None:
+        return (
+            f"\nno row ({no_row}): drained, cancelled, kill-shaped and never-started rollouts "
+            "write nothing, and the manifest has no summary of the last hop to tell them apart"
+        )
+    head = f"last hop finished {utc_time(run.finished_at)} with exit {run.exit_code}"
+    counts = f"drained {run.drained}, cancelled {run.cancelled}, kill-shaped {run.kill_shaped}"
+    if run.stale:
+        return f"\n{head}: {counts}; rows were written since (a later hop died or is running)"
+    return f"\nno row ({no_row}): {head}: {counts}; never started {status.never_started}"
+
+
+def _render_failures(total: Tally) -> str:
+    if not total.failures_by_class:
+        return ""
+    rows = list(total.failures_by_class.most_common())
+    attempts = sum(total.failures_by_class.values())
+    return f"\nfailed attempts by class ({attempts})\n" + format_table(("class", "attempts"), rows)
+
+
+def _render_agents(status: RunStatus) -> str:
+    headers = (
+        "agent",
+        "expected",
+        "succeeded",
+        "terminal",
+        "used up",
+        "retryable",
+        "no row",
+        "coverage",
+    )
+    rows = [
+        (
+            name,
+            t.expected,
+            t.standings[Standing.SUCCEEDED],
+            t.standings[Standing.TERMINAL],
+            t.standings[Standing.ATTEMPTS_USED_UP],
+            t.standings[Standing.RETRYABLE],
+            t.standings[Standing.NO_ROW],
+            percent(t.standings[Standing.SUCCEEDED], t.expected),
+        )
+        for name, t in sorted(status.agents.items())
+    ]
+    return "\nper agent\n" + format_table(headers, rows)
+
+
+_TAIL_NOTES = {
+    Tail.ABSENT: "absent",
+    Tail.OK: "",
+    Tail.UNTERMINATED: "last row lacks its newline (resume terminates it)",
+    Tail.TORN: "torn last line (resume drops it)",
+}
+
+
+def _render_files(status: RunStatus) -> str:
+    rows = []
+    for health in status.files.values():
+        notes = [_TAIL_NOTES[health.tail]]
+        if health.unreadable:
+            notes.append(f"{health.unreadable} unreadable lines")
+        rows.append((Path(health.path).name, health.rows, "; ".join(n for n in notes if n)))
+    return "\nfiles\n" + format_table(("file", "rows", "notes"), rows)
+
+
+def _render_anomalies(status: RunStatus) -> str:
+    found = [f"{name.replace('_', ' ')}: {n}" for name, n in status.anomalies.items() if n]
+    return "\nwarnings\n" + "\n".join(f"  {line}" for line in found) if found else ""
+
+
+# -- CLI ----------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="where a run stands: expected, succeeded, failed, left to run",
+        description=(
+            "Read a run's output files (without changing them) and report expected rollouts, "
+            "successes, failures by class, what resume would run and why, coverage per agent "
+            "and whether a dispatcher holds the run lock. Exit 0 when every rollout is final, "
+            "75 when some are left to run."
+        ),
+    )
+    parser.add_argument("output", type=Path, metavar="OUTPUT", help="the run's --output X.jsonl")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--max-attempts",
+        type=positive_int,
+        default=None,
+        help=f"attempt cap of the run (default: the manifest's, else {DEFAULT_MAX_ATTEMPTS})",
+    )
+    parser.set_defaults(handler=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    status = collect_status(args.output, args.max_attempts)
+    if args.json:
+        print(orjson.dumps(status.to_json(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(render_status(status), end="")
+    return int(status.exit_code)
