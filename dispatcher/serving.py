@@ -9,13 +9,19 @@ import sys
 
 from aiohttp import web
 
+from dispatcher.errors import ConfigError
+from dispatcher.telemetry.server import parse_listen
 
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` → ``(host, port)``; port 0 picks a free one."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--listen {value!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
-    return host.strip("[]"), int(port)
+
+def listen_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` of a server command (port 0 picks a free one); never ``off``."""
+    try:
+        address = parse_listen(value)
+    except ValueError as exc:
+        raise ConfigError(f"--listen {value!r}: {exc}") from None
+    if address is None:
+        raise ConfigError(f"--listen {value!r}: a server needs an address, e.g. 127.0.0.1:8000")
+    return address
 
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -33,7 +39,7 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
 
 async def serve_until_signal(app: web.Application, listen: str, name: str) -> int:
     """Serve until SIGTERM or SIGINT; print ``<name> listening on <url>`` once bound."""
-    host, port = parse_listen(listen)
+    host, port = listen_address(listen)
     runner, bound = await start_site(app, host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,0 +1,155 @@
+"""structlog setup: JSON lines for machines, a readable console for people.
+
+JSON lines carry `event`, `level`, `timestamp` (ISO 8601, UTC), `logger` and
+the event's fields, serialized with orjson. Records of the stdlib `logging`
+module (aiohttp, asyncio) at WARNING and above go through the same renderer,
+so an "exception was never retrieved" shows up in the JSON stream too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Literal, TextIO, cast
+
+import orjson
+import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+from dispatcher.telemetry.progress import is_terminal, live_terminal, set_console_stream
+
+LogFormat = Literal["json", "console"]
+DEFAULT_LOGGER = "dispatcher"
+_FIRST_KEYS = ("event", "level", "timestamp", "logger")
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger whose events carry `logger=name`; same as `structlog.get_logger(name)`.
+
+    The proxy resolves the configuration on each call, so a module-level
+    logger follows a later `configure_logging`. On a hot path, bind it once
+    after configuration (`get_logger(...).bind()`) to skip that lookup.
+    """
+    return structlog.get_logger(name)
+
+
+def resolve_log_format(fmt: LogFormat | None, stream: TextIO) -> LogFormat:
+    """The explicit format, else console on a terminal and JSON everywhere else."""
+    if fmt is not None:
+        if fmt not in ("json", "console"):
+            raise ValueError(f"log format must be 'json' or 'console', got {fmt!r}")
+        return fmt
+    return "console" if is_terminal(stream) else "json"
+
+
+def configure_logging(
+    fmt: LogFormat | None,
+    *,
+    stream: TextIO | None = None,
+    level: int | str = logging.INFO,
+) -> LogFormat:
+    """Route structlog (and stdlib warnings) to `stream` (default: stderr); returns the format.
+
+    Safe to call again: each call replaces the previous configuration.
+    """
+    stream = sys.stderr if stream is None else stream
+    resolved = resolve_log_format(fmt, stream)
+    level_no = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    if not isinstance(level_no, int):
+        raise ValueError(f"unknown log level {level!r}")
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_logger_name,
+    ]
+    renderer: list[Processor]
+    out: TextIO = stream
+    if resolved == "json":
+        renderer = [structlog.processors.dict_tracebacks, _first_keys, _json_renderer()]
+    else:
+        renderer = [structlog.dev.ConsoleRenderer(colors=is_terminal(stream))]
+        if is_terminal(stream):
+            # Shares the stream with the live progress line, which it redraws.
+            out = cast(TextIO, live_terminal(stream))
+    structlog.configure(
+        processors=[*shared, *renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=_NamedWriteLoggerFactory(out),
+        # Caching would pin loggers to the first configuration.
+        cache_logger_on_first_use=False,
+    )
+    _route_stdlib(out, shared, renderer)
+    set_console_stream(stream if resolved == "console" else None)
+    return resolved
+
+
+def reset_logging() -> None:
+    """Undo `configure_logging`: structlog defaults, our stdlib handler removed."""
+    structlog.reset_defaults()
+    _remove_stdlib_handler()
+    set_console_stream(None)
+
+
+def _json_renderer() -> Processor:
+    def dumps(obj: Any, **_: Any) -> str:
+        # default=str: a Path or an exception in a field must not lose the line.
+        return orjson.dumps(obj, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+
+    return structlog.processors.JSONRenderer(serializer=dumps)
+
+
+class _NamedWriteLogger(structlog.WriteLogger):
+    """A WriteLogger that remembers the name given to `structlog.get_logger(name)`."""
+
+    def __init__(self, file: TextIO, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+class _NamedWriteLoggerFactory:
+    # structlog's own factory drops the positional name; keep it for `logger`.
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def __call__(self, *args: Any) -> _NamedWriteLogger:
+        name = args[0] if args and isinstance(args[0], str) else DEFAULT_LOGGER
+        return _NamedWriteLogger(self._file, name)
+
+
+def _add_logger_name(logger: WrappedLogger, _: str, event_dict: EventDict) -> EventDict:
+    # Stdlib records already carry their logger's name (added before this runs).
+    if "logger" not in event_dict:
+        event_dict["logger"] = getattr(logger, "name", None) or DEFAULT_LOGGER
+    return event_dict
+
+
+def _first_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    """Put event, level, timestamp and logger first, for people reading raw lines."""
+    ordered = {k: event_dict[k] for k in _FIRST_KEYS if k in event_dict}
+    ordered.update(event_dict)
+    return ordered
+
+
+class _StdlibHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Marks the handler this module installs, so a reconfiguration replaces it."""
+
+
+def _route_stdlib(out: TextIO, shared: list[Processor], renderer: list[Processor]) -> None:
+    _remove_stdlib_handler()
+    handler = _StdlibHandler(out)
+    # Third-party INFO chatter stays out; the root logger's own level is left alone.
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
+        )
+    )
+    logging.getLogger().addHandler(handler)
+
+
+def _remove_stdlib_handler() -> None:
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _StdlibHandler)]:
+        root.removeHandler(handler)

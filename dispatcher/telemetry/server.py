@@ -1,0 +1,107 @@
+"""The daemon's own HTTP endpoints: /metrics, /healthz and /status.
+
+They run on the daemon's event loop rather than in a thread: a scrape then
+sees a consistent state without locks, and a scrape that times out is itself
+a sign the loop is blocked.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+
+from dispatcher.telemetry.metrics import Metrics
+
+# Handlers finish in microseconds; the bound only covers a scrape that is
+# still being sent when the daemon stops.
+SHUTDOWN_TIMEOUT_S = 2.0
+
+StatusFn = Callable[[], Mapping[str, Any]]
+HealthFn = Callable[[], bool]
+
+
+def parse_listen(value: str) -> tuple[str, int] | None:
+    """Parse `--metrics-listen`: "HOST:PORT" (IPv6 as "[::1]:PORT") or "off"."""
+    text = value.strip()
+    if text.lower() == "off":
+        return None
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text:
+        raise ValueError(f"expected HOST:PORT or 'off' for the metrics address, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        _check_ipv6(host, value)
+    elif ":" in host:
+        raise ValueError(f"put an IPv6 metrics address in brackets ([::1]:9464), got {value!r}")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"metrics port must be a number from 0 to 65535, got {value!r}")
+    return host, int(port_text)
+
+
+def _check_ipv6(host: str, value: str) -> None:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise ValueError(f"not an IPv6 address in the metrics address {value!r}") from None
+
+
+def build_app(*, metrics: Metrics, status: StatusFn, healthy: HealthFn) -> web.Application:
+    """The aiohttp application behind `start_http_server` (also usable with a test client)."""
+
+    async def handle_metrics(request: web.Request) -> web.Response:
+        response = web.Response(body=metrics.render())
+        # Set whole: aiohttp's content_type argument refuses the version parameter.
+        response.headers["Content-Type"] = CONTENT_TYPE_PLAIN_0_0_4
+        return response
+
+    async def handle_healthz(request: web.Request) -> web.Response:
+        if healthy():
+            return _json({"status": "ok"})
+        return _json({"status": "shutting_down"}, status=503)
+
+    async def handle_status(request: web.Request) -> web.Response:
+        return _json(status())
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/healthz", handle_healthz)
+    app.router.add_get("/status", handle_status)
+    return app
+
+
+def _json(body: Mapping[str, Any], *, status: int = 200) -> web.Response:
+    # NaN and inf become null, datetimes ISO strings; non-str keys are allowed
+    # so a mapping keyed by quantile floats still serializes.
+    payload = orjson.dumps(body, default=str, option=orjson.OPT_NON_STR_KEYS)
+    return web.Response(body=payload, status=status, content_type="application/json")
+
+
+async def start_http_server(
+    host: str,
+    port: int,
+    *,
+    metrics: Metrics,
+    status: StatusFn,
+    healthy: HealthFn,
+) -> tuple[web.AppRunner, int]:
+    """Serve the endpoints on the running loop; returns the runner and the bound port.
+
+    Port 0 binds a free port. Stop with `await runner.cleanup()`. A busy port
+    raises OSError before anything is served.
+    """
+    app = build_app(metrics=metrics, status=status, healthy=healthy)
+    # No access log: Prometheus scraping every few seconds would drown the log.
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_port: int = runner.addresses[0][1]
+    return runner, bound_port

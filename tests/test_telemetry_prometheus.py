@@ -1,0 +1,173 @@
+"""A real Prometheus scrapes the metrics server; the shipped configs hold up against it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dispatcher.outcome import Outcome
+from dispatcher.telemetry import Metrics, start_http_server
+from tests.prometheus_helpers import PrometheusServer, require_binary, running_prometheus
+
+CONFIG = Path(__file__).resolve().parent.parent / "config"
+DASHBOARD = CONFIG / "grafana-dashboard.json"
+# Grafana's own variables, as a dashboard with every instance selected would send them.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".*", "$instance": ".*"}
+
+
+@pytest.fixture
+async def scraped(tmp_path: Path) -> AsyncIterator[tuple[Metrics, PrometheusServer]]:
+    """A metrics server on a free port and a Prometheus scraping it every second."""
+    metrics = Metrics()
+    runner, port = await start_http_server(
+        "127.0.0.1", 0, metrics=metrics, status=dict, healthy=lambda: True
+    )
+    try:
+        async with running_prometheus(f"127.0.0.1:{port}", tmp_path / "prometheus") as prom:
+            yield metrics, prom
+    finally:
+        await runner.cleanup()
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return loaded
+
+
+def panels() -> Iterator[dict[str, Any]]:
+    for panel in dashboard()["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def expressions() -> list[str]:
+    return [t["expr"] for p in panels() for t in p.get("targets", [])]
+
+
+def substitute(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+async def test_prometheus_sees_every_recorded_rollout(
+    scraped: tuple[Metrics, PrometheusServer],
+) -> None:
+    metrics, prom = scraped
+    outcomes = [Outcome.SUCCESS, Outcome.SUCCESS, Outcome.AGENT_RUN_ERROR, Outcome.TIMEOUT_EXCEEDED]
+    rollouts = 37
+    for i in range(rollouts):
+        agent = f"agent-{i % 3}"
+        metrics.rollout_started(agent)
+        metrics.rollout_finished(agent, outcomes[i % len(outcomes)], 0.5 + i)
+    metrics.update(
+        quantiles={0.5: 18.5, 0.75: 27.5, 0.95: 34.7},
+        drain_margin_s=27.5,
+        budget_remaining_s=600.0,
+        remaining=3,
+    )
+
+    await prom.wait_for_value("sum(dispatcher_rollouts_total)", rollouts)
+
+    assert await prom.query_value('sum(dispatcher_rollouts_total{outcome="success"})') == 19
+    assert await prom.query_value("sum(dispatcher_rollouts_in_flight)") == 0
+    quantile = 'dispatcher_rollout_latency_quantile_seconds{quantile="0.75"}'
+    assert await prom.query_value(quantile) == 27.5
+    assert await prom.query_value("dispatcher_drain_margin_seconds") == 27.5
+    assert await prom.query_value("dispatcher_rollouts_remaining") == 3
+    assert await prom.query_value("dispatcher_build_info") == 1
+    assert await prom.query_value('up{job="dispatcher"}') == 1
+
+
+async def test_every_dashboard_query_is_valid_promql_on_real_series(
+    scraped: tuple[Metrics, PrometheusServer],
+) -> None:
+    metrics, prom = scraped
+    metrics.rollout_started("a")
+    metrics.rollout_finished("a", Outcome.SUCCESS, 1.0)
+    await prom.wait_for_value("sum(dispatcher_rollouts_total)", 1)
+
+    for expr in expressions():
+        await prom.check_expression(substitute(expr))
+    for variable in dashboard()["templating"]["list"]:
+        if variable["type"] == "query":
+            selector = re.fullmatch(r"label_values\((.+), \w+\)", variable["query"]["query"])
+            assert selector is not None, variable["query"]
+            await prom.check_expression(substitute(selector.group(1)))
+
+
+def test_dashboard_only_queries_exported_metrics() -> None:
+    metrics = Metrics(process_metrics=False)
+    exported = {f.name for f in text_string_to_metric_families(metrics.render().decode())}
+    suffixes = re.compile(r"_(total|bucket|count|sum)$")
+
+    referenced = {
+        suffixes.sub("", name)
+        for expr in expressions()
+        for name in re.findall(r"\bdispatcher_\w+", expr)
+    }
+
+    assert referenced
+    assert referenced <= exported
+
+
+def test_dashboard_shape() -> None:
+    board = dashboard()
+    assert 38 <= board["schemaVersion"] <= 41
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+
+    all_panels = list(panels())
+    ids = [p["id"] for p in all_panels]
+    assert len(ids) == len(set(ids))
+    for panel in all_panels:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+            for target in panel["targets"]:
+                assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+
+    by_title = {p["title"]: p["gridPos"] for p in all_panels}
+    # Rate and latency side by side: same row, left and right halves.
+    rate, latency = by_title["Rollouts per hour"], by_title["Rollout latency percentiles"]
+    assert rate["y"] == latency["y"] and rate["x"] + rate["w"] <= latency["x"]
+    for title in (
+        "Drain margin vs remaining budget",
+        "Failures by class",
+        "In flight by agent",
+        "Event-loop lag",
+        "Model-call capture wait and gaps",
+        "Remaining rollouts",
+        "ETA",
+    ):
+        assert title in by_title
+
+
+def test_dashboard_panels_do_not_overlap() -> None:
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels():
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
+def test_example_prometheus_config_is_valid() -> None:
+    promtool = require_binary("promtool")
+    result = subprocess.run(
+        [promtool, "check", "config", str(CONFIG / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "127.0.0.1:9464" in (CONFIG / "prometheus.yml").read_text()
