@@ -94,6 +94,14 @@ class RunSettings(BaseModel):
             raise ValueError("must be >= 0 (or 'auto')")
         return value
 
+    @field_validator("metrics_listen")
+    @classmethod
+    def _listen_parses(cls, value: str) -> str:
+        from dispatcher.telemetry.server import parse_listen
+
+        parse_listen(value)
+        return value
+
     # Cross-key checks are field validators (reading earlier fields from
     # ``info.data``) so the error's location names the key and its source.
     @field_validator("dispatch_budget_s")

@@ -23,11 +23,12 @@ from typing import Any
 import aiohttp
 import orjson
 import structlog
+from aiohttp import web
 
 from dispatcher import __version__
 from dispatcher.agents import AgentClient, Attempt
 from dispatcher.config import RunSettings
-from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
+from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.latency import DispatchLatencyTracker
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
@@ -90,7 +91,13 @@ class Dispatcher:
         return self._exit_code()
 
     async def _startup(self) -> None:
-        self._prepared = await asyncio.to_thread(prepare_run, self.settings, self._shard_filter)
+        # The metrics port first: if it is taken, stop before touching any file.
+        await self._start_http()
+        try:
+            self._prepared = await asyncio.to_thread(prepare_run, self.settings, self._shard_filter)
+        except BaseException:
+            await self._stop_http()
+            raise
         prepared = self._prepared
         self._install_signal_handlers()
         self._session = aiohttp.ClientSession(
@@ -421,20 +428,29 @@ class Dispatcher:
             "max_rows": self.settings.fsync_batch_rows,
         }
 
+    async def _start_http(self) -> None:
+        self._http: web.AppRunner | None = None
+        listen = parse_listen(self.settings.metrics_listen)
+        if listen is None:
+            return
+        host, port = listen
+        try:
+            self._http, self.metrics_port = await start_http_server(
+                host, port, metrics=self.metrics, status=self.status, healthy=self._healthy
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"--metrics-listen {self.settings.metrics_listen}: cannot listen ({exc.strerror})"
+            ) from None
+        log.info("metrics_listening", url=f"http://{host}:{self.metrics_port}/metrics")
+
+    async def _stop_http(self) -> None:
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
+
     async def _start_telemetry(self) -> None:
         self.metrics.declare_agents(self.settings.agents)
-        self._http = None
-        listen = parse_listen(self.settings.metrics_listen)
-        if listen is not None:
-            self._http, port = await start_http_server(
-                listen[0],
-                listen[1],
-                metrics=self.metrics,
-                status=self.status,
-                healthy=self._healthy,
-            )
-            log.info("metrics_listening", url=f"http://{listen[0]}:{port}/metrics")
-            self.metrics_port = port
         self._lag = LoopLagMonitor(self.metrics)
         await self._lag.start()
         self._progress_line = ProgressLine(enabled=self.settings.log_format == "console" or None)
@@ -466,8 +482,7 @@ class Dispatcher:
         self._update_gauges()
         await self._progress_line.stop()
         await self._lag.stop()
-        if self._http is not None:
-            await self._http.cleanup()
+        await self._stop_http()
 
     def _write_last_run(self) -> None:
         assert self._prepared is not None
