@@ -156,6 +156,10 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dispatcher.telemetry.logs import configure_logging
+
+    # Logs go to stderr: server commands print their URL on stdout for scripts.
+    configure_logging(None)
     try:
         result = args.handler(args)
         if getattr(args, "is_async", False):

@@ -262,7 +262,7 @@ class Materializer:
 
 
 def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
-    if not isinstance(value, str) or not ROLLOUT_ID_PATTERN.match(value):
+    if not isinstance(value, str) or not ROLLOUT_ID_PATTERN.fullmatch(value):
         raise ConfigError(
             f"{where}: {ROLLOUT_ID} {value!r} must match {ROLLOUT_ID_PATTERN.pattern}"
         )

@@ -1,0 +1,337 @@
+"""The capture proxy: a reverse proxy that records every model call of a rollout (DESIGN A6).
+
+Agents call ``{proxy}/ng-rollout/<rollout_id>/v1/chat/completions`` (or
+``/v1/responses``, ``/v1/messages``, ``/v1/completions``). The proxy strips the
+prefix, forwards method, headers and body unchanged, and relays the answer
+chunk by chunk as it arrives, so a streamed answer reaches the agent token by
+token. A copy of each chunk is kept; once the answer is done, the exchange is
+written to the rollout's capture file in the background (see ``store``).
+
+Ordering that finalization relies on: the write claim is taken while the call
+is forwarded and is in place *before* the agent sees any byte of the answer,
+so once the agent holds an answer, the dispatcher can already see that a write
+for this rollout is outstanding.
+
+Failures: when the upstream cannot be reached or times out before answering,
+the agent gets a 502 with an OpenAI-shaped error body; an upstream error status
+is relayed as is; a stream cut mid-way is cut for the agent too (the connection
+is closed without a final chunk). Every case is recorded with ``error_category``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import hdrs, web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange, encode_record
+from dispatcher.capture.store import (
+    MAX_ROLLOUT_ID_LEN,
+    ROLLOUT_ID_PATTERN,
+    BeforeWrite,
+    CaptureStore,
+    is_valid_rollout_id,
+)
+from dispatcher.errors import ConfigError
+from dispatcher.serving import serve_until_signal
+
+log = structlog.get_logger(__name__)
+
+ROLLOUT_PREFIX = "/ng-rollout/"
+# Long multimodal contexts are large; the proxy must never be the component that refuses them.
+MAX_REQUEST_BYTES = 256 * 1024 * 1024
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Recomputed (length, host) or answered by the proxy itself (expect).
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "expect"}
+
+
+_BAD_ID = (
+    f"rollout id must match {ROLLOUT_ID_PATTERN} and be at most {MAX_ROLLOUT_ID_LEN} characters"
+)
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    base_url: str
+    timeout_s: float
+
+
+UPSTREAM_KEY = web.AppKey("capture_upstream", _Upstream)
+SESSION_KEY = web.AppKey("capture_session", aiohttp.ClientSession)
+STORE_KEY = web.AppKey("capture_store", CaptureStore)
+
+
+def build_proxy_app(
+    upstream_url: str,
+    capture_dir: Path,
+    *,
+    upstream_timeout_s: float = 600.0,
+    before_write: BeforeWrite | None = None,
+) -> web.Application:
+    """The proxy as an aiohttp application; ``upstream_url`` is the model server's root URL."""
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    app[UPSTREAM_KEY] = _Upstream(upstream_url.rstrip("/"), upstream_timeout_s)
+    app[STORE_KEY] = CaptureStore(capture_dir, before_write=before_write)
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_route("*", ROLLOUT_PREFIX + "{rollout_id}/{tail:.*}", _handle_rollout_call)
+    app.router.add_route("*", "/{tail:.*}", _handle_passthrough)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    upstream, store = app[UPSTREAM_KEY], app[STORE_KEY]
+    await asyncio.to_thread(store.capture_dir.mkdir, parents=True, exist_ok=True)
+    app[SESSION_KEY] = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=upstream.timeout_s),
+        # Relay bytes exactly as the upstream sent them; the record decodes its own copy.
+        auto_decompress=False,
+        # One agent's cookies must never ride along on another agent's call.
+        cookie_jar=aiohttp.DummyCookieJar(),
+        # Add no header the agent did not send.
+        skip_auto_headers=(hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING),
+    )
+    log.info("capture_proxy_ready", upstream=upstream.base_url, capture_dir=str(store.capture_dir))
+    yield
+    # Writes of calls that already answered must land before the process exits.
+    await store.aclose()
+    await app[SESSION_KEY].close()
+
+
+async def _handle_rollout_call(request: web.Request) -> web.StreamResponse:
+    rollout_id = request.match_info["rollout_id"]
+    if not is_valid_rollout_id(rollout_id):
+        return _error_response(400, "invalid_rollout_id", _BAD_ID)
+    target = _strip_prefix(request)
+    path = "/" + request.match_info["tail"]
+    dialect = DIALECT_BY_PATH.get(path)
+    if dialect is None or request.method != hdrs.METH_POST:
+        return await _forward(request, target, None)
+    store = request.app[STORE_KEY]
+    recording = _Recording(Exchange(rollout_id, dialect, path), store.claim(rollout_id))
+    try:
+        return await _forward(request, target, recording)
+    except asyncio.CancelledError:
+        recording.exchange.fail(ErrorCategory.CLIENT_DISCONNECTED, "request cancelled")
+        raise
+    except Exception as exc:
+        recording.exchange.fail(ErrorCategory.PROXY_ERROR, repr(exc))
+        raise
+    finally:
+        recording.exchange.finish()
+        store.commit(
+            rollout_id, recording.claim, functools.partial(encode_record, recording.exchange)
+        )
+
+
+@dataclass(frozen=True)
+class _Recording:
+    """One recorded call: what is observed, and the claim being taken for its write."""
+
+    exchange: Exchange
+    claim: asyncio.Future[Path | None]
+
+    async def claimed(self) -> None:
+        """Return once the claim is visible: only then may the agent see the answer.
+
+        The claim is taken while the call is forwarded, so it costs nothing when
+        the model takes longer than creating one file.
+        """
+        # Shielded: a cancelled request must not cancel the claim its write still needs.
+        await asyncio.shield(self.claim)
+
+
+async def _handle_passthrough(request: web.Request) -> web.StreamResponse:
+    return await _forward(request, request.rel_url.raw_path_qs, None)
+
+
+def _strip_prefix(request: web.Request) -> str:
+    # Forward the raw (still percent-encoded) path so the upstream sees what the agent sent.
+    _, _, _, tail = request.rel_url.raw_path.split("/", 3)
+    query = request.rel_url.raw_query_string
+    return f"/{tail}?{query}" if query else f"/{tail}"
+
+
+async def _forward(
+    request: web.Request, target: str, recording: _Recording | None
+) -> web.StreamResponse:
+    upstream, session = request.app[UPSTREAM_KEY], request.app[SESSION_KEY]
+    exchange = recording.exchange if recording is not None else None
+    body = await request.read()
+    if exchange is not None:
+        exchange.request_body = body
+    try:
+        answer = await session.request(
+            request.method,
+            URL(upstream.base_url + target, encoded=True),
+            headers=_forwarded_headers(request.headers),
+            data=body or None,
+            allow_redirects=False,
+        )
+    except TimeoutError as exc:
+        failure = _no_answer(exchange, ErrorCategory.UPSTREAM_TIMEOUT, exc)
+    except aiohttp.ClientConnectorError as exc:
+        failure = _no_answer(exchange, ErrorCategory.UPSTREAM_UNREACHABLE, exc)
+    except aiohttp.ClientError as exc:
+        failure = _no_answer(exchange, ErrorCategory.UPSTREAM_ERROR, exc)
+    else:
+        async with answer:
+            return await _Relay(request, answer, recording).run()
+    if recording is not None:
+        await recording.claimed()
+    return failure
+
+
+def _no_answer(exchange: Exchange | None, category: ErrorCategory, exc: Exception) -> web.Response:
+    detail = f"{type(exc).__name__}: {exc}"
+    if exchange is not None:
+        exchange.status_code = 502
+        exchange.fail(category, detail)
+    return _error_response(502, category, f"upstream model server: {detail}")
+
+
+class _Relay:
+    """Copies one upstream answer to the agent as it arrives, keeping a copy for the record."""
+
+    def __init__(
+        self, request: web.Request, answer: aiohttp.ClientResponse, recording: _Recording | None
+    ) -> None:
+        self.request = request
+        self.answer = answer
+        self.recording = recording
+        self.exchange = recording.exchange if recording is not None else None
+        self.client_alive = True
+        self.response = web.StreamResponse(status=answer.status, reason=answer.reason)
+        self.response.headers.extend(_relayed_headers(answer.headers))
+
+    async def run(self) -> web.StreamResponse:
+        if self.recording is not None:
+            headers = self.answer.headers
+            self.recording.exchange.on_headers(
+                self.answer.status,
+                headers.get(hdrs.CONTENT_TYPE, ""),
+                headers.get(hdrs.CONTENT_ENCODING, ""),
+            )
+            await self.recording.claimed()
+        await self.response.prepare(self.request)
+        body_complete = await self._pump()
+        if not self.client_alive:
+            return self.response
+        if body_complete:
+            await self._send_eof()
+        elif self.request.transport is not None:
+            # No terminating chunk: the agent must see the truncation the proxy saw.
+            self.request.transport.close()
+        return self.response
+
+    async def _pump(self) -> bool:
+        """Relay until the upstream body ends (True) or breaks, or a streaming client leaves."""
+        while True:
+            try:
+                chunk = await self.answer.content.readany()
+            except TimeoutError as exc:
+                self._fail(ErrorCategory.UPSTREAM_TIMEOUT, exc)
+                return False
+            except aiohttp.ClientError as exc:
+                self._fail(ErrorCategory.UPSTREAM_DISCONNECTED, exc)
+                return False
+            if not chunk:
+                return True
+            if self.exchange is not None:
+                self.exchange.on_chunk(chunk)
+            if self.client_alive:
+                await self._send(chunk)
+            if not self.client_alive and (self.exchange is None or self.exchange.streamed):
+                # Closing the upstream lets the model server stop generating for nobody.
+                return False
+
+    async def _send(self, chunk: bytes) -> None:
+        try:
+            await self.response.write(chunk)
+        except ConnectionResetError as exc:
+            self.client_alive = False
+            self._fail(ErrorCategory.CLIENT_DISCONNECTED, exc)
+
+    async def _send_eof(self) -> None:
+        try:
+            await self.response.write_eof()
+        except ConnectionResetError as exc:
+            self.client_alive = False
+            self._fail(ErrorCategory.CLIENT_DISCONNECTED, exc)
+
+    def _fail(self, category: ErrorCategory, exc: Exception) -> None:
+        if self.exchange is not None:
+            self.exchange.fail(category, f"{type(exc).__name__}: {exc}")
+
+
+def _forwarded_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    dropped = _NOT_FORWARDED | _connection_tokens(headers)
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
+
+
+def _relayed_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    dropped = _HOP_BY_HOP | _connection_tokens(headers)
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    # Headers named in Connection are hop-by-hop too (RFC 9110 §7.6.1).
+    tokens = ",".join(headers.getall(hdrs.CONNECTION, ()))
+    return frozenset(t.strip().lower() for t in tokens.split(",") if t.strip())
+
+
+def _error_response(status: int, kind: str, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+# --- command line ------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``capture-proxy --listen HOST:PORT --upstream URL --capture-dir DIR``."""
+    p = subparsers.add_parser(
+        "capture-proxy", help="record the model calls of each rollout on their way to the model"
+    )
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
+    p.add_argument("--upstream", required=True, help="model server root URL, e.g. http://h:8000")
+    p.add_argument("--capture-dir", required=True, type=Path, help="where capture files go")
+    p.add_argument(
+        "--upstream-timeout-s", type=float, default=600.0, help="limit for one whole model call"
+    )
+    p.set_defaults(handler=_main, is_async=True)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    if not str(args.upstream).startswith(("http://", "https://")):
+        raise ConfigError(f"--upstream {args.upstream!r}: expected an http(s) URL")
+    if args.upstream_timeout_s <= 0:
+        raise ConfigError("--upstream-timeout-s must be > 0")
+    app = build_proxy_app(
+        args.upstream, args.capture_dir, upstream_timeout_s=args.upstream_timeout_s
+    )
+    return await serve_until_signal(app, args.listen, "capture-proxy")

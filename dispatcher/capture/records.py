@@ -1,0 +1,342 @@
+"""One captured model call: what the proxy observes, the line it writes, and how it reads back.
+
+The proxy's hot path only collects bytes and timestamps into an
+:class:`Exchange`; parsing JSON, reassembling streams and encoding the line
+happen in :func:`encode_record`, which the store runs in a worker thread.
+:func:`parse_record` is the reverse, used when a row is finalized.
+
+A line holds ``model_call_id, rollout_id, dialect, path, stream, model_ref,
+started_at, completed_at, latency_ms, latency_ttft_ms, status_code,
+error_category, request, response`` (DESIGN A6), plus ``request_raw`` /
+``response_raw`` when a body was not JSON and ``error_detail`` when there is one.
+Request headers are never part of a record, so credentials never reach the disk.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from dispatcher.capture.streams import reassemble
+from dispatcher.capture.tokens import TokenCounts, normalize_usage
+
+JsonObject = dict[str, Any]
+
+DIALECT_BY_PATH = {
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/completions": "completions",
+}
+PAYLOAD_KEYS = ("request", "response", "request_raw", "response_raw")
+
+
+class ErrorCategory(StrEnum):
+    """Why a call did not return a complete answer, as written in ``error_category``."""
+
+    UPSTREAM_HTTP_ERROR = "upstream_http_error"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_DISCONNECTED = "upstream_disconnected"
+    STREAM_TRUNCATED = "stream_truncated"
+    STREAM_ERROR = "stream_error"
+    INVALID_RESPONSE = "invalid_response"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    PROXY_ERROR = "proxy_error"
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What the proxy saw of one call, filled in as the call progresses."""
+
+    rollout_id: str
+    dialect: str
+    path: str
+    model_call_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.time)
+    started_perf: float = field(default_factory=time.perf_counter)
+    request_body: bytes = b""
+    status_code: int | None = None
+    content_type: str = ""
+    content_encoding: str = ""
+    chunks: list[bytes] = field(default_factory=list)
+    ttft_s: float | None = None
+    duration_s: float | None = None
+    error_category: ErrorCategory | None = None
+    error_detail: str | None = None
+
+    @property
+    def streamed(self) -> bool:
+        return self.content_type.startswith("text/event-stream")
+
+    def on_headers(self, status: int, content_type: str, content_encoding: str) -> None:
+        self.status_code = status
+        self.content_type = content_type.lower()
+        self.content_encoding = content_encoding.lower()
+        if status >= 400:
+            self.fail(ErrorCategory.UPSTREAM_HTTP_ERROR)
+
+    def on_chunk(self, chunk: bytes) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.started_perf
+        self.chunks.append(chunk)
+
+    def fail(self, category: ErrorCategory, detail: str | None = None) -> None:
+        """Keep the first failure: later ones are usually its consequences."""
+        if self.error_category is None:
+            self.error_category = category
+            self.error_detail = detail
+
+    def finish(self) -> None:
+        if self.duration_s is None:
+            self.duration_s = time.perf_counter() - self.started_perf
+
+
+def encode_record(exchange: Exchange) -> bytes:
+    """The capture line of a finished exchange (CPU-heavy for big bodies: run it in a thread)."""
+    exchange.finish()
+    duration_s = exchange.duration_s or 0.0
+    request, request_raw = _json_body(exchange.request_body)
+    response, response_raw, late_error = _response_view(exchange)
+    if late_error is not None:
+        exchange.fail(late_error)
+    record: JsonObject = {
+        "model_call_id": exchange.model_call_id,
+        "rollout_id": exchange.rollout_id,
+        "dialect": exchange.dialect,
+        "path": exchange.path,
+        "stream": exchange.streamed,
+        "model_ref": _model_ref(request, response),
+        "started_at": _iso(exchange.started_at),
+        "completed_at": _iso(exchange.started_at + duration_s),
+        "latency_ms": round(duration_s * 1000.0, 3),
+        "latency_ttft_ms": _ttft_ms(exchange),
+        "status_code": exchange.status_code,
+        "error_category": exchange.error_category,
+        "request": request,
+        "response": response,
+    }
+    if exchange.error_detail:
+        record["error_detail"] = exchange.error_detail
+    if request_raw is not None:
+        record["request_raw"] = request_raw
+    if response_raw is not None:
+        record["response_raw"] = response_raw
+    return orjson.dumps(record) + b"\n"
+
+
+def _response_view(
+    exchange: Exchange,
+) -> tuple[JsonObject | None, str | None, ErrorCategory | None]:
+    body = _decoded(b"".join(exchange.chunks), exchange.content_encoding)
+    answered = exchange.status_code is not None and exchange.status_code < 400
+    if exchange.streamed:
+        rebuilt = reassemble(exchange.dialect, body)
+        raw = None if rebuilt.response is not None or not body else _text(body)
+        if rebuilt.error is not None:
+            return rebuilt.response, raw, ErrorCategory.STREAM_ERROR
+        late = ErrorCategory.STREAM_TRUNCATED if answered and not rebuilt.complete else None
+        return rebuilt.response, raw, late
+    response, raw = _json_body(body)
+    late = ErrorCategory.INVALID_RESPONSE if answered and response is None else None
+    return response, raw, late
+
+
+def _json_body(body: bytes) -> tuple[JsonObject | None, str | None]:
+    if not body:
+        return None, None
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, _text(body)
+    if isinstance(value, dict):
+        return value, None
+    return None, _text(body)
+
+
+def _decoded(body: bytes, encoding: str) -> bytes:
+    if encoding in ("gzip", "deflate", "x-gzip"):
+        try:
+            # wbits 47 accepts both gzip and zlib framing.
+            return zlib.decompress(body, 47)
+        except zlib.error:
+            return body
+    return body
+
+
+def _text(body: bytes) -> str:
+    return body.decode("utf-8", "replace")
+
+
+def _model_ref(request: JsonObject | None, response: JsonObject | None) -> str | None:
+    for source in (request, response):
+        model = source.get("model") if source else None
+        if isinstance(model, str):
+            return model
+    return None
+
+
+def _ttft_ms(exchange: Exchange) -> float | None:
+    if not exchange.streamed or exchange.ttft_s is None:
+        return None
+    return round(exchange.ttft_s * 1000.0, 3)
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+
+
+# --- reading back ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRef:
+    tool_call_id: str | None
+    tool_name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedCall:
+    """A capture line as finalization needs it; ``payloads`` only when asked for."""
+
+    model_call_id: str
+    dialect: str | None
+    model_ref: str | None
+    response_model: str | None
+    response_id: str | None
+    started_at: str | None
+    completed_at: str | None
+    latency_ms: float | None
+    latency_ttft_ms: float | None
+    status_code: int | None
+    error_category: str | None
+    tokens: TokenCounts
+    tool_calls: tuple[ToolCallRef, ...]
+    has_response: bool
+    payloads: JsonObject | None = None
+
+    @property
+    def returned_response(self) -> bool:
+        """True when the call produced an answer an agent could act on: one turn."""
+        ok = self.status_code is not None and 200 <= self.status_code < 300
+        return ok and self.has_response and self.error_category is None
+
+    def to_row(self) -> JsonObject:
+        row: JsonObject = {
+            "model_call_id": self.model_call_id,
+            "dialect": self.dialect,
+            "model_ref": self.model_ref,
+            "response_id": self.response_id,
+            "started_at": self.started_at,
+            "completed_at": self.completed_at,
+            "latency_ms": self.latency_ms,
+            "latency_ttft_ms": self.latency_ttft_ms,
+            "status_code": self.status_code,
+            "error_category": self.error_category,
+            **token_fields(self.tokens),
+            "num_tool_calls": len(self.tool_calls),
+        }
+        if self.payloads:
+            row.update(self.payloads)
+        return row
+
+
+def token_fields(tokens: TokenCounts) -> JsonObject:
+    """Token counts under the names rows use (``ng_model_call_capture`` metrics and calls)."""
+    return {
+        "tokens_in": tokens.prompt,
+        "tokens_out": tokens.completion,
+        "tokens_reasoning": tokens.reasoning,
+        "tokens_total": tokens.total,
+        "cached_tokens": tokens.cached,
+    }
+
+
+def parse_record(line: bytes, *, include_payloads: bool) -> CapturedCall | None:
+    """A capture line → CapturedCall; None when the line is not a readable record."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("model_call_id"), str):
+        return None
+    response = record.get("response")
+    response = response if isinstance(response, dict) else None
+    dialect = _str(record.get("dialect"))
+    payloads = None
+    if include_payloads:
+        payloads = {key: record[key] for key in PAYLOAD_KEYS if record.get(key) is not None}
+    return CapturedCall(
+        model_call_id=record["model_call_id"],
+        dialect=dialect,
+        model_ref=_str(record.get("model_ref")),
+        response_model=_str(response.get("model")) if response else None,
+        response_id=_str(response.get("id")) if response else None,
+        started_at=_str(record.get("started_at")),
+        completed_at=_str(record.get("completed_at")),
+        latency_ms=_number(record.get("latency_ms")),
+        latency_ttft_ms=_number(record.get("latency_ttft_ms")),
+        status_code=_int(record.get("status_code")),
+        error_category=_str(record.get("error_category")),
+        tokens=normalize_usage(response.get("usage") if response else None),
+        tool_calls=tool_calls_of(dialect, response),
+        has_response=response is not None,
+        payloads=payloads,
+    )
+
+
+def tool_calls_of(
+    dialect: str | None, response: Mapping[str, Any] | None
+) -> tuple[ToolCallRef, ...]:
+    """Tool calls a response asks for, in order, whatever the dialect."""
+    if not response:
+        return ()
+    if dialect == "responses":
+        items = response.get("output") or []
+        return tuple(
+            ToolCallRef(_str(i.get("call_id") or i.get("id")), _str(i.get("name")))
+            for i in items
+            if isinstance(i, dict) and str(i.get("type", "")).endswith("_call")
+        )
+    if dialect == "messages":
+        blocks = response.get("content") or []
+        return tuple(
+            ToolCallRef(_str(b.get("id")), _str(b.get("name")))
+            for b in blocks
+            if isinstance(b, dict) and b.get("type") in ("tool_use", "server_tool_use")
+        )
+    return _chat_tool_calls(response)
+
+
+def _chat_tool_calls(response: Mapping[str, Any]) -> tuple[ToolCallRef, ...]:
+    refs: list[ToolCallRef] = []
+    for choice in response.get("choices") or []:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        for call in (message or {}).get("tool_calls") or []:
+            if isinstance(call, dict):
+                function = call.get("function") or {}
+                refs.append(ToolCallRef(_str(call.get("id")), _str(function.get("name"))))
+    return tuple(refs)
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
