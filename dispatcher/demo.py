@@ -86,6 +86,8 @@ def _hop(number: int, base: list[str], budget_s: float | None, out: Path) -> int
     if summary.get("drained"):
         print(f"   {summary['drained_note']}")
     print(f"   remaining for a rerun: {summary['remaining']}   (log: {log})")
+    for event in _events(log, "metrics_listening"):
+        print(f"   live metrics were at {event['url']} (also /status, /healthz)")
     return code
 
 

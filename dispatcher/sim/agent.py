@@ -41,6 +41,7 @@ class SimAgentConfig:
     model_calls: int = 0
     model_dialect: str = "chat"
     model_stream: bool = False
+    agent_trajectory: bool = False
 
 
 @dataclass
@@ -127,7 +128,17 @@ async def _answer(
     if failure == "kill_shaped":
         return _json({"_ng_no_persist": True, "reason": "simulated preemption"})
     calls = await _call_model(request, config, row)
-    return _json(_result(row, config.reward_p, rng, calls))
+    result = _result(row, config.reward_p, rng, calls)
+    if config.agent_trajectory and calls:
+        from dispatcher.sim.model_client import agent_trajectory
+
+        result["ng_trajectory"] = agent_trajectory(
+            task_id=row["_ng_task_index"],
+            rollout_id=_rollout_id(row),
+            responses=calls,
+            model_ref="sim-model",
+        )
+    return _json(result)
 
 
 async def _call_model(
@@ -204,6 +215,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model-calls", type=int, default=0, help="model calls per rollout")
     p.add_argument("--model-dialect", choices=("chat", "responses", "messages"), default="chat")
     p.add_argument("--model-stream", action="store_true")
+    p.add_argument(
+        "--agent-trajectory", action="store_true", help="return the agent's own ng_trajectory"
+    )
     p.set_defaults(handler=_main, is_async=True)
 
 
