@@ -88,7 +88,7 @@ def repair_torn_tail(path: Path) -> TailRepair:
     if size == 0:
         return TailRepair.NONE
     with path.open("rb+") as f:
-        start = _last_line_start(f, size)
+        start = last_line_start(f, size)
         f.seek(start)
         tail = f.read()
         if tail.endswith(b"\n"):
@@ -105,7 +105,7 @@ def repair_torn_tail(path: Path) -> TailRepair:
     return repair
 
 
-def _last_line_start(f: BinaryIO, size: int) -> int:
+def last_line_start(f: BinaryIO, size: int) -> int:
     """Offset just after the last newline before the final byte (0 if none)."""
     pos = size - 1
     while pos > 0:
@@ -126,8 +126,8 @@ def _parses_as_object(data: bytes) -> bool:
         return False
 
 
-def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """Yield ``(line_no, row)`` for each non-blank line; ``row`` is None when unparseable."""
+def iter_lines(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
+    """Yield ``(line_no, raw, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
     try:
         f = path.open("rb")
     except FileNotFoundError:
@@ -139,9 +139,15 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
             try:
                 row = orjson.loads(line)
             except orjson.JSONDecodeError:
-                yield line_no, None
+                yield line_no, line, None
                 continue
-            yield line_no, row if isinstance(row, dict) else None
+            yield line_no, line, row if isinstance(row, dict) else None
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """Yield ``(line_no, row)`` for each non-blank line; ``row`` is None when unparseable."""
+    for line_no, _, row in iter_lines(path):
+        yield line_no, row
 
 
 @dataclass

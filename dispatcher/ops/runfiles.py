@@ -25,11 +25,12 @@ from dispatcher.state import (
     ROLLOUT_INDEX,
     TASK_INDEX,
     OutputPaths,
+    last_line_start,
     rollout_key,
 )
+from dispatcher.state import iter_lines as state_lines
 
 NO_AGENT = "<none>"
-_TAIL_CHUNK = 1 << 16
 _ROLLOUT_MASK = (1 << 24) - 1
 # Slack for file-system timestamps (coarse or set by a file server's clock)
 # when comparing them with the manifest's ``last_run.finished_at``.
@@ -75,20 +76,8 @@ def agent_name(row: dict[str, Any]) -> str:
 
 def iter_lines(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
     """Yield ``(raw_line, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
-    try:
-        f = path.open("rb")
-    except FileNotFoundError:
-        return
-    with f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                yield line, None
-                continue
-            yield line, row if isinstance(row, dict) else None
+    for _, raw, row in state_lines(path):
+        yield raw, row
 
 
 class Tail(StrEnum):
@@ -112,25 +101,13 @@ def tail_state(path: Path) -> Tail:
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return Tail.OK
-        f.seek(_last_line_start(f, size))
+        f.seek(last_line_start(f, size))
         tail = f.read()
     try:
         parsed = orjson.loads(tail)
     except orjson.JSONDecodeError:
         return Tail.TORN
     return Tail.UNTERMINATED if isinstance(parsed, dict) else Tail.TORN
-
-
-def _last_line_start(f: Any, size: int) -> int:
-    pos = size
-    while pos > 0:
-        step = min(_TAIL_CHUNK, pos)
-        f.seek(pos - step)
-        idx = f.read(step).rfind(b"\n")
-        if idx >= 0:
-            return int(pos - step + idx + 1)
-        pos -= step
-    return 0
 
 
 @dataclass(frozen=True)
