@@ -159,10 +159,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
 
+# DISPATCHER_* variables that are not settings: the config file's path, and
+# the shard count a Kubernetes indexed Job gives `--shard auto` (ops/shard.py).
+_NOT_SETTINGS = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}SHARD_COUNT"})
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
+        if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key not in RunSettings.model_fields:
