@@ -166,7 +166,9 @@ def classify_response(status: int, raw: bytes) -> Classified:
         )
     if result.get(NO_PERSIST) is True:
         return Outcome.KILL_SHAPED, result, None
-    if FAILURE_CLASS in result:
+    # A null class is no failure: agents built on pydantic models send the key
+    # on every result, and NeMo Gym's collector routes those rows as successes.
+    if result.get(FAILURE_CLASS) is not None:
         return Outcome.AGENT_REPORTED_FAILURE, result, None
     return Outcome.SUCCESS, result, None
 

@@ -32,7 +32,11 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     # A deep accept queue: a dispatcher opening a thousand connections at once
     # must not hit SYN retries (a 1 s stall each) on the default of 128.
     site = web.TCPSite(runner, host, port, backlog=4096)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     bound: int = runner.addresses[0][1]
     return runner, bound
 
