@@ -11,6 +11,11 @@
 #               fetch it first, e.g. `buildah pull python:3.11-slim`
 #   IMAGE       tag of the result (default rollout-dispatcher:<version>)
 #
+# buildah's own variables pass through: where it cannot create containers
+# (nested in another sandbox, or a hybrid cgroup v1/v2 host, where the OCI
+# runtime fails with "cgroups in hybrid mode not supported") run RUN steps
+# with BUILDAH_ISOLATION=chroot; without overlay support, STORAGE_DRIVER=vfs.
+#
 # Without buildah or without the base image at hand it says so and exits 0,
 # so CI machines without a container runtime pass.
 set -euo pipefail
