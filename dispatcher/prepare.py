@@ -10,6 +10,7 @@ leaves no new file behind.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import time
@@ -27,7 +28,13 @@ from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError
 from dispatcher.state import OutputPaths, RunState, TailRepair, load_run_state, repair_torn_tail
 from dispatcher.store import RunLock, move_aside, read_manifest, write_json_atomic
-from dispatcher.tasks import MaterializeResult, MaterializeSpec, materialize
+from dispatcher.tasks import (
+    MaterializeResult,
+    MaterializeSpec,
+    file_digest,
+    input_digest,
+    materialize,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -141,6 +148,11 @@ def _materialize_checked(
         skip_invalid_rows=settings.skip_invalid_rows,
         shard_filter=shard_filter,
     )
+    _remove_stale_temporaries(paths)
+    if previous is not None:
+        recorded = _reusable_materialization(spec, settings, paths, previous)
+        if recorded is not None:
+            return recorded
     tmp = paths.materialized.with_name(f".{paths.materialized.name}.{os.getpid()}.tmp")
     try:
         result = materialize(spec, tmp)
@@ -151,6 +163,46 @@ def _materialize_checked(
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
     return result
+
+
+def _remove_stale_temporaries(paths: OutputPaths) -> None:
+    # Left by runs killed while materializing; under the lock nobody else writes here.
+    pattern = f".{glob.escape(paths.materialized.name)}.*.tmp"
+    for stale in paths.materialized.parent.glob(pattern):
+        stale.unlink(missing_ok=True)
+
+
+def _reusable_materialization(
+    spec: MaterializeSpec, settings: RunSettings, paths: OutputPaths, previous: dict[str, Any]
+) -> MaterializeResult | None:
+    """The recorded materialization when rebuilding it would give the same file, else None.
+
+    Materializing is deterministic: the same task file under the same task
+    settings gives the same rows. So a resume whose task file, settings and
+    materialized file all still match the manifest reads each file once
+    instead of rewriting every rollout. Any mismatch returns None: the caller
+    materializes again and ``_check_same_run`` says what changed.
+    """
+    try:
+        recorded = MaterializeResult(
+            input_rows=int(previous["input_rows"]),
+            tasks=int(previous["tasks"]),
+            rollouts=int(previous["rollouts"]),
+            rollouts_by_agent={str(k): int(v) for k, v in previous["rollouts_by_agent"].items()},
+            input_digest=str(previous["input_digest"]),
+            materialized_digest=str(previous["materialized_digest"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None  # a manifest from an older version: materialize again
+    if previous.get("task_settings") != orjson.loads(orjson.dumps(task_settings(settings))):
+        return None
+    if not set(recorded.rollouts_by_agent) <= set(settings.agents):
+        return None
+    if input_digest(spec) != recorded.input_digest:
+        return None
+    if file_digest(paths.materialized) != recorded.materialized_digest:
+        return None
+    return recorded
 
 
 def _check_same_run(
@@ -185,6 +237,7 @@ def _manifest(
         "hop_started_at": now,
         "dispatcher_version": __version__,
         "input": str(settings.input),
+        "input_rows": result.input_rows,
         "input_digest": result.input_digest,
         "materialized_digest": result.materialized_digest,
         "task_settings": orjson.loads(orjson.dumps(task_settings(settings))),

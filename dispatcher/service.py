@@ -34,9 +34,8 @@ from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.rows import build_row, is_terminal
 from dispatcher.scheduler import Admission, Budget, RolloutPool
-from dispatcher.state import rollout_key
 from dispatcher.store import RowWriter, write_json_atomic
-from dispatcher.tasks import Rollout
+from dispatcher.tasks import Rollout, materialized_key
 from dispatcher.telemetry.lag import LoopLagMonitor
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.progress import ProgressLine, estimate_eta_s, progress_fields
@@ -93,13 +92,15 @@ class Dispatcher:
     async def _startup(self) -> None:
         # The metrics port first: if it is taken, stop before touching any file.
         await self._start_http()
+        # Before reading the state, which can take seconds: a SIGTERM meanwhile
+        # must still end in an orderly exit 75, not in death by signal.
+        self._install_signal_handlers()
         try:
             self._prepared = await asyncio.to_thread(prepare_run, self.settings, self._shard_filter)
         except BaseException:
             await self._stop_http()
             raise
         prepared = self._prepared
-        self._install_signal_handlers()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.settings.concurrency or 0),
             timeout=aiohttp.ClientTimeout(total=None),
@@ -333,8 +334,10 @@ class Dispatcher:
 
     def _exit_now(self) -> None:
         # Take each writer's I/O lock so no batch is cut half-way, then leave.
-        for writer in (self._output, self._failures):
-            writer.io_lock.acquire(timeout=5)
+        for name in ("_output", "_failures"):
+            writer: RowWriter | None = getattr(self, name, None)  # None while starting up
+            if writer is not None:
+                writer.io_lock.acquire(timeout=5)
         log.warning("exit_now", reason="second SIGINT")
         os._exit(ExitCode.RESUMABLE)
 
@@ -354,6 +357,9 @@ class Dispatcher:
     def _exit_code(self) -> ExitCode:
         if self._fatal is not None:
             raise self._fatal
+        return self._final_exit_code()
+
+    def _final_exit_code(self) -> ExitCode:
         return ExitCode.RESUMABLE if self.remaining() > 0 else ExitCode.DONE
 
     # ---- figures -------------------------------------------------------------------
@@ -462,13 +468,15 @@ class Dispatcher:
 
     async def _tick(self) -> None:
         """Refresh the gauges every second and log progress every interval."""
-        next_progress = time.monotonic() + self.settings.progress_interval_s
+        interval_s = self.settings.progress_interval_s
+        next_progress = time.monotonic() + interval_s
         while True:
             self._update_gauges()
             if time.monotonic() >= next_progress:
-                next_progress += self.settings.progress_interval_s
+                next_progress += interval_s
                 log.info("progress", **progress_fields(self.status()))
-            await asyncio.sleep(1.0)
+            # An interval under a second must not be stretched to the gauge tick.
+            await asyncio.sleep(min(1.0, interval_s))
 
     def _update_gauges(self) -> None:
         self.metrics.update(
@@ -489,7 +497,7 @@ class Dispatcher:
         manifest = dict(self._prepared.manifest)
         manifest["last_run"] = {
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "exit_code": int(ExitCode.RESUMABLE if self.remaining() else ExitCode.DONE),
+            "exit_code": int(self._fatal.exit_code if self._fatal else self._final_exit_code()),
             "outcomes": dict(self.outcomes),
             "drained": self.outcomes.get(Outcome.DRAINED.value, 0),
             "cancelled": self.outcomes.get(Outcome.CANCELLED.value, 0),
@@ -521,10 +529,11 @@ def _read_batch(f: Any, state: Any) -> list[Rollout] | None:
         line = f.readline()
         if not line:
             return batch or None
-        row = orjson.loads(line)
-        key = rollout_key(row["_ng_task_index"], row["_ng_rollout_index"])
+        # Most rows are final on a late resume: find their key without parsing them.
+        key = materialized_key(line)
         if state.is_final(key):
             continue
+        row = orjson.loads(line)
         batch.append(Rollout.from_materialized(row, state.attempt_index(key)))
         if len(batch) >= READ_BATCH_ROWS:
             break

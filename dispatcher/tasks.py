@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import orjson
 import structlog
 
+from dispatcher.capture.store import MAX_ROLLOUT_ID_LEN
 from dispatcher.errors import ConfigError
 from dispatcher.state import (
     AGENT_REF,
@@ -36,6 +37,8 @@ log = structlog.get_logger(__name__)
 
 RESPONSES_CREATE_PARAMS = "responses_create_params"
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The id names capture files and URL paths: leave room for a "-aN" retry suffix.
+MAX_OWN_ROLLOUT_ID_LEN = MAX_ROLLOUT_ID_LEN - len("-a99999999")
 DEFAULT_REPEATS_KEY = "_default"
 
 
@@ -266,6 +269,11 @@ def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
         raise ConfigError(
             f"{where}: {ROLLOUT_ID} {value!r} must match {ROLLOUT_ID_PATTERN.pattern}"
         )
+    if len(value) > MAX_OWN_ROLLOUT_ID_LEN:
+        raise ConfigError(
+            f"{where}: {ROLLOUT_ID} is {len(value)} characters; at most "
+            f"{MAX_OWN_ROLLOUT_ID_LEN} (it names capture files)"
+        )
     if repeats != 1:
         raise ConfigError(
             f"{where}: a row with its own {ROLLOUT_ID} cannot be repeated ({repeats} repeats)"
@@ -314,6 +322,50 @@ def _parse_row(raw: bytes, where: str, skip_invalid: bool) -> dict[str, Any] | N
         log.warning("input_row_skipped", where=where, reason=problem)
         return None
     raise ConfigError(f"{where}: {problem}")
+
+
+def input_digest(spec: MaterializeSpec) -> str:
+    """The ``input_digest`` that ``materialize`` records, without materializing."""
+    hasher = hashlib.sha256()
+    for _ in iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, hasher):
+        pass
+    return hasher.hexdigest()
+
+
+def file_digest(path: Path) -> str | None:
+    """sha256 of a file (a materialized file's ``materialized_digest``); None if missing."""
+    hasher = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                hasher.update(chunk)
+    except FileNotFoundError:
+        return None
+    return hasher.hexdigest()
+
+
+_KEY_TAIL = b',"_ng_task_index":'
+_KEY_TAIL_PATTERN = re.compile(
+    rb',"_ng_task_index":(0|[1-9][0-9]*),"_ng_rollout_index":(0|[1-9][0-9]*)}\n?'
+)
+
+
+def materialized_key(line: bytes) -> int:
+    """The rollout key of one materialized line, mostly without parsing the row.
+
+    ``Materializer.expand`` sets the two indices last, so a line usually ends
+    ``,"_ng_task_index":T,"_ng_rollout_index":R}``. In valid JSON an
+    unescaped quote followed by ``_`` opens a string (a closing quote is
+    followed by punctuation or space), and a number right before the line's
+    last brace belongs to the top-level object, so that tail can only be the
+    row's own keys. Any other layout is parsed in full.
+    """
+    start = line.rfind(_KEY_TAIL)
+    match = _KEY_TAIL_PATTERN.fullmatch(line, start) if start >= 0 else None
+    if match is None:
+        row = orjson.loads(line)
+        return rollout_key(row[TASK_INDEX], row[ROLLOUT_INDEX])
+    return rollout_key(int(match[1]), int(match[2]))
 
 
 def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:

@@ -148,7 +148,9 @@ class CliProcess:
         return self.proc.returncode is not None
 
     def events(self) -> list[dict[str, Any]]:
-        return log_events(b"".join(self.stderr).decode())
+        """The JSON log events so far; a line cut by a kill is left out."""
+        whole = [line for line in self.stderr if line.endswith(b"\n")]
+        return log_events(b"".join(whole).decode())
 
     def saw(self, event: str) -> bool:
         needle = f'"event":"{event}"'.encode()
