@@ -27,9 +27,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py
+	$(BIN)/python bench/loop_lag.py
+	$(BIN)/python bench/resume_startup.py
+	$(BIN)/python bench/capture_overhead.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
+	$(BIN)/python bench/loop_lag.py --smoke
+	$(BIN)/python bench/resume_startup.py --smoke
+	$(BIN)/python bench/capture_overhead.py --calls 300 --stream-calls 100 --rows 200
 
 clean:
 	rm -rf $(VENV) demo-output
