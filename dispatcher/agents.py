@@ -8,6 +8,7 @@ dispatcher's point of view. Nothing here raises for an agent's misbehaviour.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, NO_PERSIST
 REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
 BODY_EXCERPT_BYTES = 8000
 BODY_EXCERPT_CHARS = 2000
+# No per-rollout timeout: skip building a timeout scope for every call.
+_NO_TIMEOUT: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
 
 
 @dataclass
@@ -117,13 +120,16 @@ class AgentClient:
         self, replica: Replica, body: dict[str, Any], timeout_s: float | None
     ) -> tuple[int, bytes, Failure | None]:
         try:
-            async with asyncio.timeout(timeout_s):
-                async with self._session.post(
+            deadline = _NO_TIMEOUT if timeout_s is None else asyncio.timeout(timeout_s)
+            async with (
+                deadline,
+                self._session.post(
                     replica.run_url,
                     data=orjson.dumps(body),
                     headers={"Content-Type": "application/json"},
-                ) as resp:
-                    return resp.status, await resp.read(), None
+                ) as resp,
+            ):
+                return resp.status, await resp.read(), None
         except TimeoutError as exc:
             message = f"no answer from {replica.url} within {timeout_s} s"
             return 0, b"", _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)

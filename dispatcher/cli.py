@@ -16,6 +16,7 @@ import structlog
 from dispatcher import __version__
 from dispatcher.config import RunSettings, load_settings, parse_agent_flags
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode
+from dispatcher.telemetry.logs import configure_logging, flush_logs
 
 # Flags of `run` that map one-to-one onto RunSettings keys (values validated there).
 _RUN_FLAGS: dict[str, str] = {
@@ -120,8 +121,6 @@ def _json_flag(flag: str, value: str) -> Any:
 async def _run_command(args: argparse.Namespace) -> int:
     from dispatcher.ops.shard import resolve_shard
     from dispatcher.service import Dispatcher
-    from dispatcher.telemetry.logs import configure_logging
-
     settings = load_settings(run_flag_values(args))
     configure_logging(settings.log_format, level=settings.log_level)
     shard = resolve_shard(settings.shard, os.environ)
@@ -156,8 +155,6 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dispatcher.telemetry.logs import configure_logging
-
     # Logs go to stderr: server commands print their URL on stdout for scripts.
     configure_logging(None)
     try:
@@ -166,11 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = _run_async(result)
         return int(result)
     except DispatcherError as exc:
+        flush_logs()
         sys.stderr.write(f"error: {exc}\n")
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return int(ExitCode.RESUMABLE)
     except Exception as exc:
         structlog.get_logger("dispatcher").exception("unexpected_error")
+        flush_logs()
         sys.stderr.write(f"error: unexpected {type(exc).__name__}: {exc}\n")
         return int(ExitCode.UNEXPECTED)

@@ -10,6 +10,7 @@ the same memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from enum import StrEnum
@@ -49,7 +50,12 @@ class Admission(StrEnum):
 
 
 class RolloutPool:
-    """Owns the in-flight set: at most ``concurrency`` rollouts run at once."""
+    """Owns the agent slots: at most ``concurrency`` rollouts talk to agents at once.
+
+    A rollout holds its slot from admission until it calls ``leave`` (once its
+    agent has answered) or its task ends, whichever comes first; the rest of
+    its task (the commit) no longer counts against the agents' concurrency.
+    """
 
     def __init__(
         self,
@@ -63,6 +69,8 @@ class RolloutPool:
         self._drain_margin = drain_margin
         self._run = run
         self.in_flight: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def admit(self, rollout: Rollout) -> Admission:
         """Wait for a slot, then start the rollout or drain it."""
@@ -74,27 +82,40 @@ class RolloutPool:
             return Admission.DRAINED
         task = asyncio.create_task(self._run(rollout), name=f"rollout:{rollout.rollout_id}")
         self.in_flight.add(task)
+        self._idle.clear()
         task.add_done_callback(self._finished)
         return Admission.STARTED
 
+    def leave(self) -> None:
+        """Called by a rollout's own task: its agent has answered, free the slot."""
+        task = asyncio.current_task()
+        if task in self.in_flight:
+            self._release(task)
+
     def _finished(self, task: asyncio.Task[None]) -> None:
-        self.in_flight.discard(task)
-        self._release_slot()
+        if task in self.in_flight:
+            self._release(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("rollout_task_crashed", task=task.get_name(), exc_info=task.exception())
+
+    def _release(self, task: asyncio.Task[None]) -> None:
+        self.in_flight.discard(task)
+        self._release_slot()
+        if not self.in_flight:
+            self._idle.set()
 
     def _release_slot(self) -> None:
         if self._slots is not None:
             self._slots.release()
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait for every in-flight rollout; True when none is left."""
-        if self.in_flight:
-            await asyncio.wait(set(self.in_flight), timeout=timeout_s)
+        """Wait until no rollout holds a slot; True when none does."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
         return not self.in_flight
 
     async def cancel_all(self, reason: str) -> int:
-        """Cancel what is still running; cancelled rollouts write no row."""
+        """Cancel the rollouts still waiting on an agent; they write no row."""
         tasks = set(self.in_flight)
         for task in tasks:
             task.cancel(reason)

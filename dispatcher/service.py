@@ -27,6 +27,7 @@ from aiohttp import web
 
 from dispatcher import __version__
 from dispatcher.agents import AgentClient, Attempt
+from dispatcher.capture.finalize import attach_capture, clear_rollout_captures
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.latency import DispatchLatencyTracker
@@ -37,6 +38,7 @@ from dispatcher.scheduler import Admission, Budget, RolloutPool
 from dispatcher.store import RowWriter, write_json_atomic
 from dispatcher.tasks import Rollout, materialized_key
 from dispatcher.telemetry.lag import LoopLagMonitor
+from dispatcher.telemetry.logs import flush_logs
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.progress import ProgressLine, estimate_eta_s, progress_fields
 from dispatcher.telemetry.server import parse_listen, start_http_server
@@ -44,6 +46,7 @@ from dispatcher.telemetry.server import parse_listen, start_http_server
 log = structlog.get_logger("dispatcher.run")
 
 READ_BATCH_ROWS = 512
+START_BURST = 8
 QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
 
@@ -77,6 +80,9 @@ class Dispatcher:
         self._sigint_count = 0
         self._dispatch_started: float | None = None
         self._dispatch_ended: float | None = None
+        # Bound once, after logging is configured: the module-level proxy
+        # would rebuild a logger on every call of the per-rollout hot path.
+        self._log = log.bind()
 
     # ---- the table of contents -------------------------------------------------
 
@@ -169,14 +175,18 @@ class Dispatcher:
     # ---- producing rollouts ----------------------------------------------------
 
     async def _produce(self) -> None:
+        started = 0
         async for rollout in self._pending_rollouts():
             if self._stop_requested.is_set():
                 return
             if await self._pool.admit(rollout) is Admission.DRAINED:
                 self._record_drained(rollout)
-            else:
-                # Yield after each start: starting hundreds of rollouts in one
-                # loop iteration would stall every other rollout's I/O.
+                continue
+            started += 1
+            if started % START_BURST == 0:
+                # Starting hundreds of rollouts in one loop iteration (at
+                # startup, or when many slots free at once) would stall every
+                # other rollout's I/O: yield between small bursts.
                 await asyncio.sleep(0)
 
     async def _pending_rollouts(self) -> AsyncIterator[Rollout]:
@@ -195,8 +205,6 @@ class Dispatcher:
     async def _clear_captures(self, batch: list[Rollout]) -> None:
         if self.settings.capture_dir is None or not batch:
             return
-        from dispatcher.capture.finalize import clear_rollout_captures
-
         await clear_rollout_captures(self.settings.capture_dir, [r.rollout_id for r in batch])
 
     def _drain_margin(self) -> float | None:
@@ -214,21 +222,28 @@ class Dispatcher:
         except asyncio.CancelledError:
             self._record(rollout, Outcome.CANCELLED, time.perf_counter() - started)
             raise
-        # The commit is its own task: the concurrency slot is for the agent, so
-        # it frees as soon as the agent has answered, while the row waits for its
-        # capture and group commit. A shutdown never cancels a commit, so an
-        # answer is not lost between the agent and the file. The commit slots
-        # bound that backlog (backpressure if the disk stalls).
-        await self._commit_slots.acquire()
-        commit = asyncio.create_task(self._commit(rollout, attempt))
-        self._commits.add(commit)
-        commit.add_done_callback(self._commit_done)
-
-    def _commit_done(self, commit: asyncio.Task[None]) -> None:
-        self._commits.discard(commit)
-        self._commit_slots.release()
-        if not commit.cancelled() and commit.exception() is not None:
-            self._fail(DispatcherError(f"commit failed: {commit.exception()!r}"))
+        # The slot is for the agent: it frees as soon as the agent has answered,
+        # while the row waits for its capture and group commit. A shutdown only
+        # cancels rollouts still holding a slot, so an answer is never lost
+        # between the agent and the file. Commit slots bound that backlog
+        # (backpressure if the disk stalls).
+        try:
+            await self._commit_slots.acquire()
+        except asyncio.CancelledError:
+            self._record(rollout, Outcome.CANCELLED, attempt.duration_s, attempt)
+            raise
+        task = asyncio.current_task()
+        assert task is not None
+        self._commits.add(task)
+        self._pool.leave()
+        try:
+            await self._commit(rollout, attempt)
+        except Exception as exc:
+            self._fail(DispatcherError(f"committing {rollout.rollout_id} failed: {exc!r}"))
+            raise
+        finally:
+            self._commits.discard(task)
+            self._commit_slots.release()
 
     async def _commit(self, rollout: Rollout, attempt: Attempt) -> None:
         row = build_row(rollout, attempt)
@@ -249,8 +264,6 @@ class Dispatcher:
     async def _attach_capture(
         self, rollout: Rollout, attempt: Attempt, row: dict[str, Any]
     ) -> dict[str, Any]:
-        from dispatcher.capture.finalize import attach_capture
-
         assert self.settings.capture_dir is not None
         summary = await attach_capture(
             row,
@@ -286,7 +299,7 @@ class Dispatcher:
         if final:
             self._final_this_run += 1
         self.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
-        log.info(
+        self._log.info(
             "rollout_finished",
             rollout_id=rollout.rollout_id,
             task_index=rollout.task_index,
@@ -339,6 +352,7 @@ class Dispatcher:
             if writer is not None:
                 writer.io_lock.acquire(timeout=5)
         log.warning("exit_now", reason="second SIGINT")
+        flush_logs()
         os._exit(ExitCode.RESUMABLE)
 
     def _fail(self, error: DispatcherError) -> None:

@@ -166,7 +166,7 @@ class RowWriter:
         if self._error is not None:
             raise self._error
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((orjson.dumps(row) + b"\n", future))
+        self._pending.append((orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE), future))
         self._wakeup.set()
         await future
 

@@ -8,6 +8,9 @@ so an "exception was never retrieved" shows up in the JSON stream too.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import contextlib
 import logging
 import sys
 from typing import Any, Literal, TextIO, cast
@@ -67,6 +70,8 @@ def configure_logging(
     out: TextIO = stream
     if resolved == "json":
         renderer = [structlog.processors.dict_tracebacks, _first_keys, _json_renderer()]
+        if stream is sys.stderr:
+            out = _coalescing_stderr()
     else:
         renderer = [structlog.dev.ConsoleRenderer(colors=is_terminal(stream))]
         if is_terminal(stream):
@@ -82,6 +87,65 @@ def configure_logging(
     _route_stdlib(out, shared, renderer)
     set_console_stream(stream if resolved == "console" else None)
     return resolved
+
+
+class _CoalescingStream:
+    """stderr for JSON lines, flushed at most every 50 ms while an event loop runs.
+
+    A write(2) per line costs more than rendering the line, at thousands of
+    rollouts a second; coalesced, lines still reach a tailed file within
+    50 ms. Without a running loop (startup, errors) every line is flushed at
+    once, and whatever is buffered is flushed at exit.
+    """
+
+    _DELAY_S = 0.05
+
+    def __init__(self, raw: TextIO) -> None:
+        self._raw = raw
+        self._scheduled = False
+
+    def write(self, text: str) -> int:
+        return self._raw.write(text)
+
+    def flush(self) -> None:
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._raw.flush()
+            return
+        self._scheduled = True
+        loop.call_later(self._DELAY_S, self.flush_now)
+
+    def flush_now(self) -> None:
+        self._scheduled = False
+        with contextlib.suppress(ValueError, OSError):
+            self._raw.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+_coalescing: _CoalescingStream | None = None
+
+
+def _coalescing_stderr() -> TextIO:
+    global _coalescing
+    if _coalescing is None:
+        # Its own buffer on fd 2: sys.stderr is line-buffered, one write per line.
+        raw = open(  # noqa: SIM115 - lives as long as the process
+            sys.stderr.fileno(), "w", buffering=1 << 16, encoding="utf-8", closefd=False
+        )
+        _coalescing = _CoalescingStream(raw)
+        atexit.register(_coalescing.flush_now)
+    return cast(TextIO, _coalescing)
+
+
+def flush_logs() -> None:
+    """Write out buffered log lines now (before other output on stderr)."""
+    if _coalescing is not None:
+        _coalescing.flush_now()
 
 
 def reset_logging() -> None:
