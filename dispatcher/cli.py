@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 import time
@@ -128,12 +129,29 @@ async def _run_command(args: argparse.Namespace) -> int:
         settings = settings.model_copy(
             update={"shard": str(shard), "output": shard.output_for(settings.output)}
         )
+    _tune_gc()
     dispatcher = Dispatcher(
         settings,
         budget_s=_budget_seconds(settings),
         shard_filter=shard.contains if shard is not None else None,
     )
     return int(await dispatcher.run())
+
+
+def _tune_gc() -> None:
+    """Make the cyclic GC rare: its pauses, not our code, were the loop's longest stalls.
+
+    A thousand rollouts in flight keep ~100k young container objects alive;
+    with the default threshold (700 net allocations) the collector runs
+    hundreds of times a second and its generation-1/2 passes stall the loop
+    for 5-25 ms. Nearly everything a rollout allocates is freed by reference
+    counting, so collecting young objects every 50,000 net allocations, and
+    the old generation far more rarely, loses nothing but pauses. Objects
+    alive after imports and setup are frozen out of every pass.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
 
 
 def _budget_seconds(settings: RunSettings) -> float | None:

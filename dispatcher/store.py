@@ -241,11 +241,18 @@ class RowWriter:
         return self._error
 
 
+# Rows acknowledged per loop iteration: each wakes a commit that logs and
+# counts its rollout, and a whole batch at once would stall the loop.
+SETTLE_CHUNK = 32
+
+
 def _settle(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
-    for future in futures:
+    for future in futures[:SETTLE_CHUNK]:
         if future.done():
             continue
         if error is None:
             future.set_result(None)
         else:
             future.set_exception(error)
+    if len(futures) > SETTLE_CHUNK:
+        asyncio.get_running_loop().call_soon(_settle, futures[SETTLE_CHUNK:], error)
