@@ -40,7 +40,7 @@ def one_run(work: Path, tasks: Path, url: str, concurrency: int, tag: str) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rollouts", type=int, default=30_000)
+    parser.add_argument("--rollouts", type=int, default=60_000)
     parser.add_argument("--latency-s", type=float, default=0.05)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--smoke", action="store_true")
