@@ -53,7 +53,9 @@ _SWITCHES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dispatcher", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="dispatcher", description="Run the rollout side of LLM reinforcement-learning jobs."
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
@@ -62,26 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMAND_MODULES = (
-    "dispatcher.sim.agent",
-    "dispatcher.sim.model",
-    "dispatcher.capture.proxy",
-    "dispatcher.ops.status",
-    "dispatcher.ops.report",
-    "dispatcher.ops.merge",
-)
-
-
 def _command_modules() -> list[Any]:
-    import importlib
+    from dispatcher.capture import proxy
+    from dispatcher.ops import merge, report, status
+    from dispatcher.sim import agent, model
 
-    modules = []
-    for name in _COMMAND_MODULES:
-        try:  # TODO(lead): drop once every command module has landed
-            modules.append(importlib.import_module(name))
-        except ModuleNotFoundError:
-            continue
-    return modules
+    return [agent, model, proxy, status, report, merge]
 
 
 def _add_run_parser(sub: Any) -> None:
@@ -122,6 +110,7 @@ def _json_flag(flag: str, value: str) -> Any:
 async def _run_command(args: argparse.Namespace) -> int:
     from dispatcher.ops.shard import resolve_shard
     from dispatcher.service import Dispatcher
+
     settings = load_settings(run_flag_values(args))
     configure_logging(settings.log_format, level=settings.log_level)
     shard = resolve_shard(settings.shard, os.environ)
