@@ -150,8 +150,10 @@ class Dispatcher:
         self.state = "shutting_down"
         # 1. Let in-flight rollouts finish within the grace period; cancel the rest
         #    (no row: they run on resume).
+        # After a fatal error (a failed write) nothing more can be written: no grace.
+        grace_s = 0.0 if self._fatal is not None else self.settings.shutdown_grace_s
         pool = getattr(self, "_pool", None)
-        if pool is not None and not await pool.wait_idle(self.settings.shutdown_grace_s):
+        if pool is not None and not await pool.wait_idle(grace_s):
             cancelled = await pool.cancel_all("shutdown grace period ended")
             log.warning("rollouts_cancelled", count=cancelled, reason="shutdown grace ended")
         # 2. Commits under way are never cancelled: wait for them.
