@@ -83,6 +83,13 @@ class Dispatcher:
         # Bound once, after logging is configured: the module-level proxy
         # would rebuild a logger on every call of the per-rollout hot path.
         self._log = log.bind()
+        # Parts made during startup; None until then (a signal or an error can
+        # come before they exist).
+        self._http: web.AppRunner | None = None
+        self._pool: RolloutPool | None = None
+        self._agents: AgentClient | None = None
+        self._writers: tuple[RowWriter, ...] = ()
+        self._lag = LoopLagMonitor(self.metrics)
 
     # ---- the table of contents -------------------------------------------------
 
@@ -114,8 +121,9 @@ class Dispatcher:
         self._agents = AgentClient(self.settings.agents, self._session)
         self._output = RowWriter(prepared.paths.output, self.settings.fsync, **self._batching())
         self._failures = RowWriter(prepared.paths.failures, self.settings.fsync, **self._batching())
-        self._output.open()
-        self._failures.open()
+        self._writers = (self._output, self._failures)
+        for writer in self._writers:
+            writer.open()
         await self._start_telemetry()
         log.info(
             "run_started",
@@ -152,7 +160,7 @@ class Dispatcher:
         #    (no row: they run on resume).
         # After a fatal error (a failed write) nothing more can be written: no grace.
         grace_s = 0.0 if self._fatal is not None else self.settings.shutdown_grace_s
-        pool = getattr(self, "_pool", None)
+        pool = self._pool
         if pool is not None and not await pool.wait_idle(grace_s):
             cancelled = await pool.cancel_all("shutdown grace period ended")
             log.warning("rollouts_cancelled", count=cancelled, reason="shutdown grace ended")
@@ -177,11 +185,13 @@ class Dispatcher:
     # ---- producing rollouts ----------------------------------------------------
 
     async def _produce(self) -> None:
+        pool = self._pool
+        assert pool is not None
         started = 0
         async for rollout in self._pending_rollouts():
             if self._stop_requested.is_set():
                 return
-            if await self._pool.admit(rollout) is Admission.DRAINED:
+            if await pool.admit(rollout) is Admission.DRAINED:
                 self._record_drained(rollout)
                 continue
             started += 1
@@ -215,6 +225,7 @@ class Dispatcher:
     # ---- one rollout -----------------------------------------------------------
 
     async def _run_rollout(self, rollout: Rollout) -> None:
+        assert self._agents is not None and self._pool is not None
         self.metrics.rollout_started(rollout.agent)
         started = time.perf_counter()
         try:
@@ -349,10 +360,8 @@ class Dispatcher:
 
     def _exit_now(self) -> None:
         # Take each writer's I/O lock so no batch is cut half-way, then leave.
-        for name in ("_output", "_failures"):
-            writer: RowWriter | None = getattr(self, name, None)  # None while starting up
-            if writer is not None:
-                writer.io_lock.acquire(timeout=5)
+        for writer in self._writers:
+            writer.io_lock.acquire(timeout=5)
         log.warning("exit_now", reason="second SIGINT")
         flush_logs()
         os._exit(ExitCode.RESUMABLE)
@@ -394,7 +403,7 @@ class Dispatcher:
         remaining = self.remaining()
         rate = self.metrics.rollouts_per_hour()
         latency = {f"p{int(q * 100)}": self.tracker.quantile(q) for q in QUANTILES}
-        in_flight = len(self._pool.in_flight) if hasattr(self, "_pool") else 0
+        in_flight = len(self._pool.in_flight) if self._pool is not None else 0
         return {
             "run_id": prepared.manifest["run_id"] if prepared else None,
             "state": self.state,
@@ -412,7 +421,7 @@ class Dispatcher:
             "drain_margin_s": self._drain_margin(),
             "budget_remaining_s": self._budget.remaining_s(),
             "eta_s": estimate_eta_s(remaining, rate),
-            "in_flight_by_agent": self._agents.in_flight() if hasattr(self, "_agents") else {},
+            "in_flight_by_agent": self._agents.in_flight() if self._agents is not None else {},
             "drained": self.tracker.drained,
         }
 
@@ -429,7 +438,7 @@ class Dispatcher:
             },
             "elapsed_s": round(elapsed_s, 3),
             "dispatch_s": round(dispatch_s, 3),
-            "event_loop_lag_p99_s": self._lag.p99_s() if hasattr(self, "_lag") else None,
+            "event_loop_lag_p99_s": self._lag.p99_s(),
             "peak_rss_mb": peak_rss_mb(),
             **self.tracker.summary(),
         }
@@ -451,7 +460,6 @@ class Dispatcher:
         }
 
     async def _start_http(self) -> None:
-        self._http: web.AppRunner | None = None
         listen = parse_listen(self.settings.metrics_listen)
         if listen is None:
             return
@@ -473,7 +481,6 @@ class Dispatcher:
 
     async def _start_telemetry(self) -> None:
         self.metrics.declare_agents(self.settings.agents)
-        self._lag = LoopLagMonitor(self.metrics)
         await self._lag.start()
         self._progress_line = ProgressLine(enabled=self.settings.log_format == "console" or None)
         await self._progress_line.start(self.status)
