@@ -71,14 +71,22 @@ def _digest(data: Any) -> str:
 def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | None) -> PreparedRun:
     """Lock, materialize, check identity, repair and load state (blocking)."""
     paths = OutputPaths.for_output(settings.output)
-    _ensure_output_dir(paths.output.parent)
+    folder = paths.output.parent
+    created = not folder.exists()
+    _ensure_output_dir(folder)
     lock = RunLock(paths.lock)
-    lock.acquire()
     try:
-        return _prepare_locked(settings, paths, lock, shard_filter)
+        lock.acquire()
+        try:
+            return _prepare_locked(settings, paths, lock, shard_filter)
+        except BaseException:
+            lock.release(remove=lock.created)
+            raise
     except BaseException:
-        # Nothing was dispatched: leave the folder as it was found.
-        lock.release(remove=lock.created)
+        # Nothing was dispatched: leave the file system as it was found.
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if still empty
         raise
 
 
