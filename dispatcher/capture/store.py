@@ -89,7 +89,11 @@ def create_claim(capture_dir: Path, rollout_id: str, name: str) -> Path:
     directory = claims_path(capture_dir, rollout_id)
     path = directory / name
     for _ in range(8):
-        directory.mkdir(parents=True, exist_ok=True)
+        # Not exist_ok=True: that re-checks is_dir() after EEXIST and raises if
+        # a release removed the directory in between. Here the open below
+        # notices a vanished directory and the loop makes it again.
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(parents=True)
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             return path
