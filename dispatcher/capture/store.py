@@ -88,7 +88,9 @@ def create_claim(capture_dir: Path, rollout_id: str, name: str) -> Path:
     """Create one claim file; durable enough for other hosts once this returns."""
     directory = claims_path(capture_dir, rollout_id)
     path = directory / name
-    for _ in range(8):
+    # Each retry means another writer's release won a race; under heavy load
+    # that can happen a few times in a row, never indefinitely.
+    for _ in range(64):
         # Not exist_ok=True: that re-checks is_dir() after EEXIST and raises if
         # a release removed the directory in between. Here the open below
         # notices a vanished directory and the loop makes it again.
