@@ -43,6 +43,25 @@ def rollout_key(task_index: int, rollout_index: int) -> int:
     return (task_index << _ROLLOUT_BITS) | rollout_index
 
 
+def task_of(key: int) -> int:
+    return key >> _ROLLOUT_BITS
+
+
+def key_label(key: int) -> str:
+    """The default rollout id of a key (DESIGN A2), for messages."""
+    return f"{key >> _ROLLOUT_BITS}-{key & ((1 << _ROLLOUT_BITS) - 1)}"
+
+
+def row_key(row: dict[str, Any] | None) -> int | None:
+    """``rollout_key`` of a row's (task, rollout) identity, or None without a valid one."""
+    if row is None:
+        return None
+    task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
+    if type(task) is not int or type(rollout) is not int or task < 0 or rollout < 0:
+        return None
+    return rollout_key(task, rollout)
+
+
 @dataclass(frozen=True)
 class OutputPaths:
     """The file set of one run, named after its ``--output X.jsonl`` (DESIGN A4)."""
@@ -168,6 +187,15 @@ class RunState:
             or self.failed_attempts[key] >= self.max_attempts
         )
 
+    def add_failure(self, key: int, row: dict[str, Any]) -> str:
+        """Count one failure row (one spent attempt); returns its class."""
+        failure_class = str(row.get(FAILURE_CLASS))
+        self.failed_attempts[key] += 1
+        self.failure_classes[failure_class] += 1
+        if row.get(FAILURE_TERMINAL) is True:
+            self.terminal.add(key)
+        return failure_class
+
     def attempt_index(self, key: int) -> int:
         """The next attempt's index: the number of earlier failed attempts."""
         return self.failed_attempts.get(key, 0)
@@ -182,29 +210,19 @@ class RunState:
         )
 
 
-def _row_key(row: dict[str, Any]) -> int | None:
-    task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
-    if type(task) is not int or type(rollout) is not int:
-        return None
-    return rollout_key(task, rollout)
-
-
 def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
     """Read successes and failures back (blocking: call it in a thread)."""
     state = RunState(max_attempts=max_attempts)
     for _, row in iter_rows(paths.output):
-        key = _row_key(row) if row is not None else None
+        key = row_key(row)
         if key is None:
             state.unreadable_rows += 1
             continue
         state.successes.add(key)
     for _, row in iter_rows(paths.failures):
-        key = _row_key(row) if row is not None else None
+        key = row_key(row)
         if row is None or key is None:
             state.unreadable_rows += 1
             continue
-        state.failed_attempts[key] += 1
-        state.failure_classes[str(row.get(FAILURE_CLASS))] += 1
-        if row.get(FAILURE_TERMINAL) is True:
-            state.terminal.add(key)
+        state.add_failure(key, row)
     return state

@@ -38,18 +38,11 @@ import orjson
 
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.ops.args import positive_int
-from dispatcher.ops.runfiles import (
-    iter_lines,
-    key_label,
-    lock_status,
-    read_manifest,
-    row_key,
-    task_of,
-)
+from dispatcher.ops.runfiles import iter_lines, lock_status, read_manifest
 from dispatcher.ops.shard import Shard, shard_of_output
-from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for, note_failure
+from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for
 from dispatcher.ops.table import format_table
-from dispatcher.state import OutputPaths, RunState
+from dispatcher.state import OutputPaths, RunState, key_label, row_key, task_of
 
 SAMPLE = 20
 
@@ -341,7 +334,7 @@ def _copy_failures(
                 f"{paths.failures}: rollout {key_label(key)} was not materialized by this shard"
             )
             continue
-        note_failure(state, key, row)
+        state.add_failure(key, row)
         out.failures.write(_line(raw))
 
 

@@ -36,11 +36,11 @@ from typing import Any
 import orjson
 
 from dispatcher.ops.args import positive_float, positive_int
-from dispatcher.ops.runfiles import agent_name, read_manifest, require_run, row_key, task_of
-from dispatcher.ops.status import Standing, max_attempts_for, note_failure, standing
+from dispatcher.ops.runfiles import agent_name, read_manifest, require_run
+from dispatcher.ops.status import Standing, max_attempts_for, standing
 from dispatcher.ops.table import format_table, utc_time
 from dispatcher.outcome import Outcome
-from dispatcher.state import OutputPaths, RunState, iter_rows
+from dispatcher.state import OutputPaths, RunState, iter_rows, row_key, task_of
 
 DISPATCH = "_ng_dispatch"
 LIMIT_FRACTION = 0.99
@@ -134,7 +134,7 @@ def collect(paths: OutputPaths, max_attempts: int) -> ReportData:
         key = row_key(row)
         if row is None or key is None:
             continue
-        failure_class = note_failure(state, key, row)
+        failure_class = state.add_failure(key, row)
         data.attempts.add(row, _FAILURE, failure_class == Outcome.TIMEOUT_EXCEEDED)
     _collect_tasks(paths, state, data)
     return data

@@ -22,16 +22,12 @@ import orjson
 from dispatcher.errors import ConfigError
 from dispatcher.state import (
     AGENT_REF,
-    ROLLOUT_INDEX,
-    TASK_INDEX,
     OutputPaths,
     last_line_start,
-    rollout_key,
 )
 from dispatcher.state import iter_lines as state_lines
 
 NO_AGENT = "<none>"
-_ROLLOUT_MASK = (1 << 24) - 1
 # Slack for file-system timestamps (coarse or set by a file server's clock)
 # when comparing them with the manifest's ``last_run.finished_at``.
 _MTIME_SLACK_S = 2.0
@@ -46,25 +42,6 @@ def require_run(output: Path) -> OutputPaths:
             "(the run has not materialized its inputs yet, or OUTPUT names another file)"
         )
     return paths
-
-
-def row_key(row: dict[str, Any] | None) -> int | None:
-    """``rollout_key`` of a row's (task, rollout) identity, or None without a valid one."""
-    if row is None:
-        return None
-    task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
-    if type(task) is not int or type(rollout) is not int or task < 0 or rollout < 0:
-        return None
-    return rollout_key(task, rollout)
-
-
-def task_of(key: int) -> int:
-    return key >> 24
-
-
-def key_label(key: int) -> str:
-    """The default rollout id of a key (DESIGN A2), for messages."""
-    return f"{key >> 24}-{key & _ROLLOUT_MASK}"
 
 
 def agent_name(row: dict[str, Any]) -> str:

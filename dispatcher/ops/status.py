@@ -39,11 +39,10 @@ from dispatcher.ops.runfiles import (
     lock_status,
     read_manifest,
     require_run,
-    row_key,
     tail_state,
 )
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
-from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, OutputPaths, RunState, iter_rows
+from dispatcher.state import OutputPaths, RunState, iter_rows, row_key
 
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -71,16 +70,6 @@ def standing(state: RunState, key: int) -> Standing:
     if failed >= state.max_attempts:
         return Standing.ATTEMPTS_USED_UP
     return Standing.RETRYABLE if failed else Standing.NO_ROW
-
-
-def note_failure(state: RunState, key: int, row: dict[str, Any]) -> str:
-    """Count one failure row into ``state`` as resume does; returns its class."""
-    failure_class = str(row.get(FAILURE_CLASS))
-    state.failed_attempts[key] += 1
-    state.failure_classes[failure_class] += 1
-    if row.get(FAILURE_TERMINAL) is True:
-        state.terminal.add(key)
-    return failure_class
 
 
 @dataclass
@@ -256,7 +245,7 @@ def _scan_failures(paths: OutputPaths, state: RunState, status: RunStatus) -> No
             health.unreadable += 1
             continue
         health.rows += 1
-        failure_class = note_failure(state, key, row)
+        failure_class = state.add_failure(key, row)
         _agent(status, agent_name(row)).failures_by_class[failure_class] += 1
     _settle(health)
 
