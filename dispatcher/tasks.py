@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import orjson
 import structlog
 
-from dispatcher.capture.store import MAX_ROLLOUT_ID_LEN
+from dispatcher.capture.store import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN, ROLLOUT_ID_RE
 from dispatcher.errors import ConfigError
 from dispatcher.state import (
     AGENT_REF,
@@ -36,7 +36,6 @@ from dispatcher.state import (
 log = structlog.get_logger(__name__)
 
 RESPONSES_CREATE_PARAMS = "responses_create_params"
-ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # The id names capture files and URL paths: leave room for a "-aN" retry suffix.
 MAX_OWN_ROLLOUT_ID_LEN = MAX_ROLLOUT_ID_LEN - len("-a99999999")
 DEFAULT_REPEATS_KEY = "_default"
@@ -265,10 +264,8 @@ class Materializer:
 
 
 def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
-    if not isinstance(value, str) or not ROLLOUT_ID_PATTERN.fullmatch(value):
-        raise ConfigError(
-            f"{where}: {ROLLOUT_ID} {value!r} must match {ROLLOUT_ID_PATTERN.pattern}"
-        )
+    if not isinstance(value, str) or not ROLLOUT_ID_RE.fullmatch(value):
+        raise ConfigError(f"{where}: {ROLLOUT_ID} {value!r} must match {ROLLOUT_ID_PATTERN}")
     if len(value) > MAX_OWN_ROLLOUT_ID_LEN:
         raise ConfigError(
             f"{where}: {ROLLOUT_ID} is {len(value)} characters; at most "

@@ -55,7 +55,7 @@ log = structlog.get_logger(__name__)
 
 # Same language as DESIGN A2; fullmatch, because ``$`` would let a trailing newline through.
 ROLLOUT_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
-_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+ROLLOUT_ID_RE = re.compile(ROLLOUT_ID_PATTERN.strip("^$"))
 # Longer ids cannot name a file on common filesystems (255 bytes with the suffix).
 MAX_ROLLOUT_ID_LEN = 200
 CLAIMS_DIR = "claims"
@@ -66,7 +66,7 @@ _T = TypeVar("_T")
 
 def is_valid_rollout_id(value: str) -> bool:
     """True for ids that may name capture files (A2); everything else is refused."""
-    return len(value) <= MAX_ROLLOUT_ID_LEN and _ROLLOUT_ID.fullmatch(value) is not None
+    return len(value) <= MAX_ROLLOUT_ID_LEN and ROLLOUT_ID_RE.fullmatch(value) is not None
 
 
 def capture_path(capture_dir: Path, rollout_id: str) -> Path:

@@ -23,6 +23,8 @@ import orjson
 from aiohttp import web
 
 from dispatcher.serving import serve_until_signal
+from dispatcher.sim.model_client import agent_trajectory, call_model
+from dispatcher.tasks import rollout_id_for
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,6 @@ async def _answer(
     calls = await _call_model(request, config, row)
     result = _result(row, config.reward_p, rng, calls)
     if config.agent_trajectory and calls:
-        from dispatcher.sim.model_client import agent_trajectory
-
         result["ng_trajectory"] = agent_trajectory(
             task_id=row["_ng_task_index"],
             rollout_id=_rollout_id(row),
@@ -146,8 +146,6 @@ async def _call_model(
 ) -> list[Any]:
     if not config.model_url or config.model_calls <= 0:
         return []
-    from dispatcher.sim.model import call_model  # imported late: capture is optional
-
     rollout_id = _rollout_id(row)
     session = request.app[SESSION_KEY]
     return [
@@ -163,8 +161,6 @@ async def _call_model(
 
 
 def _rollout_id(row: dict[str, Any]) -> str:
-    from dispatcher.tasks import rollout_id_for
-
     return rollout_id_for(row, int(row.get("_ng_attempt_index", 0)))
 
 

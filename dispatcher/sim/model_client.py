@@ -15,16 +15,12 @@ from typing import Any
 import aiohttp
 import orjson
 
+from dispatcher.capture.records import DIALECT_BY_PATH
 from dispatcher.capture.streams import reassemble
 
 JsonObject = dict[str, Any]
 
-DIALECT_PATHS = {
-    "chat": "/v1/chat/completions",
-    "responses": "/v1/responses",
-    "messages": "/v1/messages",
-    "completions": "/v1/completions",
-}
+DIALECT_PATHS = {dialect: path for path, dialect in DIALECT_BY_PATH.items()}
 
 
 class ModelCallError(Exception):
