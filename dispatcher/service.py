@@ -18,14 +18,13 @@ import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 import aiohttp
 import orjson
 import structlog
 from aiohttp import web
 
-from dispatcher import __version__
 from dispatcher.agents import AgentClient, Attempt
 from dispatcher.capture.finalize import attach_capture, clear_rollout_captures
 from dispatcher.config import RunSettings
@@ -35,6 +34,7 @@ from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.rows import build_row, is_terminal
 from dispatcher.scheduler import Admission, Budget, RolloutPool
+from dispatcher.state import RunState
 from dispatcher.store import RowWriter, write_json_atomic
 from dispatcher.tasks import Rollout, materialized_key
 from dispatcher.telemetry.lag import LoopLagMonitor
@@ -173,8 +173,9 @@ class Dispatcher:
         await self._session.close()
         # 4. Record this hop in the manifest and tell the operator.
         self.state = "finished"
-        await asyncio.to_thread(self._write_last_run)
-        log.info("run_summary", **self.summary())
+        summary = self.summary()
+        await asyncio.to_thread(self._write_last_run, summary)
+        log.info("run_summary", **summary)
         # 5. Stop serving metrics last, so a final scrape can see the end state.
         for task in self._background:
             await _cancel(task)
@@ -402,7 +403,6 @@ class Dispatcher:
         expected = prepared.materialized.rollouts if prepared else None
         remaining = self.remaining()
         rate = self.metrics.rollouts_per_hour()
-        latency = {f"p{int(q * 100)}": self.tracker.quantile(q) for q in QUANTILES}
         in_flight = len(self._pool.in_flight) if self._pool is not None else 0
         return {
             "run_id": prepared.manifest["run_id"] if prepared else None,
@@ -417,13 +417,16 @@ class Dispatcher:
             },
             "outcomes": dict(self.outcomes),
             "rollouts_per_hour": rate,
-            "latency_s": latency,
+            "latency_s": self._latency_quantiles(),
             "drain_margin_s": self._drain_margin(),
             "budget_remaining_s": self._budget.remaining_s(),
             "eta_s": estimate_eta_s(remaining, rate),
             "in_flight_by_agent": self._agents.in_flight() if self._agents is not None else {},
             "drained": self.tracker.drained,
         }
+
+    def _latency_quantiles(self) -> dict[str, float | None]:
+        return {f"p{int(q * 100)}": self.tracker.quantile(q) for q in QUANTILES}
 
     def summary(self) -> dict[str, Any]:
         elapsed_s = time.monotonic() - self._started_monotonic
@@ -433,9 +436,7 @@ class Dispatcher:
             "outcomes": dict(self.outcomes),
             "remaining": self.remaining(),
             "rollouts_per_hour": successes / dispatch_s * 3600.0 if dispatch_s > 0 else 0.0,
-            "latency_s": {
-                f"p{int(q * 100)}": self.tracker.quantile(q) for q in (0.5, 0.75, 0.95, 0.99)
-            },
+            "latency_s": self._latency_quantiles(),
             "elapsed_s": round(elapsed_s, 3),
             "dispatch_s": round(dispatch_s, 3),
             "event_loop_lag_p99_s": self._lag.p99_s(),
@@ -515,19 +516,17 @@ class Dispatcher:
         await self._lag.stop()
         await self._stop_http()
 
-    def _write_last_run(self) -> None:
+    def _write_last_run(self, summary: dict[str, Any]) -> None:
         assert self._prepared is not None
         manifest = dict(self._prepared.manifest)
         manifest["last_run"] = {
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "exit_code": int(self._fatal.exit_code if self._fatal else self._final_exit_code()),
-            "outcomes": dict(self.outcomes),
+            # What `dispatcher status` needs to say why rollouts wrote no row.
             "drained": self.outcomes.get(Outcome.DRAINED.value, 0),
             "cancelled": self.outcomes.get(Outcome.CANCELLED.value, 0),
             "kill_shaped": self.outcomes.get(Outcome.KILL_SHAPED.value, 0),
-            "remaining": self.remaining(),
-            "dispatcher_version": __version__,
-            "summary": self.summary(),
+            "summary": summary,
         }
         write_json_atomic(self._prepared.paths.manifest, manifest)
 
@@ -545,7 +544,7 @@ def peak_rss_mb() -> float | None:
     return None
 
 
-def _read_batch(f: Any, state: Any) -> list[Rollout] | None:
+def _read_batch(f: BinaryIO, state: RunState) -> list[Rollout] | None:
     """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end."""
     batch: list[Rollout] = []
     for _ in range(READ_BATCH_ROWS * 8):
