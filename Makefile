@@ -14,15 +14,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m dispatcher.demo
+	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
-	$(BIN)/ruff check dispatcher tests bench
+	$(BIN)/ruff check dispatcher tests bench scripts
 	$(BIN)/mypy dispatcher
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check dispatcher tests bench
+	$(BIN)/ruff check dispatcher tests bench scripts
 	$(BIN)/mypy dispatcher
 
 bench: $(STAMP)

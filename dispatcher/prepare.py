@@ -77,13 +77,10 @@ def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | Non
     lock = RunLock(paths.lock)
     try:
         lock.acquire()
-        try:
-            return _prepare_locked(settings, paths, lock, shard_filter)
-        except BaseException:
-            lock.release(remove=lock.created)
-            raise
+        return _prepare_locked(settings, paths, lock, shard_filter)
     except BaseException:
         # Nothing was dispatched: leave the file system as it was found.
+        lock.release(remove=lock.created)  # a no-op when the lock was never taken
         if created:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if still empty

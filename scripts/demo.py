@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
@@ -165,9 +164,9 @@ def _show_files(out: Path) -> None:
     print(f"  a row's capture metrics: {capture.get('metrics')}")
 
 
-def _show(args: list[str], stream: IO[str] | None = None) -> None:
+def _show(args: list[str]) -> None:
     print(f"\n$ dispatcher {' '.join(args)}", flush=True)
-    subprocess.call([sys.executable, "-m", "dispatcher", *args], env=os.environ)
+    subprocess.call([sys.executable, "-m", "dispatcher", *args])
 
 
 if __name__ == "__main__":
