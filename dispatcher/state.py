@@ -87,10 +87,42 @@ class OutputPaths:
         return (self.output, self.failures, self.materialized, self.manifest, self.lock)
 
 
+class Tail(StrEnum):
+    """How a JSONL file ends."""
+
+    ABSENT = "absent"
+    OK = "ok"
+    UNTERMINATED = "unterminated"  # a whole row without its newline: resume keeps it
+    TORN = "torn"  # an unparseable last line: resume drops it
+
+
 class TailRepair(StrEnum):
     NONE = "none"
     TERMINATED = "terminated"
     DROPPED = "dropped"
+
+
+def _inspect_tail(f: BinaryIO) -> tuple[Tail, int]:
+    """How the open file ends, and where its last line starts."""
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+        return Tail.OK, 0
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+        return Tail.OK, size
+    start = last_line_start(f, size)
+    f.seek(start)
+    return (Tail.UNTERMINATED if _parses_as_object(f.read()) else Tail.TORN), start
+
+
+def tail_state(path: Path) -> Tail:
+    """How ``path`` ends, read-only (``dispatcher status``)."""
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return Tail.ABSENT
+    with f:
+        return _inspect_tail(f)[0]
 
 
 def repair_torn_tail(path: Path) -> TailRepair:
@@ -101,19 +133,15 @@ def repair_torn_tail(path: Path) -> TailRepair:
     dropped (it was never acknowledged).
     """
     try:
-        size = path.stat().st_size
+        f = path.open("rb+")
     except FileNotFoundError:
         return TailRepair.NONE
-    if size == 0:
-        return TailRepair.NONE
-    with path.open("rb+") as f:
-        start = last_line_start(f, size)
-        f.seek(start)
-        tail = f.read()
-        if tail.endswith(b"\n"):
+    with f:
+        tail, start = _inspect_tail(f)
+        if tail is Tail.OK:
             return TailRepair.NONE
-        if _parses_as_object(tail):
-            f.seek(size)
+        if tail is Tail.UNTERMINATED:
+            f.seek(0, os.SEEK_END)
             f.write(b"\n")
             repair = TailRepair.TERMINATED
         else:

@@ -16,9 +16,9 @@ import pytest
 
 from dispatcher.errors import ConfigError
 from dispatcher.ops import status as status_cmd
-from dispatcher.ops.runfiles import Tail, lock_status, tail_state
+from dispatcher.ops.runfiles import lock_status
 from dispatcher.ops.status import collect_status, render_status
-from dispatcher.state import OutputPaths
+from dispatcher.state import OutputPaths, Tail, tail_state
 
 
 def mat(task: int, rollout: int, agent: str) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from dispatcher.errors import ConfigError
 from dispatcher.state import (
     AGENT_REF,
     OutputPaths,
-    last_line_start,
 )
 from dispatcher.state import iter_lines as state_lines
 
@@ -55,36 +53,6 @@ def iter_lines(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
     """Yield ``(raw_line, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
     for _, raw, row in state_lines(path):
         yield raw, row
-
-
-class Tail(StrEnum):
-    """How a JSONL file ends, as resume's torn-tail repair would see it."""
-
-    ABSENT = "absent"
-    OK = "ok"
-    UNTERMINATED = "unterminated"  # a whole row without its newline: resume keeps it
-    TORN = "torn"  # an unparseable last line: resume drops it
-
-
-def tail_state(path: Path) -> Tail:
-    try:
-        f = path.open("rb")
-    except FileNotFoundError:
-        return Tail.ABSENT
-    with f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return Tail.OK
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return Tail.OK
-        f.seek(last_line_start(f, size))
-        tail = f.read()
-    try:
-        parsed = orjson.loads(tail)
-    except orjson.JSONDecodeError:
-        return Tail.TORN
-    return Tail.UNTERMINATED if isinstance(parsed, dict) else Tail.TORN
 
 
 @dataclass(frozen=True)

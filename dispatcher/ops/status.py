@@ -33,16 +33,14 @@ from dispatcher.ops.args import positive_int
 from dispatcher.ops.runfiles import (
     LastRun,
     LockStatus,
-    Tail,
     agent_name,
     last_run,
     lock_status,
     read_manifest,
     require_run,
-    tail_state,
 )
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
-from dispatcher.state import OutputPaths, RunState, iter_rows, row_key
+from dispatcher.state import OutputPaths, RunState, Tail, iter_rows, row_key, tail_state
 
 DEFAULT_MAX_ATTEMPTS = 3
 
