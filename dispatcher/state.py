@@ -110,7 +110,7 @@ def _inspect_tail(f: BinaryIO) -> tuple[Tail, int]:
     f.seek(size - 1)
     if f.read(1) == b"\n":
         return Tail.OK, size
-    start = last_line_start(f, size)
+    start = _last_line_start(f, size)
     f.seek(start)
     return (Tail.UNTERMINATED if _parses_as_object(f.read()) else Tail.TORN), start
 
@@ -152,7 +152,7 @@ def repair_torn_tail(path: Path) -> TailRepair:
     return repair
 
 
-def last_line_start(f: BinaryIO, size: int) -> int:
+def _last_line_start(f: BinaryIO, size: int) -> int:
     """Offset just after the last newline before the final byte (0 if none)."""
     pos = size - 1
     while pos > 0:

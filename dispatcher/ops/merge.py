@@ -38,11 +38,11 @@ import orjson
 
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.ops.args import positive_int
-from dispatcher.ops.runfiles import iter_lines, lock_status, read_manifest
+from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.shard import Shard, shard_of_output
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for
 from dispatcher.ops.table import format_table
-from dispatcher.state import OutputPaths, RunState, key_label, row_key, task_of
+from dispatcher.state import OutputPaths, RunState, iter_lines, key_label, row_key, task_of
 
 SAMPLE = 20
 
@@ -275,7 +275,7 @@ def _copy_materialized(
     paths: OutputPaths, out: AtomicSet, seen: set[int], conflicts: Conflicts, result: ShardResult
 ) -> set[int]:
     keys: set[int] = set()
-    for raw, row in iter_lines(paths.materialized):
+    for _, raw, row in iter_lines(paths.materialized):
         key = row_key(row)
         if key is None:
             result.unreadable += 1
@@ -300,7 +300,7 @@ def _copy_successes(
     conflicts: Conflicts,
     result: ShardResult,
 ) -> None:
-    for raw, row in iter_lines(paths.output):
+    for _, raw, row in iter_lines(paths.output):
         key = row_key(row)
         if key is None:
             result.unreadable += 1
@@ -324,7 +324,7 @@ def _copy_failures(
     conflicts: Conflicts,
     result: ShardResult,
 ) -> None:
-    for raw, row in iter_lines(paths.failures):
+    for _, raw, row in iter_lines(paths.failures):
         key = row_key(row)
         if row is None or key is None:
             result.unreadable += 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,7 +22,6 @@ from dispatcher.state import (
     AGENT_REF,
     OutputPaths,
 )
-from dispatcher.state import iter_lines as state_lines
 
 NO_AGENT = "<none>"
 # Slack for file-system timestamps (coarse or set by a file server's clock)
@@ -47,12 +45,6 @@ def agent_name(row: dict[str, Any]) -> str:
     if isinstance(ref, dict) and isinstance(ref.get("name"), str):
         return str(ref["name"])
     return NO_AGENT
-
-
-def iter_lines(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
-    """Yield ``(raw_line, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
-    for _, raw, row in state_lines(path):
-        yield raw, row
 
 
 @dataclass(frozen=True)
