@@ -61,7 +61,11 @@ class PreparedRun:
 
 
 def task_settings(settings: RunSettings) -> dict[str, Any]:
-    return {key: getattr(settings, key) for key in TASK_SETTINGS}
+    """The task-affecting settings as JSON values, as the manifest records them."""
+    settings_json: dict[str, Any] = orjson.loads(
+        orjson.dumps({key: getattr(settings, key) for key in TASK_SETTINGS})
+    )
+    return settings_json
 
 
 def _digest(data: Any) -> str:
@@ -199,7 +203,7 @@ def _reusable_materialization(
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # a manifest from an older version: materialize again
-    if previous.get("task_settings") != orjson.loads(orjson.dumps(task_settings(settings))):
+    if previous.get("task_settings") != task_settings(settings):
         return None
     if not set(recorded.rollouts_by_agent) <= set(settings.agents):
         return None
@@ -216,7 +220,7 @@ def _check_same_run(
     hint = "rerun with --fresh to start over (the old files are moved aside, not deleted)"
     # Settings first: a changed ``limit`` also changes the digest of the lines read.
     before = previous.get("task_settings", {})
-    now = orjson.loads(orjson.dumps(task_settings(settings)))
+    now = task_settings(settings)
     changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ConfigError(f"task-affecting settings changed ({'; '.join(changed)}); {hint}")
@@ -234,6 +238,7 @@ def _manifest(
 ) -> dict[str, Any]:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     earlier = previous or {}
+    settings_json = task_settings(settings)
     return {
         **earlier,
         "run_id": earlier.get("run_id") or uuid.uuid4().hex,
@@ -245,8 +250,8 @@ def _manifest(
         "input_rows": result.input_rows,
         "input_digest": result.input_digest,
         "materialized_digest": result.materialized_digest,
-        "task_settings": orjson.loads(orjson.dumps(task_settings(settings))),
-        "task_settings_digest": _digest(task_settings(settings)),
+        "task_settings": settings_json,
+        "task_settings_digest": _digest(settings_json),
         "max_attempts": settings.max_attempts,
         "rollout_timeout_s": settings.rollout_timeout_s,
         "tasks": result.tasks,
