@@ -16,63 +16,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import dispatcher_server
+
 from dispatcher.capture.finalize import attach_capture
 from dispatcher.sim.model_client import call_model, request_body
-
-# Each server gets its own interpreter and event loop, as in a real deployment.
-_BOOT = """
-import asyncio, sys
-from pathlib import Path
-from dispatcher.serving import serve_until_signal
-kind, listen = sys.argv[1], sys.argv[2]
-if kind == "model":
-    from dispatcher.sim.model import SimModelConfig, build_sim_model_app
-    app = build_sim_model_app(SimModelConfig())
-    name = "sim-model"
-else:
-    from dispatcher.capture.proxy import build_proxy_app
-    app = build_proxy_app(sys.argv[3], Path(sys.argv[4]))
-    name = "capture-proxy"
-try:
-    import uvloop
-    run = uvloop.run
-except ImportError:
-    run = asyncio.run
-run(serve_until_signal(app, listen, name))
-"""
-
-
-@contextlib.asynccontextmanager
-async def server(*args: str) -> AsyncIterator[str]:
-    """Run one server process; yields the URL it announces."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _BOOT, *args, stdout=subprocess.PIPE
-    )
-    try:
-        assert process.stdout is not None
-        # Log lines may come first; the announcement is the line that counts.
-        line = ""
-        while " listening on " not in line:
-            line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
-            if not line:
-                raise RuntimeError(f"server {args[0]} exited before listening")
-        yield line.rsplit(" ", 1)[1].strip()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        await process.wait()
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -155,22 +114,30 @@ async def finalize_cost(
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="capture-bench-") as tmp:
         capture_dir = Path(tmp)
-        async with (
-            server("model", "127.0.0.1:0") as model_url,
-            server("proxy", "127.0.0.1:0", model_url, str(capture_dir)) as proxy_url,
-            aiohttp.ClientSession() as session,
-        ):
-            direct, proxied = await overhead(session, model_url, proxy_url, args.calls, False)
-            report_overhead("capture-proxy, non-streamed chat", direct, proxied)
-            if args.stream_calls:
-                direct, proxied = await overhead(
-                    session, model_url, proxy_url, args.stream_calls, True
+        # Each server in its own process, started by the real CLI, as deployed.
+        with contextlib.ExitStack() as servers:
+            model_url = servers.enter_context(dispatcher_server("sim-model"))
+            proxy_url = servers.enter_context(
+                dispatcher_server(
+                    "capture-proxy", "--upstream", model_url, "--capture-dir", str(capture_dir)
                 )
-                report_overhead("capture-proxy, streamed chat", direct, proxied)
-            costs = await finalize_cost(session, proxy_url, capture_dir, args.rows)
-        median, p99 = statistics.median(costs), quantile(costs, 0.99)
-        print(f"finalize, 10 captured calls ({args.rows} rows)")
-        print(f"  median {median:6.3f} ms   p99 {p99:6.3f} ms   (goal: median < 1 ms)")
+            )
+            await measure(args, model_url, proxy_url, capture_dir)
+
+
+async def measure(
+    args: argparse.Namespace, model_url: str, proxy_url: str, capture_dir: Path
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        direct, proxied = await overhead(session, model_url, proxy_url, args.calls, False)
+        report_overhead("capture-proxy, non-streamed chat", direct, proxied)
+        if args.stream_calls:
+            direct, proxied = await overhead(session, model_url, proxy_url, args.stream_calls, True)
+            report_overhead("capture-proxy, streamed chat", direct, proxied)
+        costs = await finalize_cost(session, proxy_url, capture_dir, args.rows)
+    median, p99 = statistics.median(costs), quantile(costs, 0.99)
+    print(f"finalize, 10 captured calls ({args.rows} rows)")
+    print(f"  median {median:6.3f} ms   p99 {p99:6.3f} ms   (goal: median < 1 ms)")
 
 
 if __name__ == "__main__":

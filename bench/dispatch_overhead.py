@@ -16,9 +16,7 @@ import asyncio
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -51,10 +49,6 @@ async def bare_loop(url: str, count: int, concurrency: int) -> float:
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return count / (time.perf_counter() - started)
-
-
-def _timestamp(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def daemon_run(
