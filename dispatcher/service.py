@@ -12,7 +12,6 @@ saves time; a kill -9 anywhere loses nothing that was acknowledged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -26,6 +25,7 @@ import structlog
 from aiohttp import web
 
 from dispatcher.agents import AgentClient, Attempt
+from dispatcher.aio import cancel_and_wait
 from dispatcher.capture.finalize import attach_capture, clear_rollout_captures
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
@@ -151,7 +151,7 @@ class Dispatcher:
         if producer.done() and not producer.cancelled() and producer.exception() is None:
             idle = asyncio.create_task(self._pool.wait_idle(), name="wait-idle")
             await self._until_stopped(idle)
-        await _cancel(producer)
+        await cancel_and_wait(producer)
         self._dispatch_ended = time.monotonic()
 
     async def _shutdown(self) -> None:
@@ -178,7 +178,7 @@ class Dispatcher:
         log.info("run_summary", **summary)
         # 5. Stop serving metrics last, so a final scrape can see the end state.
         for task in self._background:
-            await _cancel(task)
+            await cancel_and_wait(task)
         await self._stop_telemetry()
         assert self._prepared is not None
         self._prepared.lock.release()
@@ -376,7 +376,7 @@ class Dispatcher:
     async def _until_stopped(self, task: asyncio.Task[Any]) -> None:
         stop = asyncio.create_task(self._stop_requested.wait())
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        await _cancel(stop)
+        await cancel_and_wait(stop)
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]
 
@@ -560,10 +560,3 @@ def _read_batch(f: BinaryIO, state: RunState) -> list[Rollout] | None:
         if len(batch) >= READ_BATCH_ROWS:
             break
     return batch
-
-
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    if not task.done():
-        task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task

@@ -12,7 +12,7 @@ import math
 import time
 from collections import deque
 
-from dispatcher.telemetry._tasks import cancel_and_wait
+from dispatcher.aio import cancel_and_wait
 from dispatcher.telemetry.metrics import Metrics
 
 

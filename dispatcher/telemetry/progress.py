@@ -17,8 +17,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from dispatcher.aio import cancel_and_wait
 from dispatcher.outcome import Outcome
-from dispatcher.telemetry._tasks import cancel_and_wait
 
 UNKNOWN = "-"
 # Erase from the cursor to the end of the line (ANSI, understood by every
