@@ -1,44 +1,43 @@
-"""HTTP client to agent servers (DESIGN A3, A5): replicas, the call, failure classes.
+"""HTTP client to agent servers (DESIGN A3, A5, A11): delivery, replicas, failure classes.
 
-An attempt is one ``POST {replica}/run``. Whatever happens to it becomes an
-``Attempt`` value: the agent's result, or a failure with its class from the
-dispatcher's point of view. Nothing here raises for an agent's misbehaviour.
+An attempt is one rollout's ``POST {replica}/run`` until an agent answers.
+An answer is *delivered*; no answer, or 429/502/503/504, is *not delivered*
+(the rollout most likely never ran) and is retried here, within the run, on
+another healthy replica where there is one, with full-jitter backoff that
+honours ``Retry-After``, until the delivery deadline. Not-delivered tries
+spend nothing; only a rollout whose deadline ran out becomes a failure,
+marked ``_ng_failure_not_delivered`` so resume does not count it.
+
+Whatever happens becomes an ``Attempt`` value; nothing here raises for an
+agent's misbehaviour. The dispatcher's own faults (EMFILE, MemoryError, ...)
+raise ``LocalFault`` instead: they are not the agent's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 
+from dispatcher.backoff import BackoffPolicy, parse_retry_after
+from dispatcher.faults import LocalFault, as_local_fault
 from dispatcher.outcome import Outcome
-from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, NO_PERSIST
+from dispatcher.replicas import BreakerPolicy, Replica, ReplicaSet
+from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, NO_PERSIST, NOT_DELIVERED
 
 # Statuses after which the rollout most likely never ran (A5).
 REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
 BODY_EXCERPT_BYTES = 8000
 BODY_EXCERPT_CHARS = 2000
-# No per-rollout timeout: skip building a timeout scope for every call.
-_NO_TIMEOUT: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
-
-
-@dataclass
-class Replica:
-    """One base URL of an agent, with its live in-flight count."""
-
-    agent: str
-    url: str
-    in_flight: int = 0
-    run_url: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.run_url = f"{self.url}/run"
+# No timeout configured: skip building a timeout scope for every call.
+_NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +50,11 @@ class Failure:
     http_status: int | None = None
     response_body: str | None = None
     terminal: bool = False
+    # A11: the delivery deadline ran out; resume does not count it as an attempt.
+    not_delivered: bool = False
 
     def as_row_keys(self) -> dict[str, Any]:
-        return {
+        keys = {
             "_ng_failure_class": self.failure_class,
             "_ng_failure_type": self.type,
             "_ng_failure_message": self.message,
@@ -61,11 +62,14 @@ class Failure:
             "_ng_failure_response_body": self.response_body,
             "_ng_failure_terminal": self.terminal,
         }
+        if self.not_delivered:
+            keys[NOT_DELIVERED] = True
+        return keys
 
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """What one POST /run came to."""
+    """What one rollout's delivery to an agent came to."""
 
     outcome: Outcome
     replica: str
@@ -73,69 +77,288 @@ class Attempt:
     duration_s: float
     result: dict[str, Any] | None = None
     failure: Failure | None = None
+    retries: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NotDelivered:
+    """One try that reached no agent: why, and what the replica asked for."""
+
+    reason: str
+    failure: Failure
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class DeliveryPolicy:
+    """Deadlines and retry rules of one run's agent calls (settings, in seconds)."""
+
+    deadline_s: float = 600.0
+    rollout_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = None
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+
+
+class DeliveryObserver(Protocol):
+    """Told about retries and replica health; the service turns them into metrics and logs."""
+
+    def retrying(
+        self, replica: Replica, rollout_id: str, reason: str, delay_s: float, retry: int
+    ) -> None: ...
+
+    def replica_changed(self, replica: Replica, opened: bool) -> None: ...
+
+
+Try = tuple[Attempt | None, NotDelivered | None]
 
 
 class AgentClient:
-    """Sends rollouts to agents, spreading each agent's load over its replicas."""
+    """Delivers rollouts to agents, routing each to the healthiest least-loaded replica."""
 
-    def __init__(self, agents: dict[str, list[str]], session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        agents: dict[str, list[str]],
+        session: aiohttp.ClientSession,
+        policy: DeliveryPolicy,
+        observer: DeliveryObserver,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
         self._session = session
-        self._replicas = {
-            name: [Replica(name, url) for url in urls] for name, urls in agents.items()
+        self._policy = policy
+        self._observer = observer
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.replica_sets = {
+            name: ReplicaSet(name, urls, policy.breaker, clock) for name, urls in agents.items()
         }
-        # Ties rotate so equally idle replicas share the load evenly.
-        self._turn = {name: itertools.cycle(range(len(urls))) for name, urls in agents.items()}
+        # Set (and replaced) whenever a breaker closes, so waiting rollouts go at once.
+        self._recovered = {name: asyncio.Event() for name in agents}
 
     def in_flight(self) -> dict[str, dict[str, int]]:
         return {
-            name: {r.url: r.in_flight for r in replicas}
-            for name, replicas in self._replicas.items()
+            name: {r.url: r.in_flight for r in rs.replicas}
+            for name, rs in self.replica_sets.items()
         }
 
-    def pick(self, agent: str) -> Replica:
-        """The replica with the fewest rollouts in flight."""
-        replicas = self._replicas[agent]
-        if len(replicas) == 1:
-            return replicas[0]
-        start = next(self._turn[agent])
-        ordered = replicas[start:] + replicas[:start]
-        return min(ordered, key=lambda r: r.in_flight)
+    def replicas_view(self) -> dict[str, dict[str, dict[str, object]]]:
+        return {
+            name: {r.url: r.view() for r in rs.replicas} for name, rs in self.replica_sets.items()
+        }
 
-    async def run(self, agent: str, body: dict[str, Any], timeout_s: float | None) -> Attempt:
-        replica = self.pick(agent)
+    def down_for_s(self, agent: str) -> float | None:
+        return self.replica_sets[agent].down_for_s()
+
+    async def run(self, agent: str, body: dict[str, Any], rollout_id: str) -> Attempt:
+        """Deliver one rollout; retries not-delivered tries until the delivery deadline."""
+        replicas = self.replica_sets[agent]
+        deadline = self._clock() + self._policy.deadline_s
+        last: Replica | None = None
+        retry = 0
+        while True:
+            replica = replicas.pick(avoid=last)
+            if replica is None:
+                if not await self._wait_for_replica(agent, deadline):
+                    return self._deadline_attempt(replicas, last, retry)
+                continue
+            attempt, missed = await self._try(replica, body)
+            if attempt is not None:
+                return _with_retries(attempt, retry)
+            assert missed is not None
+            if self._clock() >= deadline:
+                return self._deadline_attempt(replicas, replica, retry, missed)
+            delay_s = self._retry_delay(replicas, replica, retry, missed)
+            self._observer.retrying(replica, rollout_id, missed.reason, delay_s, retry)
+            await self._sleep(agent, min(delay_s, max(0.0, deadline - self._clock())))
+            last, retry = replica, retry + 1
+
+    def _retry_delay(
+        self, replicas: ReplicaSet, failed: Replica, retry: int, missed: NotDelivered
+    ) -> float:
+        # Another replica that admits a request now takes the retry at once:
+        # a dead replica must not slow the rollouts it bounced.
+        other = replicas.pick(avoid=failed)
+        if other is not None and other is not failed:
+            return 0.0
+        return self._policy.backoff.delay_s(retry, self._rng, missed.retry_after_s)
+
+    async def _wait_for_replica(self, agent: str, deadline: float) -> bool:
+        """Wait until a breaker may admit a probe or one closes; False past the deadline."""
+        left_s = deadline - self._clock()
+        if left_s <= 0:
+            return False
+        wait_s = self.replica_sets[agent].next_admission_in_s()
+        await self._sleep(agent, min(left_s, max(wait_s, 0.01)))
+        return True
+
+    async def _sleep(self, agent: str, delay_s: float) -> None:
+        if delay_s <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._recovered[agent].wait(), delay_s)
+
+    async def _try(self, replica: Replica, body: dict[str, Any]) -> Try:
+        breaker = replica.breaker
+        breaker.on_send()
         replica.in_flight += 1
+        replica.stats.sent += 1
         started_at, t0 = time.time(), time.perf_counter()
         try:
-            status, raw, failure = await self._post(replica, body, timeout_s)
+            status, raw, missed, failure = await self._post(replica, body)
+        except BaseException:
+            breaker.on_abandoned()
+            raise
         finally:
             replica.in_flight -= 1
+        if missed is not None:
+            self._not_delivered(replica)
+            return None, missed
+        self._delivered(replica)
         duration_s = time.perf_counter() - t0
-        if failure is None:
+        if failure is not None:
+            outcome = Outcome(failure.failure_class)
+            return Attempt(outcome, replica.url, started_at, duration_s, None, failure), None
+        try:
             outcome, result, failure = classify_response(status, raw)
-        else:
-            outcome, result = Outcome(failure.failure_class), None
-        return Attempt(outcome, replica.url, started_at, duration_s, result, failure)
+        except MemoryError as exc:
+            raise LocalFault("MemoryError", "out of memory reading an answer") from exc
+        return Attempt(outcome, replica.url, started_at, duration_s, result, failure), None
+
+    def _delivered(self, replica: Replica) -> None:
+        replica.stats.delivered += 1
+        if replica.breaker.on_delivered():
+            self._observer.replica_changed(replica, opened=False)
+            event = self._recovered[replica.agent]
+            self._recovered[replica.agent] = asyncio.Event()
+            event.set()
+
+    def _not_delivered(self, replica: Replica) -> None:
+        replica.stats.not_delivered += 1
+        if replica.breaker.on_not_delivered():
+            replica.stats.opened += 1
+            self._observer.replica_changed(replica, opened=True)
 
     async def _post(
-        self, replica: Replica, body: dict[str, Any], timeout_s: float | None
-    ) -> tuple[int, bytes, Failure | None]:
+        self, replica: Replica, body: dict[str, Any]
+    ) -> tuple[int, bytes, NotDelivered | None, Failure | None]:
+        """One HTTP exchange: (status, body, not delivered, failure of a delivered one)."""
+        policy = self._policy
+        rollout_scope = _timeout(policy.rollout_timeout_s)
         try:
-            deadline = _NO_TIMEOUT if timeout_s is None else asyncio.timeout(timeout_s)
-            async with (
-                deadline,
-                self._session.post(
+            async with rollout_scope:
+                resp = await self._send(replica, body)
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.release()
+        except _NotDeliveredError as exc:
+            return 0, b"", exc.missed, None
+        except TimeoutError as exc:
+            message = f"no answer from {replica.url} within {policy.rollout_timeout_s} s"
+            return 0, b"", None, _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
+        except (aiohttp.ClientError, OSError) as exc:
+            _raise_if_local(exc)
+            message = f"reading the answer of {replica.url} failed: {exc}"
+            return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
+        if resp.status in REQUEST_FAILED_STATUSES:
+            return resp.status, raw, _refused(replica, resp, raw), None
+        return resp.status, raw, None, None
+
+    async def _send(self, replica: Replica, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST and wait for the status line; every way of getting none is not delivered."""
+        first_byte_s = self._policy.first_byte_timeout_s
+        try:
+            async with _timeout(first_byte_s):
+                return await self._session.post(
                     replica.run_url,
                     data=orjson.dumps(body),
                     headers={"Content-Type": "application/json"},
-                ) as resp,
-            ):
-                return resp.status, await resp.read(), None
+                )
+        # aiohttp's connect timeout is also a TimeoutError: test it first.
+        except aiohttp.ServerTimeoutError as exc:
+            raise _NotDeliveredError(_no_answer(replica, "connect_timeout", exc)) from exc
+        # The rollout timeout expiring meanwhile arrives as a CancelledError
+        # (not caught here) and becomes a TimeoutError in ``_post``.
         except TimeoutError as exc:
-            message = f"no answer from {replica.url} within {timeout_s} s"
-            return 0, b"", _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
+            missed = _no_answer(replica, "first_byte_timeout", exc, f"after {first_byte_s} s")
+            raise _NotDeliveredError(missed) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            message = f"request to {replica.url} failed: {exc}"
-            return 0, b"", _failure(Outcome.AGENT_REQUEST_FAILED, exc, message)
+            _raise_if_local(exc)
+            raise _NotDeliveredError(_no_answer(replica, "no_answer", exc)) from exc
+
+    def _deadline_attempt(
+        self,
+        replicas: ReplicaSet,
+        replica: Replica | None,
+        retry: int,
+        missed: NotDelivered | None = None,
+    ) -> Attempt:
+        deadline_s = self._policy.deadline_s
+        why = f" (last: {missed.failure.message})" if missed is not None else ""
+        failure = Failure(
+            Outcome.AGENT_REQUEST_FAILED.value,
+            "DeliveryDeadlineExceeded",
+            f"not delivered to agent {replicas.agent!r} within {deadline_s} s; "
+            f"replicas: {', '.join(replicas.urls())}{why}",
+            http_status=missed.failure.http_status if missed else None,
+            response_body=missed.failure.response_body if missed else None,
+            not_delivered=True,
+        )
+        url = replica.url if replica is not None else replicas.urls()[0]
+        return Attempt(
+            Outcome.AGENT_REQUEST_FAILED, url, time.time(), 0.0, None, failure, retries=retry
+        )
+
+
+class _NotDeliveredError(Exception):
+    def __init__(self, missed: NotDelivered) -> None:
+        super().__init__(missed.reason)
+        self.missed = missed
+
+
+def _timeout(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
+    return _NO_TIMEOUT if seconds is None else asyncio.timeout(seconds)
+
+
+def _raise_if_local(exc: BaseException) -> None:
+    fault = as_local_fault(exc)
+    if fault is not None:
+        raise fault from exc
+
+
+def _no_answer(
+    replica: Replica, reason: str, exc: BaseException, detail: str | None = None
+) -> NotDelivered:
+    message = f"no answer from {replica.url}: {detail or exc or type(exc).__name__}"
+    return NotDelivered(reason, _failure(Outcome.AGENT_REQUEST_FAILED, exc, message))
+
+
+def _refused(replica: Replica, resp: aiohttp.ClientResponse, raw: bytes) -> NotDelivered:
+    failure = Failure(
+        Outcome.AGENT_REQUEST_FAILED.value,
+        "ClientResponseError",
+        f"agent answered HTTP {resp.status}",
+        http_status=resp.status,
+        response_body=body_excerpt(raw),
+    )
+    retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time())
+    return NotDelivered(f"http_{resp.status}", failure, retry_after)
+
+
+def _with_retries(attempt: Attempt, retries: int) -> Attempt:
+    if retries == 0:
+        return attempt
+    return Attempt(
+        attempt.outcome,
+        attempt.replica,
+        attempt.started_at,
+        attempt.duration_s,
+        attempt.result,
+        attempt.failure,
+        retries,
+    )
 
 
 def _failure(outcome: Outcome, exc: BaseException, message: str) -> Failure:

@@ -33,6 +33,10 @@ _RUN_FLAGS: dict[str, str] = {
     "--drain-margin-s": "do not start a rollout with less time left (default: this run's p75)",
     "--max-attempts": "attempts per rollout before it is final (default 3)",
     "--shutdown-grace-s": "on SIGTERM/SIGINT, seconds in-flight rollouts get (default 30)",
+    "--delivery-deadline-s": "seconds a rollout may keep failing to reach an agent (default 600)",
+    "--connect-timeout-s": "seconds to connect to an agent before trying again (default 10)",
+    "--first-byte-timeout-s": "seconds to an agent's status line before trying again "
+    "(default: none with --rollout-timeout-s, else 7200)",
     "--fsync": "always | batch (default: group commit) | never",
     "--log-format": "json | console (default: console on a terminal, else json)",
     "--log-level": "debug | info (default) | warning | error",

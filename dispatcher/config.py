@@ -54,6 +54,17 @@ class RunSettings(BaseModel):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     fresh: bool = False
 
+    # DESIGN A11: faults of the infrastructure are retried, never charged to the task.
+    delivery_deadline_s: float = Field(default=600.0, ge=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    first_byte_timeout_s: float | None = Field(default=None, gt=0)
+    retry_backoff_base_s: float = Field(default=0.5, gt=0)
+    retry_backoff_cap_s: float = Field(default=30.0, gt=0)
+    breaker_failures: int = Field(default=5, ge=1)
+    breaker_open_s: float = Field(default=1.0, gt=0)
+    breaker_open_cap_s: float = Field(default=30.0, gt=0)
+    local_fault_persist_s: float = Field(default=60.0, gt=0)
+
     fsync: FsyncPolicy = "batch"
     fsync_batch_interval_s: float = Field(default=0.05, gt=0)
     fsync_batch_rows: int = Field(default=256, ge=1)

@@ -20,6 +20,10 @@ class Outcome(StrEnum):
     KILL_SHAPED = "kill_shaped"
     CANCELLED = "cancelled"
     DRAINED = "drained"
+    # The dispatcher's own fault (DESIGN A11): back to the queue, nothing spent.
+    REQUEUED = "requeued"
+    # Not started: every replica of its agent has been down past the delivery deadline.
+    AGENT_DOWN = "agent_down"
 
     @property
     def writes_failure_row(self) -> bool:
@@ -27,5 +31,14 @@ class Outcome(StrEnum):
 
 
 _NO_FAILURE_ROW = frozenset(
-    {Outcome.SUCCESS, Outcome.KILL_SHAPED, Outcome.CANCELLED, Outcome.DRAINED}
+    {
+        Outcome.SUCCESS,
+        Outcome.KILL_SHAPED,
+        Outcome.CANCELLED,
+        Outcome.DRAINED,
+        Outcome.REQUEUED,
+        Outcome.AGENT_DOWN,
+    }
 )
+# Never started, so never finished: counted apart from the attempts.
+NOT_STARTED = frozenset({Outcome.DRAINED, Outcome.AGENT_DOWN})

@@ -1,10 +1,12 @@
-"""The bounded pool and the drain decision (DESIGN A9).
+"""The bounded pool and the drain decision (DESIGN A9, A11).
 
 Rollouts are admitted one at a time, in input order, by a single producer:
 each first wins a concurrency slot, then the budget decides whether it starts
 or is drained. Drained rollouts write nothing and run on resume. The pool
 holds at most ``concurrency`` asyncio tasks, so a task file of any size costs
-the same memory.
+the same memory. The number of slots can shrink below ``concurrency`` while
+the dispatcher's own faults last (``Limiter.shrink``) and grows back one slot
+per delivered answer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from enum import StrEnum
 from typing import Any
@@ -44,6 +47,59 @@ class Budget:
         return remaining <= 0 or (margin_s is not None and remaining < margin_s)
 
 
+class Limiter:
+    """A semaphore whose limit can change while slots are held.
+
+    Shrinking never takes a slot away from a rollout: it only makes later
+    ``acquire`` calls wait until enough slots are released.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.ceiling = limit
+        self.limit = limit
+        self.in_use = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> None:
+        if self.in_use < self.limit and not self._waiters:
+            self.in_use += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                # Woken and cancelled in the same iteration: pass the slot on.
+                self.release()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+    def release(self) -> None:
+        self.in_use -= 1
+        self._wake()
+
+    def shrink(self) -> int:
+        """Halve the slots in use (at least one stays); returns the new limit."""
+        self.limit = max(1, min(self.limit, self.in_use) // 2)
+        return self.limit
+
+    def grow(self) -> None:
+        """One more slot, up to the configured concurrency."""
+        if self.limit < self.ceiling:
+            self.limit += 1
+            self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.in_use < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_use += 1
+                waiter.set_result(None)
+
+
 class Admission(StrEnum):
     STARTED = "started"
     DRAINED = "drained"
@@ -64,7 +120,7 @@ class RolloutPool:
         drain_margin: Callable[[], float | None],
         run: Callable[[Rollout], Coroutine[Any, Any, None]],
     ) -> None:
-        self._slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
+        self.slots = Limiter(concurrency) if concurrency is not None else None
         self._budget = budget
         self._drain_margin = drain_margin
         self._run = run
@@ -74,8 +130,8 @@ class RolloutPool:
 
     async def admit(self, rollout: Rollout) -> Admission:
         """Wait for a slot, then start the rollout or drain it."""
-        if self._slots is not None:
-            await self._slots.acquire()
+        if self.slots is not None:
+            await self.slots.acquire()
         # Decided after the slot is won: the wait itself may have used up the budget.
         if self._budget.should_drain(self._drain_margin()):
             self._release_slot()
@@ -105,8 +161,8 @@ class RolloutPool:
             self._idle.set()
 
     def _release_slot(self) -> None:
-        if self._slots is not None:
-            self._slots.release()
+        if self.slots is not None:
+            self.slots.release()
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no rollout holds a slot; True when none does."""

@@ -12,10 +12,11 @@ saves time; a kill -9 anywhere loses nothing that was acknowledged.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, BinaryIO
 
@@ -24,14 +25,17 @@ import orjson
 import structlog
 from aiohttp import web
 
-from dispatcher.agents import AgentClient, Attempt
+from dispatcher.agents import AgentClient, Attempt, DeliveryPolicy
 from dispatcher.aio import cancel_and_wait
+from dispatcher.backoff import BackoffPolicy
 from dispatcher.capture.finalize import attach_capture, clear_rollout_captures
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
+from dispatcher.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault, fd_limit
 from dispatcher.latency import DispatchLatencyTracker
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
+from dispatcher.replicas import BreakerPolicy, Replica
 from dispatcher.rows import build_row, is_terminal
 from dispatcher.scheduler import Admission, Budget, RolloutPool
 from dispatcher.state import RunState
@@ -46,6 +50,10 @@ from dispatcher.telemetry.server import parse_listen, start_http_server
 log = structlog.get_logger("dispatcher.run")
 
 READ_BATCH_ROWS = 512
+# Descriptors kept back from the concurrency cap: output files, the log, the
+# metrics listener and its scrapes, capture reads, the loop's own.
+FD_RESERVE = 64
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 7200.0
 START_BURST = 8
 QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
@@ -90,6 +98,14 @@ class Dispatcher:
         self._agents: AgentClient | None = None
         self._writers: tuple[RowWriter, ...] = ()
         self._lag = LoopLagMonitor(self.metrics)
+        # DESIGN A11: rollouts our own faults put back, and what delivery saw.
+        self._concurrency = settings.concurrency
+        self._requeued: deque[Rollout] = deque()
+        self._live = 0
+        self._wake_producer = asyncio.Event()
+        self._fault_policy = LocalFaultPolicy(settings.local_fault_persist_s)
+        self.retries: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self._agents_down: set[str] = set()
 
     # ---- the table of contents -------------------------------------------------
 
@@ -114,11 +130,18 @@ class Dispatcher:
             await self._stop_http()
             raise
         prepared = self._prepared
+        # Every later line, stdlib records included, carries the run id.
+        structlog.contextvars.bind_contextvars(run_id=prepared.manifest["run_id"])
+        self._concurrency = self._usable_concurrency()
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.settings.concurrency or 0),
-            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(limit=self._concurrency or 0),
+            # No total: the rollout timeout, when set, bounds a call. The
+            # connect timeout keeps a black-holed address from hanging one.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s),
         )
-        self._agents = AgentClient(self.settings.agents, self._session)
+        self._agents = AgentClient(
+            self.settings.agents, self._session, delivery_policy(self.settings), self
+        )
         self._output = RowWriter(prepared.paths.output, self.settings.fsync, **self._batching())
         self._failures = RowWriter(prepared.paths.failures, self.settings.fsync, **self._batching())
         self._writers = (self._output, self._failures)
@@ -132,8 +155,9 @@ class Dispatcher:
             resumed=prepared.resumed,
             expected=prepared.materialized.rollouts,
             already_final=prepared.already_final,
-            concurrency=self.settings.concurrency,
+            concurrency=self._concurrency,
             dispatch_budget_s=self._budget_s,
+            delivery_deadline_s=self.settings.delivery_deadline_s,
             output=str(prepared.paths.output),
         )
 
@@ -144,8 +168,10 @@ class Dispatcher:
         self._dispatch_started = time.monotonic()
         self.state = "running"
         self._pool = RolloutPool(
-            self.settings.concurrency, self._budget, self._drain_margin, self._run_rollout
+            self._concurrency, self._budget, self._drain_margin, self._run_rollout
         )
+        self.metrics.concurrency_limit(self._concurrency)
+        self._background.append(asyncio.create_task(self._watch_budget(), name="budget"))
         producer = asyncio.create_task(self._produce(), name="producer")
         await self._until_stopped(producer)
         if producer.done() and not producer.cancelled() and producer.exception() is None:
@@ -189,11 +215,14 @@ class Dispatcher:
         pool = self._pool
         assert pool is not None
         started = 0
-        async for rollout in self._pending_rollouts():
+        async for rollout in self._to_start():
             if self._stop_requested.is_set():
                 return
+            if self._agent_is_down(rollout.agent):
+                self._record_not_started(Outcome.AGENT_DOWN)
+                continue
             if await pool.admit(rollout) is Admission.DRAINED:
-                self._record_drained(rollout)
+                self._record_not_started(Outcome.DRAINED)
                 continue
             started += 1
             if started % START_BURST == 0:
@@ -201,6 +230,27 @@ class Dispatcher:
                 # startup, or when many slots free at once) would stall every
                 # other rollout's I/O: yield between small bursts.
                 await asyncio.sleep(0)
+
+    async def _to_start(self) -> AsyncIterator[Rollout]:
+        """The task file's pending rollouts, with requeued ones first; ends when all settle."""
+        async for rollout in self._pending_rollouts():
+            while self._requeued:
+                yield await self._take_requeued()
+            yield rollout
+        # The file is read: what remains is what our own faults put back.
+        while True:
+            while self._requeued:
+                yield await self._take_requeued()
+            if self._live == 0:
+                return
+            self._wake_producer.clear()
+            await self._wake_producer.wait()
+
+    async def _take_requeued(self) -> Rollout:
+        rollout = self._requeued.popleft()
+        # Whatever the faulted try left in the capture dir is not this attempt's.
+        await self._clear_captures([rollout])
+        return rollout
 
     async def _pending_rollouts(self) -> AsyncIterator[Rollout]:
         """Rollouts still to run, in input order, read in batches off the event loop."""
@@ -226,16 +276,26 @@ class Dispatcher:
     # ---- one rollout -----------------------------------------------------------
 
     async def _run_rollout(self, rollout: Rollout) -> None:
-        assert self._agents is not None and self._pool is not None
         self.metrics.rollout_started(rollout.agent)
+        self._live += 1
+        try:
+            await self._deliver_and_commit(rollout)
+        finally:
+            self._live -= 1
+            if self._live == 0:
+                self._wake_producer.set()
+
+    async def _deliver_and_commit(self, rollout: Rollout) -> None:
+        assert self._agents is not None and self._pool is not None
         started = time.perf_counter()
         try:
-            attempt = await self._agents.run(
-                rollout.agent, rollout.body, self.settings.rollout_timeout_s
-            )
+            attempt = await self._agents.run(rollout.agent, rollout.body, rollout.rollout_id)
         except asyncio.CancelledError:
             self._record(rollout, Outcome.CANCELLED, time.perf_counter() - started)
             raise
+        except LocalFault as fault:
+            self._requeue(rollout, fault, time.perf_counter() - started)
+            return
         # The slot is for the agent: it frees as soon as the agent has answered,
         # while the row waits for its capture and group commit. A shutdown only
         # cancels rollouts still holding a slot, so an answer is never lost
@@ -260,10 +320,15 @@ class Dispatcher:
             self._commit_slots.release()
 
     async def _commit(self, rollout: Rollout, attempt: Attempt) -> None:
-        row = build_row(rollout, attempt)
-        capture: dict[str, Any] = {}
-        if row is not None and self.settings.capture_dir is not None:
-            capture = await self._attach_capture(rollout, attempt, row)
+        try:
+            row, capture = await self._finalize(rollout, attempt)
+        except Exception as exc:
+            # A bug of ours (or our memory) while handling an answer: not the
+            # agent's failure, so no row; the rollout runs again.
+            fault = as_local_fault(exc) or LocalFault("bug", f"handling an answer raised {exc!r}")
+            log.error("answer_handling_failed", rollout_id=rollout.rollout_id, exc_info=exc)
+            self._requeue(rollout, fault, attempt.duration_s)
+            return
         try:
             if attempt.outcome is Outcome.SUCCESS:
                 await self._output.append(row or {})
@@ -273,7 +338,139 @@ class Dispatcher:
             self._fail(exc)
             self._record(rollout, Outcome.CANCELLED, attempt.duration_s)
             return
+        self._handled_answer()
         self._record(rollout, attempt.outcome, attempt.duration_s, attempt, row, capture)
+
+    async def _finalize(
+        self, rollout: Rollout, attempt: Attempt
+    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """The row for this attempt with its capture attached, and the capture's figures."""
+        row = build_row(rollout, attempt)
+        capture: dict[str, Any] = {}
+        if row is not None and self.settings.capture_dir is not None:
+            capture = await self._attach_capture(rollout, attempt, row)
+        return row, capture
+
+    # ---- the dispatcher's own faults (DESIGN A11) ----------------------------------
+
+    def _requeue(self, rollout: Rollout, fault: LocalFault, duration_s: float) -> None:
+        """Put a rollout back after our own fault: no row, no attempt spent, a smaller pool."""
+        self._record(rollout, Outcome.REQUEUED, duration_s)
+        self.metrics.local_fault(fault.kind)
+        slots = self._pool.slots if self._pool is not None else None
+        limit = slots.shrink() if slots is not None else None
+        self.metrics.concurrency_limit(limit)
+        log.warning(
+            "local_fault",
+            fault=fault.message,
+            kind=fault.kind,
+            rollout_id=rollout.rollout_id,
+            concurrency_limit=limit,
+        )
+        try:
+            self._fault_policy.on_fault(fault)
+        except FaultPersisted as exc:
+            self._fail(exc)
+            return
+        self._requeued.append(rollout)
+        self._wake_producer.set()
+
+    def _handled_answer(self) -> None:
+        self._fault_policy.on_delivered()
+        slots = self._pool.slots if self._pool is not None else None
+        if slots is not None and slots.limit < slots.ceiling:
+            slots.grow()
+            self.metrics.concurrency_limit(slots.limit)
+
+    def _usable_concurrency(self) -> int | None:
+        """The concurrency, capped so sockets cannot run this process out of descriptors."""
+        wanted = self.settings.concurrency
+        usable = fd_limit() - _open_fds() - FD_RESERVE
+        if wanted is None or wanted <= usable:
+            return wanted
+        capped = max(1, usable)
+        log.warning(
+            "concurrency_capped",
+            concurrency=wanted,
+            capped_to=capped,
+            reason=f"the file-descriptor limit (ulimit -n) is {fd_limit()}",
+        )
+        return capped
+
+    # ---- delivery: retries and replica health (DeliveryObserver) -------------------
+
+    def retrying(
+        self, replica: Replica, rollout_id: str, reason: str, delay_s: float, retry: int
+    ) -> None:
+        self.retries[replica.agent][reason] += 1
+        self.metrics.retried(replica.agent, reason)
+        self._log.warning(
+            "rollout_retry",
+            rollout_id=rollout_id,
+            agent=replica.agent,
+            replica=replica.url,
+            reason=reason,
+            retry=retry + 1,
+            delay_s=round(delay_s, 3),
+        )
+
+    def replica_changed(self, replica: Replica, opened: bool) -> None:
+        self.metrics.replica_up(replica.agent, replica.url, not opened)
+        if not opened:
+            log.warning("replica_closed", agent=replica.agent, replica=replica.url)
+            return
+        log.warning(
+            "replica_opened",
+            agent=replica.agent,
+            replica=replica.url,
+            consecutive_failures=replica.breaker.consecutive_failures,
+            retry_in_s=replica.breaker.open_for_s,
+        )
+        assert self._agents is not None
+        if self._agents.down_for_s(replica.agent) is not None:
+            log.error(
+                "agent_unavailable",
+                agent=replica.agent,
+                replicas=self._agents.replica_sets[replica.agent].urls(),
+            )
+
+    def _agent_is_down(self, agent: str) -> bool:
+        """Every replica down past the delivery deadline: start none of the agent's rollouts."""
+        assert self._agents is not None
+        down_s = self._agents.down_for_s(agent)
+        if down_s is None or down_s < self.settings.delivery_deadline_s:
+            return False
+        if agent not in self._agents_down:
+            self._agents_down.add(agent)
+            self.metrics.agent_up(agent, False)
+            urls = self._agents.replica_sets[agent].urls()
+            log.error(
+                "agent_down",
+                agent=agent,
+                replicas=urls,
+                down_for_s=round(down_s, 3),
+                message=(
+                    f"agent {agent!r}: every replica ({', '.join(urls)}) has failed to deliver "
+                    f"for {down_s:.1f} s; its remaining rollouts are not started "
+                    "(rerun the same command once it is back)"
+                ),
+            )
+        return True
+
+    async def _watch_budget(self) -> None:
+        """When the budget runs out, in-flight rollouts get the grace, then are cancelled."""
+        remaining_s = self._budget.remaining_s()
+        pool = self._pool
+        if remaining_s is None or pool is None:
+            return
+        await asyncio.sleep(max(0.0, remaining_s))
+        if not pool.in_flight:
+            return
+        grace_s = self.settings.shutdown_grace_s
+        log.warning("budget_exhausted", in_flight=len(pool.in_flight), grace_s=grace_s)
+        if not await pool.wait_idle(grace_s):
+            cancelled = await pool.cancel_all("dispatch budget exhausted")
+            log.warning("rollouts_cancelled", count=cancelled, reason="dispatch budget exhausted")
 
     async def _attach_capture(
         self, rollout: Rollout, attempt: Attempt, row: dict[str, Any]
@@ -313,7 +510,9 @@ class Dispatcher:
         if final:
             self._final_this_run += 1
         self.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
-        self._log.info(
+        failure = attempt.failure if attempt is not None else None
+        self._log.log(
+            _log_level(outcome, row),
             "rollout_finished",
             rollout_id=rollout.rollout_id,
             task_index=rollout.task_index,
@@ -324,6 +523,9 @@ class Dispatcher:
             outcome=outcome.value,
             final=final,
             duration_s=round(duration_s, 4),
+            retries=attempt.retries if attempt else 0,
+            http_status=failure.http_status if failure else None,
+            failure_message=failure.message if failure else None,
             capture=capture or None,
         )
 
@@ -334,10 +536,11 @@ class Dispatcher:
             return False
         return is_terminal(row) or rollout.attempt_index + 1 >= self.settings.max_attempts
 
-    def _record_drained(self, rollout: Rollout) -> None:
-        self.outcomes[Outcome.DRAINED.value] += 1
-        self.tracker.record_drained()
-        self.metrics.rollout_drained()
+    def _record_not_started(self, outcome: Outcome) -> None:
+        self.outcomes[outcome.value] += 1
+        if outcome is Outcome.DRAINED:
+            self.tracker.record_drained()
+            self.metrics.rollout_drained()
 
     # ---- stopping ----------------------------------------------------------------
 
@@ -423,6 +626,18 @@ class Dispatcher:
             "eta_s": estimate_eta_s(remaining, rate),
             "in_flight_by_agent": self._agents.in_flight() if self._agents is not None else {},
             "drained": self.tracker.drained,
+            **self._delivery_figures(),
+        }
+
+    def _delivery_figures(self) -> dict[str, Any]:
+        """Retries, replica health and our own faults: for /status, the summary and status."""
+        slots = self._pool.slots if self._pool is not None else None
+        return {
+            "concurrency_limit": slots.limit if slots is not None else self._concurrency,
+            "retries": {agent: dict(reasons) for agent, reasons in self.retries.items()},
+            "replicas": self._agents.replicas_view() if self._agents is not None else {},
+            "agents_down": sorted(self._agents_down),
+            "local_faults": self._fault_policy.count,
         }
 
     def _latency_quantiles(self) -> dict[str, float | None]:
@@ -441,6 +656,7 @@ class Dispatcher:
             "dispatch_s": round(dispatch_s, 3),
             "event_loop_lag_p99_s": self._lag.p99_s(),
             "peak_rss_mb": peak_rss_mb(),
+            **self._delivery_figures(),
             **self.tracker.summary(),
         }
         if self.remaining() > 0:
@@ -482,6 +698,7 @@ class Dispatcher:
 
     async def _start_telemetry(self) -> None:
         self.metrics.declare_agents(self.settings.agents)
+        self.metrics.declare_replicas(self.settings.agents)
         await self._lag.start()
         self._progress_line = ProgressLine(enabled=self.settings.log_format == "console" or None)
         await self._progress_line.start(self.status)
@@ -529,6 +746,37 @@ class Dispatcher:
             "summary": summary,
         }
         write_json_atomic(self._prepared.paths.manifest, manifest)
+
+
+def delivery_policy(settings: RunSettings) -> DeliveryPolicy:
+    """The agent calls' deadlines and retry rules, from the settings."""
+    first_byte_s = settings.first_byte_timeout_s
+    if first_byte_s is None and settings.rollout_timeout_s is None:
+        # Without a rollout timeout nothing else bounds a silent agent.
+        first_byte_s = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    return DeliveryPolicy(
+        deadline_s=settings.delivery_deadline_s,
+        rollout_timeout_s=settings.rollout_timeout_s,
+        first_byte_timeout_s=first_byte_s,
+        backoff=BackoffPolicy(settings.retry_backoff_base_s, settings.retry_backoff_cap_s),
+        breaker=BreakerPolicy(
+            settings.breaker_failures, settings.breaker_open_s, settings.breaker_open_cap_s
+        ),
+    )
+
+
+def _log_level(outcome: Outcome, row: dict[str, Any] | None) -> int:
+    """Failures at warning, terminal ones at error; everything else at info."""
+    if not outcome.writes_failure_row:
+        return logging.INFO
+    return logging.ERROR if row is not None and is_terminal(row) else logging.WARNING
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
 
 
 def peak_rss_mb() -> float | None:

@@ -10,7 +10,9 @@ A (task, rollout) is *final* when it has a success, a terminal failure, or
 ``max_attempts`` counted failures. Otherwise it runs again with
 ``_ng_attempt_index`` = its number of earlier failed attempts. Drained,
 cancelled and kill-shaped rollouts wrote no row anywhere, so they run again
-without spending an attempt.
+without spending an attempt; a rollout that never reached an agent before its
+delivery deadline wrote a row marked ``_ng_failure_not_delivered``, which is
+listed but spends no attempt either (DESIGN A11).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ ROLLOUT_ID = "_ng_rollout_id"
 FAILURE_CLASS = "_ng_failure_class"
 FAILURE_TERMINAL = "_ng_failure_terminal"
 NO_PERSIST = "_ng_no_persist"
+# A11: a rollout whose delivery deadline ran out; its row spends no attempt.
+NOT_DELIVERED = "_ng_failure_not_delivered"
 AGENT_REF = "agent_ref"
 
 _READ_CHUNK = 1 << 20
@@ -207,6 +211,7 @@ class RunState:
     terminal: set[int] = field(default_factory=set)
     failure_classes: Counter[str] = field(default_factory=Counter)
     unreadable_rows: int = 0
+    not_delivered: int = 0
 
     def is_final(self, key: int) -> bool:
         return (
@@ -216,10 +221,13 @@ class RunState:
         )
 
     def add_failure(self, key: int, row: dict[str, Any]) -> str:
-        """Count one failure row (one spent attempt); returns its class."""
+        """Count one failure row (one spent attempt unless not delivered); returns its class."""
         failure_class = str(row.get(FAILURE_CLASS))
-        self.failed_attempts[key] += 1
         self.failure_classes[failure_class] += 1
+        if row.get(NOT_DELIVERED) is True:
+            self.not_delivered += 1
+            return failure_class
+        self.failed_attempts[key] += 1
         if row.get(FAILURE_TERMINAL) is True:
             self.terminal.add(key)
         return failure_class

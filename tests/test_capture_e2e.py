@@ -565,7 +565,7 @@ def model_then(
 
 async def test_a_retried_attempt_gets_its_own_capture(stack: Stack) -> None:
     await stack.start()
-    url = await stack.agent(model_then(stack, {0: 2, 1: 3}, {0: 503, 1: 200}))
+    url = await stack.agent(model_then(stack, {0: 2, 1: 3}, {0: 500, 1: 200}))
     write_tasks(stack.tasks, 1)
 
     first = await run_cli(*stack.args(url))
@@ -573,8 +573,8 @@ async def test_a_retried_attempt_gets_its_own_capture(stack: Stack) -> None:
     assert first.returncode == 75, first.stderr[-3000:]
     assert stack.rows() == []
     [failure] = stack.failure_rows()
-    assert failure["_ng_failure_class"] == "agent_request_failed"
-    assert failure["_ng_failure_http_status"] == 503
+    assert failure["_ng_failure_class"] == "agent_run_error"
+    assert failure["_ng_failure_http_status"] == 500
     first_calls = assert_capture(failure, 2)["calls"]
     assert failure["ng_trajectory"]["invocations"][0]["status"] == "failed"
 

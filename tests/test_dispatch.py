@@ -185,20 +185,9 @@ async def test_a_busy_replica_gets_no_more_work(tmp_path: Path, fake_agent: Agen
 # ---- failure classes, each from its cause -------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("status", "failure_class"),
-    [
-        (500, "agent_run_error"),
-        (400, "agent_run_error"),
-        (404, "agent_run_error"),
-        (429, "agent_request_failed"),
-        (502, "agent_request_failed"),
-        (503, "agent_request_failed"),
-        (504, "agent_request_failed"),
-    ],
-)
-async def test_http_error_status_classes(
-    tmp_path: Path, fake_agent: AgentFactory, status: int, failure_class: str
+@pytest.mark.parametrize("status", [500, 400, 404])
+async def test_http_error_statuses_are_agent_run_errors(
+    tmp_path: Path, fake_agent: AgentFactory, status: int
 ) -> None:
     agent = await fake_agent(raw_response(status, "agent says no"))
     run = Run(tmp_path, tasks=2)
@@ -209,7 +198,7 @@ async def test_http_error_status_classes(
     failures = sorted(run.failure_rows(), key=lambda r: r["_ng_task_index"])
     assert keys_of(failures) == [(0, 0), (1, 0)]
     for row in failures:
-        assert row["_ng_failure_class"] == failure_class
+        assert row["_ng_failure_class"] == "agent_run_error"
         assert row["_ng_failure_http_status"] == status
         assert row["_ng_failure_response_body"] == "agent says no"
         assert row["_ng_failure_terminal"] is False
@@ -217,12 +206,41 @@ async def test_http_error_status_classes(
         assert str(status) in row["_ng_failure_message"]
         assert row["agent_ref"] == {"name": "sim"}
         assert "_ng_attempt_index" not in row
-    assert summary_of(result)["outcomes"] == {failure_class: 2}
+        assert "_ng_failure_not_delivered" not in row
+    assert summary_of(result)["outcomes"] == {"agent_run_error": 2}
+
+
+@pytest.mark.parametrize("status", [429, 502, 503, 504])
+async def test_not_delivered_statuses_past_the_deadline_spend_no_attempt(
+    tmp_path: Path, fake_agent: AgentFactory, status: int
+) -> None:
+    agent = await fake_agent(raw_response(status, "agent says no"))
+    run = Run(tmp_path, tasks=2)
+    # A zero delivery deadline: one try, then the not-delivered row (DESIGN A11).
+    result = await run_cli(*run.args(agent.url), "--delivery-deadline-s", "0")
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert run.rows() == []
+    failures = sorted(run.failure_rows(), key=lambda r: r["_ng_task_index"])
+    assert keys_of(failures) == [(0, 0), (1, 0)]
+    for row in failures:
+        assert row["_ng_failure_class"] == "agent_request_failed"
+        assert row["_ng_failure_not_delivered"] is True
+        assert row["_ng_failure_http_status"] == status
+        assert row["_ng_failure_response_body"] == "agent says no"
+        assert row["_ng_failure_terminal"] is False
+        assert str(status) in row["_ng_failure_message"]
+    assert summary_of(result)["outcomes"] == {"agent_request_failed": 2}
+    # Not counted: a rerun sends the same attempt again.
+    again = await run_cli(*run.args(agent.url), "--delivery-deadline-s", "0")
+    assert again.returncode == 75
+    assert all("_ng_attempt_index" not in r for r in run.failure_rows())
 
 
 async def test_an_agent_that_is_down(tmp_path: Path) -> None:
     run = Run(tmp_path, tasks=3)
-    result = await run_cli(*run.args(f"http://127.0.0.1:{free_port()}"))
+    result = await run_cli(
+        *run.args(f"http://127.0.0.1:{free_port()}"), "--delivery-deadline-s", "0"
+    )
     assert result.returncode == 75, result.stderr[-3000:]
     failures = run.failure_rows()
     assert len(failures) == 3

@@ -387,7 +387,7 @@ def tally_files(output: Path) -> dict[str, Any]:
 async def test_status_counts_agree_with_the_output_files(
     tmp_path: Path, sim_agent: SimAgentFactory, agent_server: ServerFactory
 ) -> None:
-    sim_url, _ = await sim_agent(fail_503=0.3, seed=7)
+    sim_url, _ = await sim_agent(fail_500=0.3, seed=7)
     bad_url = await agent_server(protocol_violation)
     tasks = tmp_path / "tasks.jsonl"
     write_two_agent_tasks(tasks, sim_rows=20)
@@ -399,7 +399,7 @@ async def test_status_counts_agree_with_the_output_files(
     counted = tally_files(output)
     assert counted["retryable"] > 0 and counted["terminal"] == 2
     assert counted["failures_by_class"] == {
-        "agent_request_failed": counted["retryable"],
+        "agent_run_error": counted["retryable"],
         "protocol_violation": 2,
     }
     code, status = await json_command("status", str(output))

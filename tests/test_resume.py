@@ -1,7 +1,7 @@
 """Crash-safe outputs, exact resume and graceful shutdown (DESIGN A4, A5, A10), via the real CLI.
 
 A scripted agent on 127.0.0.1 answers each task the way a test asks: success,
-HTTP 503, a malformed body, a kill-shaped answer, or a hold on a gate the test
+HTTP 500, a malformed body, a kill-shaped answer, or a hold on a gate the test
 opens. Successes can also be paced (``allow``) so a run is caught mid-way.
 """
 
@@ -36,7 +36,7 @@ from tests.helpers import (
     write_tasks,
 )
 
-OK, FAIL_503, MALFORMED, KILL_SHAPED, HOLD = "ok", "503", "malformed", "kill_shaped", "hold"
+OK, FAIL_500, MALFORMED, KILL_SHAPED, HOLD = "ok", "500", "malformed", "kill_shaped", "hold"
 
 
 class ScriptedAgent:
@@ -87,8 +87,8 @@ class ScriptedAgent:
             finally:
                 self.holding -= 1
             return _json({**body, "reward": 1.0})
-        if answer == FAIL_503:
-            return web.Response(status=503, text="overloaded")
+        if answer == FAIL_500:
+            return web.Response(status=500, text="agent error")
         if answer == MALFORMED:
             return web.Response(body=b"[1, 2]", content_type="application/json")
         if answer == KILL_SHAPED:
@@ -226,7 +226,7 @@ async def test_a_signal_during_startup_exits_75_without_dispatching(
 
 async def _partial_run(scripted: ScriptedAgent, args: list[str]) -> None:
     """A first run that leaves one rollout (task 0) to a rerun."""
-    scripted.answers[0] = FAIL_503
+    scripted.answers[0] = FAIL_500
     first = await run_cli(*args)
     assert first.returncode == 75, first.stderr
     scripted.answers.clear()
@@ -470,7 +470,7 @@ async def test_retryable_failure_is_retried_on_each_rerun_until_the_cap(
 ) -> None:
     scripted, url = agent
     tasks, out = outputs(tmp_path, 5)
-    scripted.answers[3] = FAIL_503
+    scripted.answers[3] = FAIL_500
     args = run_args(tasks, out, url, "--max-attempts", "3")
 
     codes = [(await run_cli(*args)).returncode for _ in range(4)]
@@ -481,8 +481,8 @@ async def test_retryable_failure_is_retried_on_each_rerun_until_the_cap(
     audit = audit_outputs(out, expected_keys(5, 1), max_attempts=3)
     failures = audit.failures[(3, 0)]
     assert [f["_ng_dispatch"]["rollout_id"] for f in failures] == ["3-0", "3-0-a1", "3-0-a2"]
-    assert {f["_ng_failure_class"] for f in failures} == {"agent_request_failed"}
-    assert {f["_ng_failure_http_status"] for f in failures} == {503}
+    assert {f["_ng_failure_class"] for f in failures} == {"agent_run_error"}
+    assert {f["_ng_failure_http_status"] for f in failures} == {500}
     assert audit.final_failures(3) == {(3, 0)}
     assert len(scripted.bodies) == 5 + 2
 

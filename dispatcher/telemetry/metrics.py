@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dispatcher import __version__
-from dispatcher.outcome import Outcome
+from dispatcher.outcome import NOT_STARTED, Outcome
 
 # Agent runs last seconds to hours; the top bucket is the two-hour ceiling the
 # per-rollout timeout is usually set below.
@@ -252,6 +252,39 @@ class Metrics:
             "Rollouts the dispatch budget never started; they run on resume.",
             registry=registry,
         )
+        self._define_delivery_metrics()
+
+    def _define_delivery_metrics(self) -> None:
+        registry = self.registry
+        self._retries = Counter(
+            "dispatcher_retries",
+            "Not-delivered tries retried within the run (no answer, 429/502/503/504), by reason.",
+            ("agent", "reason"),
+            registry=registry,
+        )
+        self._replica_up = Gauge(
+            "dispatcher_replica_up",
+            "1 while a replica's circuit breaker lets requests through, 0 while it is open.",
+            ("agent", "replica"),
+            registry=registry,
+        )
+        self._agent_up = Gauge(
+            "dispatcher_agent_up",
+            "0 once every replica of an agent has been down past the delivery deadline.",
+            ("agent",),
+            registry=registry,
+        )
+        self._local_faults = Counter(
+            "dispatcher_local_faults",
+            "The dispatcher's own faults (EMFILE, MemoryError, ...); the rollout was requeued.",
+            ("kind",),
+            registry=registry,
+        )
+        self._concurrency_limit = Gauge(
+            "dispatcher_concurrency_limit",
+            "Rollouts allowed in flight now (below the setting while own faults shrink the pool).",
+            registry=registry,
+        )
 
     def _define_runtime_metrics(self) -> None:
         registry = self.registry
@@ -283,8 +316,9 @@ class Metrics:
         """Create each agent's series at zero so the first increment shows in `rate()`."""
         for agent in agents:
             self._in_flight_child(agent)
+            self._agent_up.labels(agent).set(1)
             for outcome in Outcome:
-                if outcome is not Outcome.DRAINED:
+                if outcome not in NOT_STARTED:
                     self._rollouts.labels(agent, outcome)
 
     def dispatch_started(self) -> None:
@@ -309,6 +343,27 @@ class Metrics:
 
     def rollout_drained(self) -> None:
         self._drained.inc()
+
+    def declare_replicas(self, agents: Mapping[str, Iterable[str]]) -> None:
+        for agent, urls in agents.items():
+            for url in urls:
+                self._replica_up.labels(agent, url).set(1)
+
+    def retried(self, agent: str, reason: str) -> None:
+        self._retries.labels(agent, reason).inc()
+
+    def replica_up(self, agent: str, replica: str, up: bool) -> None:
+        self._replica_up.labels(agent, replica).set(1 if up else 0)
+
+    def agent_up(self, agent: str, up: bool) -> None:
+        self._agent_up.labels(agent).set(1 if up else 0)
+
+    def local_fault(self, kind: str) -> None:
+        self._local_faults.labels(kind).inc()
+
+    def concurrency_limit(self, limit: int | None) -> None:
+        if limit is not None:
+            self._concurrency_limit.set(limit)
 
     def capture_waited(self, wait_s: float, gaps: Iterable[str]) -> None:
         """Record one row's capture quiescence wait and the gap codes attached to it."""

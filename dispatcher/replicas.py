@@ -1,0 +1,181 @@
+"""Replica health (DESIGN A11): a circuit breaker per replica and the routing choice.
+
+A replica that keeps failing to deliver (no HTTP answer, 429/502/503/504) is
+ejected from routing: its breaker opens after ``failures_to_open``
+consecutive not-delivered attempts, lets one probe through (half-open) after
+a backoff that doubles up to a cap, and closes on a delivered answer. A dead
+replica fails fast, so "fewest in flight" alone would send it most of the
+work; routing therefore only considers replicas whose breaker admits a
+request, and among them picks the fewest in flight.
+
+Pure state and a clock: no I/O, so the rules are pinned on a fake clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+Clock = Callable[[], float]
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    failures_to_open: int = 5
+    open_s: float = 1.0
+    open_cap_s: float = 30.0
+
+
+@dataclass
+class Breaker:
+    """One replica's circuit breaker; transitions are reported by the return values."""
+
+    policy: BreakerPolicy
+    clock: Clock
+    state: BreakerState = BreakerState.CLOSED
+    consecutive_failures: int = 0
+    open_for_s: float = 0.0
+    reopen_at: float = 0.0
+    probe_in_flight: bool = False
+    # When every replica of an agent is open, how long that has lasted.
+    opened_at: float | None = None
+
+    def admits(self) -> bool:
+        """May a request go to this replica now (a half-open one takes a single probe)?"""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN and self.clock() >= self.reopen_at:
+            self.state = BreakerState.HALF_OPEN
+        return self.state is BreakerState.HALF_OPEN and not self.probe_in_flight
+
+    def on_send(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_in_flight = True
+
+    def on_delivered(self) -> bool:
+        """An answer came back; True when this closed an open breaker."""
+        was_open = self.state is not BreakerState.CLOSED
+        self.state = BreakerState.CLOSED
+        self.consecutive_failures = 0
+        self.open_for_s = 0.0
+        self.probe_in_flight = False
+        self.opened_at = None
+        return was_open
+
+    def on_not_delivered(self) -> bool:
+        """A not-delivered attempt; True when this opened the breaker."""
+        self.consecutive_failures += 1
+        if self.state is BreakerState.HALF_OPEN:
+            # The probe failed: open again, for longer.
+            self._open(min(self.policy.open_cap_s, max(self.policy.open_s, 2 * self.open_for_s)))
+            return False
+        if self.state is BreakerState.CLOSED and (
+            self.consecutive_failures >= self.policy.failures_to_open
+        ):
+            self._open(self.policy.open_s)
+            return True
+        return False
+
+    def on_abandoned(self) -> None:
+        """The request ended without telling anything about the replica (cancelled, our fault)."""
+        self.probe_in_flight = False
+
+    def _open(self, open_for_s: float) -> None:
+        now = self.clock()
+        self.state = BreakerState.OPEN
+        self.open_for_s = open_for_s
+        self.reopen_at = now + open_for_s
+        self.probe_in_flight = False
+        if self.opened_at is None:
+            self.opened_at = now
+
+
+@dataclass
+class ReplicaStats:
+    """What happened at one replica this hop (for /status and the summary)."""
+
+    sent: int = 0
+    delivered: int = 0
+    not_delivered: int = 0
+    opened: int = 0
+
+
+@dataclass
+class Replica:
+    """One base URL of an agent, with its live in-flight count and its breaker."""
+
+    agent: str
+    url: str
+    breaker: Breaker
+    in_flight: int = 0
+    stats: ReplicaStats = field(default_factory=ReplicaStats)
+    run_url: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.run_url = f"{self.url}/run"
+
+    def view(self) -> dict[str, object]:
+        return {
+            "state": self.breaker.state.value,
+            "in_flight": self.in_flight,
+            "sent": self.stats.sent,
+            "delivered": self.stats.delivered,
+            "not_delivered": self.stats.not_delivered,
+            "opened": self.stats.opened,
+        }
+
+
+class ReplicaSet:
+    """The replicas of one agent and the routing choice between them."""
+
+    def __init__(
+        self, agent: str, urls: Iterable[str], policy: BreakerPolicy, clock: Clock = time.monotonic
+    ) -> None:
+        self.agent = agent
+        self._clock = clock
+        self.replicas = [Replica(agent, url, Breaker(policy, clock)) for url in urls]
+        # Ties rotate so equally idle replicas share the load evenly.
+        self._turn = itertools.cycle(range(len(self.replicas)))
+
+    def pick(self, avoid: Replica | None = None) -> Replica | None:
+        """The admitting replica with the fewest in flight, preferring one other than ``avoid``.
+
+        None when no breaker admits a request now.
+        """
+        start = next(self._turn)
+        ordered = self.replicas[start:] + self.replicas[:start]
+        open_ones = [r for r in ordered if r.breaker.admits()]
+        if avoid is not None and len(open_ones) > 1:
+            open_ones = [r for r in open_ones if r is not avoid] or open_ones
+        if not open_ones:
+            return None
+        return min(open_ones, key=lambda r: r.in_flight)
+
+    def next_admission_in_s(self) -> float:
+        """Seconds until some open breaker lets a probe through (0 if one admits now)."""
+        now = self._clock()
+        waits = [
+            max(0.0, r.breaker.reopen_at - now)
+            for r in self.replicas
+            if r.breaker.state is BreakerState.OPEN
+        ]
+        return min(waits, default=0.0)
+
+    def down_for_s(self) -> float | None:
+        """How long every replica has been open (None while any one is closed)."""
+        opened = [r.breaker.opened_at for r in self.replicas]
+        if any(t is None for t in opened):
+            return None
+        return self._clock() - max(t for t in opened if t is not None)
+
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
