@@ -34,6 +34,7 @@ from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, NO_PERSIST, NOT_DE
 
 # Statuses after which the rollout most likely never ran (A5).
 REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
+RATE_LIMITED = "http_429"
 BODY_EXCERPT_BYTES = 8000
 BODY_EXCERPT_CHARS = 2000
 # No timeout configured: skip building a timeout scope for every call.
@@ -201,7 +202,7 @@ class AgentClient:
 
     async def _try(self, replica: Replica, body: dict[str, Any]) -> Try:
         breaker = replica.breaker
-        breaker.on_send()
+        replica.stats.probes += breaker.on_send()
         replica.in_flight += 1
         replica.stats.sent += 1
         started_at, t0 = time.time(), time.perf_counter()
@@ -213,7 +214,7 @@ class AgentClient:
         finally:
             replica.in_flight -= 1
         if missed is not None:
-            self._not_delivered(replica)
+            self._not_delivered(replica, missed)
             return None, missed
         self._delivered(replica)
         duration_s = time.perf_counter() - t0
@@ -234,8 +235,14 @@ class AgentClient:
             self._recovered[replica.agent] = asyncio.Event()
             event.set()
 
-    def _not_delivered(self, replica: Replica) -> None:
+    def _not_delivered(self, replica: Replica, missed: NotDelivered) -> None:
         replica.stats.not_delivered += 1
+        if missed.reason == RATE_LIMITED:
+            # A 429 comes from a live replica asking for time: its Retry-After
+            # (or the backoff) paces the retry; ejecting it would starve a
+            # lone replica for the breaker's whole backoff.
+            replica.breaker.on_abandoned()
+            return
         if replica.breaker.on_not_delivered():
             replica.stats.opened += 1
             self._observer.replica_changed(replica, opened=True)

@@ -57,9 +57,12 @@ class Breaker:
             self.state = BreakerState.HALF_OPEN
         return self.state is BreakerState.HALF_OPEN and not self.probe_in_flight
 
-    def on_send(self) -> None:
+    def on_send(self) -> bool:
+        """A request goes out; True when it is a half-open probe."""
         if self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = True
+            return True
+        return False
 
     def on_delivered(self) -> bool:
         """An answer came back; True when this closed an open breaker."""
@@ -104,6 +107,8 @@ class ReplicaStats:
     """What happened at one replica this hop (for /status and the summary)."""
 
     sent: int = 0
+    # Sent while the breaker was half-open: the only traffic an ejected replica gets.
+    probes: int = 0
     delivered: int = 0
     not_delivered: int = 0
     opened: int = 0
@@ -128,6 +133,7 @@ class Replica:
             "state": self.breaker.state.value,
             "in_flight": self.in_flight,
             "sent": self.stats.sent,
+            "probes": self.stats.probes,
             "delivered": self.stats.delivered,
             "not_delivered": self.stats.not_delivered,
             "opened": self.stats.opened,

@@ -33,6 +33,7 @@ from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault, fd_limit
 from dispatcher.latency import DispatchLatencyTracker
+from dispatcher.ops import delivery
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.replicas import BreakerPolicy, Replica
@@ -148,6 +149,8 @@ class Dispatcher:
         for writer in self._writers:
             writer.open()
         await self._start_telemetry()
+        if self._http is not None:
+            log.info("metrics_listening", url=self._metrics_url)
         log.info(
             "run_started",
             run_id=prepared.manifest["run_id"],
@@ -689,7 +692,7 @@ class Dispatcher:
             raise ConfigError(
                 f"--metrics-listen {self.settings.metrics_listen}: cannot listen ({exc.strerror})"
             ) from None
-        log.info("metrics_listening", url=f"http://{host}:{self.metrics_port}/metrics")
+        self._metrics_url = f"http://{host}:{self.metrics_port}/metrics"
 
     async def _stop_http(self) -> None:
         if self._http is not None:
@@ -736,8 +739,12 @@ class Dispatcher:
     def _write_last_run(self, summary: dict[str, Any]) -> None:
         assert self._prepared is not None
         manifest = dict(self._prepared.manifest)
+        finished_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        manifest[delivery.HISTORY_KEY] = delivery.appended(
+            manifest, delivery.history_entry(self._delivery_figures(), finished_at)
+        )
         manifest["last_run"] = {
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "finished_at": finished_at,
             "exit_code": int(self._fatal.exit_code if self._fatal else self._final_exit_code()),
             # What `dispatcher status` needs to say why rollouts wrote no row.
             "drained": self.outcomes.get(Outcome.DRAINED.value, 0),

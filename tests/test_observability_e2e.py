@@ -65,7 +65,10 @@ REQUIRED_SERIES = {
     "dispatcher_build_info",
 }
 # Every label the daemon may export: none of them can carry a rollout's identity.
-BOUNDED_LABELS = {"agent", "outcome", "quantile", "le", "code", "version", "python"}
+# `replica` takes the configured replica URLs; `reason` and `kind` are fixed sets.
+BOUNDED_LABELS = {
+    "agent", "outcome", "quantile", "le", "code", "version", "python", "replica", "reason", "kind"
+}  # fmt: skip
 ROLLOUT_ID = re.compile(r"^\d+-\d+(-a\d+)?$")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 

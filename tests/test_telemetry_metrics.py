@@ -26,6 +26,11 @@ EXPECTED_FAMILIES = {
     "dispatcher_capture_wait_seconds": ("histogram", {"le"}),
     "dispatcher_capture_gaps": ("counter", {"code"}),
     "dispatcher_build_info": ("gauge", {"version", "python"}),
+    "dispatcher_retries": ("counter", {"agent", "reason"}),
+    "dispatcher_replica_up": ("gauge", {"agent", "replica"}),
+    "dispatcher_agent_up": ("gauge", {"agent"}),
+    "dispatcher_local_faults": ("counter", {"kind"}),
+    "dispatcher_concurrency_limit": ("gauge", set()),
 }
 
 
@@ -56,6 +61,11 @@ def record_run(metrics: Metrics, rollouts: int) -> None:
         metrics.rollout_started(agent)
         metrics.rollout_finished(agent, outcomes[i % len(outcomes)], 1.0 + i)
     metrics.rollout_drained()
+    metrics.declare_replicas({"agent-0": ["http://10.0.0.1:8000"]})
+    metrics.retried("agent-0", "no_answer")
+    metrics.agent_up("agent-0", True)
+    metrics.local_fault("EMFILE")
+    metrics.concurrency_limit(8)
     metrics.capture_waited(0.07, ["model_call_capture_pending"])
     metrics.update(
         quantiles={0.5: 2.0, 0.75: 3.0, 0.95: 4.0},

@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from dispatcher.ops import delivery
 from dispatcher.ops.args import positive_float, positive_int
 from dispatcher.ops.runfiles import agent_name, read_manifest, require_run
 from dispatcher.ops.status import Standing, max_attempts_for, standing
@@ -302,6 +303,7 @@ def build_report(output: Path, timeout_s: float | None, max_attempts: int | None
         "starts": start_deciles(attempts, timeout_s),
         "rewards": {a: t.to_json() for a, t in sorted(data.rewards.items())},
         "pass_at_k": pass_at_k_table(data.tasks),
+        "delivery": delivery.summarize(manifest),
     }
 
 
@@ -316,6 +318,7 @@ def render_report(report: dict[str, Any]) -> str:
         _render_starts(report["starts"]),
         _render_rewards(report["rewards"]),
         _render_pass_at_k(report["pass_at_k"]),
+        delivery.render(report["delivery"]).lstrip("\n"),
     ]
     return "\n\n".join(s for s in sections if s) + "\n"
 

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from dispatcher.errors import ExitCode
+from dispatcher.ops import delivery
 from dispatcher.ops.args import positive_int
 from dispatcher.ops.runfiles import (
     LastRun,
@@ -136,6 +137,7 @@ class RunStatus:
     agents: dict[str, Tally] = field(default_factory=dict)
     files: dict[str, FileHealth] = field(default_factory=dict)
     anomalies: Counter[str] = field(default_factory=Counter)
+    delivery: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total(self) -> Tally:
@@ -177,6 +179,7 @@ class RunStatus:
             "per_agent": {name: t.to_json() for name, t in sorted(self.agents.items())},
             "files": {name: h.to_json() for name, h in self.files.items()},
             "anomalies": dict(self.anomalies),
+            "delivery": self.delivery,
         }
 
 
@@ -189,6 +192,7 @@ def collect_status(output: Path, max_attempts: int | None = None) -> RunStatus:
         max_attempts=max_attempts_for(max_attempts, manifest),
         lock=lock_status(paths.lock),
         last_run=last_run(paths, manifest),
+        delivery=delivery.summarize(manifest),
     )
     state = RunState(max_attempts=status.max_attempts)
     _scan_successes(paths, state, status)
@@ -287,6 +291,7 @@ def render_status(status: RunStatus) -> str:
         _render_why(status, total),
         _render_failures(total),
         _render_agents(status),
+        delivery.render(status.delivery) if status.delivery else "",
         _render_files(status),
         _render_anomalies(status),
     ]

@@ -2,7 +2,9 @@
 
 Latency is fixed or lognormal; each request can fail as HTTP 500, HTTP 503,
 a hang, a malformed body or a kill-shaped answer, with the given
-probabilities (drawn per request from a generator seeded by ``--seed``).
+probabilities (drawn per request from a generator seeded by ``--seed``); the
+first ``--rate-limit-first`` requests are refused with HTTP 429 and a
+``Retry-After`` header.
 Latency and reward are drawn from the rollout's identity, so they are the
 same on every resume.
 ``GET /stats`` reports the requests seen and the most ever in flight at once.
@@ -44,6 +46,8 @@ class SimAgentConfig:
     model_dialect: str = "chat"
     model_stream: bool = False
     agent_trajectory: bool = False
+    rate_limit_first: int = 0
+    retry_after_s: int = 1
 
 
 @dataclass
@@ -102,6 +106,10 @@ async def _handle_run(request: web.Request) -> web.StreamResponse:
     stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
     try:
         row = await request.json(loads=orjson.loads)
+        if stats.requests <= config.rate_limit_first:
+            return web.Response(
+                status=429, text="rate limited", headers={"Retry-After": str(config.retry_after_s)}
+            )
         rng = _rng_for(config, row)
         # Failures are drawn per request, not per rollout: a rollout that was
         # interrupted once is not doomed to be interrupted on every resume.
@@ -207,6 +215,10 @@ def add_parser(subparsers: Any) -> None:
         p.add_argument(flag, type=float, default=0.0, help=f"probability of {name}")
     p.add_argument("--reward-p", type=float, default=0.5, help="probability of reward 1.0")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rate-limit-first", type=int, default=0, help="answer the first N requests with 429"
+    )
+    p.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of those 429s")
     p.add_argument("--model-url", help="capture proxy base URL the agent calls the model through")
     p.add_argument("--model-calls", type=int, default=0, help="model calls per rollout")
     p.add_argument("--model-dialect", choices=("chat", "responses", "messages"), default="chat")
