@@ -30,12 +30,14 @@ bench: $(STAMP)
 	$(BIN)/python bench/loop_lag.py
 	$(BIN)/python bench/resume_startup.py
 	$(BIN)/python bench/capture_overhead.py
+	$(BIN)/python bench/retries.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
 	$(BIN)/python bench/loop_lag.py --smoke
 	$(BIN)/python bench/resume_startup.py --smoke
 	$(BIN)/python bench/capture_overhead.py --calls 300 --stream-calls 100 --rows 200
+	$(BIN)/python bench/retries.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output

@@ -168,11 +168,12 @@ class AgentClient:
             if attempt is not None:
                 return _with_retries(attempt, retry)
             assert missed is not None
-            if self._clock() >= deadline:
-                return self._deadline_attempt(replicas, replica, retry, missed)
             delay_s = self._retry_delay(replicas, replica, retry, missed)
+            # A retry that would start past the deadline is not made.
+            if self._clock() + delay_s >= deadline:
+                return self._deadline_attempt(replicas, replica, retry, missed)
             self._observer.retrying(replica, rollout_id, missed.reason, delay_s, retry)
-            await self._sleep(agent, min(delay_s, max(0.0, deadline - self._clock())))
+            await self._sleep(agent, delay_s)
             last, retry = replica, retry + 1
 
     def _retry_delay(

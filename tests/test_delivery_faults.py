@@ -1,0 +1,131 @@
+"""The dispatcher's own faults (DESIGN A11): requeued, never a failure row; persistent → exit 1.
+
+These drive the daemon in-process (``Dispatcher.run``) so the test can take
+this very process's file descriptors away mid-run, or make our own row
+building fail, while a real agent answers from its own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dispatcher import service
+from dispatcher.config import load_settings
+from dispatcher.errors import ExitCode
+from dispatcher.faults import FaultPersisted
+from dispatcher.service import Dispatcher
+from dispatcher.state import OutputPaths
+from tests.helpers import read_jsonl, write_tasks
+
+
+@pytest.fixture
+async def agent_url() -> AsyncIterator[str]:
+    """A sim agent in its own process: our descriptor limit must not be its limit."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dispatcher", "sim-agent", "--latency-s", "0.2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await proc.stdout.readline()).decode()
+    assert "listening on " in line, line
+    yield line.rsplit(" ", 1)[-1].strip()
+    proc.terminate()
+    await proc.wait()
+
+
+@pytest.fixture
+def no_signal_handlers() -> Iterator[None]:
+    """``Dispatcher.run`` installs SIGTERM/SIGINT handlers on the test's loop: remove them."""
+    yield
+    loop = asyncio.get_event_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+
+
+def dispatcher_for(tmp_path: Path, url: str, tasks: int, **settings: Any) -> Dispatcher:
+    write_tasks(tmp_path / "tasks.jsonl", tasks)
+    values = {
+        "input": str(tmp_path / "tasks.jsonl"),
+        "output": str(tmp_path / "x.jsonl"),
+        "agents": {"sim": [url]},
+        "metrics_listen": "off",
+        "fsync": "never",
+        **settings,
+    }
+    return Dispatcher(load_settings(values, env={}), budget_s=None)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_running_out_of_descriptors_mid_run_requeues_and_shrinks_the_pool(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without the start-up cap, 200 rollouts want 200 sockets and get about 40.
+    monkeypatch.setattr(service, "FD_RESERVE", -10_000)
+    dispatcher = dispatcher_for(tmp_path, agent_url, 300, concurrency=200)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 48, hard))
+    try:
+        code = await dispatcher.run()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    assert code is ExitCode.DONE
+    paths = OutputPaths.for_output(tmp_path / "x.jsonl")
+    assert len(read_jsonl(paths.output)) == 300
+    assert read_jsonl(paths.failures) == []
+    summary = dispatcher.summary()
+    assert summary["local_faults"] > 0
+    assert summary["outcomes"]["requeued"] == summary["local_faults"]
+    assert summary["outcomes"]["success"] == 300
+
+
+async def test_a_bug_while_handling_an_answer_requeues_the_rollout(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_build_row = service.build_row
+    calls = 0
+
+    def flaky_build_row(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls <= 3:
+            raise RuntimeError("a bug of ours")
+        return real_build_row(*args)
+
+    monkeypatch.setattr(service, "build_row", flaky_build_row)
+    dispatcher = dispatcher_for(tmp_path, agent_url, 10, concurrency=4)
+
+    assert await dispatcher.run() is ExitCode.DONE
+
+    paths = OutputPaths.for_output(tmp_path / "x.jsonl")
+    assert len(read_jsonl(paths.output)) == 10
+    assert read_jsonl(paths.failures) == []
+    assert dispatcher.summary()["outcomes"] == {"success": 10, "requeued": 3}
+
+
+async def test_a_bug_that_persists_ends_the_run_naming_it(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_build_row(*args: Any) -> Any:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(service, "build_row", broken_build_row)
+    dispatcher = dispatcher_for(tmp_path, agent_url, 10, concurrency=2, local_fault_persist_s=0.5)
+
+    with pytest.raises(FaultPersisted, match="a bug of ours"):
+        await dispatcher.run()
+
+    paths = OutputPaths.for_output(tmp_path / "x.jsonl")
+    assert read_jsonl(paths.output) == [] and read_jsonl(paths.failures) == []
