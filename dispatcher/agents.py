@@ -192,7 +192,11 @@ class AgentClient:
         if left_s <= 0:
             return False
         wait_s = self.replica_sets[agent].next_admission_in_s()
-        await self._sleep(agent, min(left_s, max(wait_s, 0.01)))
+        if wait_s <= 0:
+            # A probe is out: its answer closes the breaker (and wakes us), or
+            # reopens it; look again after the breaker's shortest backoff.
+            wait_s = self._policy.breaker.open_s
+        await self._sleep(agent, min(left_s, wait_s))
         return True
 
     async def _sleep(self, agent: str, delay_s: float) -> None:
