@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 
 from dispatcher.backoff import BackoffPolicy, parse_retry_after
+from dispatcher.concurrency import AimdController, AimdPolicy, StartRateLimiter
 from dispatcher.faults import LocalFault, as_local_fault
 from dispatcher.outcome import Outcome
 from dispatcher.replicas import BreakerPolicy, Replica, ReplicaSet
@@ -99,6 +100,10 @@ class DeliveryPolicy:
     first_byte_timeout_s: float | None = None
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+    # Load (``concurrency.py``): hard caps and the adaptive controllers' rules.
+    replica_cap: int | None = None
+    max_starts_per_s: float | None = None
+    aimd: AimdPolicy | None = None
 
 
 class DeliveryObserver(Protocol):
@@ -133,10 +138,42 @@ class AgentClient:
         self._clock = clock
         self._rng = rng or random.Random()
         self.replica_sets = {
-            name: ReplicaSet(name, urls, policy.breaker, clock) for name, urls in agents.items()
+            name: ReplicaSet(
+                name,
+                urls,
+                policy.breaker,
+                clock,
+                cap=policy.replica_cap,
+                controller=self._controller_factory(),
+            )
+            for name, urls in agents.items()
         }
-        # Set (and replaced) whenever a breaker closes, so waiting rollouts go at once.
-        self._recovered = {name: asyncio.Event() for name in agents}
+        # Fired when a breaker closes, so rollouts waiting for a replica go at
+        # once; and when a try ends or a limit changes, for those waiting for room.
+        self._recovered = {name: Wakeup() for name in agents}
+        self._room = {name: Wakeup() for name in agents}
+        self._starts = (
+            StartRateLimiter(policy.max_starts_per_s, clock)
+            if policy.max_starts_per_s is not None
+            else None
+        )
+
+    def _controller_factory(self) -> Callable[[], AimdController] | None:
+        aimd = self._policy.aimd
+        if aimd is None:
+            return None
+        timeout_s = self._policy.rollout_timeout_s
+        return lambda: AimdController(aimd, self._clock, timeout_s)
+
+    def tick_controllers(self) -> list[str]:
+        """Let each replica's controller apply its rules; the agents whose limit changed."""
+        changed = []
+        for name, replicas in self.replica_sets.items():
+            ticked = [r.controller.tick() for r in replicas.replicas if r.controller is not None]
+            if any(ticked):
+                changed.append(name)
+                self._room[name].fire()
+        return changed
 
     def in_flight(self) -> dict[str, dict[str, int]]:
         return {
@@ -155,26 +192,54 @@ class AgentClient:
     async def run(self, agent: str, body: dict[str, Any], rollout_id: str) -> Attempt:
         """Deliver one rollout; retries not-delivered tries until the delivery deadline."""
         replicas = self.replica_sets[agent]
-        deadline = self._clock() + self._policy.deadline_s
+        deadline = _Deadline(self._clock() + self._policy.deadline_s)
         last: Replica | None = None
         retry = 0
         while True:
-            replica = replicas.pick(avoid=last)
+            replica = await self._ready_replica(replicas, last, deadline)
             if replica is None:
-                if not await self._wait_for_replica(agent, deadline):
-                    return self._deadline_attempt(replicas, last, retry)
-                continue
+                return self._deadline_attempt(replicas, last, retry)
             attempt, missed = await self._try(replica, body)
             if attempt is not None:
                 return _with_retries(attempt, retry)
             assert missed is not None
             delay_s = self._retry_delay(replicas, replica, retry, missed)
             # A retry that would start past the deadline is not made.
-            if self._clock() + delay_s >= deadline:
+            if self._clock() + delay_s >= deadline.at:
                 return self._deadline_attempt(replicas, replica, retry, missed)
             self._observer.retrying(replica, rollout_id, missed.reason, delay_s, retry)
-            await self._sleep(agent, delay_s)
+            if missed.retry_after_s is not None:
+                await asyncio.sleep(delay_s)  # the agent said when: not a moment earlier
+            else:
+                await self._sleep(agent, delay_s)
             last, retry = replica, retry + 1
+
+    async def _ready_replica(
+        self, replicas: ReplicaSet, last: Replica | None, deadline: _Deadline
+    ) -> Replica | None:
+        """The replica to send to now, after any wait for one; None past the deadline."""
+        while True:
+            replica = replicas.pick(avoid=last)
+            if replica is None:
+                if replicas.at_cap():
+                    # Waiting for room under a cap is not time spent delivering.
+                    deadline.at += await self._wait_for_room(replicas.agent)
+                elif not await self._wait_for_replica(replicas.agent, deadline.at):
+                    return None
+                continue
+            if await self._paced(replica, deadline):
+                return replica
+
+    async def _paced(self, replica: Replica, deadline: _Deadline) -> bool:
+        """Keep to ``--max-starts-per-s``; False when the replica is no longer free after."""
+        if self._starts is None:
+            return True
+        paced_s = await self._starts.acquire()
+        if paced_s <= 0:
+            return True
+        deadline.at += paced_s
+        # Others may have filled it, or taken its probe, meanwhile.
+        return replica.breaker.admits() and replica.has_room()
 
     def _retry_delay(
         self, replicas: ReplicaSet, failed: Replica, retry: int, missed: NotDelivered
@@ -199,17 +264,23 @@ class AgentClient:
         await self._sleep(agent, min(left_s, wait_s))
         return True
 
+    async def _wait_for_room(self, agent: str) -> float:
+        """Wait until a try of this agent ends (or a limit changes); the seconds waited."""
+        started = self._clock()
+        await self._room[agent].wait(self._policy.breaker.open_s)
+        return self._clock() - started
+
     async def _sleep(self, agent: str, delay_s: float) -> None:
-        if delay_s <= 0:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._recovered[agent].wait(), delay_s)
+        if delay_s > 0:
+            await self._recovered[agent].wait(delay_s)
 
     async def _try(self, replica: Replica, body: dict[str, Any]) -> Try:
         breaker = replica.breaker
         replica.stats.probes += breaker.on_send()
         replica.in_flight += 1
         replica.stats.sent += 1
+        if replica.controller is not None:
+            replica.controller.on_in_flight(replica.in_flight)
         started_at, t0 = time.time(), time.perf_counter()
         try:
             status, raw, missed, failure = await self._post(replica, body)
@@ -218,6 +289,7 @@ class AgentClient:
             raise
         finally:
             replica.in_flight -= 1
+            self._room[replica.agent].fire()
         if missed is not None:
             self._not_delivered(replica, missed)
             return None, missed
@@ -225,23 +297,26 @@ class AgentClient:
         duration_s = time.perf_counter() - t0
         if failure is not None:
             outcome = Outcome(failure.failure_class)
-            return Attempt(outcome, replica.url, started_at, duration_s, None, failure), None
-        try:
-            outcome, result, failure = classify_response(status, raw)
-        except MemoryError as exc:
-            raise LocalFault("MemoryError", "out of memory reading an answer") from exc
-        return Attempt(outcome, replica.url, started_at, duration_s, result, failure), None
+            attempt = Attempt(outcome, replica.url, started_at, duration_s, None, failure)
+        else:
+            try:
+                outcome, result, failure = classify_response(status, raw)
+            except MemoryError as exc:
+                raise LocalFault("MemoryError", "out of memory reading an answer") from exc
+            attempt = Attempt(outcome, replica.url, started_at, duration_s, result, failure)
+        _tell_controller(replica, attempt)
+        return attempt, None
 
     def _delivered(self, replica: Replica) -> None:
         replica.stats.delivered += 1
         if replica.breaker.on_delivered():
             self._observer.replica_changed(replica, opened=False)
-            event = self._recovered[replica.agent]
-            self._recovered[replica.agent] = asyncio.Event()
-            event.set()
+            self._recovered[replica.agent].fire()
 
     def _not_delivered(self, replica: Replica, missed: NotDelivered) -> None:
         replica.stats.not_delivered += 1
+        if replica.controller is not None and _is_congestion(missed):
+            replica.controller.on_congestion()
         if missed.reason == RATE_LIMITED:
             # A 429 comes from a live replica asking for time: its Retry-After
             # (or the backoff) paces the retry; ejecting it would starve a
@@ -322,6 +397,56 @@ class AgentClient:
         return Attempt(
             Outcome.AGENT_REQUEST_FAILED, url, time.time(), 0.0, None, failure, retries=retry
         )
+
+
+@dataclass
+class _Deadline:
+    """A rollout's delivery deadline; waits for room or pacing push it back."""
+
+    at: float
+
+
+class Wakeup:
+    """Wakes every waiter at once; firing costs nothing while nobody waits."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._waiting = 0
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until fired, or ``timeout_s`` passed."""
+        self._waiting += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout_s)
+        finally:
+            self._waiting -= 1
+
+    def fire(self) -> None:
+        if self._waiting:
+            self._event.set()
+            self._event = asyncio.Event()
+
+
+def _is_congestion(missed: NotDelivered) -> bool:
+    """An agent past its capacity says so with 429, or 503 with a Retry-After."""
+    return missed.reason == RATE_LIMITED or (
+        missed.reason == "http_503" and missed.retry_after_s is not None
+    )
+
+
+# Answers whose latency is the agent's work; an instant error says nothing about load.
+_TIMED_OUTCOMES = frozenset({Outcome.SUCCESS, Outcome.AGENT_REPORTED_FAILURE})
+
+
+def _tell_controller(replica: Replica, attempt: Attempt) -> None:
+    controller = replica.controller
+    if controller is None:
+        return
+    if attempt.outcome in _TIMED_OUTCOMES:
+        controller.on_answer(attempt.duration_s)
+    elif attempt.outcome is Outcome.TIMEOUT_EXCEEDED:
+        controller.on_congestion()
 
 
 class _NotDeliveredError(Exception):

@@ -15,7 +15,7 @@ import orjson
 import structlog
 
 from dispatcher import __version__
-from dispatcher.config import RunSettings, load_settings, parse_agent_flags
+from dispatcher.config import RunSettings, load_settings, parse_agent_caps, parse_agent_flags
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode
 from dispatcher.telemetry.logs import configure_logging, flush_logs
 
@@ -26,7 +26,12 @@ _RUN_FLAGS: dict[str, str] = {
     "--default-agent": "agent for rows without agent_ref",
     "--num-repeats": 'repeats per task: N, or a JSON map like {"a": 4, "_default": 1}',
     "--limit": "read at most N input rows",
-    "--concurrency": "rollouts in flight at most (default 64; 'unbounded' for no bound)",
+    "--concurrency": "rollouts in flight at most (default 64; 'unbounded' for no bound), "
+    "or 'auto': each replica's limit adapts to its latency and 429s",
+    "--concurrency-min": "with 'auto': an agent's limit never below this (default 1)",
+    "--concurrency-max": "with 'auto': rollouts in flight never above this (default 1024)",
+    "--replica-concurrency": "hard cap of rollouts in flight per replica",
+    "--max-starts-per-s": "hard cap of requests sent to agents in any second",
     "--rollout-timeout-s": "per-rollout timeout in seconds",
     "--dispatch-budget-s": "walltime budget for dispatch in seconds, or 'auto' (Slurm)",
     "--budget-reserve-s": "with 'auto': seconds kept back before the job's end (default 300)",
@@ -85,6 +90,12 @@ def _add_run_parser(sub: Any) -> None:
         metavar="NAME=URL[,URL...]",
         help="an agent and its replicas (repeatable)",
     )
+    p.add_argument(
+        "--agent-concurrency",
+        action="append",
+        metavar="NAME=N",
+        help="hard cap of an agent's rollouts in flight (repeatable)",
+    )
     for flag, text in _RUN_FLAGS.items():
         p.add_argument(flag, help=text)
     for flag, text in _SWITCHES.items():
@@ -94,7 +105,11 @@ def _add_run_parser(sub: Any) -> None:
 
 def run_flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The flags the user gave, as settings keys (absent flags are left out)."""
-    values: dict[str, Any] = {"config": args.config, "agents": parse_agent_flags(args.agent)}
+    values: dict[str, Any] = {
+        "config": args.config,
+        "agents": parse_agent_flags(args.agent),
+        "agent_concurrency": parse_agent_caps(args.agent_concurrency),
+    }
     for flag in (*_RUN_FLAGS, *_SWITCHES):
         key = flag.removeprefix("--").replace("-", "_")
         value = getattr(args, key)

@@ -11,7 +11,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 from pydantic import (
@@ -45,7 +45,13 @@ class RunSettings(BaseModel):
     skip_invalid_rows: bool = False
     shard: str | None = None
 
-    concurrency: int | None = Field(default=64, ge=1)
+    concurrency: int | Literal["auto"] | None = Field(default=64)
+    # Load caps (``concurrency.py``); hard, never exceeded, in every mode.
+    concurrency_min: int = Field(default=1, ge=1)
+    concurrency_max: int = Field(default=1024, ge=1)
+    agent_concurrency: dict[str, int] = Field(default_factory=dict)
+    replica_concurrency: int | None = Field(default=None, ge=1)
+    max_starts_per_s: float | None = Field(default=None, gt=0)
     rollout_timeout_s: float | None = Field(default=None, gt=0)
     dispatch_budget_s: float | Literal["auto"] | None = None
     budget_reserve_s: float = Field(default=300.0, ge=0)
@@ -89,6 +95,47 @@ class RunSettings(BaseModel):
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"agent {name!r}: {url!r} is not an http(s) URL")
         return {name: [u.rstrip("/") for u in urls] for name, urls in agents.items()}
+
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _concurrency_parses(cls, value: Any) -> int | str | None:
+        # Parsed here, not by the union, so a bad value gets one plain message.
+        if value is None or value == "auto":
+            return cast(str | None, value)
+        number = value if type(value) is int else None
+        if isinstance(value, str) and value.strip().isdigit():
+            number = int(value)
+        if number is None or number < 1:
+            raise ValueError("must be an integer >= 1, 'auto' or 'unbounded'")
+        return number
+
+    @field_validator("concurrency_max")
+    @classmethod
+    def _max_not_below_min(cls, value: int, info: ValidationInfo) -> int:
+        if value < info.data.get("concurrency_min", 1):
+            raise ValueError("must be >= concurrency_min")
+        return value
+
+    @field_validator("agent_concurrency")
+    @classmethod
+    def _agent_caps(cls, caps: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        for name, cap in caps.items():
+            if "agents" in info.data and name not in info.data["agents"]:
+                raise ValueError(f"agent {name!r} is not among the agents")
+            if cap < 1:
+                raise ValueError(f"agent {name!r}: must be >= 1")
+        return caps
+
+    @property
+    def adaptive(self) -> bool:
+        return self.concurrency == "auto"
+
+    @property
+    def pool_concurrency(self) -> int | None:
+        """Rollouts in flight at most across agents: the setting, or the ceiling of ``auto``."""
+        if self.concurrency == "auto":
+            return self.concurrency_max
+        return self.concurrency
 
     @field_validator("num_repeats")
     @classmethod
@@ -136,7 +183,7 @@ class RunSettings(BaseModel):
 
 
 # Keys whose environment value is JSON (objects, lists, maps).
-_JSON_ENV_KEYS = {"agents", "num_repeats", "responses_create_params"}
+_JSON_ENV_KEYS = {"agents", "num_repeats", "responses_create_params", "agent_concurrency"}
 
 
 def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> RunSettings:
@@ -235,3 +282,16 @@ def parse_agent_flags(values: list[str] | None) -> dict[str, list[str]] | None:
             raise ConfigError(f"--agent {value!r}: expected NAME=URL[,URL...]")
         agents.setdefault(name, []).extend(u for u in urls.split(",") if u)
     return agents
+
+
+def parse_agent_caps(values: list[str] | None) -> dict[str, int] | None:
+    """``--agent-concurrency NAME=N`` flags → ``{name: n}``."""
+    if not values:
+        return None
+    caps: dict[str, int] = {}
+    for value in values:
+        name, sep, count = value.partition("=")
+        if not sep or not name or not count.isdigit():
+            raise ConfigError(f"--agent-concurrency {value!r}: expected NAME=N")
+        caps[name] = int(count)
+    return caps

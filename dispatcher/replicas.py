@@ -8,6 +8,11 @@ replica fails fast, so "fewest in flight" alone would send it most of the
 work; routing therefore only considers replicas whose breaker admits a
 request, and among them picks the fewest in flight.
 
+Load: a replica may have a hard cap (``--replica-concurrency``, never
+exceeded) and, with ``--concurrency auto``, an adaptive limit from its own
+controller (``concurrency.AimdController``); routing prefers replicas under
+their limit and never picks one at its cap.
+
 Pure state and a clock: no I/O, so the rules are pinned on a fake clock.
 """
 
@@ -18,6 +23,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from dispatcher.concurrency import AimdController
 
 Clock = Callable[[], float]
 
@@ -123,15 +130,31 @@ class Replica:
     breaker: Breaker
     in_flight: int = 0
     stats: ReplicaStats = field(default_factory=ReplicaStats)
+    cap: int | None = None
+    controller: AimdController | None = None
     run_url: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.run_url = f"{self.url}/run"
 
+    @property
+    def limit(self) -> int | None:
+        """The adaptive limit (None without ``--concurrency auto``)."""
+        return self.controller.limit if self.controller is not None else None
+
+    def has_room(self) -> bool:
+        return self.cap is None or self.in_flight < self.cap
+
+    def under_limit(self) -> bool:
+        limit = self.limit
+        return limit is None or self.in_flight < limit
+
     def view(self) -> dict[str, object]:
         return {
             "state": self.breaker.state.value,
             "in_flight": self.in_flight,
+            "limit": self.limit,
+            "cap": self.cap,
             "sent": self.stats.sent,
             "probes": self.stats.probes,
             "delivered": self.stats.delivered,
@@ -144,27 +167,56 @@ class ReplicaSet:
     """The replicas of one agent and the routing choice between them."""
 
     def __init__(
-        self, agent: str, urls: Iterable[str], policy: BreakerPolicy, clock: Clock = time.monotonic
+        self,
+        agent: str,
+        urls: Iterable[str],
+        policy: BreakerPolicy,
+        clock: Clock = time.monotonic,
+        *,
+        cap: int | None = None,
+        controller: Callable[[], AimdController] | None = None,
     ) -> None:
         self.agent = agent
         self._clock = clock
-        self.replicas = [Replica(agent, url, Breaker(policy, clock)) for url in urls]
+        self.replicas = [
+            Replica(agent, url, Breaker(policy, clock), cap=cap, controller=_make(controller))
+            for url in urls
+        ]
         # Ties rotate so equally idle replicas share the load evenly.
         self._turn = itertools.cycle(range(len(self.replicas)))
 
     def pick(self, avoid: Replica | None = None) -> Replica | None:
-        """The admitting replica with the fewest in flight, preferring one other than ``avoid``.
+        """The admitting replica with room and the fewest in flight.
 
-        None when no breaker admits a request now.
+        Prefers one under its adaptive limit, and one other than ``avoid``.
+        None when no breaker admits a request now, or every one that does is
+        at its cap (``at_cap`` tells the two apart).
         """
         start = next(self._turn)
         ordered = self.replicas[start:] + self.replicas[:start]
-        open_ones = [r for r in ordered if r.breaker.admits()]
-        if avoid is not None and len(open_ones) > 1:
-            open_ones = [r for r in open_ones if r is not avoid] or open_ones
-        if not open_ones:
+        ready = [r for r in ordered if r.breaker.admits() and r.has_room()]
+        if avoid is not None and len(ready) > 1:
+            ready = [r for r in ready if r is not avoid] or ready
+        ready = [r for r in ready if r.under_limit()] or ready
+        if not ready:
             return None
-        return min(open_ones, key=lambda r: r.in_flight)
+        return min(ready, key=lambda r: r.in_flight)
+
+    def at_cap(self) -> bool:
+        """Some breaker admits a request, but every such replica is at its cap."""
+        admitting = [r for r in self.replicas if r.breaker.admits()]
+        return bool(admitting) and not any(r.has_room() for r in admitting)
+
+    def healthy_limit(self) -> int | None:
+        """Sum of the adaptive limits of the replicas whose breaker is closed."""
+        limits = [
+            r.limit
+            for r in self.replicas
+            if r.limit is not None and r.breaker.state is BreakerState.CLOSED
+        ]
+        if not any(r.controller for r in self.replicas):
+            return None
+        return sum(limits)
 
     def next_admission_in_s(self) -> float:
         """Seconds until some open breaker lets a probe through (0 if one admits now)."""
@@ -185,3 +237,7 @@ class ReplicaSet:
 
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
+
+
+def _make(factory: Callable[[], AimdController] | None) -> AimdController | None:
+    return factory() if factory is not None else None

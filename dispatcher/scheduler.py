@@ -86,6 +86,11 @@ class Limiter:
         self.limit = max(1, min(self.limit, self.in_use) // 2)
         return self.limit
 
+    def set_limit(self, limit: int) -> None:
+        """A new limit, kept within 1 and the ceiling (an adaptive controller's)."""
+        self.limit = max(1, min(limit, self.ceiling))
+        self._wake()
+
     def grow(self) -> None:
         """One more slot, up to the configured concurrency."""
         if self.limit < self.ceiling:
@@ -108,9 +113,12 @@ class Admission(StrEnum):
 class RolloutPool:
     """Owns the agent slots: at most ``concurrency`` rollouts talk to agents at once.
 
-    A rollout holds its slot from admission until it calls ``leave`` (once its
-    agent has answered) or its task ends, whichever comes first; the rest of
-    its task (the commit) no longer counts against the agents' concurrency.
+    A rollout holds its slot, and its agent's slot where the agent has a
+    limit of its own (``agent_slots``: ``--agent-concurrency``, or the
+    adaptive limit of ``--concurrency auto``), from admission until it calls
+    ``leave`` (once its agent has answered) or its task ends, whichever comes
+    first; the rest of its task (the commit) no longer counts against the
+    agents' concurrency.
     """
 
     def __init__(
@@ -119,25 +127,36 @@ class RolloutPool:
         budget: Budget,
         drain_margin: Callable[[], float | None],
         run: Callable[[Rollout], Coroutine[Any, Any, None]],
+        agent_slots: dict[str, Limiter] | None = None,
     ) -> None:
         self.slots = Limiter(concurrency) if concurrency is not None else None
+        self.agent_slots = agent_slots or {}
         self._budget = budget
         self._drain_margin = drain_margin
         self._run = run
-        self.in_flight: set[asyncio.Task[None]] = set()
+        # Each rollout task, with the agent slot it holds (None: its agent has no limit).
+        self.in_flight: dict[asyncio.Task[None], Limiter | None] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
     async def admit(self, rollout: Rollout) -> Admission:
-        """Wait for a slot, then start the rollout or drain it."""
+        """Wait for the slots, then start the rollout or drain it."""
+        agent_slot = self.agent_slots.get(rollout.agent)
+        if agent_slot is not None:
+            await agent_slot.acquire()
         if self.slots is not None:
-            await self.slots.acquire()
+            try:
+                await self.slots.acquire()
+            except BaseException:
+                if agent_slot is not None:
+                    agent_slot.release()
+                raise
         # Decided after the slot is won: the wait itself may have used up the budget.
         if self._budget.should_drain(self._drain_margin()):
-            self._release_slot()
+            self._release_slots(agent_slot)
             return Admission.DRAINED
         task = asyncio.create_task(self._run(rollout), name=f"rollout:{rollout.rollout_id}")
-        self.in_flight.add(task)
+        self.in_flight[task] = agent_slot
         self._idle.clear()
         task.add_done_callback(self._finished)
         return Admission.STARTED
@@ -155,14 +174,15 @@ class RolloutPool:
             log.error("rollout_task_crashed", task=task.get_name(), exc_info=task.exception())
 
     def _release(self, task: asyncio.Task[None]) -> None:
-        self.in_flight.discard(task)
-        self._release_slot()
+        self._release_slots(self.in_flight.pop(task))
         if not self.in_flight:
             self._idle.set()
 
-    def _release_slot(self) -> None:
+    def _release_slots(self, agent_slot: Limiter | None) -> None:
         if self.slots is not None:
             self.slots.release()
+        if agent_slot is not None:
+            agent_slot.release()
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no rollout holds a slot; True when none does."""

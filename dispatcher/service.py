@@ -29,6 +29,7 @@ from dispatcher.agents import AgentClient, Attempt, DeliveryPolicy
 from dispatcher.aio import cancel_and_wait
 from dispatcher.backoff import BackoffPolicy
 from dispatcher.capture.finalize import attach_capture, clear_rollout_captures
+from dispatcher.concurrency import AimdPolicy
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault, fd_limit
@@ -38,7 +39,7 @@ from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.replicas import BreakerPolicy, Replica
 from dispatcher.rows import build_row, is_terminal
-from dispatcher.scheduler import Admission, Budget, RolloutPool
+from dispatcher.scheduler import Admission, Budget, Limiter, RolloutPool
 from dispatcher.state import RunState
 from dispatcher.store import RowWriter, write_json_atomic
 from dispatcher.tasks import Rollout, materialized_key
@@ -55,6 +56,8 @@ READ_BATCH_ROWS = 512
 # metrics listener and its scrapes, capture reads, the loop's own.
 FD_RESERVE = 64
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 7200.0
+ADAPT_TICK_S = 0.25
+LIMIT_LOG_EVERY_S = 5.0
 START_BURST = 8
 QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
@@ -82,7 +85,7 @@ class Dispatcher:
         self._fatal: DispatcherError | None = None
         self._final_this_run = 0
         self._commits: set[asyncio.Task[None]] = set()
-        self._commit_slots = asyncio.Semaphore(max(256, 4 * (settings.concurrency or 64)))
+        self._commit_slots = asyncio.Semaphore(max(256, 4 * (settings.pool_concurrency or 64)))
         self._started_monotonic = time.monotonic()
         self._budget = Budget(None)
         self._background: list[asyncio.Task[None]] = []
@@ -100,7 +103,9 @@ class Dispatcher:
         self._writers: tuple[RowWriter, ...] = ()
         self._lag = LoopLagMonitor(self.metrics)
         # DESIGN A11: rollouts our own faults put back, and what delivery saw.
-        self._concurrency = settings.concurrency
+        self._concurrency = settings.pool_concurrency
+        self._agent_slots: dict[str, Limiter] = {}
+        self._limit_logged_at: dict[str, float] = {}
         self._requeued: deque[Rollout] = deque()
         self._live = 0
         self._wake_producer = asyncio.Event()
@@ -170,11 +175,18 @@ class Dispatcher:
         self.metrics.dispatch_started()
         self._dispatch_started = time.monotonic()
         self.state = "running"
+        self._make_agent_limiters()
         self._pool = RolloutPool(
-            self._concurrency, self._budget, self._drain_margin, self._run_rollout
+            self._concurrency,
+            self._budget,
+            self._drain_margin,
+            self._run_rollout,
+            self._agent_slots,
         )
-        self.metrics.concurrency_limit(self._concurrency)
+        self.metrics.pool_limit(self._concurrency)
         self._background.append(asyncio.create_task(self._watch_budget(), name="budget"))
+        if self.settings.adaptive:
+            self._background.append(asyncio.create_task(self._adapt(), name="adapt"))
         producer = asyncio.create_task(self._produce(), name="producer")
         await self._until_stopped(producer)
         if producer.done() and not producer.cancelled() and producer.exception() is None:
@@ -362,13 +374,13 @@ class Dispatcher:
         self.metrics.local_fault(fault.kind)
         slots = self._pool.slots if self._pool is not None else None
         limit = slots.shrink() if slots is not None else None
-        self.metrics.concurrency_limit(limit)
+        self.metrics.pool_limit(limit)
         log.warning(
             "local_fault",
             fault=fault.message,
             kind=fault.kind,
             rollout_id=rollout.rollout_id,
-            concurrency_limit=limit,
+            pool_limit=limit,
         )
         try:
             self._fault_policy.on_fault(fault)
@@ -383,11 +395,11 @@ class Dispatcher:
         slots = self._pool.slots if self._pool is not None else None
         if slots is not None and slots.limit < slots.ceiling:
             slots.grow()
-            self.metrics.concurrency_limit(slots.limit)
+            self.metrics.pool_limit(slots.limit)
 
     def _usable_concurrency(self) -> int | None:
         """The concurrency, capped so sockets cannot run this process out of descriptors."""
-        wanted = self.settings.concurrency
+        wanted = self.settings.pool_concurrency
         usable = fd_limit() - _open_fds() - FD_RESERVE
         if wanted is None or wanted <= usable:
             return wanted
@@ -399,6 +411,77 @@ class Dispatcher:
             reason=f"the file-descriptor limit (ulimit -n) is {fd_limit()}",
         )
         return capped
+
+    # ---- load: per-agent limits, adaptive or fixed (concurrency.py) ----------------
+
+    def _make_agent_limiters(self) -> None:
+        """A slot limiter for each agent with a cap, or with an adaptive limit."""
+        settings = self.settings
+        for agent in settings.agents:
+            cap = settings.agent_concurrency.get(agent)
+            if settings.adaptive:
+                ceiling = min(cap or settings.concurrency_max, settings.concurrency_max)
+                self._agent_slots[agent] = Limiter(ceiling)
+            elif cap is not None:
+                self._agent_slots[agent] = Limiter(cap)
+        for agent in self._agent_slots:
+            self._apply_agent_limit(agent, reason="initial")
+
+    def _apply_agent_limit(self, agent: str, reason: str) -> None:
+        """An agent's limit: its healthy replicas' adaptive limits, within min and its cap."""
+        limiter = self._agent_slots.get(agent)
+        if limiter is None or self._agents is None:
+            return
+        healthy = self._agents.replica_sets[agent].healthy_limit()
+        if healthy is not None:
+            before = limiter.limit
+            limiter.set_limit(max(self.settings.concurrency_min, healthy))
+            if limiter.limit != before:
+                self._log_limit(agent, before, limiter.limit, reason)
+        self.metrics.concurrency_limit(agent, limiter.limit)
+
+    def _log_limit(self, agent: str, before: int, after: int, reason: str) -> None:
+        # At most one event per agent every few seconds: the limit moves every second.
+        now = time.monotonic()
+        if now - self._limit_logged_at.get(agent, -LIMIT_LOG_EVERY_S) < LIMIT_LOG_EVERY_S:
+            return
+        self._limit_logged_at[agent] = now
+        log.info("concurrency_changed", agent=agent, limit=after, was=before, reason=reason)
+
+    async def _adapt(self) -> None:
+        """Tick the replicas' controllers and carry their limits to the agents' slots."""
+        assert self._agents is not None
+        while True:
+            await asyncio.sleep(ADAPT_TICK_S)
+            for agent in self._agents.tick_controllers():
+                self._apply_agent_limit(agent, self._limit_reason(agent))
+
+    def _limit_reason(self, agent: str) -> str:
+        assert self._agents is not None
+        reasons = [
+            f"{r.url}: {r.controller.reason}"
+            for r in self._agents.replica_sets[agent].replicas
+            if r.controller is not None
+        ]
+        return "; ".join(reasons)
+
+    def _concurrency_view(self) -> dict[str, Any]:
+        """Per agent: the limit now, its cap, its replicas' limits (for /status)."""
+        if self._agents is None:
+            return {}
+        view = {}
+        for agent, replicas in self._agents.replica_sets.items():
+            limiter = self._agent_slots.get(agent)
+            view[agent] = {
+                "mode": "auto" if self.settings.adaptive else "fixed",
+                "limit": limiter.limit if limiter is not None else self._concurrency,
+                "cap": self.settings.agent_concurrency.get(agent),
+                "in_flight": sum(r.in_flight for r in replicas.replicas),
+                "replica_cap": self.settings.replica_concurrency,
+                "replica_limits": {r.url: r.limit for r in replicas.replicas},
+                "reason": self._limit_reason(agent) if self.settings.adaptive else None,
+            }
+        return view
 
     # ---- delivery: retries and replica health (DeliveryObserver) -------------------
 
@@ -419,6 +502,9 @@ class Dispatcher:
 
     def replica_changed(self, replica: Replica, opened: bool) -> None:
         self.metrics.replica_up(replica.agent, replica.url, not opened)
+        # An open replica's share of an adaptive limit leaves with it.
+        change = "opened" if opened else "closed"
+        self._apply_agent_limit(replica.agent, f"replica {replica.url} {change}")
         if not opened:
             log.warning("replica_closed", agent=replica.agent, replica=replica.url)
             return
@@ -636,7 +722,8 @@ class Dispatcher:
         """Retries, replica health and our own faults: for /status, the summary and status."""
         slots = self._pool.slots if self._pool is not None else None
         return {
-            "concurrency_limit": slots.limit if slots is not None else self._concurrency,
+            "pool_limit": slots.limit if slots is not None else self._concurrency,
+            "concurrency": self._concurrency_view(),
             "retries": {agent: dict(reasons) for agent, reasons in self.retries.items()},
             "replicas": self._agents.replicas_view() if self._agents is not None else {},
             "agents_down": sorted(self._agents_down),
@@ -769,6 +856,9 @@ def delivery_policy(settings: RunSettings) -> DeliveryPolicy:
         breaker=BreakerPolicy(
             settings.breaker_failures, settings.breaker_open_s, settings.breaker_open_cap_s
         ),
+        replica_cap=settings.replica_concurrency,
+        max_starts_per_s=settings.max_starts_per_s,
+        aimd=AimdPolicy(maximum=settings.concurrency_max) if settings.adaptive else None,
     )
 
 

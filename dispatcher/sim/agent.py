@@ -4,7 +4,10 @@ Latency is fixed or lognormal; each request can fail as HTTP 500, HTTP 503,
 a hang, a malformed body or a kill-shaped answer, with the given
 probabilities (drawn per request from a generator seeded by ``--seed``); the
 first ``--rate-limit-first`` requests are refused with HTTP 429 and a
-``Retry-After`` header.
+``Retry-After`` header. With ``--capacity C`` the agent has a knee: past C
+rollouts in flight, latency grows with the cube of the overload (so
+throughput falls) and past 1.25·C it answers 429; ``--capacity-then`` and
+``--capacity-change-after-s`` change C mid-run.
 Latency and reward are drawn from the rollout's identity, so they are the
 same on every resume.
 ``GET /stats`` reports the requests seen and the most ever in flight at once.
@@ -17,7 +20,9 @@ import asyncio
 import hashlib
 import math
 import random
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -48,6 +53,9 @@ class SimAgentConfig:
     agent_trajectory: bool = False
     rate_limit_first: int = 0
     retry_after_s: int = 1
+    capacity: int = 0
+    capacity_then: int = 0
+    capacity_change_after_s: float = 0.0
 
 
 @dataclass
@@ -55,6 +63,19 @@ class SimAgentStats:
     requests: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
+    # The most requests that arrived within any one second.
+    max_per_s: int = 0
+    _recent: deque[float] = field(default_factory=deque)
+
+    def arrived(self, now: float) -> None:
+        self.requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        recent = self._recent
+        recent.append(now)
+        while now - recent[0] >= 1.0:
+            recent.popleft()
+        self.max_per_s = max(self.max_per_s, len(recent))
 
 
 _FAILURES = ("fail_500", "fail_503", "hang", "malformed", "kill_shaped")
@@ -62,6 +83,9 @@ STATS_KEY = web.AppKey("stats", SimAgentStats)
 FAILURE_RNG_KEY = web.AppKey("failure_rng", random.Random)
 CONFIG_KEY = web.AppKey("config", SimAgentConfig)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
+STARTED_KEY = web.AppKey("started", float)
+# Past this load (in flight over capacity) the knee model answers 429.
+OVERLOAD_429 = 1.25
 
 
 def _rng_for(config: SimAgentConfig, row: dict[str, Any]) -> random.Random:
@@ -79,6 +103,18 @@ def _pick_failure(config: SimAgentConfig, rng: random.Random) -> str | None:
         if draw < 0:
             return name
     return None
+
+
+def _load_factor(app: web.Application, in_flight: int) -> float:
+    """Rollouts in flight over the capacity now (0 without a knee)."""
+    config = app[CONFIG_KEY]
+    capacity = config.capacity
+    if (
+        config.capacity_then
+        and time.monotonic() - app[STARTED_KEY] >= config.capacity_change_after_s
+    ):
+        capacity = config.capacity_then
+    return in_flight / capacity if capacity > 0 else 0.0
 
 
 def _latency(config: SimAgentConfig, rng: random.Random) -> float:
@@ -101,12 +137,11 @@ def _result(
 
 async def _handle_run(request: web.Request) -> web.StreamResponse:
     stats, config = request.app[STATS_KEY], request.app[CONFIG_KEY]
-    stats.requests += 1
-    stats.in_flight += 1
-    stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
+    stats.arrived(time.monotonic())
     try:
         row = await request.json(loads=orjson.loads)
-        if stats.requests <= config.rate_limit_first:
+        load = _load_factor(request.app, stats.in_flight)
+        if stats.requests <= config.rate_limit_first or load > OVERLOAD_429:
             return web.Response(
                 status=429, text="rate limited", headers={"Retry-After": str(config.retry_after_s)}
             )
@@ -114,7 +149,7 @@ async def _handle_run(request: web.Request) -> web.StreamResponse:
         # Failures are drawn per request, not per rollout: a rollout that was
         # interrupted once is not doomed to be interrupted on every resume.
         failure = _pick_failure(config, request.app[FAILURE_RNG_KEY])
-        await asyncio.sleep(_latency(config, rng))
+        await asyncio.sleep(_latency(config, rng) * max(1.0, load) ** 3)
         return await _answer(request, config, row, rng, failure)
     finally:
         stats.in_flight -= 1
@@ -183,6 +218,7 @@ async def _handle_stats(request: web.Request) -> web.Response:
             "requests": stats.requests,
             "in_flight": stats.in_flight,
             "max_in_flight": stats.max_in_flight,
+            "max_per_s": stats.max_per_s,
         }
     )
 
@@ -192,6 +228,7 @@ def build_sim_agent_app(config: SimAgentConfig) -> web.Application:
     app[STATS_KEY] = SimAgentStats()
     app[CONFIG_KEY] = config
     app[FAILURE_RNG_KEY] = random.Random(config.seed)
+    app[STARTED_KEY] = time.monotonic()
     app.router.add_post("/run", _handle_run)
     app.router.add_get("/stats", _handle_stats)
     app.cleanup_ctx.append(_client_session)
@@ -219,6 +256,11 @@ def add_parser(subparsers: Any) -> None:
         "--rate-limit-first", type=int, default=0, help="answer the first N requests with 429"
     )
     p.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of those 429s")
+    p.add_argument(
+        "--capacity", type=int, default=0, help="rollouts in flight past which latency climbs"
+    )
+    p.add_argument("--capacity-then", type=int, default=0, help="the capacity after the change")
+    p.add_argument("--capacity-change-after-s", type=float, default=0.0)
     p.add_argument("--model-url", help="capture proxy base URL the agent calls the model through")
     p.add_argument("--model-calls", type=int, default=0, help="model calls per rollout")
     p.add_argument("--model-dialect", choices=("chat", "responses", "messages"), default="chat")

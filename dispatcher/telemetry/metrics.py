@@ -280,9 +280,15 @@ class Metrics:
             ("kind",),
             registry=registry,
         )
+        self._pool_limit = Gauge(
+            "dispatcher_pool_limit",
+            "Rollouts allowed in flight across agents (below the setting while own faults last).",
+            registry=registry,
+        )
         self._concurrency_limit = Gauge(
             "dispatcher_concurrency_limit",
-            "Rollouts allowed in flight now (below the setting while own faults shrink the pool).",
+            "An agent's limit of rollouts in flight (adaptive with --concurrency auto).",
+            ("agent",),
             registry=registry,
         )
 
@@ -361,9 +367,12 @@ class Metrics:
     def local_fault(self, kind: str) -> None:
         self._local_faults.labels(kind).inc()
 
-    def concurrency_limit(self, limit: int | None) -> None:
+    def pool_limit(self, limit: int | None) -> None:
         if limit is not None:
-            self._concurrency_limit.set(limit)
+            self._pool_limit.set(limit)
+
+    def concurrency_limit(self, agent: str, limit: int) -> None:
+        self._concurrency_limit.labels(agent).set(limit)
 
     def capture_waited(self, wait_s: float, gaps: Iterable[str]) -> None:
         """Record one row's capture quiescence wait and the gap codes attached to it."""
