@@ -11,9 +11,10 @@ gives when it is past its capacity. Every ``interval_s``:
 
 - a congestion signal in the window (HTTP 429, or 503 with ``Retry-After``;
   a rollout timeout) → multiplicative decrease (``× decrease``);
-- else the recent p95 near the rollout timeout, or the recent median past
-  ``tolerance ×`` the baseline (the lowest median of the last ``baseline_windows``
-  windows) → a gentler decrease (``× latency_decrease``);
+- else the recent p95 near the rollout timeout, or the recent median past a
+  tolerance over the baseline (the lowest median of the last
+  ``baseline_windows`` windows; the tolerance widens with the window's own
+  noise, see ``AimdPolicy``) → a gentler decrease (``× latency_decrease``);
 - else, when the limit is in use (demand exists): slow start (``× 1.5``)
   until the first decrease, then additive increase (``+ max(1, 5 %)``).
 
@@ -41,8 +42,12 @@ class AimdPolicy:
     interval_s: float = 1.0
     min_samples: int = 20
     decrease: float = 0.7
-    latency_decrease: float = 0.95
-    tolerance: float = 1.15
+    latency_decrease: float = 0.97
+    # Latency "climbs" past baseline × (min_tolerance + noise_margin × the
+    # window median's relative standard error): a noisy agent needs a bigger
+    # rise to count, a steady one is caught as soon as it slows.
+    min_tolerance: float = 1.05
+    noise_margin: float = 3.0
     slow_start: float = 1.5
     additive_share: float = 0.05
     baseline_windows: int = 30
@@ -118,9 +123,19 @@ class AimdController:
             if p95 > timeout_s * self.policy.timeout_share:
                 return f"p95 {p95:.2f} s near the rollout timeout {timeout_s:g} s"
         baseline = min(self._medians)
-        if median > baseline * self.policy.tolerance:
+        if median > baseline * self._tolerance():
             return f"median latency {median:.3f} s vs baseline {baseline:.3f} s"
         return ""
+
+    def _tolerance(self) -> float:
+        """How far above the baseline the median may be before it counts as a rise."""
+        logs = sorted(math.log(max(v, 1e-6)) for v in self._latencies)
+        n = len(logs)
+        # Spread from the interquartile range of log latencies (robust, and
+        # right for the long right tail rollout latencies have).
+        sigma = (logs[(3 * n) // 4] - logs[n // 4]) / 1.349
+        relative_se = 1.2533 * sigma / math.sqrt(n)
+        return self.policy.min_tolerance + self.policy.noise_margin * relative_se
 
     def _remember(self, median: float) -> None:
         self._medians.append(median)

@@ -74,7 +74,8 @@ def test_latency_past_the_tolerance_cuts_gently() -> None:
     clock = FakeClock()
     c = AimdController(POLICY, clock)
     window(c, clock, 0.2)  # baseline 0.2 s, limit 12
-    assert window(c, clock, 0.2 * 1.16)
+    assert not window(c, clock, 0.2 * 1.02, in_flight=0)  # within the tolerance
+    assert window(c, clock, 0.2 * 1.06)
     assert c.limit == 11  # floor(12 * 0.95)
     assert "baseline 0.200 s" in c.reason
 
@@ -123,6 +124,19 @@ def test_limits_stay_within_min_and_max() -> None:
         clock.now += 1.0
         c.tick()
     assert c.limit == 1
+
+
+def test_a_noisy_window_needs_a_bigger_rise_to_count() -> None:
+    clock = FakeClock()
+    c = AimdController(POLICY, clock)
+    window(c, clock, 0.2)  # baseline 0.2 s, limit 12
+    # Half the answers at 0.1 s, half at 0.5 s: the median 0.3 s is 1.5x the
+    # baseline, but a five-answer window that spread says little.
+    for latency in (0.1, 0.1, 0.3, 0.5, 0.5):
+        c.on_answer(latency)
+    c.on_in_flight(c.limit)
+    clock.now += 1.0
+    assert c.tick() and c.reason == "latency holds"
 
 
 def test_the_baseline_forgets_old_windows() -> None:
