@@ -352,3 +352,33 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+async def test_a_black_holed_address_hits_the_connect_timeout(
+    tmp_path: Path, servers: Servers
+) -> None:
+    # A listener that never accepts, its accept queue already full: the
+    # kernel drops further SYNs, so a connect hangs as on a black-holed host.
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(hole.getsockname())
+        fillers.append(filler)
+    url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+    files = Files(tmp_path, 2)
+    try:
+        result = await run_cli(
+            *files.args(url, "--connect-timeout-s", "0.3", "--delivery-deadline-s", "1.5")
+        )
+    finally:
+        for s in (*fillers, hole):
+            s.close()
+
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert summary_of(result.stderr)["retries"]["sim"]["connect_timeout"] >= 2
+    failures = files.failure_rows()
+    assert len(failures) == 2 and all(f["_ng_failure_not_delivered"] for f in failures)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher import service
+from dispatcher import agents, service
 from dispatcher.config import load_settings
 from dispatcher.errors import ExitCode
 from dispatcher.faults import FaultPersisted
@@ -129,3 +129,27 @@ async def test_a_bug_that_persists_ends_the_run_naming_it(
 
     paths = OutputPaths.for_output(tmp_path / "x.jsonl")
     assert read_jsonl(paths.output) == [] and read_jsonl(paths.failures) == []
+
+
+async def test_running_out_of_memory_reading_an_answer_is_not_a_protocol_violation(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_classify = agents.classify_response
+    calls = 0
+
+    def short_of_memory(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise MemoryError
+        return real_classify(*args)
+
+    monkeypatch.setattr(agents, "classify_response", short_of_memory)
+    dispatcher = dispatcher_for(tmp_path, agent_url, 6, concurrency=2)
+
+    assert await dispatcher.run() is ExitCode.DONE
+
+    paths = OutputPaths.for_output(tmp_path / "x.jsonl")
+    assert len(read_jsonl(paths.output)) == 6
+    assert read_jsonl(paths.failures) == []
+    assert dispatcher.summary()["outcomes"] == {"success": 6, "requeued": 2}
