@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/resume_startup.py
 	$(BIN)/python bench/capture_overhead.py
 	$(BIN)/python bench/retries.py
+	$(BIN)/python bench/adaptive.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
@@ -38,6 +39,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/resume_startup.py --smoke
 	$(BIN)/python bench/capture_overhead.py --calls 300 --stream-calls 100 --rows 200
 	$(BIN)/python bench/retries.py --smoke
+	$(BIN)/python bench/adaptive.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output
