@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, BinaryIO
 
@@ -34,12 +34,13 @@ from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault, fd_limit
 from dispatcher.latency import DispatchLatencyTracker
+from dispatcher.load import AgentLoad
 from dispatcher.ops import delivery
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
-from dispatcher.replicas import BreakerPolicy, Replica
+from dispatcher.replicas import BreakerPolicy
 from dispatcher.rows import build_row, is_terminal
-from dispatcher.scheduler import Admission, Budget, Limiter, RolloutPool
+from dispatcher.scheduler import Admission, Budget, RolloutPool
 from dispatcher.state import RunState
 from dispatcher.store import RowWriter, write_json_atomic
 from dispatcher.tasks import Rollout, materialized_key
@@ -56,8 +57,6 @@ READ_BATCH_ROWS = 512
 # metrics listener and its scrapes, capture reads, the loop's own.
 FD_RESERVE = 64
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 7200.0
-ADAPT_TICK_S = 0.25
-LIMIT_LOG_EVERY_S = 5.0
 START_BURST = 8
 QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
@@ -104,14 +103,11 @@ class Dispatcher:
         self._lag = LoopLagMonitor(self.metrics)
         # DESIGN A11: rollouts our own faults put back, and what delivery saw.
         self._concurrency = settings.pool_concurrency
-        self._agent_slots: dict[str, Limiter] = {}
-        self._limit_logged_at: dict[str, float] = {}
         self._requeued: deque[Rollout] = deque()
         self._live = 0
         self._wake_producer = asyncio.Event()
         self._fault_policy = LocalFaultPolicy(settings.local_fault_persist_s)
-        self.retries: defaultdict[str, Counter[str]] = defaultdict(Counter)
-        self._agents_down: set[str] = set()
+        self._load = AgentLoad(settings, self.metrics)
 
     # ---- the table of contents -------------------------------------------------
 
@@ -146,8 +142,9 @@ class Dispatcher:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s),
         )
         self._agents = AgentClient(
-            self.settings.agents, self._session, delivery_policy(self.settings), self
+            self.settings.agents, self._session, delivery_policy(self.settings), self._load
         )
+        self._load.attach(self._agents)
         self._output = RowWriter(prepared.paths.output, self.settings.fsync, **self._batching())
         self._failures = RowWriter(prepared.paths.failures, self.settings.fsync, **self._batching())
         self._writers = (self._output, self._failures)
@@ -175,18 +172,17 @@ class Dispatcher:
         self.metrics.dispatch_started()
         self._dispatch_started = time.monotonic()
         self.state = "running"
-        self._make_agent_limiters()
         self._pool = RolloutPool(
             self._concurrency,
             self._budget,
             self._drain_margin,
             self._run_rollout,
-            self._agent_slots,
+            self._load.make_limiters(),
         )
         self.metrics.pool_limit(self._concurrency)
         self._background.append(asyncio.create_task(self._watch_budget(), name="budget"))
         if self.settings.adaptive:
-            self._background.append(asyncio.create_task(self._adapt(), name="adapt"))
+            self._background.append(asyncio.create_task(self._load.adapt(), name="adapt"))
         producer = asyncio.create_task(self._produce(), name="producer")
         await self._until_stopped(producer)
         if producer.done() and not producer.cancelled() and producer.exception() is None:
@@ -233,7 +229,7 @@ class Dispatcher:
         async for rollout in self._to_start():
             if self._stop_requested.is_set():
                 return
-            if self._agent_is_down(rollout.agent):
+            if self._load.is_down(rollout.agent):
                 self._record_not_started(Outcome.AGENT_DOWN)
                 continue
             if await pool.admit(rollout) is Admission.DRAINED:
@@ -412,140 +408,6 @@ class Dispatcher:
         )
         return capped
 
-    # ---- load: per-agent limits, adaptive or fixed (concurrency.py) ----------------
-
-    def _make_agent_limiters(self) -> None:
-        """A slot limiter for each agent with a cap, or with an adaptive limit."""
-        settings = self.settings
-        for agent in settings.agents:
-            cap = settings.agent_concurrency.get(agent)
-            if settings.adaptive:
-                ceiling = min(cap or settings.concurrency_max, settings.concurrency_max)
-                self._agent_slots[agent] = Limiter(ceiling)
-            elif cap is not None:
-                self._agent_slots[agent] = Limiter(cap)
-        for agent in self._agent_slots:
-            self._apply_agent_limit(agent, reason="initial")
-
-    def _apply_agent_limit(self, agent: str, reason: str) -> None:
-        """An agent's limit: its healthy replicas' adaptive limits, within min and its cap."""
-        limiter = self._agent_slots.get(agent)
-        if limiter is None or self._agents is None:
-            return
-        healthy = self._agents.replica_sets[agent].healthy_limit()
-        if healthy is not None:
-            before = limiter.limit
-            limiter.set_limit(max(self.settings.concurrency_min, healthy))
-            if limiter.limit != before:
-                self._log_limit(agent, before, limiter.limit, reason)
-        self.metrics.concurrency_limit(agent, limiter.limit)
-
-    def _log_limit(self, agent: str, before: int, after: int, reason: str) -> None:
-        # At most one event per agent every few seconds: the limit moves every second.
-        now = time.monotonic()
-        if now - self._limit_logged_at.get(agent, -LIMIT_LOG_EVERY_S) < LIMIT_LOG_EVERY_S:
-            return
-        self._limit_logged_at[agent] = now
-        log.info("concurrency_changed", agent=agent, limit=after, was=before, reason=reason)
-
-    async def _adapt(self) -> None:
-        """Tick the replicas' controllers and carry their limits to the agents' slots."""
-        assert self._agents is not None
-        while True:
-            await asyncio.sleep(ADAPT_TICK_S)
-            for agent in self._agents.tick_controllers():
-                self._apply_agent_limit(agent, self._limit_reason(agent))
-
-    def _limit_reason(self, agent: str) -> str:
-        assert self._agents is not None
-        reasons = [
-            f"{r.url}: {r.controller.reason}"
-            for r in self._agents.replica_sets[agent].replicas
-            if r.controller is not None
-        ]
-        return "; ".join(reasons)
-
-    def _concurrency_view(self) -> dict[str, Any]:
-        """Per agent: the limit now, its cap, its replicas' limits (for /status)."""
-        if self._agents is None:
-            return {}
-        view = {}
-        for agent, replicas in self._agents.replica_sets.items():
-            limiter = self._agent_slots.get(agent)
-            view[agent] = {
-                "mode": "auto" if self.settings.adaptive else "fixed",
-                "limit": limiter.limit if limiter is not None else self._concurrency,
-                "cap": self.settings.agent_concurrency.get(agent),
-                "in_flight": sum(r.in_flight for r in replicas.replicas),
-                "replica_cap": self.settings.replica_concurrency,
-                "replica_limits": {r.url: r.limit for r in replicas.replicas},
-                "reason": self._limit_reason(agent) if self.settings.adaptive else None,
-            }
-        return view
-
-    # ---- delivery: retries and replica health (DeliveryObserver) -------------------
-
-    def retrying(
-        self, replica: Replica, rollout_id: str, reason: str, delay_s: float, retry: int
-    ) -> None:
-        self.retries[replica.agent][reason] += 1
-        self.metrics.retried(replica.agent, reason)
-        self._log.warning(
-            "rollout_retry",
-            rollout_id=rollout_id,
-            agent=replica.agent,
-            replica=replica.url,
-            reason=reason,
-            retry=retry + 1,
-            delay_s=round(delay_s, 3),
-        )
-
-    def replica_changed(self, replica: Replica, opened: bool) -> None:
-        self.metrics.replica_up(replica.agent, replica.url, not opened)
-        # An open replica's share of an adaptive limit leaves with it.
-        change = "opened" if opened else "closed"
-        self._apply_agent_limit(replica.agent, f"replica {replica.url} {change}")
-        if not opened:
-            log.warning("replica_closed", agent=replica.agent, replica=replica.url)
-            return
-        log.warning(
-            "replica_opened",
-            agent=replica.agent,
-            replica=replica.url,
-            consecutive_failures=replica.breaker.consecutive_failures,
-            retry_in_s=replica.breaker.open_for_s,
-        )
-        assert self._agents is not None
-        if self._agents.down_for_s(replica.agent) is not None:
-            log.error(
-                "agent_unavailable",
-                agent=replica.agent,
-                replicas=self._agents.replica_sets[replica.agent].urls(),
-            )
-
-    def _agent_is_down(self, agent: str) -> bool:
-        """Every replica down past the delivery deadline: start none of the agent's rollouts."""
-        assert self._agents is not None
-        down_s = self._agents.down_for_s(agent)
-        if down_s is None or down_s < self.settings.delivery_deadline_s:
-            return False
-        if agent not in self._agents_down:
-            self._agents_down.add(agent)
-            self.metrics.agent_up(agent, False)
-            urls = self._agents.replica_sets[agent].urls()
-            log.error(
-                "agent_down",
-                agent=agent,
-                replicas=urls,
-                down_for_s=round(down_s, 3),
-                message=(
-                    f"agent {agent!r}: every replica ({', '.join(urls)}) has failed to deliver "
-                    f"for {down_s:.1f} s; its remaining rollouts are not started "
-                    "(rerun the same command once it is back)"
-                ),
-            )
-        return True
-
     async def _watch_budget(self) -> None:
         """When the budget runs out, in-flight rollouts get the grace, then are cancelled."""
         remaining_s = self._budget.remaining_s()
@@ -723,10 +585,8 @@ class Dispatcher:
         slots = self._pool.slots if self._pool is not None else None
         return {
             "pool_limit": slots.limit if slots is not None else self._concurrency,
-            "concurrency": self._concurrency_view(),
-            "retries": {agent: dict(reasons) for agent, reasons in self.retries.items()},
-            "replicas": self._agents.replicas_view() if self._agents is not None else {},
-            "agents_down": sorted(self._agents_down),
+            "concurrency": self._load.view(self._concurrency),
+            **self._load.figures(),
             "local_faults": self._fault_policy.count,
         }
 
