@@ -30,7 +30,8 @@ EXPECTED_FAMILIES = {
     "dispatcher_replica_up": ("gauge", {"agent", "replica"}),
     "dispatcher_agent_up": ("gauge", {"agent"}),
     "dispatcher_local_faults": ("counter", {"kind"}),
-    "dispatcher_concurrency_limit": ("gauge", set()),
+    "dispatcher_pool_limit": ("gauge", set()),
+    "dispatcher_concurrency_limit": ("gauge", {"agent"}),
 }
 
 
@@ -65,7 +66,8 @@ def record_run(metrics: Metrics, rollouts: int) -> None:
     metrics.retried("agent-0", "no_answer")
     metrics.agent_up("agent-0", True)
     metrics.local_fault("EMFILE")
-    metrics.concurrency_limit(8)
+    metrics.pool_limit(64)
+    metrics.concurrency_limit("agent-0", 8)
     metrics.capture_waited(0.07, ["model_call_capture_pending"])
     metrics.update(
         quantiles={0.5: 2.0, 0.75: 3.0, 0.95: 4.0},
