@@ -52,12 +52,15 @@ _RUN_FLAGS: dict[str, str] = {
     "--capture-wait-limit-s": "capture quiescence limit (default 10)",
     "--responses-create-params": "JSON object merged over each row's responses_create_params",
     "--shard": "K/N: run only tasks with task_index %% N == K; 'auto' from Slurm/Kubernetes",
+    "--max-response-bytes": "largest agent answer, decompressed (default 64 MiB)",
+    "--response-read-timeout-s": "seconds an agent's answer body may take to arrive (default 600)",
 }
 _JSON_FLAGS = {"num_repeats", "responses_create_params"}
 _SWITCHES = {
     "--fresh": "start over: move the earlier run's files aside (never deleted)",
     "--skip-invalid-rows": "log and skip task lines that are not JSON objects",
     "--capture-include-payloads": "keep raw request/response payloads in attached calls",
+    "--allow-empty": "accept a task file with no tasks (default: exit 2)",
 }
 
 

@@ -24,16 +24,21 @@ from pydantic import (
 )
 
 from dispatcher.errors import ConfigError
+from dispatcher.urls import agent_url_problem, redact_url
 
 ENV_PREFIX = "DISPATCHER_"
 FsyncPolicy = Literal["always", "batch", "never"]
 LogFormat = Literal["json", "console"]
+# Rollout indices take 24 bits of a rollout's key (state.rollout_key).
+MAX_REPEATS = (1 << 24) - 1
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
 class RunSettings(BaseModel):
     """Settings of ``dispatcher run``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # nan and inf are never a meaningful timeout, budget or margin.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     input: Path
     output: Path
@@ -43,6 +48,7 @@ class RunSettings(BaseModel):
     limit: int | None = Field(default=None, ge=0)
     responses_create_params: dict[str, Any] = Field(default_factory=dict)
     skip_invalid_rows: bool = False
+    allow_empty: bool = False
     shard: str | None = None
 
     concurrency: int | Literal["auto"] | None = Field(default=64)
@@ -59,6 +65,8 @@ class RunSettings(BaseModel):
     max_attempts: int = Field(default=3, ge=1)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     fresh: bool = False
+    max_response_bytes: int = Field(default=DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
+    response_read_timeout_s: float = Field(default=600.0, gt=0)
 
     # DESIGN A11: faults of the infrastructure are retried, never charged to the task.
     delivery_deadline_s: float = Field(default=600.0, ge=0)
@@ -92,8 +100,9 @@ class RunSettings(BaseModel):
             if not urls:
                 raise ValueError(f"agent {name!r} has no URL")
             for url in urls:
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"agent {name!r}: {url!r} is not an http(s) URL")
+                problem = agent_url_problem(url)
+                if problem is not None:
+                    raise ValueError(f"agent {name!r}: {redact_url(url)!r} {problem}")
         return {name: [u.rstrip("/") for u in urls] for name, urls in agents.items()}
 
     @field_validator("concurrency", mode="before")
@@ -143,6 +152,8 @@ class RunSettings(BaseModel):
         counts = [value] if isinstance(value, int) else list(value.values())
         if any(n < 1 for n in counts):
             raise ValueError("repeats must be >= 1")
+        if any(n > MAX_REPEATS for n in counts):
+            raise ValueError(f"repeats must be at most {MAX_REPEATS:,} (2^24 - 1)")
         return value
 
     @field_validator("dispatch_budget_s")
@@ -213,7 +224,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
-    except tomllib.TOMLDecodeError as exc:
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
 

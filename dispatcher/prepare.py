@@ -13,6 +13,7 @@ import contextlib
 import glob
 import hashlib
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -75,6 +76,7 @@ def _digest(data: Any) -> str:
 def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | None) -> PreparedRun:
     """Lock, materialize, check identity, repair and load state (blocking)."""
     paths = OutputPaths.for_output(settings.output)
+    check_run_paths(settings.input, paths)
     folder = paths.output.parent
     created = not folder.exists()
     _ensure_output_dir(folder)
@@ -89,6 +91,64 @@ def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | Non
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if still empty
         raise
+
+
+def check_run_paths(input_path: Path, paths: OutputPaths) -> None:
+    """Refuse inputs and outputs that would hang the run or destroy the task file.
+
+    The task file is read more than once (materialized, then digested on every
+    resume), so it must be a regular file: a FIFO would block the first open
+    and a device like ``/dev/zero`` never ends. ``/dev/null`` reads as empty.
+    Run files must be regular files too (``/dev/full`` would take the lock
+    beside it in ``/dev``), and none may be the task file, by name or by inode
+    (a hard link or symlink): writing it, or ``--fresh`` moving it aside,
+    would destroy the input.
+    """
+    input_stat = _input_stat(input_path)
+    for path in paths.all():
+        if _same_file(input_path, input_stat, path):
+            raise ConfigError(
+                f"{input_path}: the task file is the same file as {path} (a file of "
+                f"--output {paths.output}); give the run an --input outside its own files"
+            )
+    for path in paths.all():
+        with contextlib.suppress(OSError):
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ConfigError(f"{path}: not a regular file; --output must name a file")
+
+
+def _input_stat(path: Path) -> os.stat_result:
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: input file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read input: {exc.strerror}") from None
+    if stat.S_ISREG(found.st_mode) or os.path.samestat(found, os.stat(os.devnull)):
+        return found
+    raise ConfigError(
+        f"{path}: not a regular file ({_kind(found.st_mode)}); the task file is read "
+        "more than once, so --input must name a file"
+    )
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a special file"
+
+
+def _same_file(input_path: Path, input_stat: os.stat_result, other: Path) -> bool:
+    if input_path.resolve() == other.resolve():
+        return True
+    try:
+        return os.path.samestat(input_stat, os.stat(other))
+    except OSError:
+        return False
 
 
 def _ensure_output_dir(folder: Path) -> None:
@@ -165,6 +225,10 @@ def _materialize_checked(
     tmp = paths.materialized.with_name(f".{paths.materialized.name}.{os.getpid()}.tmp")
     try:
         result = materialize(spec, tmp)
+        if result.input_rows == 0 and not settings.allow_empty:
+            raise ConfigError(
+                f"no tasks in {settings.input} (--allow-empty accepts an empty task file)"
+            )
         if previous is not None:
             _check_same_run(settings, previous, result)
         os.replace(tmp, paths.materialized)
