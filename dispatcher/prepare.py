@@ -126,6 +126,8 @@ def _input_stat(path: Path) -> os.stat_result:
         raise ConfigError(f"{path}: cannot read input: {exc.strerror}") from None
     if stat.S_ISREG(found.st_mode) or os.path.samestat(found, os.stat(os.devnull)):
         return found
+    if stat.S_ISDIR(found.st_mode):
+        raise ConfigError(f"{path}: cannot read input: it is a directory")
     raise ConfigError(
         f"{path}: not a regular file ({_kind(found.st_mode)}); the task file is read "
         "more than once, so --input must name a file"
@@ -135,8 +137,6 @@ def _input_stat(path: Path) -> os.stat_result:
 def _kind(mode: int) -> str:
     if stat.S_ISFIFO(mode):
         return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a directory"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return "a special file"
