@@ -4,6 +4,12 @@ A row is appended whole with one ``write(2)`` on an ``O_APPEND`` descriptor, and
 the rollout counts as done only once its batch is written (and fsynced, by
 policy). A write that fails truncates the file back to its last good size, so
 what is on disk always parses; the writer then refuses further rows.
+
+Before each batch the writer checks that the file under its name is still the
+one it opened, at the size it left it: a file deleted, replaced or truncated
+under a running dispatcher would otherwise take rows into a deleted inode (a
+run that "succeeds" with its output gone) or leave a torn line in the middle
+of the file for good. That stops the run (exit 1) naming the file.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import orjson
 import structlog
 
+from dispatcher import jsonx
 from dispatcher.config import FsyncPolicy
 from dispatcher.errors import ConfigError, OutputWriteError
 from dispatcher.state import OutputPaths
@@ -166,7 +173,7 @@ class RowWriter:
         if self._error is not None:
             raise self._error
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE), future))
+        self._pending.append((jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE), future))
         self._wakeup.set()
         await future
 
@@ -212,13 +219,43 @@ class RowWriter:
         data = b"".join(line for line, _ in batch)
         error: OutputWriteError | None = None
         try:
+            self._check_unchanged()
             self._write_all(data)
+        except _ChangedUnderUs as exc:
+            error = self._refuse(str(exc))
         except OSError as exc:
             error = self._fail(exc)
         loop = batch[0][1].get_loop()
         loop.call_soon_threadsafe(_settle, [f for _, f in batch], error)
         if error is None:
             self.rows_written += len(batch)
+
+    def _check_unchanged(self) -> None:
+        """Raise ``_ChangedUnderUs`` unless our name still leads to our file, at our size."""
+        assert self._fd is not None
+        ours = os.fstat(self._fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            raise _ChangedUnderUs("was deleted while the run was writing it") from None
+        if not os.path.samestat(ours, named):
+            raise _ChangedUnderUs("was replaced by another file while the run was writing it")
+        if ours.st_size < self._size:
+            raise _ChangedUnderUs(
+                f"was truncated while the run was writing it ({ours.st_size} bytes, "
+                f"expected {self._size})"
+            )
+        if ours.st_size > self._size:
+            raise _ChangedUnderUs(
+                f"was written by someone else while the run was writing it "
+                f"({ours.st_size} bytes, expected {self._size})"
+            )
+
+    def _refuse(self, problem: str) -> OutputWriteError:
+        # Not ours to repair: no truncation, and nothing more is appended.
+        self._error = OutputWriteError(f"{self.path} {problem}; the run stops")
+        log.error("output_changed_under_run", path=str(self.path), problem=problem)
+        return self._error
 
     def _write_all(self, data: bytes) -> None:
         assert self._fd is not None
@@ -239,6 +276,10 @@ class RowWriter:
         self._error = OutputWriteError(f"{self.path}: write failed: {exc.strerror or exc}")
         log.error("output_write_failed", path=str(self.path), error=str(exc))
         return self._error
+
+
+class _ChangedUnderUs(Exception):
+    """The output file is not the one the writer opened, or not at its size."""
 
 
 # Rows acknowledged per loop iteration: each wakes a commit that logs and

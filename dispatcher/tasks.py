@@ -11,10 +11,11 @@ needed because identical input rows share one task index.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,11 +23,15 @@ from typing import Any, BinaryIO
 import orjson
 import structlog
 
+from dispatcher import jsonx
 from dispatcher.capture.store import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN, ROLLOUT_ID_RE
 from dispatcher.errors import ConfigError
 from dispatcher.state import (
     AGENT_REF,
     ATTEMPT_INDEX,
+    FAILURE_CLASS,
+    FAILURE_TERMINAL,
+    NO_PERSIST,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     TASK_INDEX,
@@ -36,9 +41,36 @@ from dispatcher.state import (
 log = structlog.get_logger(__name__)
 
 RESPONSES_CREATE_PARAMS = "responses_create_params"
-# The id names capture files and URL paths: leave room for a "-aN" retry suffix.
-MAX_OWN_ROLLOUT_ID_LEN = MAX_ROLLOUT_ID_LEN - len("-a99999999")
+# The capture-scoped id the agent is given for its model calls (see ``Rollout``).
+CAPTURE_ID = "_ng_capture_id"
+# Per-hop token appended to a rollout id to make its capture id: "." + 8 hex digits.
+CAPTURE_TOKEN_LEN = 9
+# The id names capture files and URL paths: leave room for a "-aN" retry
+# suffix and the capture token.
+MAX_OWN_ROLLOUT_ID_LEN = MAX_ROLLOUT_ID_LEN - len("-a99999999") - CAPTURE_TOKEN_LEN
 DEFAULT_REPEATS_KEY = "_default"
+# Rollout indices take 24 bits of a rollout's key (state.rollout_key).
+MAX_ROLLOUT_INDEX = (1 << 24) - 1
+# Keys the dispatcher itself sets in bodies or rows, or reads from agent
+# results. A task row carrying one would forge an outcome (an agent that
+# echoes its input would report ``_ng_no_persist`` forever, or a terminal
+# failure), so it is an input error. A task row may carry its own
+# ``_ng_task_index`` and ``_ng_rollout_id`` (A1, A2); ``_ng_rollout_index``
+# is always reassigned.
+RESERVED_INPUT_KEYS = frozenset(
+    {
+        ATTEMPT_INDEX,
+        NO_PERSIST,
+        FAILURE_CLASS,
+        FAILURE_TERMINAL,
+        "_ng_failure_type",
+        "_ng_failure_message",
+        "_ng_failure_http_status",
+        "_ng_failure_response_body",
+        "_ng_dispatch",
+        CAPTURE_ID,
+    }
+)
 
 
 def rollout_id_for(row: Mapping[str, Any], attempt_index: int = 0) -> str:
@@ -51,7 +83,15 @@ def rollout_id_for(row: Mapping[str, Any], attempt_index: int = 0) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Rollout:
-    """One attempt to run: what is POSTed to the agent and how it is named."""
+    """One attempt to run: what is POSTed to the agent and how it is named.
+
+    ``capture_id`` scopes model-call capture to this attempt of this hop. The
+    rollout id (A2) is the same on every hop, so an agent request of a killed
+    hop that is still calling the model would otherwise add its calls to the
+    rerun's row. With a capture token (one per hop), the body carries
+    ``_ng_capture_id = "<rollout_id>.<token>"``; agents call the model under
+    that id, and the row reads only that id's captures.
+    """
 
     task_index: int
     rollout_index: int
@@ -59,24 +99,37 @@ class Rollout:
     rollout_id: str
     agent: str
     body: dict[str, Any]
+    capture_id: str | None = None
 
     @property
     def key(self) -> int:
         return rollout_key(self.task_index, self.rollout_index)
 
     @classmethod
-    def from_materialized(cls, row: dict[str, Any], attempt_index: int) -> Rollout:
+    def from_materialized(
+        cls, row: dict[str, Any], attempt_index: int, capture_token: str | None = None
+    ) -> Rollout:
         body = dict(row)
         if attempt_index > 0:
             body[ATTEMPT_INDEX] = attempt_index
+        rollout_id = rollout_id_for(row, attempt_index)
+        capture_id = None if capture_token is None else f"{rollout_id}.{capture_token}"
+        if capture_id is not None:
+            body[CAPTURE_ID] = capture_id
         return cls(
             task_index=row[TASK_INDEX],
             rollout_index=row[ROLLOUT_INDEX],
             attempt_index=attempt_index,
-            rollout_id=rollout_id_for(row, attempt_index),
+            rollout_id=rollout_id,
             agent=row[AGENT_REF]["name"],
             body=body,
+            capture_id=capture_id,
         )
+
+
+def new_capture_token() -> str:
+    """A fresh per-hop token: 8 hex digits (``CAPTURE_TOKEN_LEN`` with its dot)."""
+    return os.urandom(4).hex()
 
 
 @dataclass(frozen=True)
@@ -192,27 +245,47 @@ class Materializer:
         self._spec = spec
         self._digests = _DigestTable(estimate_rows(spec.input_path, spec.limit))
         self._counters = _RolloutCounters()
+        self._own_ids: _DigestTable | None = None
         self._next_task = 0
         self.tasks = 0
 
-    def expand(self, raw: bytes, row: dict[str, Any], where: str) -> list[dict[str, Any]]:
-        """The materialized rows for one input row (empty when its task is in another shard)."""
+    def expand(self, raw: bytes, row: dict[str, Any], where: str) -> Iterator[dict[str, Any]]:
+        """The materialized rows for one input row, made one at a time as they are consumed.
+
+        Validation happens before this returns; the rows are lazy so that a
+        task with many repeats never sits in memory whole. Empty when the
+        task is in another shard.
+        """
+        _check_reserved_keys(row, where)
         agent = self._resolve_agent(row, where)
         self._merge_overrides(row, where)
         task_index = self._task_index(raw, row, where)
-        if self._spec.shard_filter is not None and not self._spec.shard_filter(task_index):
-            return []
         repeats = self._repeats_for(agent, where)
         if ROLLOUT_ID in row:
             _check_own_rollout_id(row[ROLLOUT_ID], repeats, where)
+            self._check_unique_id(row[ROLLOUT_ID], where)
+        if self._spec.shard_filter is not None and not self._spec.shard_filter(task_index):
+            return iter(())
         first = self._counters.take(task_index, repeats)
-        rows = []
-        for rollout_index in range(first, first + repeats):
-            copy = dict(row)
-            copy[TASK_INDEX] = task_index
-            copy[ROLLOUT_INDEX] = rollout_index
-            rows.append(copy)
-        return rows
+        if first + repeats - 1 > MAX_ROLLOUT_INDEX:
+            raise ConfigError(
+                f"{where}: task {task_index} would get more than {MAX_ROLLOUT_INDEX + 1:,} "
+                "rollouts (identical rows share one task, and their repeats add up)"
+            )
+        return _repeats(row, task_index, first, repeats)
+
+    def _check_unique_id(self, rollout_id: str, where: str) -> None:
+        # Two rows with one id would share capture files and rows: refuse.
+        if self._own_ids is None:
+            self._own_ids = _DigestTable()
+        digest = int.from_bytes(hashlib.blake2b(rollout_id.encode(), digest_size=8).digest())
+        line = int(where.rpartition(":")[2])
+        first = self._own_ids.get_or_add(digest, line)
+        if first != line:
+            raise ConfigError(
+                f"{where}: {ROLLOUT_ID} {rollout_id!r} is already the id of the row on line "
+                f"{first}; rollout ids must be unique"
+            )
 
     def _resolve_agent(self, row: dict[str, Any], where: str) -> str:
         ref = row.get(AGENT_REF)
@@ -263,6 +336,25 @@ class Materializer:
         )
 
 
+def _repeats(
+    row: dict[str, Any], task_index: int, first: int, repeats: int
+) -> Iterator[dict[str, Any]]:
+    for rollout_index in range(first, first + repeats):
+        copy = dict(row)
+        copy[TASK_INDEX] = task_index
+        copy[ROLLOUT_INDEX] = rollout_index
+        yield copy
+
+
+def _check_reserved_keys(row: dict[str, Any], where: str) -> None:
+    reserved = RESERVED_INPUT_KEYS.intersection(row)
+    if reserved:
+        raise ConfigError(
+            f"{where}: task rows must not carry the dispatcher's own keys "
+            f"({', '.join(sorted(reserved))})"
+        )
+
+
 def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
     if not isinstance(value, str) or not ROLLOUT_ID_RE.fullmatch(value):
         raise ConfigError(f"{where}: {ROLLOUT_ID} {value!r} must match {ROLLOUT_ID_PATTERN}")
@@ -309,7 +401,7 @@ def _open_input(path: Path) -> BinaryIO:
 
 def _parse_row(raw: bytes, where: str, skip_invalid: bool) -> dict[str, Any] | None:
     try:
-        row = orjson.loads(raw)
+        row = jsonx.loads(raw)
         problem = None if isinstance(row, dict) else "line is not a JSON object"
     except orjson.JSONDecodeError as exc:
         problem = f"line is not valid JSON ({exc})"
@@ -365,7 +457,7 @@ def materialized_key(line: bytes) -> int:
     start = line.rfind(_KEY_TAIL)
     match = _KEY_TAIL_PATTERN.fullmatch(line, start) if start >= 0 else None
     if match is None:
-        row = orjson.loads(line)
+        row = jsonx.loads(line)
         return rollout_key(row[TASK_INDEX], row[ROLLOUT_INDEX])
     return rollout_key(int(match[1]), int(match[2]))
 
@@ -384,15 +476,15 @@ def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:
     with destination.open("wb") as out:
         for where, raw, row in rows:
             input_rows += 1
-            expanded = materializer.expand(raw, row, where)
-            if not expanded:
-                continue
-            data = b"".join(orjson.dumps(r) + b"\n" for r in expanded)
-            output_hash.update(data)
-            out.write(data)
-            rollouts += len(expanded)
-            agent = expanded[0][AGENT_REF]["name"]
-            by_agent[agent] = by_agent.get(agent, 0) + len(expanded)
+            written = 0
+            for data, count in _encoded_batches(materializer.expand(raw, row, where)):
+                output_hash.update(data)
+                out.write(data)
+                written += count
+            if written:
+                rollouts += written
+                agent = row[AGENT_REF]["name"]
+                by_agent[agent] = by_agent.get(agent, 0) + written
         out.flush()
         os.fsync(out.fileno())
     return MaterializeResult(
@@ -403,3 +495,13 @@ def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:
         input_digest=input_hash.hexdigest(),
         materialized_digest=output_hash.hexdigest(),
     )
+
+
+_WRITE_BATCH_ROWS = 1024
+
+
+def _encoded_batches(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[bytes, int]]:
+    """Lines of up to ``_WRITE_BATCH_ROWS`` rows at a time, with their count."""
+    it = iter(rows)
+    while batch := list(itertools.islice(it, _WRITE_BATCH_ROWS)):
+        yield b"".join(jsonx.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in batch), len(batch)
