@@ -1,15 +1,50 @@
-"""Pure functions that turn an attempt into the row written for it (DESIGN A4, A5)."""
+"""Turn an attempt into the row written for it (DESIGN A4, A5).
+
+Pure, except for one warning when an agent's result tries to set keys that
+are the dispatcher's own: those are dropped (the dispatcher's values win),
+listed in ``_ng_dispatch.reserved_keys_dropped`` and logged.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from dispatcher.agents import Attempt
 from dispatcher.outcome import Outcome
-from dispatcher.state import AGENT_REF, ATTEMPT_INDEX, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX
-from dispatcher.tasks import Rollout
+from dispatcher.state import (
+    AGENT_REF,
+    ATTEMPT_INDEX,
+    FAILURE_TERMINAL,
+    ROLLOUT_ID,
+    ROLLOUT_INDEX,
+    TASK_INDEX,
+)
+from dispatcher.tasks import CAPTURE_ID, Rollout
+
+log = structlog.get_logger(__name__)
 
 DISPATCH_KEY = "_ng_dispatch"
+# What the dispatcher writes into every row it builds from an agent's result:
+# identity, its stamp and the capture attachments. An agent cannot set them.
+# (``ng_trajectory`` is the agent's to send, A7.)
+RESERVED_RESULT_KEYS = frozenset(
+    {
+        TASK_INDEX,
+        ROLLOUT_INDEX,
+        ATTEMPT_INDEX,
+        ROLLOUT_ID,
+        AGENT_REF,
+        CAPTURE_ID,
+        DISPATCH_KEY,
+        "ng_model_call_capture",
+        "ng_perf",
+    }
+)
+# A success is never terminal: ``_ng_failure_terminal`` in one would read as a
+# final failure to anything that scans rows for it.
+RESERVED_SUCCESS_KEYS = RESERVED_RESULT_KEYS | {FAILURE_TERMINAL}
 
 
 def identity_keys(rollout: Rollout) -> dict[str, Any]:
@@ -25,25 +60,26 @@ def identity_keys(rollout: Rollout) -> dict[str, Any]:
     return keys
 
 
-def dispatch_stamp(rollout: Rollout, attempt: Attempt) -> dict[str, Any]:
+def dispatch_stamp(
+    rollout: Rollout, attempt: Attempt, dropped: list[str] | None = None
+) -> dict[str, Any]:
     """How the dispatcher saw the attempt; ``dispatcher report`` reads it."""
-    return {
+    stamp: dict[str, Any] = {
         "rollout_id": rollout.rollout_id,
         "replica": attempt.replica,
         "started_at": round(attempt.started_at, 6),
         "duration_s": round(attempt.duration_s, 6),
     }
+    if dropped:
+        stamp["reserved_keys_dropped"] = dropped
+    return stamp
 
 
 def build_row(rollout: Rollout, attempt: Attempt) -> dict[str, Any] | None:
     """The row to append for this attempt, or None when it writes nothing."""
     if attempt.outcome is Outcome.SUCCESS:
         assert attempt.result is not None
-        return {
-            **attempt.result,
-            **identity_keys(rollout),
-            DISPATCH_KEY: dispatch_stamp(rollout, attempt),
-        }
+        return _result_row(rollout, attempt, attempt.result, RESERVED_SUCCESS_KEYS)
     if attempt.outcome is Outcome.AGENT_REPORTED_FAILURE:
         assert attempt.result is not None
         return _agent_reported_row(rollout, attempt, attempt.result)
@@ -56,10 +92,32 @@ def build_row(rollout: Rollout, attempt: Attempt) -> dict[str, Any] | None:
     return None
 
 
+def _result_row(
+    rollout: Rollout, attempt: Attempt, result: dict[str, Any], reserved: frozenset[str]
+) -> dict[str, Any]:
+    identity = identity_keys(rollout)
+    kept = {k: v for k, v in result.items() if k not in reserved}
+    dropped = _forged_keys(result, reserved, {**identity, CAPTURE_ID: rollout.capture_id})
+    if dropped:
+        log.warning("agent_result_reserved_keys", rollout_id=rollout.rollout_id, keys=dropped)
+    return {**kept, **identity, DISPATCH_KEY: dispatch_stamp(rollout, attempt, dropped)}
+
+
+def _forged_keys(
+    result: dict[str, Any], reserved: frozenset[str], ours: dict[str, Any]
+) -> list[str]:
+    # An echo of the dispatcher's own value (or a null) is no attempt to set it.
+    return sorted(
+        key
+        for key in reserved.intersection(result)
+        if result[key] is not None and result[key] != ours.get(key)
+    )
+
+
 def _agent_reported_row(
     rollout: Rollout, attempt: Attempt, result: dict[str, Any]
 ) -> dict[str, Any]:
-    row = {**result, **identity_keys(rollout), DISPATCH_KEY: dispatch_stamp(rollout, attempt)}
+    row = _result_row(rollout, attempt, result, RESERVED_RESULT_KEYS)
     row.setdefault("_ng_failure_type", "AgentReportedFailure")
     row.setdefault("_ng_failure_message", "")
     row.setdefault("_ng_failure_http_status", None)
