@@ -26,9 +26,11 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
+from dispatcher import jsonx
 from dispatcher.backoff import BackoffPolicy, parse_retry_after
 from dispatcher.concurrency import AimdController, AimdPolicy, StartRateLimiter
 from dispatcher.faults import LocalFault, as_local_fault
+from dispatcher.limits import BodyLimitError, ResponseLimits, read_capped
 from dispatcher.outcome import Outcome
 from dispatcher.replicas import BreakerPolicy, Replica, ReplicaSet
 from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, NO_PERSIST, NOT_DELIVERED
@@ -98,6 +100,7 @@ class DeliveryPolicy:
     deadline_s: float = 600.0
     rollout_timeout_s: float | None = None
     first_byte_timeout_s: float | None = None
+    limits: ResponseLimits = field(default_factory=ResponseLimits)
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     # Load (``concurrency.py``): hard caps and the adaptive controllers' rules.
@@ -337,7 +340,7 @@ class AgentClient:
             async with rollout_scope:
                 resp = await self._send(replica, body)
                 try:
-                    raw = await resp.read()
+                    raw, failure = await _read_body(resp, policy.limits)
                 finally:
                     resp.release()
         except _NotDeliveredError as exc:
@@ -351,7 +354,7 @@ class AgentClient:
             return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
         if resp.status in REQUEST_FAILED_STATUSES:
             return resp.status, raw, _refused(replica, resp, raw), None
-        return resp.status, raw, None, None
+        return resp.status, raw, None, failure
 
     async def _send(self, replica: Replica, body: dict[str, Any]) -> aiohttp.ClientResponse:
         """POST and wait for the status line; every way of getting none is not delivered."""
@@ -360,8 +363,10 @@ class AgentClient:
             async with _timeout(first_byte_s):
                 return await self._session.post(
                     replica.run_url,
-                    data=orjson.dumps(body),
+                    data=jsonx.dumps(body),
                     headers={"Content-Type": "application/json"},
+                    # A redirect would re-send the task to a host nobody configured.
+                    allow_redirects=False,
                 )
         # aiohttp's connect timeout is also a TimeoutError: test it first.
         except aiohttp.ServerTimeoutError as exc:
@@ -502,7 +507,30 @@ def _failure(outcome: Outcome, exc: BaseException, message: str) -> Failure:
     return Failure(outcome.value, type(exc).__name__, message)
 
 
+async def _read_body(
+    resp: aiohttp.ClientResponse, limits: ResponseLimits
+) -> tuple[bytes, Failure | None]:
+    """The answer's body within the limits; a 2xx that breaks one is an ``agent_run_error``.
+
+    An error status keeps its own class, judged on the part of the body read.
+    """
+    try:
+        return await read_capped(resp, limits), None
+    except BodyLimitError as exc:
+        if not 200 <= resp.status < 300:
+            return exc.partial, None
+        failure = Failure(
+            Outcome.AGENT_RUN_ERROR.value,
+            exc.kind,
+            str(exc),
+            http_status=resp.status,
+            response_body=body_excerpt(exc.partial),
+        )
+        return exc.partial, failure
+
+
 Classified = tuple[Outcome, dict[str, Any] | None, Failure | None]
+_REDIRECT_NOTE = " (redirects are not followed)"
 
 
 def classify_response(status: int, raw: bytes) -> Classified:
@@ -516,13 +544,13 @@ def classify_response(status: int, raw: bytes) -> Classified:
         failure = Failure(
             failure_class.value,
             "ClientResponseError",
-            f"agent answered HTTP {status}",
+            f"agent answered HTTP {status}{_REDIRECT_NOTE if 300 <= status < 400 else ''}",
             http_status=status,
             response_body=body_excerpt(raw),
         )
         return failure_class, None, failure
     try:
-        result = orjson.loads(raw)
+        result = jsonx.loads(raw)
     except orjson.JSONDecodeError as exc:
         return _protocol_violation(status, raw, type(exc).__name__, f"body is not JSON: {exc}")
     if not isinstance(result, dict):

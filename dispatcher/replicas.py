@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from dispatcher.concurrency import AimdController
+from dispatcher.urls import redact_url
 
 Clock = Callable[[], float]
 
@@ -135,7 +136,10 @@ class Replica:
     run_url: str = field(init=False)
 
     def __post_init__(self) -> None:
+        # Credentials stay in ``run_url`` only: ``url`` is what every view,
+        # log, metric label and row shows, so it carries them masked.
         self.run_url = f"{self.url}/run"
+        self.url = redact_url(self.url)
 
     @property
     def limit(self) -> int | None:

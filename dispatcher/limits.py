@@ -1,0 +1,76 @@
+"""Bounded reads of agent answers: a size cap (decompressed) and a deadline for the body.
+
+An agent is a peer we do not control. Without a cap, an endless chunked body
+or a small gzip answer that inflates a thousandfold grows the dispatcher's
+memory until the OOM killer ends the run. aiohttp (3.10 and later) inflates a
+compressed body in bounded pieces as it is read, so counting the bytes read
+counts the decompressed size, and stopping there bounds memory at the cap.
+
+The deadline covers the body only, from the status line to its last byte: an
+answer that trickles a byte at a time would otherwise hold a rollout slot
+forever when no ``--rollout-timeout-s`` is set (when one is, it still bounds
+the whole call, body included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+DEFAULT_READ_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseLimits:
+    """``--max-response-bytes`` and ``--response-read-timeout-s``."""
+
+    max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
+
+
+class BodyLimitError(Exception):
+    """The answer's body broke a limit; ``partial`` is what was read before it did."""
+
+    def __init__(self, kind: str, message: str, partial: bytes) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.partial = partial
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> bytes:
+    """The whole (decompressed) body; ``BodyLimitError`` once it is too large or too slow.
+
+    On a limit the connection is closed: the rest of the body is never read.
+    """
+    chunks: list[bytes] = []
+    deadline = asyncio.timeout(limits.read_timeout_s)
+    try:
+        async with deadline:
+            await _read_into(resp, limits.max_bytes, chunks)
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # another deadline's (the rollout timeout's), not ours
+        resp.close()
+        message = f"the answer's body did not arrive within {limits.read_timeout_s} s"
+        raise BodyLimitError("ResponseReadTimeout", message, b"".join(chunks)) from None
+    except BodyLimitError:
+        resp.close()
+        raise
+    return b"".join(chunks)
+
+
+async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[bytes]) -> None:
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            chunks.append(chunk[: max(0, max_bytes - size + len(chunk))])
+            raise BodyLimitError("ResponseTooLarge", _too_large(max_bytes), b"".join(chunks))
+        chunks.append(chunk)
+
+
+def _too_large(max_bytes: int) -> str:
+    return f"the answer is larger than --max-response-bytes ({max_bytes} bytes, decompressed)"
