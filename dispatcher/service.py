@@ -21,19 +21,21 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, BinaryIO
 
 import aiohttp
-import orjson
 import structlog
 from aiohttp import web
 
+from dispatcher import jsonx
 from dispatcher.agents import AgentClient, Attempt, DeliveryPolicy
 from dispatcher.aio import cancel_and_wait
 from dispatcher.backoff import BackoffPolicy
 from dispatcher.capture.finalize import attach_capture, clear_rollout_captures
+from dispatcher.capture.scope import capture_key
 from dispatcher.concurrency import AimdPolicy
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault, fd_limit
 from dispatcher.latency import DispatchLatencyTracker
+from dispatcher.limits import ResponseLimits
 from dispatcher.load import AgentLoad
 from dispatcher.ops import delivery
 from dispatcher.outcome import Outcome
@@ -43,7 +45,7 @@ from dispatcher.rows import build_row, is_terminal
 from dispatcher.scheduler import Admission, Budget, RolloutPool
 from dispatcher.state import RunState
 from dispatcher.store import RowWriter, write_json_atomic
-from dispatcher.tasks import Rollout, materialized_key
+from dispatcher.tasks import Rollout, materialized_key, new_capture_token
 from dispatcher.telemetry.lag import LoopLagMonitor
 from dispatcher.telemetry.logs import flush_logs
 from dispatcher.telemetry.metrics import Metrics
@@ -108,6 +110,8 @@ class Dispatcher:
         self._wake_producer = asyncio.Event()
         self._fault_policy = LocalFaultPolicy(settings.local_fault_persist_s)
         self._load = AgentLoad(settings, self.metrics)
+        # One per hop: scopes each attempt's model-call capture (capture/scope.py).
+        self._capture_token = new_capture_token() if settings.capture_dir is not None else None
 
     # ---- the table of contents -------------------------------------------------
 
@@ -269,7 +273,7 @@ class Dispatcher:
         state = self._prepared.state
         with self._prepared.paths.materialized.open("rb") as f:
             while True:
-                batch = await asyncio.to_thread(_read_batch, f, state)
+                batch = await asyncio.to_thread(_read_batch, f, state, self._capture_token)
                 if batch is None:
                     return
                 await self._clear_captures(batch)
@@ -427,10 +431,12 @@ class Dispatcher:
         self, rollout: Rollout, attempt: Attempt, row: dict[str, Any]
     ) -> dict[str, Any]:
         assert self.settings.capture_dir is not None
+        capture_id = await asyncio.to_thread(capture_key, self.settings.capture_dir, rollout)
         summary = await attach_capture(
             row,
             capture_dir=self.settings.capture_dir,
             rollout_id=rollout.rollout_id,
+            capture_id=capture_id,
             task_id=rollout.task_index,
             agent_result=attempt.result,
             total_latency_ms=attempt.duration_s * 1000.0,
@@ -712,6 +718,7 @@ def delivery_policy(settings: RunSettings) -> DeliveryPolicy:
         deadline_s=settings.delivery_deadline_s,
         rollout_timeout_s=settings.rollout_timeout_s,
         first_byte_timeout_s=first_byte_s,
+        limits=ResponseLimits(settings.max_response_bytes, settings.response_read_timeout_s),
         backoff=BackoffPolicy(settings.retry_backoff_base_s, settings.retry_backoff_cap_s),
         breaker=BreakerPolicy(
             settings.breaker_failures, settings.breaker_open_s, settings.breaker_open_cap_s
@@ -749,7 +756,9 @@ def peak_rss_mb() -> float | None:
     return None
 
 
-def _read_batch(f: BinaryIO, state: RunState) -> list[Rollout] | None:
+def _read_batch(
+    f: BinaryIO, state: RunState, capture_token: str | None = None
+) -> list[Rollout] | None:
     """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end."""
     batch: list[Rollout] = []
     for _ in range(READ_BATCH_ROWS * 8):
@@ -760,8 +769,8 @@ def _read_batch(f: BinaryIO, state: RunState) -> list[Rollout] | None:
         key = materialized_key(line)
         if state.is_final(key):
             continue
-        row = orjson.loads(line)
-        batch.append(Rollout.from_materialized(row, state.attempt_index(key)))
+        row = jsonx.loads(line)
+        batch.append(Rollout.from_materialized(row, state.attempt_index(key), capture_token))
         if len(batch) >= READ_BATCH_ROWS:
             break
     return batch

@@ -164,10 +164,15 @@ async def attach_capture(
     limit_s: float = 10.0,
     include_payloads: bool = False,
     observability: bool = True,
+    capture_id: str | None = None,
 ) -> CaptureSummary:
-    """Wait for quiescence, then add ``ng_model_call_capture``, ``ng_trajectory``, ``ng_perf``."""
+    """Wait for quiescence, then add ``ng_model_call_capture``, ``ng_trajectory``, ``ng_perf``.
+
+    The files read are ``capture_id``'s when given (one attempt of one hop,
+    see ``capture.scope``); the row still names ``rollout_id``.
+    """
     snapshot, wait_s, pending = await _wait_and_read(
-        capture_dir, rollout_id, include_payloads, poll_s, limit_s
+        capture_dir, capture_id or rollout_id, include_payloads, poll_s, limit_s
     )
     gaps = _gaps(snapshot, pending)
     capture: JsonObject = {
