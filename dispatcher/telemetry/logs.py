@@ -4,6 +4,11 @@ JSON lines carry `event`, `level`, `timestamp` (ISO 8601, UTC), `logger` and
 the event's fields, serialized with orjson. Records of the stdlib `logging`
 module (aiohttp, asyncio) at WARNING and above go through the same renderer,
 so an "exception was never retrieved" shows up in the JSON stream too.
+
+Logging never stops dispatch: a log stream that cannot be written (a full
+disk, ``2>/dev/full``, a closed pipe as in ``| head -c 100``) loses log lines,
+never rollouts. Every stream is wrapped so that its write errors are counted
+(``dropped_log_writes``) and swallowed.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ def configure_logging(
         if is_terminal(stream):
             # Shares the stream with the live progress line, which it redraws.
             out = cast(TextIO, live_terminal(stream))
+    out = cast(TextIO, _Unfailing(out))
     structlog.configure(
         processors=[*shared, *renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
@@ -88,6 +94,39 @@ def configure_logging(
     _route_stdlib(out, shared, renderer)
     set_console_stream(stream if resolved == "console" else None)
     return resolved
+
+
+class _Unfailing:
+    """A stream whose write and flush errors are counted and swallowed.
+
+    Not marked broken for good after one error: a full disk may get space back.
+    """
+
+    dropped = 0  # across every wrapped stream of the process
+
+    def __init__(self, raw: TextIO | _CoalescingStream) -> None:
+        self._raw = raw
+
+    def write(self, text: str) -> int:
+        try:
+            return self._raw.write(text)
+        except (OSError, ValueError):
+            _Unfailing.dropped += 1
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._raw.flush()
+        except (OSError, ValueError):
+            _Unfailing.dropped += 1
+
+    def isatty(self) -> bool:
+        return is_terminal(self._raw)
+
+
+def dropped_log_writes() -> int:
+    """Log writes (or flushes) lost because the log stream could not be written."""
+    return _Unfailing.dropped
 
 
 class _CoalescingStream:
