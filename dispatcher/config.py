@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from dispatcher.errors import ConfigError
+from dispatcher.limits import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S
 from dispatcher.urls import agent_url_problem, redact_url
 
 ENV_PREFIX = "DISPATCHER_"
@@ -31,7 +32,6 @@ FsyncPolicy = Literal["always", "batch", "never"]
 LogFormat = Literal["json", "console"]
 # Rollout indices take 24 bits of a rollout's key (state.rollout_key).
 MAX_REPEATS = (1 << 24) - 1
-DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
 class RunSettings(BaseModel):
@@ -66,7 +66,7 @@ class RunSettings(BaseModel):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     fresh: bool = False
     max_response_bytes: int = Field(default=DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
-    response_read_timeout_s: float = Field(default=600.0, gt=0)
+    response_read_timeout_s: float = Field(default=DEFAULT_READ_TIMEOUT_S, gt=0)
 
     # DESIGN A11: faults of the infrastructure are retried, never charged to the task.
     delivery_deadline_s: float = Field(default=600.0, ge=0)
