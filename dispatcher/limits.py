@@ -15,6 +15,7 @@ the whole call, body included).
 from __future__ import annotations
 
 import asyncio
+import zlib
 from dataclasses import dataclass
 
 import aiohttp
@@ -74,3 +75,66 @@ async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[
 
 def _too_large(max_bytes: int) -> str:
     return f"the answer is larger than --max-response-bytes ({max_bytes} bytes, decompressed)"
+
+
+# --- the capture proxy ------------------------------------------------------------------
+
+DEFAULT_PROXY_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+DEFAULT_PROXY_MAX_RECORD_BYTES = 64 * 1024 * 1024
+DEFAULT_PROXY_MAX_CONCURRENCY = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyLimits:
+    """The capture proxy's bounds: its memory stays under about
+    ``max_concurrency * (max_request_bytes + max_record_bytes)``.
+
+    A request body over ``max_request_bytes`` is refused (413). An answer is
+    always relayed whole; only the copy kept for the capture record stops
+    at ``max_record_bytes`` (raw plus decoded size), and the call is then
+    recorded without its answer (``proxy_error``). Calls beyond
+    ``max_concurrency`` wait for a slot before their body is read.
+    """
+
+    max_request_bytes: int = DEFAULT_PROXY_MAX_REQUEST_BYTES
+    max_record_bytes: int = DEFAULT_PROXY_MAX_RECORD_BYTES
+    max_concurrency: int = DEFAULT_PROXY_MAX_CONCURRENCY
+
+
+# Content-Encodings the capture record decodes (capture/records.py), same framing.
+_INFLATED = frozenset({"gzip", "deflate", "x-gzip"})
+_GZIP_OR_ZLIB = 47
+
+
+class RecordBudget:
+    """Counts what keeping an answer's copy would cost, decoded size included.
+
+    A 1 MB gzip answer can inflate to gigabytes when the record decodes it,
+    so an encoded answer is inflated here as it streams, in bounded steps and
+    without keeping the output, only to measure it.
+    """
+
+    def __init__(self, max_bytes: int, content_encoding: str) -> None:
+        self._left = max_bytes
+        encoding = content_encoding.strip().lower()
+        self._inflate = zlib.decompressobj(_GZIP_OR_ZLIB) if encoding in _INFLATED else None
+        self.exceeded = False
+
+    def admit(self, chunk: bytes) -> bool:
+        """False once the copy would be too large (and from then on)."""
+        if not self.exceeded:
+            self._left -= len(chunk) + self._decoded_size(chunk)
+            self.exceeded = self._left < 0
+        return not self.exceeded
+
+    def _decoded_size(self, chunk: bytes) -> int:
+        if self._inflate is None or self._inflate.eof:
+            return 0
+        total, data = 0, chunk
+        try:
+            while data and total <= self._left:
+                total += len(self._inflate.decompress(data, 1 << 16))
+                data = self._inflate.unconsumed_tail
+        except zlib.error:
+            self._inflate = None  # the record keeps undecodable bytes raw
+        return total

@@ -44,13 +44,14 @@ from dispatcher.capture.store import (
     is_valid_rollout_id,
 )
 from dispatcher.errors import ConfigError
+from dispatcher.limits import ProxyLimits, RecordBudget
+from dispatcher.ops.args import positive_int
 from dispatcher.serving import serve_until_signal
+from dispatcher.urls import redact_url
 
 log = structlog.get_logger(__name__)
 
 ROLLOUT_PREFIX = "/ng-rollout/"
-# Long multimodal contexts are large; the proxy must never be the component that refuses them.
-MAX_REQUEST_BYTES = 256 * 1024 * 1024
 _HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -83,6 +84,7 @@ class _Upstream:
 UPSTREAM_KEY = web.AppKey("capture_upstream", _Upstream)
 SESSION_KEY = web.AppKey("capture_session", aiohttp.ClientSession)
 STORE_KEY = web.AppKey("capture_store", CaptureStore)
+LIMITS_KEY = web.AppKey("capture_limits", ProxyLimits)
 
 
 def build_proxy_app(
@@ -91,9 +93,15 @@ def build_proxy_app(
     *,
     upstream_timeout_s: float = 600.0,
     before_write: BeforeWrite | None = None,
+    limits: ProxyLimits | None = None,
 ) -> web.Application:
     """The proxy as an aiohttp application; ``upstream_url`` is the model server's root URL."""
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    limits = limits or ProxyLimits()
+    app = web.Application(
+        client_max_size=limits.max_request_bytes,
+        middlewares=[_concurrency_bound(limits.max_concurrency)],
+    )
+    app[LIMITS_KEY] = limits
     app[UPSTREAM_KEY] = _Upstream(upstream_url.rstrip("/"), upstream_timeout_s)
     app[STORE_KEY] = CaptureStore(capture_dir, before_write=before_write)
     app.cleanup_ctx.append(_lifecycle)
@@ -115,7 +123,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         # Add no header the agent did not send.
         skip_auto_headers=(hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING),
     )
-    log.info("capture_proxy_ready", upstream=upstream.base_url, capture_dir=str(store.capture_dir))
+    log.info(
+        "capture_proxy_ready",
+        upstream=redact_url(upstream.base_url),
+        capture_dir=str(store.capture_dir),
+    )
     yield
     # Writes of calls that already answered must land before the process exits.
     await store.aclose()
@@ -225,6 +237,10 @@ class _Relay:
         self.recording = recording
         self.exchange = recording.exchange if recording is not None else None
         self.client_alive = True
+        self.budget = RecordBudget(
+            request.app[LIMITS_KEY].max_record_bytes,
+            answer.headers.get(hdrs.CONTENT_ENCODING, ""),
+        )
         self.response = web.StreamResponse(status=answer.status, reason=answer.reason)
         self.response.headers.extend(_relayed_headers(answer.headers))
 
@@ -262,7 +278,7 @@ class _Relay:
             if not chunk:
                 return True
             if self.exchange is not None:
-                self.exchange.on_chunk(chunk)
+                _keep_within_budget(self.exchange, self.budget, chunk)
             if self.client_alive:
                 await self._send(chunk)
             if not self.client_alive and (self.exchange is None or self.exchange.streamed):
@@ -286,6 +302,34 @@ class _Relay:
     def _fail(self, category: ErrorCategory, exc: Exception) -> None:
         if self.exchange is not None:
             self.exchange.fail(category, f"{type(exc).__name__}: {exc}")
+
+
+# --- bounds (issue 12): concurrency, and the size of what is kept for the record ------------
+
+
+def _concurrency_bound(limit: int) -> Any:
+    """Middleware: at most ``limit`` calls in the proxy at once; the rest wait, unread."""
+    slots = asyncio.Semaphore(limit)
+
+    @web.middleware
+    async def bounded(request: web.Request, handler: Any) -> web.StreamResponse:
+        async with slots:
+            response: web.StreamResponse = await handler(request)
+            return response
+
+    return bounded
+
+
+def _keep_within_budget(exchange: Exchange, budget: RecordBudget, chunk: bytes) -> None:
+    """Keep a copy of ``chunk`` for the record unless the answer outgrew the budget.
+
+    The agent still gets every byte; only the record loses the answer, and says so.
+    """
+    if budget.admit(chunk):
+        exchange.on_chunk(chunk)
+        return
+    exchange.chunks.clear()
+    exchange.fail(ErrorCategory.PROXY_ERROR, "answer larger than --max-record-bytes: not kept")
 
 
 def _forwarded_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -323,7 +367,34 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--upstream-timeout-s", type=float, default=600.0, help="limit for one whole model call"
     )
+    _add_limit_flags(p)
     p.set_defaults(handler=_main, is_async=True)
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    defaults = ProxyLimits()
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=defaults.max_request_bytes,
+        help="largest request body; larger ones get 413 (default 64 MiB)",
+    )
+    p.add_argument(
+        "--max-record-bytes",
+        type=positive_int,
+        default=defaults.max_record_bytes,
+        help="largest answer kept for the record, raw plus decoded (default 64 MiB)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=defaults.max_concurrency,
+        help="calls handled at once; more wait (default 256)",
+    )
+
+
+def _limits_from(args: argparse.Namespace) -> ProxyLimits:
+    return ProxyLimits(args.max_request_bytes, args.max_record_bytes, args.max_concurrency)
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -332,6 +403,9 @@ async def _main(args: argparse.Namespace) -> int:
     if args.upstream_timeout_s <= 0:
         raise ConfigError("--upstream-timeout-s must be > 0")
     app = build_proxy_app(
-        args.upstream, args.capture_dir, upstream_timeout_s=args.upstream_timeout_s
+        args.upstream,
+        args.capture_dir,
+        upstream_timeout_s=args.upstream_timeout_s,
+        limits=_limits_from(args),
     )
     return await serve_until_signal(app, args.listen, "capture-proxy")
