@@ -22,6 +22,8 @@ import aiohttp
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 600.0
+# What a failure keeps of a body that broke a limit: enough for its excerpt (A5).
+PARTIAL_KEEP_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +58,7 @@ async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> b
             raise  # another deadline's (the rollout timeout's), not ours
         resp.close()
         message = f"the answer's body did not arrive within {limits.read_timeout_s} s"
-        raise BodyLimitError("ResponseReadTimeout", message, b"".join(chunks)) from None
+        raise BodyLimitError("ResponseReadTimeout", message, _prefix(chunks)) from None
     except BodyLimitError:
         resp.close()
         raise
@@ -68,9 +70,21 @@ async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[
     async for chunk in resp.content.iter_any():
         size += len(chunk)
         if size > max_bytes:
-            chunks.append(chunk[: max(0, max_bytes - size + len(chunk))])
-            raise BodyLimitError("ResponseTooLarge", _too_large(max_bytes), b"".join(chunks))
+            chunks.append(chunk)
+            raise BodyLimitError("ResponseTooLarge", _too_large(max_bytes), _prefix(chunks))
         chunks.append(chunk)
+
+
+def _prefix(chunks: list[bytes]) -> bytes:
+    """The first ``PARTIAL_KEEP_BYTES`` read, without joining the whole body."""
+    kept: list[bytes] = []
+    size = 0
+    for chunk in chunks:
+        if size >= PARTIAL_KEEP_BYTES:
+            break
+        kept.append(chunk[: PARTIAL_KEEP_BYTES - size])
+        size += len(kept[-1])
+    return b"".join(kept)
 
 
 def _too_large(max_bytes: int) -> str:
