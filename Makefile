@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/capture_overhead.py
 	$(BIN)/python bench/retries.py
 	$(BIN)/python bench/adaptive.py
+	$(BIN)/python bench/hostile_answers.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
