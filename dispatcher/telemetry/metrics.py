@@ -34,6 +34,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dispatcher import __version__
 from dispatcher.outcome import NOT_STARTED, Outcome
+from dispatcher.urls import redact_url
 
 # Agent runs last seconds to hours; the top bucket is the two-hour ceiling the
 # per-rollout timeout is usually set below.
@@ -353,7 +354,8 @@ class Metrics:
     def declare_replicas(self, agents: Mapping[str, Iterable[str]]) -> None:
         for agent, urls in agents.items():
             for url in urls:
-                self._replica_up.labels(agent, url).set(1)
+                # Labels are shown to anyone who can scrape: never a password.
+                self._replica_up.labels(agent, redact_url(url)).set(1)
 
     def retried(self, agent: str, reason: str) -> None:
         self._retries.labels(agent, reason).inc()
