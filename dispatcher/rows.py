@@ -17,6 +17,7 @@ from dispatcher.state import (
     AGENT_REF,
     ATTEMPT_INDEX,
     FAILURE_TERMINAL,
+    NOT_DELIVERED,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     TASK_INDEX,
@@ -40,6 +41,9 @@ RESERVED_RESULT_KEYS = frozenset(
         DISPATCH_KEY,
         "ng_model_call_capture",
         "ng_perf",
+        # Whether a rollout reached an agent is the dispatcher's verdict (A11);
+        # an agent claiming otherwise would make resume never count its failure.
+        NOT_DELIVERED,
     }
 )
 # A success is never terminal: ``_ng_failure_terminal`` in one would read as a

@@ -341,8 +341,30 @@ async def test_7_agent_results_cannot_forge_the_dispatchers_keys(
     assert event["keys"] == dropped
 
 
+async def test_7_an_agent_reported_failure_cannot_claim_it_was_never_delivered(
+    tmp_path: Path, fake_agent: AgentFactory
+) -> None:
+    claim = {"_ng_failure_class": "tool_error", "_ng_failure_not_delivered": True}
+    agent = await fake_agent(lambda body: web.json_response(claim))
+    run = Run(tmp_path, tasks=1)
+
+    result = await run_cli(*run.args(agent.url, "--max-attempts", "1"))
+
+    assert result.returncode == 0, result.stderr[-3000:]  # the one attempt counted
+    [failure] = run.failure_rows()
+    assert failure["_ng_failure_class"] == "tool_error"
+    assert "_ng_failure_not_delivered" not in failure
+    assert failure["_ng_dispatch"]["reserved_keys_dropped"] == ["_ng_failure_not_delivered"]
+
+
 @pytest.mark.parametrize(
-    "key,value", [("_ng_no_persist", True), ("_ng_failure_class", "x"), ("_ng_attempt_index", 2)]
+    "key,value",
+    [
+        ("_ng_no_persist", True),
+        ("_ng_failure_class", "x"),
+        ("_ng_attempt_index", 2),
+        ("_ng_failure_not_delivered", True),
+    ],
 )
 async def test_7_task_rows_carrying_dispatcher_keys_are_an_input_error(
     tmp_path: Path, fake_agent: AgentFactory, key: str, value: Any
