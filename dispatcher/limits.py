@@ -95,7 +95,9 @@ def _too_large(max_bytes: int) -> str:
 
 DEFAULT_PROXY_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 DEFAULT_PROXY_MAX_RECORD_BYTES = 64 * 1024 * 1024
-DEFAULT_PROXY_MAX_CONCURRENCY = 256
+# Each call holds a slot while it streams: as high as `--concurrency-max`, so a
+# run at its usual concurrency does not wait on the proxy.
+DEFAULT_PROXY_MAX_CONCURRENCY = 1024
 
 
 @dataclass(frozen=True, slots=True)

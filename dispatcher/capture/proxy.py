@@ -389,7 +389,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         "--max-concurrency",
         type=positive_int,
         default=defaults.max_concurrency,
-        help="calls handled at once; more wait (default 256)",
+        help="calls handled at once; more wait (default 1024)",
     )
 
 
