@@ -226,8 +226,9 @@ def _materialize_checked(
     try:
         result = materialize(spec, tmp)
         if result.input_rows == 0 and not settings.allow_empty:
+            read = " with --limit 0" if settings.limit == 0 else ""
             raise ConfigError(
-                f"no tasks in {settings.input} (--allow-empty accepts an empty task file)"
+                f"no tasks in {settings.input}{read} (--allow-empty accepts an empty task file)"
             )
         if previous is not None:
             _check_same_run(settings, previous, result)
