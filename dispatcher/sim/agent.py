@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import math
 import random
@@ -56,6 +57,7 @@ class SimAgentConfig:
     capacity: int = 0
     capacity_then: int = 0
     capacity_change_after_s: float = 0.0
+    row_bytes: int = 0
 
 
 @dataclass
@@ -181,6 +183,8 @@ async def _answer(
             responses=calls,
             model_ref="sim-model",
         )
+    if config.row_bytes > 0:
+        return _json_with_tokens(result, token_logprobs_json(config.row_bytes))
     return _json(result)
 
 
@@ -205,6 +209,36 @@ async def _call_model(
 
 def _rollout_id(row: dict[str, Any]) -> str:
     return rollout_id_for(row, int(row.get("_ng_attempt_index", 0)))
+
+
+# The key of the realistic payload: per generated token, its id and logprob.
+TOKENS_KEY = "output_token_logprobs"
+
+
+@functools.lru_cache(maxsize=4)
+def token_logprobs_json(row_bytes: int) -> bytes:
+    """A JSON list of ``{token_id, logprob}`` objects of about ``row_bytes`` bytes.
+
+    Made once per size (seeded by it) and reused: the agent's own cost must
+    not be what a benchmark of big rows measures.
+    """
+    rng = random.Random(row_bytes)
+    parts: list[bytes] = []
+    size = 2
+    while size < row_bytes:
+        token = {"token_id": rng.randrange(151_936), "logprob": -rng.expovariate(2.0)}
+        part = orjson.dumps(token)
+        parts.append(part)
+        size += len(part) + 1
+    return b"[" + b",".join(parts) + b"]"
+
+
+def _json_with_tokens(result: dict[str, Any], tokens: bytes) -> web.Response:
+    # Spliced, not re-serialized: the list is already JSON.
+    head = orjson.dumps(result)[:-1]
+    sep = b"," if len(head) > 1 else b""
+    body = b"".join((head, sep, b'"', TOKENS_KEY.encode(), b'":', tokens, b"}"))
+    return web.Response(body=body, content_type="application/json")
 
 
 def _json(data: dict[str, Any]) -> web.Response:
@@ -261,6 +295,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--capacity-then", type=int, default=0, help="the capacity after the change")
     p.add_argument("--capacity-change-after-s", type=float, default=0.0)
+    p.add_argument(
+        "--row-bytes",
+        type=int,
+        default=0,
+        help=f"answer rows of about N bytes: the task echoed back plus {TOKENS_KEY}, "
+        "a list of {token_id, logprob} objects",
+    )
     p.add_argument("--model-url", help="capture proxy base URL the agent calls the model through")
     p.add_argument("--model-calls", type=int, default=0, help="model calls per rollout")
     p.add_argument("--model-dialect", choices=("chat", "responses", "messages"), default="chat")
