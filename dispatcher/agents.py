@@ -19,8 +19,8 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -82,6 +82,8 @@ class Attempt:
     result: dict[str, Any] | None = None
     failure: Failure | None = None
     retries: int = 0
+    # Size of the answer's body: what its row will cost in the commit queue.
+    body_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,8 @@ class DeliveryPolicy:
     replica_cap: int | None = None
     max_starts_per_s: float | None = None
     aimd: AimdPolicy | None = None
+    # How answers are classed; None: on the loop (``classify_on_loop``).
+    classify: Classifier | None = None
 
 
 class DeliveryObserver(Protocol):
@@ -302,11 +306,11 @@ class AgentClient:
             outcome = Outcome(failure.failure_class)
             attempt = Attempt(outcome, replica.url, started_at, duration_s, None, failure)
         else:
-            try:
-                outcome, result, failure = classify_response(status, raw)
-            except MemoryError as exc:
-                raise LocalFault("MemoryError", "out of memory reading an answer") from exc
-            attempt = Attempt(outcome, replica.url, started_at, duration_s, result, failure)
+            classify = self._policy.classify or classify_on_loop
+            outcome, result, failure = await classify(status, raw)
+            attempt = Attempt(
+                outcome, replica.url, started_at, duration_s, result, failure, body_bytes=len(raw)
+            )
         _tell_controller(replica, attempt)
         return attempt, None
 
@@ -492,15 +496,7 @@ def _refused(replica: Replica, resp: aiohttp.ClientResponse, raw: bytes) -> NotD
 def _with_retries(attempt: Attempt, retries: int) -> Attempt:
     if retries == 0:
         return attempt
-    return Attempt(
-        attempt.outcome,
-        attempt.replica,
-        attempt.started_at,
-        attempt.duration_s,
-        attempt.result,
-        attempt.failure,
-        retries,
-    )
+    return replace(attempt, retries=retries)
 
 
 def _failure(outcome: Outcome, exc: BaseException, message: str) -> Failure:
@@ -533,6 +529,17 @@ Classified = tuple[Outcome, dict[str, Any] | None, Failure | None]
 _REDIRECT_NOTE = " (redirects are not followed)"
 
 
+Classifier = Callable[[int, bytes], Awaitable[Classified]]
+
+
+async def classify_on_loop(status: int, raw: bytes) -> Classified:
+    """``classify_response`` in place; running out of memory there is our fault (A11)."""
+    try:
+        return classify_response(status, raw)
+    except MemoryError as exc:
+        raise LocalFault("MemoryError", "out of memory reading an answer") from exc
+
+
 def classify_response(status: int, raw: bytes) -> Classified:
     """Class an HTTP answer (A3, A5): a result, an agent-reported failure, or ours."""
     if not 200 <= status < 300:
@@ -553,6 +560,11 @@ def classify_response(status: int, raw: bytes) -> Classified:
         result = jsonx.loads(raw)
     except orjson.JSONDecodeError as exc:
         return _protocol_violation(status, raw, type(exc).__name__, f"body is not JSON: {exc}")
+    return classify_object(status, raw, result)
+
+
+def classify_object(status: int, raw: bytes, result: Any) -> Classified:
+    """Class a 2xx answer's parsed body (``raw`` only for a failure's excerpt)."""
     if not isinstance(result, dict):
         kind = type(result).__name__
         return _protocol_violation(

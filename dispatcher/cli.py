@@ -43,6 +43,8 @@ _RUN_FLAGS: dict[str, str] = {
     "--first-byte-timeout-s": "seconds to an agent's status line before trying again "
     "(default: none with --rollout-timeout-s, else 7200)",
     "--fsync": "always | batch (default: group commit) | never",
+    "--commit-queue-bytes": "answered rows waiting to be written, in body bytes (default 32 MiB)",
+    "--offload-bytes": "answers bigger than this are handled off the event loop (default 256 KiB)",
     "--log-format": "json | console (default: console on a terminal, else json)",
     "--log-level": "debug | info (default) | warning | error",
     "--metrics-listen": "HOST:PORT of /metrics /healthz /status, or 'off' (127.0.0.1:9464)",

@@ -82,6 +82,11 @@ class RunSettings(BaseModel):
     fsync: FsyncPolicy = "batch"
     fsync_batch_interval_s: float = Field(default=0.05, gt=0)
     fsync_batch_rows: int = Field(default=256, ge=1)
+    # Answered rows waiting for their commit, in bytes of the agents' bodies:
+    # past it, rollouts hold their slots (backpressure) instead of memory.
+    commit_queue_bytes: int = Field(default=32 * 1024 * 1024, ge=1)
+    # Answers bigger than this are split, merged and serialized in a worker.
+    offload_bytes: int = Field(default=256 * 1024, ge=0)
 
     capture_dir: Path | None = None
     capture_poll_s: float = Field(default=0.05, gt=0)

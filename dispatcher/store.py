@@ -170,10 +170,14 @@ class RowWriter:
 
     async def append(self, row: Mapping[str, Any]) -> None:
         """Queue one row and wait until it is durable; raises ``OutputWriteError``."""
+        await self.append_line(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+
+    async def append_line(self, line: bytes) -> None:
+        """``append`` for a row already serialized: one JSON object and its newline."""
         if self._error is not None:
             raise self._error
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE), future))
+        self._pending.append((line, future))
         self._wakeup.set()
         await future
 

@@ -1,0 +1,310 @@
+"""Rows of megabytes: split off the loop, written as the agent's bytes, bounded in memory.
+
+A big answer is split at its top level in a worker and its values are
+written back as they came; its row must have exactly the content a parse and
+merge would give. A failure in the worker is a failure row when the agent's
+body is at fault, and a requeue (A11) when we are; never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from dispatcher import offload, service
+from dispatcher.agents import classify_response
+from dispatcher.bytebudget import ByteBudget
+from dispatcher.capture.finalize import attach_capture
+from dispatcher.errors import ExitCode
+from dispatcher.faults import LocalFault
+from dispatcher.outcome import Outcome
+from dispatcher.rowbytes import WireResult, classify_big, row_line
+from dispatcher.sim.agent import TOKENS_KEY, token_logprobs_json
+from dispatcher.state import OutputPaths
+from tests.helpers import FakeAgent, read_jsonl, run_args, run_cli
+from tests.test_capture_finalize import USAGE, chat_answer, exchange_line, write_lines
+from tests.test_delivery_faults import agent_url, dispatcher_for, no_signal_handlers
+
+__all__ = ["agent_url", "no_signal_handlers"]
+
+OURS = {
+    "_ng_task_index": 7,
+    "_ng_rollout_index": 1,
+    "agent_ref": {"name": "sim"},
+    "_ng_dispatch": {"replica": "http://x", "duration_s": 0.25},
+}
+# Values whose text a float round trip would change: they must come out as they went in.
+EXACT = (
+    b'"big_int":123456789012345678901234567890,"neg_big":-98765432109876543210,'
+    b'"floats":[0.1,1e308,-0.0,5e-324,3.141592653589793238462643383279],'
+    b'"unicode":"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80 \\u00e9\\n\\"q\\"",'
+    b'"nested":{"a":[{"b":null,"c":true,"d":false}],"\xc3\xa9t\xc3\xa9":{}}'
+)
+
+
+def big_body(*, extra: bytes = EXACT, row_bytes: int = 300_000) -> bytes:
+    """An agent's answer: the task echoed back, exact values, and a big token list."""
+    echoed = b'"_ng_task_index":7,"_ng_rollout_index":0,"agent_ref":{"name":"other"},"reward":1.0'
+    tokens = b'"' + TOKENS_KEY.encode() + b'":' + token_logprobs_json(row_bytes)
+    return b"{" + echoed + b"," + extra + b"," + tokens + b"}"
+
+
+def merged_line(raw: bytes) -> bytes:
+    outcome, result, failure = classify_big(200, raw)
+    assert outcome is Outcome.SUCCESS and failure is None and result is not None
+    return row_line({**result, **OURS})
+
+
+def test_a_split_row_has_the_content_of_a_parse_and_merge() -> None:
+    raw = big_body()
+    line = merged_line(raw)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    # The stdlib keeps big ints exact: compare with it, keys in order too.
+    expected = {**json.loads(raw), **OURS}
+    written = json.loads(line)
+    assert written == expected
+    assert list(written) == list(expected)
+    # Numbers keep the agent's own text, byte for byte.
+    for text in (b"123456789012345678901234567890", b"3.141592653589793238462643383279"):
+        assert text in line
+
+
+def test_the_split_result_decodes_only_the_dispatchers_keys() -> None:
+    _, result, _ = classify_big(200, big_body())
+    assert isinstance(result, WireResult)
+    assert result["_ng_task_index"] == 7
+    assert not isinstance(result["nested"], dict)
+    view = result.decoded()
+    assert view["nested"] == {"a": [{"b": None, "c": True, "d": False}], "été": {}}
+    assert view["big_int"] == 123456789012345678901234567890
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # Pretty-printed: its newlines must not reach the JSON-lines file.
+        b'{\n  "a": [1,\n 2],\r\n  "b": "x"\n}',
+        # A surrogate pair written as escapes.
+        b'{"emoji":"\\ud83d\\ude00","n":1}',
+    ],
+)
+def test_bodies_the_splitter_cannot_vouch_for_take_the_full_parse(body: bytes) -> None:
+    outcome, result, _ = classify_big(200, body)
+    assert outcome is Outcome.SUCCESS and result is not None
+    assert not isinstance(result, WireResult)
+    line = row_line({**result, **OURS})
+    assert line.count(b"\n") == 1
+    assert json.loads(line) == {**json.loads(body), **OURS}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        big_body()[:-1],  # truncated
+        b"[" + big_body() + b"]",  # an array
+        big_body(extra=b'"bad":"\xff\xfe"'),  # not UTF-8
+        big_body(extra=b'"lone":"\\ud800"'),  # a lone surrogate
+        big_body(extra=b'"n":01'),
+        b"",
+    ],
+)
+def test_a_big_body_is_classed_exactly_as_the_full_parse_classes_it(body: bytes) -> None:
+    assert classify_big(200, body)[::2] == classify_response(200, body)[::2]
+
+
+def test_the_dispatchers_own_keys_class_a_big_answer() -> None:
+    reported = big_body(extra=b'"_ng_failure_class":"sandbox_crashed","_ng_failure_terminal":true')
+    outcome, result, _ = classify_big(200, reported)
+    assert outcome is Outcome.AGENT_REPORTED_FAILURE
+    assert result is not None and result["_ng_failure_terminal"] is True
+    killed = big_body(extra=b'"_ng_no_persist":true')
+    assert classify_big(200, killed)[0] is Outcome.KILL_SHAPED
+    assert classify_big(500, killed)[0] is Outcome.AGENT_RUN_ERROR
+
+
+# ---- through the worker ---------------------------------------------------------
+
+
+async def test_a_worker_out_of_memory_is_our_fault_and_a_bug_is_too() -> None:
+    def out_of_memory() -> None:
+        raise MemoryError
+
+    def bug() -> None:
+        raise KeyError("oops")
+
+    with pytest.raises(LocalFault) as memory:
+        await offload.off_loop(out_of_memory)
+    assert memory.value.kind == "MemoryError"
+    with pytest.raises(LocalFault) as ours:
+        await offload.off_loop(bug)
+    assert ours.value.kind == "bug" and "oops" in ours.value.message
+
+
+async def test_big_rows_round_trip_through_the_cli(tmp_path: Path) -> None:
+    raw = big_body()
+    agent = FakeAgent(lambda _: web.Response(body=raw, content_type="application/json"))
+    await agent.start()
+    try:
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_bytes(
+            b"".join(b'{"agent_ref": {"name": "sim"}, "q": %d}\n' % i for i in range(3))
+        )
+        output = tmp_path / "out" / "x.jsonl"
+        output.parent.mkdir()
+        result = await run_cli(*run_args(tasks, output, agent.url, "--fsync", "never"))
+    finally:
+        await agent.close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = output.read_bytes().splitlines()
+    assert len(lines) == 3
+    for index, line in enumerate(sorted(lines, key=lambda x: json.loads(x)["_ng_task_index"])):
+        row = json.loads(line)
+        ours = {"_ng_task_index": index, "_ng_rollout_index": 0, "agent_ref": {"name": "sim"}}
+        expected = {**json.loads(raw), **ours}
+        assert {k: v for k, v in row.items() if k != "_ng_dispatch"} == expected
+        assert b"123456789012345678901234567890" in line
+
+
+async def test_a_big_body_that_is_not_json_is_a_terminal_failure_row(tmp_path: Path) -> None:
+    raw = big_body()[:-1]
+    agent = FakeAgent(lambda _: web.Response(body=raw, content_type="application/json"))
+    await agent.start()
+    try:
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_bytes(b'{"agent_ref": {"name": "sim"}}\n')
+        output = tmp_path / "out" / "x.jsonl"
+        output.parent.mkdir()
+        result = await run_cli(*run_args(tasks, output, agent.url, "--fsync", "never"))
+    finally:
+        await agent.close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = read_jsonl(OutputPaths.for_output(output).failures)
+    assert row["_ng_failure_class"] == "protocol_violation"
+    assert row["_ng_failure_terminal"] is True
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("a bug of ours")])
+async def test_a_fault_in_the_worker_requeues_the_rollout(
+    tmp_path: Path,
+    agent_url: str,
+    no_signal_handlers: None,
+    monkeypatch: pytest.MonkeyPatch,
+    error: BaseException,
+) -> None:
+    failed = 0
+
+    def flaky_row_line(row: dict[str, Any]) -> bytes:
+        nonlocal failed
+        if failed < 2:
+            failed += 1
+            raise error
+        return row_line(row)
+
+    monkeypatch.setattr(service, "row_line", flaky_row_line)
+    # Every answer counts as big: each row is serialized in the worker.
+    dispatcher = dispatcher_for(tmp_path, agent_url, 6, concurrency=3, offload_bytes=0)
+
+    assert await asyncio.wait_for(dispatcher.run(), 60) is ExitCode.DONE
+
+    paths = OutputPaths.for_output(tmp_path / "x.jsonl")
+    assert len(read_jsonl(paths.output)) == 6
+    assert read_jsonl(paths.failures) == []
+    assert dispatcher.summary()["outcomes"] == {"success": 6, "requeued": 2}
+
+
+async def test_a_fault_while_classing_in_the_worker_requeues_the_rollout(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failed = 0
+
+    def flaky_classify(status: int, raw: bytes) -> Any:
+        nonlocal failed
+        if failed < 1:
+            failed += 1
+            raise MemoryError
+        return classify_big(status, raw)
+
+    monkeypatch.setattr(offload, "classify_big", flaky_classify)
+    dispatcher = dispatcher_for(tmp_path, agent_url, 4, concurrency=2, offload_bytes=0)
+
+    assert await asyncio.wait_for(dispatcher.run(), 60) is ExitCode.DONE
+
+    assert len(read_jsonl(OutputPaths.for_output(tmp_path / "x.jsonl").output)) == 4
+    assert dispatcher.summary()["outcomes"] == {"success": 4, "requeued": 1}
+
+
+async def test_a_big_capture_merged_in_a_worker_gives_the_same_row(tmp_path: Path) -> None:
+    # 50 calls of about 200 KB each.
+    filler = "x" * 200_000
+    lines = []
+    for n in range(50):
+        answer = chat_answer(n, USAGE)
+        answer["choices"][0]["message"]["content"] = filler
+        lines.append(exchange_line(answer))
+    write_lines(tmp_path, "7-1", lines)
+    _, result, _ = classify_big(200, big_body())
+    assert isinstance(result, WireResult)
+
+    def merge(row: dict[str, Any]) -> Any:
+        return attach_capture(
+            row,
+            capture_dir=tmp_path,
+            rollout_id="7-1",
+            task_id=7,
+            agent_result=result.decoded(),
+            total_latency_ms=10.0,
+        )
+
+    on_loop = {**result, **OURS}
+    await merge(on_loop)
+    in_worker = {**result, **OURS}
+    line, summary = await offload.off_loop(
+        service._merge_in_worker, lambda: merge(in_worker), in_worker
+    )
+    assert summary.num_calls == 50 and summary.gaps == []
+    assert orjson.loads(line) == orjson.loads(row_line(on_loop))
+
+
+# ---- the commit queue's byte budget ----------------------------------------------
+
+
+async def test_the_byte_budget_admits_in_order_and_an_outsized_holder_alone() -> None:
+    budget = ByteBudget(100)
+    await budget.acquire(60)
+    admitted: list[str] = []
+
+    async def take(name: str, size: int) -> None:
+        await budget.acquire(size)
+        admitted.append(name)
+
+    big = asyncio.create_task(take("outsized", 500))
+    small = asyncio.create_task(take("small", 10))
+    await asyncio.sleep(0)
+    # The small one would fit, but the outsized one came first: no overtaking.
+    assert admitted == []
+    budget.release(60)
+    await big
+    assert admitted == ["outsized"] and budget.held == 500
+    budget.release(500)
+    await small
+    assert admitted == ["outsized", "small"] and budget.held == 10
+
+
+async def test_a_cancelled_waiter_leaves_nothing_held() -> None:
+    budget = ByteBudget(100)
+    await budget.acquire(100)
+    waiter = asyncio.create_task(budget.acquire(50))
+    behind = asyncio.create_task(budget.acquire(30))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    budget.release(100)
+    await behind
+    assert budget.held == 30
