@@ -29,8 +29,8 @@ from dispatcher.rows import RESERVED_SUCCESS_KEYS
 # Keys the dispatcher reads or overwrites are decoded (rows.py compares the
 # reserved ones with its own values); everything else is bytes.
 OWN_PREFIX = "_ng_"
-# A lone surrogate escape is valid to the splitter but not to orjson, which
-# reads the output on resume: such bodies take the full parse.
+# A surrogate escape is valid to the splitter but a lone one is not to orjson,
+# which reads the output on resume: such bodies take the full parse.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
 _TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ENCODER = msgspec.json.Encoder()
@@ -91,7 +91,7 @@ def _splittable(raw: bytes) -> bool:
     """
     if b"\n" in raw or b"\r" in raw:
         return False
-    if _SURROGATE_ESCAPE.search(raw) is not None:
+    if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw) is not None:
         return False
     if not raw.isascii():
         try:
