@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/retries.py
 	$(BIN)/python bench/adaptive.py
 	$(BIN)/python bench/hostile_answers.py
+	$(BIN)/python bench/big_rows.py --offload-compare
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
@@ -41,6 +42,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/capture_overhead.py --calls 300 --stream-calls 100 --rows 200
 	$(BIN)/python bench/retries.py --smoke
 	$(BIN)/python bench/adaptive.py --smoke
+	$(BIN)/python bench/big_rows.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output

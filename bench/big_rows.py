@@ -1,0 +1,314 @@
+"""Rows of megabytes: memory, event-loop lag and throughput against the machine's limit.
+
+For each case (row size, concurrency), in one run against the same simulated
+agent (its own process, ``sim-agent --row-bytes N``: the task echoed back
+plus a list of ``{token_id, logprob}`` objects):
+  * a baseline: a bare aiohttp client (its own process) that streams each
+    answer's bytes to a file, no parsing, at the same concurrency;
+  * ``dispatcher run`` end to end (materialize, dispatch, durable rows).
+Figures: rows/s and MB/s of the dispatch phase, the dispatcher's rate as a
+share of the baseline's, peak RSS of each process, and the daemon's own
+event-loop lag (p99 and max, sampled every 100 ms).
+
+Then a rollout with 50 captured calls of 200 KB each: the largest loop
+stall while its capture is merged on the loop and in the worker.
+
+``--offload-compare`` also times the big-answer work (split, merge, serialize)
+in pools of one and two threads against pools of one and two processes,
+with the largest stall a 1 ms ticker on the loop saw meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import dispatcher_server, run_child, write_tasks
+
+MB = 1_000_000
+# (row bytes, concurrency, rollouts); the issue's two cases.
+CASES = ((2 * MB, 64, 1_000), (20 * MB, 16, 120))
+SMOKE_CASES = ((2 * MB, 64, 64), (20 * MB, 16, 16))
+
+
+async def stream_to_file(
+    url: str, lines: list[bytes], out: Path, concurrency: int
+) -> dict[str, float]:
+    """The baseline: POST every task, append each answer's bytes and a newline to ``out``."""
+    bodies = iter(lines)
+    written = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        with out.open("wb") as f:
+
+            async def worker() -> None:
+                nonlocal written
+                for body in bodies:
+                    async with session.post(
+                        f"{url}/run", data=body, headers={"Content-Type": "application/json"}
+                    ) as resp:
+                        # Whole answers only: a row is never interleaved with another.
+                        data = await resp.read()
+                    f.write(data + b"\n")
+                    written += len(data) + 1
+
+            lags: list[float] = []
+            sampler = asyncio.create_task(_sample_lag(lags))
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            seconds = time.perf_counter() - started
+            sampler.cancel()
+    lags.sort()
+    return {
+        "seconds": seconds,
+        "bytes": written,
+        "peak_rss_mb": _peak_rss_mb(),
+        "lag_p99_ms": lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0,
+        "lag_max_ms": lags[-1] * 1000 if lags else 0.0,
+    }
+
+
+async def _sample_lag(lags: list[float], interval_s: float = 0.1) -> None:
+    """The same sampler as the daemon's: how late a 100 ms sleep wakes up."""
+    while True:
+        asked = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        lags.append(max(0.0, time.perf_counter() - asked - interval_s))
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def baseline(work: Path, tasks: Path, url: str, concurrency: int, tag: str) -> dict[str, float]:
+    out = work / f"{tag}-baseline.jsonl"
+    args = [sys.executable, __file__, "--baseline-child", url, str(tasks), str(out),
+            str(concurrency)]  # fmt: skip
+    result = run_child(args, work / f"{tag}-baseline.log")
+    if result.returncode != 0:
+        raise SystemExit(f"baseline failed ({result.returncode}): {result.stderr[-2000:]!r}")
+    figures: dict[str, float] = orjson.loads((work / f"{tag}-baseline.json").read_bytes())
+    rows = sum(1 for _ in out.open("rb"))
+    out.unlink()
+    return {**figures, "rows": rows, "cpu_s": result.cpu_s}
+
+
+def daemon(
+    work: Path, tasks: Path, url: str, concurrency: int, tag: str, fsync: str
+) -> dict[str, float]:
+    output = work / f"{tag}.jsonl"
+    args = [
+        sys.executable, "-m", "dispatcher", "run", "--input", str(tasks),
+        "--output", str(output), "--agent", f"sim={url}", "--concurrency", str(concurrency),
+        "--log-format", "json", "--log-level", "warning", "--fresh",
+        "--metrics-listen", "127.0.0.1:0", "--fsync", fsync,
+    ]  # fmt: skip
+    result = run_child(args, work / f"{tag}.log")
+    if result.returncode != 0:
+        raise SystemExit(f"dispatcher run failed ({result.returncode}): see {work / tag}.log")
+    size = output.stat().st_size
+    rows = sum(1 for _ in output.open("rb"))
+    output.unlink()
+    summary = orjson.loads((work / f"{tag}_manifest.json").read_bytes())["last_run"]["summary"]
+    return {
+        "seconds": summary["dispatch_s"],
+        "bytes": size,
+        "rows": rows,
+        "peak_rss_mb": summary["peak_rss_mb"],
+        "lag_p99_ms": (summary["event_loop_lag_p99_s"] or 0.0) * 1000,
+        "lag_max_ms": (summary["event_loop_lag_max_s"] or 0.0) * 1000,
+        "cpu_s": result.cpu_s,
+    }
+
+
+def run_case(work: Path, row_bytes: int, concurrency: int, rollouts: int) -> None:
+    tag = f"r{row_bytes // MB}mb-c{concurrency}"
+    tasks = work / f"{tag}-tasks.jsonl"
+    write_tasks(tasks, rollouts)
+    with dispatcher_server("sim-agent", "--row-bytes", str(row_bytes)) as url:
+        runs = {
+            "baseline (bytes to file)": baseline(work, tasks, url, concurrency, tag),
+            # The baseline does not fsync: compare like with like first.
+            "dispatcher --fsync never": daemon(work, tasks, url, concurrency, tag, "never"),
+            "dispatcher (fsync batch)": daemon(work, tasks, url, concurrency, tag, "batch"),
+        }
+    print(f"{row_bytes / MB:g} MB rows, concurrency {concurrency}, {rollouts} rollouts")
+    base_rate = 0.0
+    for name, fig in runs.items():
+        rate = fig["rows"] / fig["seconds"]
+        base_rate = base_rate or rate
+        print(f"  {name:25s} {rate:6.1f} rows/s {fig['bytes'] / fig['seconds'] / MB:6.1f} MB/s"
+              f" ({rate / base_rate:4.2f})  peak RSS {fig['peak_rss_mb']:6.1f} MB"
+              f"  loop lag p99 {fig['lag_p99_ms']:6.1f} ms, max {fig['lag_max_ms']:6.1f} ms"
+              f"  CPU {fig['cpu_s']:5.1f} s")  # fmt: skip
+
+
+def _big_answer(row_bytes: int) -> bytes:
+    from dispatcher.sim.agent import TOKENS_KEY, token_logprobs_json
+
+    head = orjson.dumps({"agent_ref": {"name": "sim"}, "_ng_task_index": 1, "reward": 1.0})
+    return head[:-1] + b',"' + TOKENS_KEY.encode() + b'":' + token_logprobs_json(row_bytes) + b"}"
+
+
+def answer_to_line(raw: bytes) -> int:
+    """The work handed to a worker: split, merge our keys, serialize; returns the line's size."""
+    from dispatcher.rowbytes import classify_big, row_line
+
+    _, result, _ = classify_big(200, raw)
+    assert result is not None
+    return len(row_line({**result, "_ng_rollout_index": 0, "_ng_dispatch": {"replica": "x"}}))
+
+
+async def _offload(pool: concurrent.futures.Executor, bodies: list[bytes]) -> tuple[float, float]:
+    """Wall time for the bodies in ``pool`` and the loop's largest stall meanwhile."""
+    loop = asyncio.get_running_loop()
+    worst = 0.0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal worst
+        while not done.is_set():
+            asked = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - asked - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    started = time.perf_counter()
+    await asyncio.gather(*(loop.run_in_executor(pool, answer_to_line, b) for b in bodies))
+    wall = time.perf_counter() - started
+    done.set()
+    await tick
+    return wall, worst
+
+
+def offload_compare(row_bytes: int, count: int) -> None:
+    raw = _big_answer(row_bytes)
+    bodies = [raw] * count
+    pools: dict[str, Callable[[], concurrent.futures.Executor]] = {
+        "1 thread": lambda: concurrent.futures.ThreadPoolExecutor(1),
+        "2 threads": lambda: concurrent.futures.ThreadPoolExecutor(2),
+        "1 process": lambda: concurrent.futures.ProcessPoolExecutor(1),
+        "2 processes": lambda: concurrent.futures.ProcessPoolExecutor(2),
+    }
+    print(f"offload of {count} answers of {len(raw) / MB:.1f} MB (split, merge, serialize)")
+    for name, make in pools.items():
+        with make() as pool:
+            # Warm the pool (process start, imports) outside the timing.
+            asyncio.run(_offload(pool, bodies[:2]))
+            wall, worst = asyncio.run(_offload(pool, bodies))
+        print(f"  {name:11s} {count / wall:7.1f} answers/s   "
+              f"largest loop stall {worst * 1000:6.1f} ms")  # fmt: skip
+
+
+def _capture_lines(calls: int, call_bytes: int) -> list[bytes]:
+    from dispatcher.capture.records import Exchange, encode_record
+
+    lines = []
+    for n in range(calls):
+        exchange = Exchange("r", "chat", "/v1/chat/completions")
+        exchange.request_body = orjson.dumps({"model": "m", "messages": []})
+        exchange.on_headers(200, "application/json", "")
+        message = {"role": "assistant", "content": "x" * call_bytes}
+        usage = {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}
+        answer = {"id": f"id-{n}", "model": "m", "choices": [{"index": 0, "message": message}]}
+        exchange.on_chunk(orjson.dumps({**answer, "usage": usage}))
+        lines.append(encode_record(exchange))
+    return lines
+
+
+async def _stall_while(work: Callable[[], Any]) -> float:
+    """The largest stall a 1 ms ticker on the loop sees while ``work()`` is awaited."""
+    worst = 0.0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal worst
+        while not done.is_set():
+            asked = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - asked - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    await work()
+    done.set()
+    await tick
+    return worst
+
+
+def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> None:
+    """A rollout with many big captured calls: its merge on the loop and in the worker."""
+    from dispatcher import service
+    from dispatcher.capture.finalize import attach_capture
+    from dispatcher.capture.store import capture_path
+    from dispatcher.offload import off_loop
+    from dispatcher.rowbytes import row_line
+
+    capture_path(work, "0-0").write_bytes(b"".join(_capture_lines(calls, call_bytes)))
+
+    payloads = False
+
+    def merge(row: dict[str, Any]) -> Any:
+        return attach_capture(
+            row, capture_dir=work, rollout_id="0-0", task_id=0, agent_result=row,
+            total_latency_ms=1.0, include_payloads=payloads,
+        )  # fmt: skip
+
+    async def on_loop() -> None:
+        row: dict[str, Any] = {"reward": 1.0}
+        await merge(row)
+        row_line(row)
+
+    async def in_worker() -> None:
+        row: dict[str, Any] = {"reward": 1.0}
+        await off_loop(service._merge_in_worker, lambda: merge(row), row)
+
+    print(f"capture merge of {calls} calls x {call_bytes // 1000} KB, largest loop stall")
+    for payloads in (False, True):
+        for name, how in (("on the loop", on_loop), ("in the worker", in_worker)):
+            stalls = sorted(asyncio.run(_stall_while(how)) for _ in range(5))
+            label = f"{name}, {'with' if payloads else 'without'} payloads"
+            print(f"  {label:32s} {stalls[2] * 1000:6.1f} ms (median of 5)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="small counts, for CI")
+    parser.add_argument("--offload-compare", action="store_true")
+    parser.add_argument("--baseline-child", nargs=4, metavar=("URL", "TASKS", "OUT", "C"))
+    opts = parser.parse_args()
+    if opts.baseline_child:
+        url, tasks, out, concurrency = opts.baseline_child
+        lines = Path(tasks).read_bytes().splitlines()
+        figures = asyncio.run(stream_to_file(url, lines, Path(out), int(concurrency)))
+        Path(out).with_suffix(".json").write_bytes(orjson.dumps(figures))
+        return 0
+    cases = SMOKE_CASES if opts.smoke else CASES
+    with tempfile.TemporaryDirectory() as tmp:
+        for row_bytes, concurrency, rollouts in cases:
+            run_case(Path(tmp), row_bytes, concurrency, rollouts)
+        capture_compare(Path(tmp))
+    if opts.offload_compare:
+        for row_bytes, count in ((2 * MB, 64), (20 * MB, 8)):
+            offload_compare(row_bytes, count)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
