@@ -244,3 +244,26 @@ def test_all_ops_commands_register() -> None:
     add_parsers(parser.add_subparsers(dest="command", required=True))
     for argv in (["status", "x.jsonl"], ["report", "x.jsonl"], ["merge", "--output", "m", "a"]):
         assert callable(parser.parse_args(argv).handler)
+
+
+def test_sidecars_caught_by_a_glob_name_their_sets(tmp_path: Path) -> None:
+    # `dispatcher merge --output all.jsonl out/x.shard-*.jsonl` also catches each
+    # shard's _failures and _materialized_inputs files: they used to be listed as
+    # shards "not started" and a complete set exited 75.
+    shard_outputs(tmp_path / "out" / "x.jsonl", 4)
+    caught = sorted((tmp_path / "out").glob("x.shard-*.jsonl"))
+    assert len(caught) == 12
+
+    result = merge_shards(caught, tmp_path / "all.jsonl")
+
+    assert result.exit_code == 0, result.to_json()
+    assert len(result.shards) == 4 and all(s.started for s in result.shards)
+    assert result.to_json()["expected"] == TASKS * REPEATS
+
+
+def test_a_sidecar_alone_stands_for_its_set(tmp_path: Path) -> None:
+    shards = shard_outputs(tmp_path / "x.jsonl", 2)
+    sidecars = [OutputPaths.for_output(p).failures for p in shards]
+    assert merge_shards(sidecars, tmp_path / "all.jsonl").exit_code == 0
+    # The same set named twice directly is still a mistake.
+    assert merge_shards([shards[0], shards[0], shards[1]], tmp_path / "m.jsonl").exit_code == 2

@@ -98,3 +98,16 @@ def test_resolve_shard() -> None:
     assert resolve_shard("0/3", env) == Shard(0, 3)
     with pytest.raises(ConfigError, match="no shard in the environment"):
         resolve_shard("auto", {})
+
+
+@pytest.mark.parametrize("name", ["x.shard-3.jsonl", "x.shard-3-of-8.jsonl", "x.jsonl"])
+def test_output_that_names_its_shard_gets_one_tag(name: str) -> None:
+    # A job script's `--output out/x.shard-$K.jsonl --shard auto` used to give
+    # x.shard-3.shard-3-of-8.jsonl.
+    assert Shard(3, 8).output_for(Path("out") / name) == Path("out/x.shard-3-of-8.jsonl")
+
+
+@pytest.mark.parametrize("name", ["x.shard-2.jsonl", "x.shard-3-of-4.jsonl"])
+def test_output_that_names_another_shard_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="names shard"):
+        Shard(3, 8).output_for(Path(name))

@@ -17,6 +17,10 @@ set is the concatenation of the shards' ``X.jsonl``, ``X_failures.jsonl`` and
   resume them, then merge again: merging is repeatable and replaces the
   merged files.
 
+A sidecar given as an input (``X_failures.jsonl``, as a glob like
+``x.shard-*.jsonl`` also catches) names the same set as its ``X.jsonl``: it
+stands for that set, once.
+
 Complete: exit 0. No manifest is written for the merged set: it is the
 record of several runs, not one, and so cannot be resumed as a run itself.
 Every file is written to a temporary name, fsynced and renamed into place,
@@ -168,6 +172,7 @@ def merge_shards(
     sources: list[Path], merged: Path, *, max_attempts: int | None = None
 ) -> MergeResult:
     """Merge shard output sets into ``merged``; see the module docstring for the rules."""
+    sources = output_sets(sources)
     merged_paths = OutputPaths.for_output(merged)
     _check_inputs(sources, merged_paths)
     merged.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +196,37 @@ def merge_shards(
     finally:
         os.close(lock_fd)
     return result
+
+
+# The files of DESIGN A4 other than X.jsonl, by how their names end.
+_SIDECAR_ENDINGS = ("_failures.jsonl", "_materialized_inputs.jsonl", "_manifest.json", "_run.lock")
+
+
+def output_sets(sources: list[Path]) -> list[Path]:
+    """The inputs as output sets (``X.jsonl``): a sidecar stands for its set, which counts once.
+
+    A set named twice directly stays twice, so that mistake is still reported.
+    """
+    direct = {s.resolve() for s in sources if sidecar_set(s) is None}
+    sets: list[Path] = []
+    for source in sources:
+        output = sidecar_set(source)
+        if output is None:
+            sets.append(source)
+        elif output.resolve() not in direct:
+            direct.add(output.resolve())
+            sets.append(output)
+    return sets
+
+
+def sidecar_set(path: Path) -> Path | None:
+    """The ``X.jsonl`` whose sidecar ``path`` is, or None when ``path`` is an output itself."""
+    if OutputPaths.for_output(path).materialized.exists():
+        return None  # an output whose own name happens to end like a sidecar
+    for ending in _SIDECAR_ENDINGS:
+        if path.name.endswith(ending):
+            return path.with_name(path.name.removesuffix(ending) + ".jsonl")
+    return None
 
 
 def _check_inputs(sources: list[Path], merged: OutputPaths) -> None:

@@ -31,6 +31,8 @@ AUTO = "auto"
 
 _SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 _SHARD_NAME_RE = re.compile(r"\.shard-(\d+)-of-(\d+)$")
+# What a user may already have put in --output: ".shard-K" or ".shard-K-of-N".
+_SHARD_TAG_RE = re.compile(r"\.shard-(\d+)(?:-of-(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,26 @@ class Shard:
         """This shard's ``--output``: ``X.jsonl`` -> ``X.shard-K-of-N.jsonl``.
 
         The shard tag goes before the suffix, so the sidecars of DESIGN A4
-        follow it (``X.shard-0-of-4_failures.jsonl``, ...).
+        follow it (``X.shard-0-of-4_failures.jsonl``, ...). An output that
+        already names this shard (``X.shard-K.jsonl``, as a job script writes
+        ``--output x.shard-$K.jsonl``) gets the full tag instead of a second
+        one; one that names another shard is an error.
         """
         suffix = output.suffix or ".jsonl"
         stem = output.with_suffix("").name
+        match = _SHARD_TAG_RE.search(stem)
+        if match is not None:
+            self._check_tag(output, int(match[1]), match[2])
+            stem = stem[: match.start()]
         return output.with_name(f"{stem}.shard-{self.index}-of-{self.count}{suffix}")
+
+    def _check_tag(self, output: Path, index: int, count: str | None) -> None:
+        if index != self.index or (count is not None and int(count) != self.count):
+            named = f"{index}" if count is None else f"{index}/{count}"
+            raise ConfigError(
+                f"--output {output} names shard {named}, but this run is shard {self}; "
+                "name the output without a shard tag (one is added) or with this shard's"
+            )
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
