@@ -244,7 +244,9 @@ def test_progress_line_follows_console_logging_by_default() -> None:
     assert not ProgressLine(TTY()).enabled
 
 
-def test_log_lines_print_above_the_live_line() -> None:
+def test_log_lines_print_above_the_live_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Wide enough for the whole line; fitting it to 80 columns: test_console_view.py.
+    monkeypatch.setenv("COLUMNS", "200")
     tty = TTY()
     configure_logging("console", stream=tty)
     line = ProgressLine(tty)
@@ -262,7 +264,10 @@ def test_log_lines_print_above_the_live_line() -> None:
     assert before_clear[-1].startswith("running 10/10 (100.0%)")
 
 
-async def test_progress_line_redraws_from_status_until_stopped() -> None:
+async def test_progress_line_redraws_from_status_until_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
     tty = TTY()
     line = ProgressLine(tty, enabled=True)
     calls = 0

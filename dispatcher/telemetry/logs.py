@@ -19,7 +19,7 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Any, Literal, TextIO, cast
+from typing import Any, ClassVar, Literal, TextIO, cast
 
 import orjson
 import structlog
@@ -29,6 +29,11 @@ from dispatcher.telemetry.progress import is_terminal, live_terminal, set_consol
 
 LogFormat = Literal["json", "console"]
 DEFAULT_LOGGER = "dispatcher"
+# Shown at every log level: a run must always end by saying how it went.
+ALWAYS_SHOWN = frozenset({"run_summary"})
+# One line per rollout: on the console only at debug, where they scroll above
+# the live progress line instead of burying it.
+PER_ROLLOUT = frozenset({"rollout_finished"})
 _FIRST_KEYS = ("event", "level", "timestamp", "logger")
 
 
@@ -85,8 +90,10 @@ def configure_logging(
             out = cast(TextIO, live_terminal(stream))
     out = cast(TextIO, _Unfailing(out))
     structlog.configure(
-        processors=[*shared, *renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        processors=[*_event_filters(resolved, level_no), *shared, *renderer],
+        # Info passes the wrapper even at warning, so the summary can; the
+        # filters above drop the rest of it.
+        wrapper_class=structlog.make_filtering_bound_logger(min(level_no, logging.INFO)),
         logger_factory=_NamedWriteLoggerFactory(out),
         # Caching would pin loggers to the first configuration.
         cache_logger_on_first_use=False,
@@ -127,6 +134,42 @@ class _Unfailing:
 def dropped_log_writes() -> int:
     """Log writes (or flushes) lost because the log stream could not be written."""
     return _Unfailing.dropped
+
+
+def _event_filters(fmt: LogFormat, level_no: int) -> list[Processor]:
+    # Only installed when they can drop something: at the default level the
+    # per-rollout path pays nothing for them.
+    filters: list[Processor] = []
+    if level_no > logging.INFO:
+        filters.append(_BelowLevelButSummary(level_no))
+    if fmt == "console" and level_no > logging.DEBUG:
+        filters.append(_drop_per_rollout)
+    return filters
+
+
+class _BelowLevelButSummary:
+    """Drops events below the configured level, except those of ``ALWAYS_SHOWN``."""
+
+    _LEVELS: ClassVar[dict[str, int]] = {
+        "debug": logging.DEBUG,
+        "info": logging.INFO,
+        "warning": logging.WARNING,
+    }
+
+    def __init__(self, level_no: int) -> None:
+        self._level_no = level_no
+
+    def __call__(self, _: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
+        below = self._LEVELS.get(method, logging.CRITICAL) < self._level_no
+        if below and event_dict.get("event") not in ALWAYS_SHOWN:
+            raise structlog.DropEvent
+        return event_dict
+
+
+def _drop_per_rollout(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    if event_dict.get("event") in PER_ROLLOUT:
+        raise structlog.DropEvent
+    return event_dict
 
 
 class _CoalescingStream:

@@ -67,21 +67,65 @@ def format_progress(snapshot: Mapping[str, Any]) -> str:
     Rate and latency sit next to each other on purpose: a rising rate with a
     rising p95 means rollouts are slowing down, not the run speeding up.
     """
-    f = progress_fields(snapshot)
-    parts = [
-        " ".join(p for p in (f["state"], _done(f["done"], f["expected"])) if p),
-        f"{_rate(f['rollouts_per_hour'])} rollouts/h",
-        f"p50 {_duration(f['p50_s'])} p75 {_duration(f['p75_s'])} p95 {_duration(f['p95_s'])}",
-        f"margin {_duration(f['drain_margin_s'])}",
-        f"budget left {_duration(f['budget_remaining_s'])}",
-        f"ETA {_duration(f['eta_s'])}",
-        f"in flight {_count(f['in_flight'])}",
-    ]
-    if f["failed"]:
+    return _compose(progress_fields(snapshot), frozenset())
+
+
+# What a narrow terminal loses first. Done, budget left and ETA are never
+# dropped: they are what someone glancing at a job's terminal needs. The
+# state goes only while it is the unremarkable "running".
+_DROP_ORDER = (
+    "in_flight",
+    "state",
+    "p50_p75",
+    "margin",
+    "drained",
+    "rate_label",
+    "failed",
+    "p95",
+    "rate",
+)
+
+
+def fit_progress(snapshot: Mapping[str, Any], width: int) -> str:
+    """`format_progress` shortened to `width` columns by dropping its least useful parts."""
+    fields = progress_fields(snapshot)
+    dropped: frozenset[str] = frozenset()
+    line = _compose(fields, dropped)
+    for name in _DROP_ORDER:
+        if len(line) <= width:
+            return line
+        dropped |= {name}
+        line = _compose(fields, dropped)
+    # Narrower than done + budget + ETA: a wrapped line cannot be redrawn with \r.
+    return line[:width]
+
+
+def _compose(f: Mapping[str, Any], dropped: frozenset[str]) -> str:
+    state = None if "state" in dropped and f["state"] == "running" else f["state"]
+    parts = [" ".join(p for p in (state, _done(f["done"], f["expected"])) if p)]
+    if "rate" not in dropped:
+        label = "/h" if "rate_label" in dropped else " rollouts/h"
+        parts.append(f"{_rate(f['rollouts_per_hour'])}{label}")
+    if "p95" not in dropped:
+        parts.append(_latency(f, full="p50_p75" not in dropped))
+    if "margin" not in dropped:
+        parts.append(f"margin {_duration(f['drain_margin_s'])}")
+    parts.append(f"budget left {_duration(f['budget_remaining_s'])}")
+    parts.append(f"ETA {_duration(f['eta_s'])}")
+    if "in_flight" not in dropped:
+        parts.append(f"in flight {_count(f['in_flight'])}")
+    if f["failed"] and "failed" not in dropped:
         parts.append(f"failed {f['failed']:,}")
-    if f["drained"]:
+    if f["drained"] and "drained" not in dropped:
         parts.append(f"drained {f['drained']:,}")
     return " | ".join(parts)
+
+
+def _latency(f: Mapping[str, Any], *, full: bool) -> str:
+    p95 = f"p95 {_duration(f['p95_s'])}"
+    if not full:
+        return p95
+    return f"p50 {_duration(f['p50_s'])} p75 {_duration(f['p75_s'])} {p95}"
 
 
 def _failed(outcomes: Mapping[str, int]) -> int:
@@ -227,9 +271,9 @@ class ProgressLine:
 
     def show(self, snapshot: Mapping[str, Any]) -> None:
         if self.enabled:
-            # A wrapped line cannot be rewritten with \r: cut it to the width.
+            # A wrapped line cannot be rewritten with \r: fit it to the width.
             width = max(_columns(self._stream) - 1, 20)
-            self._terminal.set_live(format_progress(snapshot)[:width])
+            self._terminal.set_live(fit_progress(snapshot, width))
 
     def clear(self) -> None:
         if self.enabled:

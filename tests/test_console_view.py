@@ -1,0 +1,115 @@
+"""The console view: a progress line that fits, per-rollout lines at debug only, a summary."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import structlog
+
+from dispatcher.telemetry import ProgressLine, configure_logging, format_progress, reset_logging
+from dispatcher.telemetry.progress import fit_progress
+from tests.conftest import SimAgentFactory
+from tests.helpers import log_events, run_args, run_cli, write_tasks
+from tests.test_telemetry_logs import TTY, render_terminal, snapshot
+
+BIG = {"expected": 10_000_000, "done": 1_234_567, "remaining": 8_765_433, "in_flight": 1024}
+
+
+@pytest.fixture(autouse=True)
+def clean_logging() -> Iterator[None]:
+    yield
+    reset_logging()
+
+
+@pytest.mark.parametrize("width", [79, 70, 60])
+def test_progress_line_shortens_but_keeps_budget_and_eta(width: int) -> None:
+    snap = snapshot(progress=BIG, drained=123_456)
+    assert len(format_progress(snap)) > 150
+
+    line = fit_progress(snap, width)
+
+    assert len(line) <= width
+    assert line.startswith("1,234,567/10,000,000 (12.3%)")
+    assert "budget left 1h02m" in line and line.endswith("ETA 2h32m")
+
+
+def test_a_wide_terminal_gets_the_whole_line() -> None:
+    snap = snapshot()
+    assert fit_progress(snap, 500) == format_progress(snap)
+
+
+def test_a_state_other_than_running_is_kept() -> None:
+    line = fit_progress(snapshot(progress=BIG, state="shutting_down"), 79)
+    assert line.startswith("shutting_down ") and "ETA" in line
+
+
+def test_live_line_on_an_80_column_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The line used to be cut at the width, which took the budget and the ETA.
+    monkeypatch.setenv("COLUMNS", "80")
+    tty = TTY()
+    line = ProgressLine(tty, enabled=True)
+
+    line.show(snapshot(progress=BIG))
+
+    [shown] = render_terminal(tty.getvalue())
+    assert len(shown) <= 79
+    assert "budget left 1h02m" in shown and "ETA 2h32m" in shown
+
+
+def test_console_hides_per_rollout_lines_below_debug() -> None:
+    tty = TTY()
+    configure_logging("console", stream=tty, level="info")
+    line = ProgressLine(tty)
+    line.show(snapshot())
+    log = structlog.get_logger("dispatcher.run")
+    log.info("rollout_finished", rollout_id="0-0")
+    log.info("run_started", expected=10)
+
+    screen = render_terminal(tty.getvalue())
+    assert not any("rollout_finished" in row for row in screen)
+    assert "run_started" in screen[0]
+    assert screen[-1].startswith("1,234/10,000")  # still the bottom line
+
+
+def test_console_shows_per_rollout_lines_above_the_live_line_at_debug() -> None:
+    tty = TTY()
+    configure_logging("console", stream=tty, level="debug")
+    line = ProgressLine(tty)
+    line.show(snapshot())
+    structlog.get_logger("dispatcher.run").info("rollout_finished", rollout_id="0-0")
+
+    screen = render_terminal(tty.getvalue())
+    assert "rollout_finished" in screen[0]
+    assert screen[-1].startswith("1,234/10,000")
+
+
+@pytest.mark.parametrize("level", ["warning", "error"])
+def test_summary_at_every_level(level: str) -> None:
+    stream = io.StringIO()
+    configure_logging("json", stream=stream, level=level)
+    log = structlog.get_logger("dispatcher.run")
+    log.info("run_started")
+    log.info("run_summary", remaining=0)
+    log.warning("agent_slow")
+    log.error("write_failed")
+
+    events = [orjson.loads(line)["event"] for line in stream.getvalue().splitlines()]
+    wanted = ["run_summary", "write_failed"]
+    if level == "warning":
+        wanted.insert(1, "agent_slow")
+    assert events == wanted
+
+
+async def test_run_at_log_level_error_still_ends_with_its_summary(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    tasks = write_tasks(tmp_path / "t.jsonl", 3)
+    result = await run_cli(*run_args(tasks, tmp_path / "o.jsonl", url, "--log-level", "error"))
+    assert result.returncode == 0, result.stderr
+    [summary] = log_events(result.stderr)
+    assert summary["event"] == "run_summary" and summary["outcomes"] == {"success": 3}
