@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import gc
 import os
+import re
 import sys
+import textwrap
 import time
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 import structlog
@@ -18,6 +21,9 @@ from dispatcher import __version__
 from dispatcher.config import RunSettings, load_settings, parse_agent_caps, parse_agent_flags
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode
 from dispatcher.telemetry.logs import configure_logging, flush_logs
+
+if TYPE_CHECKING:
+    from dispatcher.ops.shard import Shard
 
 # Flags of `run` that map one-to-one onto RunSettings keys (values validated there).
 _RUN_FLAGS: dict[str, str] = {
@@ -47,7 +53,13 @@ _RUN_FLAGS: dict[str, str] = {
     "--offload-bytes": "answers bigger than this are handled off the event loop (default 256 KiB)",
     "--log-format": "json | console (default: console on a terminal, else json)",
     "--log-level": "debug | info (default) | warning | error",
-    "--metrics-listen": "HOST:PORT of /metrics /healthz /status, or 'off' (127.0.0.1:9464)",
+    "--metrics-listen": (
+        "HOST:PORT of /metrics /healthz /status; 'auto' (default): a free port on "
+        "127.0.0.1, logged and written to the manifest and /status; 'off'"
+    ),
+    "--metrics-sd-dir": (
+        "directory for a Prometheus file_sd target file (default: beside the output)"
+    ),
     "--progress-interval-s": "seconds between progress events (default 30)",
     "--capture-dir": "capture directory shared with the capture proxy",
     "--capture-poll-s": "capture quiescence poll interval (default 0.05)",
@@ -66,8 +78,70 @@ _SWITCHES = {
 }
 
 
+_EXIT_CODES = """\
+exit codes:
+  0   every rollout has a final outcome
+  75  some rollouts remain: rerun the same command to run them
+  2   bad configuration or input; nothing was dispatched
+  1   unexpected error (named in the message)
+"""
+_ENVIRONMENT = (
+    "Every setting is also an environment variable DISPATCHER_<KEY> (flags win over the "
+    "environment, which wins over --config): {keys}. DISPATCHER_AGENTS, "
+    "DISPATCHER_NUM_REPEATS and DISPATCHER_RESPONSES_CREATE_PARAMS take JSON. "
+    "DISPATCHER_CONFIG names the TOML file; DISPATCHER_SHARD_COUNT is the shard count "
+    "of a Kubernetes indexed Job (--shard auto)."
+)
+
+
+class CliParser(argparse.ArgumentParser):
+    """An argument parser that takes exact flags only and suggests one on a typo.
+
+    Abbreviations are refused: ``--conc`` must not quietly mean
+    ``--concurrency`` today and something else once a flag is added.
+    Subcommand parsers are of this class too (argparse builds them with the
+    parent's class).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + suggestion(message, self._option_string_actions))
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def suggestion(message: str, options: Iterable[str]) -> str:
+    """" (did you mean X?)" for an unknown flag or command in ``message``, else ""."""
+    choice = _INVALID_CHOICE.search(message)
+    if choice is not None:
+        word, known = choice[1], re.findall(r"'([^']*)'", choice[2])
+    elif message.startswith("unrecognized arguments: "):
+        flags = [t for t in message.split()[2:] if t.startswith("-")]
+        if not flags:
+            return ""
+        word, known = flags[0].partition("=")[0], [o for o in options if o.startswith("--")]
+    else:
+        return ""
+    match = closest(word, known)
+    return f" (did you mean {match}?)" if match else ""
+
+
+def closest(word: str, known: Iterable[str]) -> str | None:
+    """The known name ``word`` most likely meant: the only one it starts, else the nearest."""
+    names = sorted(set(known))
+    starts = [name for name in names if name.startswith(word)]
+    if len(starts) == 1:
+        return starts[0]
+    near = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="dispatcher", description="Run the rollout side of LLM reinforcement-learning jobs."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -80,14 +154,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_modules() -> list[Any]:
     from dispatcher.capture import proxy
-    from dispatcher.ops import merge, report, status
+    from dispatcher.ops import init, merge, report, status, validate
     from dispatcher.sim import agent, model
 
-    return [agent, model, proxy, status, report, merge]
+    return [agent, model, proxy, status, report, merge, validate, init]
 
 
 def _add_run_parser(sub: Any) -> None:
-    p = sub.add_parser("run", help="dispatch a task file to agent servers")
+    p = sub.add_parser(
+        "run",
+        help="dispatch a task file to agent servers",
+        epilog=run_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_run_arguments(p)
+    p.set_defaults(handler=_run_command, is_async=True)
+
+
+def run_epilog() -> str:
+    keys = ", ".join(f"DISPATCHER_{key.upper()}" for key in RunSettings.model_fields)
+    environment = textwrap.fill(
+        _ENVIRONMENT.format(keys=keys), width=78, initial_indent="  ", subsequent_indent="  "
+    )
+    return f"{_EXIT_CODES}\nenvironment:\n{environment}\n"
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``run`` (``validate`` takes the same ones)."""
     p.add_argument("--config", help="TOML file with the same settings as keys")
     p.add_argument(
         "--agent",
@@ -105,7 +198,6 @@ def _add_run_parser(sub: Any) -> None:
         p.add_argument(flag, help=text)
     for flag, text in _SWITCHES.items():
         p.add_argument(flag, action="store_const", const=True, default=None, help=text)
-    p.set_defaults(handler=_run_command, is_async=True)
 
 
 def run_flag_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,21 +223,28 @@ def _json_flag(flag: str, value: str) -> Any:
         raise ConfigError(f"{flag}: not valid JSON") from None
 
 
-async def _run_command(args: argparse.Namespace) -> int:
+def run_settings(args: argparse.Namespace) -> tuple[RunSettings, Shard | None]:
+    """The run's settings from file, environment and flags, with the shard's output applied."""
     from dispatcher.ops.shard import resolve_shard
-    from dispatcher.service import Dispatcher
 
     settings = load_settings(run_flag_values(args))
-    configure_logging(settings.log_format, level=settings.log_level)
     shard = resolve_shard(settings.shard, os.environ)
     if shard is not None:
         settings = settings.model_copy(
             update={"shard": str(shard), "output": shard.output_for(settings.output)}
         )
+    return settings, shard
+
+
+async def _run_command(args: argparse.Namespace) -> int:
+    from dispatcher.service import Dispatcher
+
+    settings, shard = run_settings(args)
+    configure_logging(settings.log_format, level=settings.log_level)
     _tune_gc()
     dispatcher = Dispatcher(
         settings,
-        budget_s=_budget_seconds(settings),
+        budget_s=budget_seconds(settings),
         shard_filter=shard.contains if shard is not None else None,
     )
     return int(await dispatcher.run())
@@ -168,7 +267,7 @@ def _tune_gc() -> None:
     gc.set_threshold(20_000, 50, 100)
 
 
-def _budget_seconds(settings: RunSettings) -> float | None:
+def budget_seconds(settings: RunSettings) -> float | None:
     if settings.dispatch_budget_s != "auto":
         return settings.dispatch_budget_s
     from dispatcher.ops.walltime import resolve_budget_auto
@@ -185,8 +284,28 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
         return runner.run(coro)
 
 
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line; an unknown flag is reported by its subcommand, with a suggestion."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        # Unknown flags surface at the top level, which knows only its own
+        # options: let the subcommand's parser report them, with its flags.
+        command = _subparser(parser, args.command)
+        command.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser  # pragma: no cover - the parser always has subcommands
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     # Logs go to stderr: server commands print their URL on stdout for scripts.
     configure_logging(None)
     try:

@@ -95,7 +95,11 @@ class RunSettings(BaseModel):
 
     log_format: LogFormat | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    metrics_listen: str = "127.0.0.1:9464"
+    # "auto": a free port on 127.0.0.1, so that several runs on one node (shards)
+    # never collide; the port is logged, in the manifest, /status and the
+    # Prometheus file_sd target file (metrics_sd_dir, default: beside the output).
+    metrics_listen: str = "auto"
+    metrics_sd_dir: Path | None = None
     progress_interval_s: float = Field(default=30.0, gt=0)
 
     @field_validator("agents")
@@ -171,9 +175,9 @@ class RunSettings(BaseModel):
     @field_validator("metrics_listen")
     @classmethod
     def _listen_parses(cls, value: str) -> str:
-        from dispatcher.telemetry.server import parse_listen
+        from dispatcher.telemetry.discovery import resolve_listen
 
-        parse_listen(value)
+        resolve_listen(value)
         return value
 
     # Cross-key checks are field validators (reading earlier fields from

@@ -52,11 +52,17 @@ from dispatcher.scheduler import Admission, Budget, RolloutPool
 from dispatcher.state import FAILURE_TERMINAL, RunState
 from dispatcher.store import RowWriter, write_json_atomic
 from dispatcher.tasks import Rollout, materialized_key, new_capture_token
+from dispatcher.telemetry.discovery import (
+    MetricsEndpoint,
+    resolve_listen,
+    sd_file_for,
+    target_labels,
+)
 from dispatcher.telemetry.lag import LoopLagMonitor
 from dispatcher.telemetry.logs import flush_logs
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.progress import ProgressLine, estimate_eta_s, progress_fields
-from dispatcher.telemetry.server import parse_listen, start_http_server
+from dispatcher.telemetry.server import start_http_server
 
 log = structlog.get_logger("dispatcher.run")
 
@@ -108,6 +114,7 @@ class Dispatcher:
         # Parts made during startup; None until then (a signal or an error can
         # come before they exist).
         self._http: web.AppRunner | None = None
+        self.metrics_endpoint: MetricsEndpoint | None = None
         self._pool: RolloutPool | None = None
         self._agents: AgentClient | None = None
         self._writers: tuple[RowWriter, ...] = ()
@@ -148,6 +155,7 @@ class Dispatcher:
         # Every later line, stdlib records included, carries the run id.
         structlog.contextvars.bind_contextvars(run_id=prepared.manifest["run_id"])
         self._concurrency = self._usable_concurrency()
+        await asyncio.to_thread(self._publish_metrics_endpoint, prepared)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._concurrency or 0),
             # No total: the rollout timeout, when set, bounds a call. The
@@ -164,8 +172,8 @@ class Dispatcher:
         for writer in self._writers:
             writer.open()
         await self._start_telemetry()
-        if self._http is not None:
-            log.info("metrics_listening", url=self._metrics_url)
+        if self.metrics_endpoint is not None:
+            log.info("metrics_listening", url=self.metrics_endpoint.url)
         log.info(
             "run_started",
             run_id=prepared.manifest["run_id"],
@@ -642,6 +650,7 @@ class Dispatcher:
             "in_flight_by_agent": self._agents.in_flight() if self._agents is not None else {},
             "drained": self.tracker.drained,
             **self._delivery_figures(),
+            "metrics_url": self.metrics_endpoint.url if self.metrics_endpoint else None,
         }
 
     def _delivery_figures(self) -> dict[str, Any]:
@@ -692,7 +701,7 @@ class Dispatcher:
         }
 
     async def _start_http(self) -> None:
-        listen = parse_listen(self.settings.metrics_listen)
+        listen = resolve_listen(self.settings.metrics_listen)
         if listen is None:
             return
         host, port = listen
@@ -704,9 +713,22 @@ class Dispatcher:
             raise ConfigError(
                 f"--metrics-listen {self.settings.metrics_listen}: cannot listen ({exc.strerror})"
             ) from None
-        self._metrics_url = f"http://{host}:{self.metrics_port}/metrics"
+        self.metrics_endpoint = MetricsEndpoint(host, self.metrics_port)
+
+    def _publish_metrics_endpoint(self, prepared: PreparedRun) -> None:
+        """Record the endpoint in the manifest and the Prometheus target file (blocking)."""
+        endpoint = self.metrics_endpoint
+        if endpoint is None:
+            return
+        prepared.manifest["metrics_url"] = endpoint.url
+        write_json_atomic(prepared.paths.manifest, prepared.manifest)
+        output = prepared.paths.output
+        labels = target_labels(prepared.manifest, output, self.settings.shard)
+        endpoint.publish(sd_file_for(output, self.settings.metrics_sd_dir), labels)
 
     async def _stop_http(self) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.withdraw()
         if self._http is not None:
             await self._http.cleanup()
             self._http = None

@@ -1,0 +1,233 @@
+"""``dispatcher validate [run flags]``: check a run's command line without running it.
+
+Takes exactly the flags of ``dispatcher run`` and checks what ``run`` would
+check before dispatching: the settings (file, environment, flags), the task
+file (every line, against the configured agents), the agents' replicas (one
+HTTP request each: any answer means reachable) and the earlier run's files
+(the same run? how much is left?). It prints what would run and writes
+nothing: no output directory, no lock, no manifest, no materialized rows.
+
+Exit 0 when ``run`` would start, 2 when it would stop with a configuration
+error or an agent replica does not answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from dispatcher.config import RunSettings
+from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.ops.runfiles import lock_status, read_manifest
+from dispatcher.ops.table import format_table
+from dispatcher.prepare import task_settings
+from dispatcher.state import AGENT_REF, OutputPaths, RunState, load_run_state
+from dispatcher.tasks import (
+    Materializer,
+    MaterializeResult,
+    MaterializeSpec,
+    iter_input_rows,
+)
+
+ShardFilter = Callable[[int], bool] | None
+
+# Long enough for a replica across a busy network, short enough for a preflight.
+PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Report:
+    """What validation found: lines to print, and the problems that make it fail."""
+
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.BAD_INPUT if self.problems else ExitCode.DONE
+
+    def render(self) -> str:
+        text = "\n".join(self.lines) + "\n"
+        for problem in self.problems:
+            text += f"problem: {problem}\n"
+        verdict = "would not start" if self.problems else "ok: `dispatcher run` would start"
+        return text + f"{verdict} (nothing was written)\n"
+
+
+def count_rollouts(settings: RunSettings, shard_filter: ShardFilter) -> MaterializeResult:
+    """What materializing would give, digests included, without writing anything (blocking)."""
+    spec = MaterializeSpec(
+        input_path=settings.input,
+        agents=frozenset(settings.agents),
+        default_agent=settings.default_agent,
+        num_repeats=settings.num_repeats,
+        limit=settings.limit,
+        overrides=settings.responses_create_params,
+        skip_invalid_rows=settings.skip_invalid_rows,
+        shard_filter=shard_filter,
+    )
+    materializer = Materializer(spec)
+    input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
+    input_rows = rollouts = 0
+    by_agent: dict[str, int] = {}
+    rows = iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, input_hash)
+    for where, raw, row in rows:
+        input_rows += 1
+        expanded = materializer.expand(raw, row, where)
+        if expanded:
+            output_hash.update(b"".join(orjson.dumps(r) + b"\n" for r in expanded))
+            rollouts += len(expanded)
+            agent = expanded[0][AGENT_REF]["name"]
+            by_agent[agent] = by_agent.get(agent, 0) + len(expanded)
+    return MaterializeResult(
+        input_rows=input_rows,
+        tasks=materializer.tasks,
+        rollouts=rollouts,
+        rollouts_by_agent=by_agent,
+        input_digest=input_hash.hexdigest(),
+        materialized_digest=output_hash.hexdigest(),
+    )
+
+
+def describe_tasks(
+    settings: RunSettings, result: MaterializeResult, shard: str | None
+) -> list[str]:
+    where = f" (shard {shard})" if shard else ""
+    lines = [
+        f"tasks: {settings.input}: {result.input_rows:,} rows, {result.tasks:,} tasks, "
+        f"{result.rollouts:,} rollouts{where}"
+    ]
+    rows = [[agent, f"{n:,}"] for agent, n in sorted(result.rollouts_by_agent.items())]
+    if rows:
+        lines += format_table(["agent", "rollouts"], rows).splitlines()
+    return lines
+
+
+def resume_state(settings: RunSettings, result: MaterializeResult, report: Report) -> None:
+    """What the earlier run's files mean for this one: fresh, resumed, refused."""
+    paths = OutputPaths.for_output(settings.output)
+    held = lock_status(paths.lock)
+    if held.held:
+        report.problems.append(f"{paths.lock}: a dispatcher (pid {held.pid}) is running on it")
+    previous = read_manifest(paths.manifest)
+    if settings.fresh and previous is not None:
+        report.lines.append("resume: --fresh: the earlier run's files would be moved aside")
+        previous = None
+    elif previous is None:
+        _no_manifest(paths, report)
+        previous = None
+    if previous is None:
+        report.lines.append(f"would run: {result.rollouts:,} rollouts")
+        return
+    changed = _changes(settings, previous, result)
+    if changed:
+        report.problems.append(f"{settings.output}: {changed}; rerun with --fresh to start over")
+        return
+    state = load_run_state(paths, settings.max_attempts)
+    final = _count_final(state)
+    report.lines.append(
+        f"resume: hop {int(previous.get('hops', 0)) + 1} of run {previous.get('run_id')}: "
+        f"{final:,} of {result.rollouts:,} rollouts final"
+    )
+    report.lines.append(f"would run: {max(0, result.rollouts - final):,} rollouts")
+
+
+def _no_manifest(paths: OutputPaths, report: Report) -> None:
+    for path in (paths.output, paths.failures):
+        if path.exists() and path.stat().st_size > 0:
+            report.problems.append(
+                f"{path}: output rows exist without {paths.manifest.name}; "
+                "rerun with --fresh to move them aside"
+            )
+            return
+    report.lines.append("resume: none (a new run)")
+
+
+def _changes(settings: RunSettings, previous: dict[str, object], result: MaterializeResult) -> str:
+    """Why ``run`` would refuse to resume (the checks of ``prepare``), or ""."""
+    before = previous.get("task_settings") or {}
+    assert isinstance(before, dict)
+    now = task_settings(settings)
+    changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+    if changed:
+        return f"task-affecting settings changed ({'; '.join(changed)})"
+    if previous.get("input_digest") != result.input_digest:
+        return f"the task file {settings.input} changed since this run started"
+    if previous.get("materialized_digest") != result.materialized_digest:
+        return "the materialized rows differ from this run's earlier ones"
+    return ""
+
+
+def _count_final(state: RunState) -> int:
+    count = len(state.successes)
+    count += sum(1 for key in state.terminal if key not in state.successes)
+    return count + state.exhausted
+
+
+async def probe_agents(agents: dict[str, list[str]], report: Report) -> None:
+    """One GET per replica: any HTTP answer is reachable; no answer is a problem."""
+    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        urls = [(name, url) for name, replicas in sorted(agents.items()) for url in replicas]
+        answers = await asyncio.gather(*(_probe(session, url) for _, url in urls))
+    for (name, url), answer in zip(urls, answers, strict=True):
+        if answer is None:
+            report.lines.append(f"agent {name}: {url} reachable")
+        else:
+            report.problems.append(f"agent {name}: {url} does not answer ({answer})")
+
+
+async def _probe(session: aiohttp.ClientSession, url: str) -> str | None:
+    try:
+        async with session.get(url + "/", allow_redirects=False):
+            return None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return str(exc) or type(exc).__name__
+
+
+async def validate(args: argparse.Namespace) -> int:
+    """The ``validate`` command: print what ``run`` would do; exit 0 or 2."""
+    from dispatcher.cli import budget_seconds, run_settings
+
+    settings, shard = run_settings(args)
+    report = Report()
+    budget = budget_seconds(settings)
+    report.lines.append(
+        f"config: ok: output {settings.output}, concurrency {settings.concurrency or 'unbounded'}, "
+        f"budget {'none' if budget is None else f'{budget:.0f}s'}, "
+        f"metrics {settings.metrics_listen}"
+    )
+    filter_ = shard.contains if shard is not None else None
+    try:
+        result = await asyncio.to_thread(count_rollouts, settings, filter_)
+    except ConfigError as exc:
+        report.problems.append(str(exc))
+    else:
+        report.lines += describe_tasks(settings, result, settings.shard)
+        await asyncio.to_thread(resume_state, settings, result, report)
+    await probe_agents(settings.agents, report)
+    print(report.render(), end="")
+    return int(report.exit_code)
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from dispatcher.cli import add_run_arguments
+
+    parser = subparsers.add_parser(
+        "validate",
+        help="check a run's settings, task file and agents without running it",
+        description=(
+            "Takes the flags of `dispatcher run`. Checks the settings, reads the whole task "
+            "file, asks each agent replica once, and reads the earlier run's files; prints "
+            "the rollouts per agent and what a resume would run. Writes nothing. Exit 0 when "
+            "`run` would start, 2 when it would not."
+        ),
+    )
+    add_run_arguments(parser)
+    parser.set_defaults(handler=validate, is_async=True)

@@ -1,0 +1,83 @@
+"""The command line at first contact: exact flags, suggestions on typos, help that says enough."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dispatcher.cli import build_parser, closest, main, parse_args
+from tests.conftest import SimAgentFactory
+from tests.helpers import run_cli, write_tasks
+
+
+def test_abbreviated_flag_is_refused_with_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--conc` used to be taken as `--concurrency`.
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["run", "--input", "t", "--output", "o", "--conc", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "dispatcher run: error: unrecognized arguments: --conc 4" in err
+    assert "(did you mean --concurrency?)" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["run", "--outptu", "x"], "did you mean --output?"),
+        (["run", "--concurency=8"], "did you mean --concurrency?"),
+        (["rnu"], "did you mean run?"),
+        (["merge", "--output", "m", "a", "--jsn"], "did you mean --json?"),
+        (["status", "x.jsonl", "--jsno"], "did you mean --json?"),
+    ],
+)
+def test_typos_get_a_did_you_mean(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert hint in capsys.readouterr().err
+
+
+def test_no_suggestion_when_nothing_is_close(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["run", "--zzzzzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+
+
+def test_no_parser_takes_abbreviations() -> None:
+    parser = build_parser()
+    assert not parser.allow_abbrev
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert sub.choices and all(not p.allow_abbrev for p in sub.choices.values())  # type: ignore[union-attr]
+
+
+def test_closest_prefers_the_one_flag_a_prefix_names() -> None:
+    assert closest("--max", ["--max-attempts", "--limit"]) == "--max-attempts"
+    assert closest("--capture", ["--capture-dir", "--capture-poll-s"]) in (
+        "--capture-dir",
+        "--capture-poll-s",
+    )
+    assert closest("--nothing-like-it", ["--output"]) is None
+
+
+def test_run_help_lists_exit_codes_and_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for text in ("exit codes:", "75", "DISPATCHER_CONCURRENCY", "DISPATCHER_CONFIG"):
+        assert text in out
+    assert "DISPATCHER_SHARD_COUNT" in out and "DISPATCHER_METRICS_LISTEN" in out
+
+
+async def test_typo_through_the_real_cli(tmp_path: Path, sim_agent: SimAgentFactory) -> None:
+    url, _ = await sim_agent()
+    tasks = write_tasks(tmp_path / "t.jsonl", 2)
+    result = await run_cli(
+        "run", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"),
+        "--agent", f"sim={url}", "--concurency", "4",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "did you mean --concurrency?" in result.stderr
+    assert not (tmp_path / "o.jsonl").exists()
