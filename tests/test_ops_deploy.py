@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SBATCH = ROOT / "config" / "slurm" / "dispatch.sbatch"
+EXAMPLES = ROOT / "dispatcher" / "examples"  # config/ in a checkout points here
+SBATCH = EXAMPLES / "slurm" / "dispatch.sbatch"
 
 
 def hadolint() -> str | None:
@@ -62,7 +63,7 @@ def test_build_script_without_a_base_image_says_so(tmp_path: Path) -> None:
 
 
 def test_kubernetes_shard_count_matches_completions() -> None:
-    text = (ROOT / "config" / "kubernetes" / "job.yaml").read_text()
+    text = (EXAMPLES / "kubernetes" / "job.yaml").read_text()
     completions = re.search(r"^\s+completions: (\d+)$", text, re.M)
     count = re.search(r"name: DISPATCHER_SHARD_COUNT\n\s+value: \"(\d+)\"", text)
     assert completions and count and completions[1] == count[1]
@@ -71,7 +72,7 @@ def test_kubernetes_shard_count_matches_completions() -> None:
 
 
 def test_systemd_unit_restarts_on_75_not_on_2() -> None:
-    text = (ROOT / "config" / "systemd" / "rollout-dispatcher.service").read_text()
+    text = (EXAMPLES / "systemd" / "rollout-dispatcher.service").read_text()
     assert "Restart=on-failure" in text
     assert "RestartPreventExitStatus=2" in text
     assert "KillSignal=SIGTERM" in text

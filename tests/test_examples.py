@@ -1,0 +1,195 @@
+"""The shipped examples: `dispatcher init`, the Kubernetes example, the Prometheus rules."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dispatcher.cli import parse_args
+from dispatcher.ops.init import example_files
+from tests.conftest import SimAgentFactory
+from tests.helpers import read_jsonl, run_cli
+from tests.prometheus_helpers import require_binary
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "dispatcher" / "examples"
+JOB = EXAMPLES / "kubernetes" / "job.yaml"
+OLDEST_KUBERNETES = (1, 27)
+
+
+async def test_init_writes_every_example(tmp_path: Path) -> None:
+    target = tmp_path / "deploy"
+    result = await run_cli("init", str(target))
+    assert result.returncode == 0, result.stderr
+    written = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    shipped = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*") if p.is_file())
+    assert written == shipped == sorted(name for name, _ in example_files())
+    for name in (
+        "example.toml", "prometheus.yml", "prometheus/alerts.yml", "grafana-dashboard.json",
+        "slurm/dispatch.sbatch", "systemd/rollout-dispatcher.service", "kubernetes/job.yaml",
+    ):  # fmt: skip
+        assert (target / name).read_bytes() == (EXAMPLES / name).read_bytes(), name
+    assert (target / "slurm" / "dispatch.sbatch").stat().st_mode & 0o111
+    assert f"wrote {len(written)} files" in result.stdout
+
+
+async def test_init_never_overwrites_unless_forced(tmp_path: Path) -> None:
+    (tmp_path / "example.toml").write_text("mine")
+    refused = await run_cli("init", str(tmp_path))
+    assert refused.returncode == 2
+    assert "example.toml: exists; pass --force" in refused.stderr
+    assert (tmp_path / "example.toml").read_text() == "mine"
+    assert not (tmp_path / "prometheus.yml").exists()  # nothing written at all
+    assert (await run_cli("init", "--force", str(tmp_path))).returncode == 0
+    assert (tmp_path / "example.toml").read_text() != "mine"
+
+
+def test_example_toml_loads() -> None:
+    settings = tomllib.loads((EXAMPLES / "example.toml").read_text())
+    assert settings["metrics_listen"] == "auto"
+
+
+# -- Kubernetes --------------------------------------------------------------------------
+
+
+def documents() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(JOB.read_text()) if d]
+
+
+def kind(name: str) -> dict[str, Any]:
+    [doc] = [d for d in documents() if d["kind"] == name]
+    return doc
+
+
+def kubernetes_versions() -> list[str]:
+    utils = pytest.importorskip(
+        "kubernetes_validate.utils", reason="kubernetes-validate is not installed (dev extra)"
+    )
+    versions = sorted(set(utils.all_versions()), key=lambda v: tuple(map(int, v.split("."))))
+    return [v for v in versions if tuple(map(int, v.split(".")[:2])) >= OLDEST_KUBERNETES]
+
+
+def test_kubernetes_example_validates_from_1_27_to_the_newest() -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is not installed (dev extra)"
+    )
+    versions = kubernetes_versions()
+    assert versions[0].startswith("1.27.") and len(versions) >= 10
+    kinds = [d["kind"] for d in documents()]
+    assert kinds == ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Job"]
+    for version in versions:
+        for doc in documents():
+            # Raises ValidationError naming the field; strict: no unknown fields.
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kubernetes_containers_parse_as_dispatcher_commands() -> None:
+    job = kind("Job")["spec"]["template"]["spec"]["containers"][0]
+    agent = kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert parse_args(job["args"]).command == "run"
+    assert parse_args(agent["args"]).command == "sim-agent"
+    service = kind("Service")
+    config = tomllib.loads(kind("ConfigMap")["data"]["config.toml"])
+    port = service["spec"]["ports"][0]["port"]
+    assert config["agents"]["sim"] == f"http://{service['metadata']['name']}:{port}"
+    assert f"0.0.0.0:{port}" in agent["args"]
+    spec = kind("Job")["spec"]
+    env = {e["name"]: e["value"] for e in job["env"]}
+    assert env["DISPATCHER_SHARD_COUNT"] == str(spec["completions"])
+
+
+async def test_kubernetes_config_runs_against_the_sim_agent(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    # The ConfigMap used to name no input and no agents: the first pod exited 2.
+    url, _ = await sim_agent()
+    data = kind("ConfigMap")["data"]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(data["tasks.jsonl"])
+    text = data["config.toml"]
+    for old, new in (
+        ("/etc/rollout-dispatcher/tasks.jsonl", str(tasks)),
+        ("/data/", f"{tmp_path}/data/"),
+        ("0.0.0.0:9464", "127.0.0.1:0"),
+        ("http://rollout-sim-agent:8000", url),
+    ):
+        assert old in text
+        text = text.replace(old, new)
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    job = kind("Job")["spec"]["template"]["spec"]["containers"][0]
+    args = [a.replace("/etc/rollout-dispatcher/config.toml", str(config)) for a in job["args"]]
+    env = {"JOB_COMPLETION_INDEX": "1", "DISPATCHER_SHARD_COUNT": "4"}
+
+    result = await run_cli(*args, "--log-format", "json", env=env)
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_jsonl(tmp_path / "data" / "rollouts.shard-1-of-4.jsonl")
+    assert len(rows) == 2 * 4  # tasks 1 and 5, four repeats each
+    assert {r["_ng_task_index"] for r in rows} == {1, 5}
+
+
+# -- Prometheus ----------------------------------------------------------------------------
+
+
+def test_alert_rules_pass_promtool_check() -> None:
+    promtool = require_binary("promtool")
+    rules = EXAMPLES / "prometheus" / "alerts.yml"
+    done = subprocess.run(
+        [promtool, "check", "rules", str(rules)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 rules found" in done.stdout
+    names = [r["alert"] for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"]]
+    assert names == [
+        "DispatcherRunStalled",
+        "DispatcherAllReplicasDown",
+        "DispatcherP95NearTimeout",
+        "DispatcherBudgetOverrun",
+    ]
+
+
+def test_alert_rules_unit_tests_pass_in_promtool() -> None:
+    promtool = require_binary("promtool")
+    done = subprocess.run(
+        [promtool, "test", "rules", "alerts_test.yml"],
+        cwd=EXAMPLES / "prometheus",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+def test_alert_rule_unit_tests_cover_every_rule() -> None:
+    tests = yaml.safe_load((EXAMPLES / "prometheus" / "alerts_test.yml").read_text())["tests"]
+    tested = {t["alertname"] for case in tests for t in case["alert_rule_test"]}
+    fired = {
+        t["alertname"] for case in tests for t in case["alert_rule_test"] if t["exp_alerts"]
+    }
+    assert tested == fired == {
+        "DispatcherRunStalled",
+        "DispatcherAllReplicasDown",
+        "DispatcherP95NearTimeout",
+        "DispatcherBudgetOverrun",
+    }
+
+
+def test_prometheus_example_discovers_runs_from_their_target_files() -> None:
+    config = yaml.safe_load((EXAMPLES / "prometheus.yml").read_text())
+    [job] = config["scrape_configs"]
+    [sd] = job["file_sd_configs"]
+    assert sd["files"] == ["targets/*_prometheus.json"]
+    assert config["rule_files"] == ["prometheus/alerts.yml"]
+
+
+def test_slurm_example_leaves_the_metrics_port_to_auto() -> None:
+    # A fixed port taken by another shard on the node is exit 2, which ends the chain.
+    text = (EXAMPLES / "slurm" / "dispatch.sbatch").read_text()
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("--metrics-listen" in line for line in code)
