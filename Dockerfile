@@ -3,6 +3,10 @@
 #   scripts/build-image.sh             (buildah; or: docker build -t rollout-dispatcher .)
 #   docker run --rm -p 9464:9464 -v "$PWD/run:/data" rollout-dispatcher \
 #       run --config /data/config.toml --metrics-listen 0.0.0.0:9464
+#   docker run --rm -v "$PWD/run:/data" rollout-dispatcher init /data/examples
+#
+# The examples (config, Prometheus rules, Grafana dashboard, Slurm/systemd/
+# Kubernetes files) are package data: `dispatcher init DIR` writes them.
 #
 # The daemon must listen on 0.0.0.0 (not the loopback default) for the
 # published port and for Prometheus to reach it: pass
@@ -20,7 +24,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE MANIFEST.in ./
 COPY dispatcher ./dispatcher
 
 # Only wheels: the dependencies ship binary wheels for this platform, so no
