@@ -59,10 +59,10 @@ from dispatcher.telemetry.discovery import (
     target_labels,
 )
 from dispatcher.telemetry.lag import LoopLagMonitor
-from dispatcher.telemetry.limits import declare_run_limits
 from dispatcher.telemetry.logs import flush_logs
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.progress import ProgressLine, estimate_eta_s, progress_fields
+from dispatcher.telemetry.run_gauges import declare_run_gauges
 from dispatcher.telemetry.server import start_http_server
 
 log = structlog.get_logger("dispatcher.run")
@@ -737,7 +737,10 @@ class Dispatcher:
     async def _start_telemetry(self) -> None:
         self.metrics.declare_agents(self.settings.agents)
         self.metrics.declare_replicas(self.settings.agents)
-        declare_run_limits(self.metrics.registry, self.settings.rollout_timeout_s)
+        assert self._agents is not None
+        declare_run_gauges(
+            self.metrics.registry, self.settings.rollout_timeout_s, self._agents.in_flight
+        )
         await self._lag.start()
         self._progress_line = ProgressLine(enabled=self.settings.log_format == "console" or None)
         await self._progress_line.start(self.status)

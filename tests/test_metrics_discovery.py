@@ -10,10 +10,12 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from dispatcher.config import load_settings
 from dispatcher.errors import ConfigError
 from dispatcher.telemetry.discovery import MetricsEndpoint, resolve_listen, sd_file_for
+from dispatcher.telemetry.run_gauges import declare_run_gauges
 from tests.helpers import CliProcess, serve, spawn_cli, wait_until, write_tasks
 
 
@@ -109,6 +111,26 @@ def any_exited(runs: list[CliProcess]) -> bool:
     return any(run.exited for run in runs)
 
 
+def test_run_gauges_read_at_scrape_time() -> None:
+    registry = CollectorRegistry()
+    counts = {"a": {"http://r1": 2, "http://r2": 0}}
+    declare_run_gauges(registry, 1800.0, lambda: counts)
+    declare_run_gauges(registry, 900.0, lambda: counts)  # a second run on the same registry
+    value = registry.get_sample_value
+    r1 = {"agent": "a", "replica": "http://r1"}
+    assert value("dispatcher_rollout_timeout_seconds") == 900.0
+    assert value("dispatcher_replica_rollouts_in_flight", r1) == 2
+    counts["a"]["http://r1"] = 0
+    assert value("dispatcher_replica_rollouts_in_flight", r1) == 0
+    declare_run_gauges(registry, None, lambda: {})
+    assert value("dispatcher_rollout_timeout_seconds") is None
+
+
+async def get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return await response.text()
+
+
 async def test_target_file_beside_the_output_by_default(
     tmp_path: Path, gated_agent: tuple[str, asyncio.Event]
 ) -> None:
@@ -116,12 +138,21 @@ async def test_target_file_beside_the_output_by_default(
     tasks = write_tasks(tmp_path / "t.jsonl", 4)
     output = tmp_path / "out" / "x.jsonl"
     sd_file = output.with_name("x_prometheus.json")
-    run = await spawn_cli(*default_run(tasks, output, url))
+    run = await spawn_cli(*default_run(tasks, output, url, "--rollout-timeout-s", "600"))
     try:
         await wait_until(lambda: run.saw("run_started") or run.exited, 30)
         [target] = orjson.loads(sd_file.read_bytes())
         assert target["targets"][0].startswith("127.0.0.1:")
         assert target["labels"]["run_id"]
+        # The scrape the file points at shows the per-replica split and the timeout.
+        metrics_url = f"http://{target['targets'][0]}/metrics"
+        per_replica = f'dispatcher_replica_rollouts_in_flight{{agent="sim",replica="{url}"}} 4.0'
+
+        async def all_in_flight() -> bool:
+            return per_replica in await get_text(metrics_url)
+
+        await wait_until(all_in_flight, 30)
+        assert "dispatcher_rollout_timeout_seconds 600.0" in await get_text(metrics_url)
     finally:
         release.set()
         result = await run.wait(60)
