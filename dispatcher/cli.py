@@ -111,14 +111,15 @@ class CliParser(argparse.ArgumentParser):
         super().error(message + suggestion(message, self._option_string_actions))
 
 
-_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+# Choices are quoted by some Python versions and not by others.
+_INVALID_CHOICE = re.compile(r"invalid choice: '?([^' ]*)'? \(choose from (.*)\)")
 
 
 def suggestion(message: str, options: Iterable[str]) -> str:
     """" (did you mean X?)" for an unknown flag or command in ``message``, else ""."""
     choice = _INVALID_CHOICE.search(message)
     if choice is not None:
-        word, known = choice[1], re.findall(r"'([^']*)'", choice[2])
+        word, known = choice[1], [c.strip("'") for c in choice[2].split(", ")]
     elif message.startswith("unrecognized arguments: "):
         flags = [t for t in message.split()[2:] if t.startswith("-")]
         if not flags:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.cli import build_parser, closest, main, parse_args
+from dispatcher.cli import build_parser, closest, main, parse_args, suggestion
 from tests.conftest import SimAgentFactory
 from tests.helpers import run_cli, write_tasks
 
@@ -81,3 +81,14 @@ async def test_typo_through_the_real_cli(tmp_path: Path, sim_agent: SimAgentFact
     assert result.returncode == 2
     assert "did you mean --concurrency?" in result.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "argument COMMAND: invalid choice: 'rnu' (choose from 'run', 'merge')",
+        "argument COMMAND: invalid choice: 'rnu' (choose from run, merge)",
+    ],
+)
+def test_suggestion_reads_choices_quoted_or_not(message: str) -> None:
+    assert suggestion(message, []) == " (did you mean run?)"
