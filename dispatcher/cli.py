@@ -132,11 +132,12 @@ def suggestion(message: str, options: Iterable[str]) -> str:
 
 
 def closest(word: str, known: Iterable[str]) -> str | None:
-    """The known name ``word`` most likely meant: the only one it starts, else the nearest."""
+    """The known name ``word`` most likely meant: the closest one it starts, else the nearest."""
     names = sorted(set(known))
     starts = [name for name in names if name.startswith(word)]
-    if len(starts) == 1:
-        return starts[0]
+    if starts:
+        # `--conc` names --concurrency more than --concurrency-max: the closest.
+        return difflib.get_close_matches(word, starts, n=1, cutoff=0.0)[0]
     near = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
     return near[0] if near else None
 
