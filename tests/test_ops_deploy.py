@@ -212,3 +212,17 @@ def test_sbatch_turns_the_walltime_warning_into_one_sigterm(tmp_path: Path) -> N
     assert proc.returncode == 75, out
     assert slurm.log("calls") == ["term"]
     assert slurm.log("scancel") == []
+
+
+@pytest.mark.usefixtures("needs_bash")
+def test_sbatch_keeps_the_chain_when_the_dispatcher_is_killed(tmp_path: Path) -> None:
+    # Out of memory, say: the files are resumable, so the queued hop stays and
+    # the script ends with the dispatcher's status (the loop that waits again
+    # after an interrupted wait must stop on it, not spin).
+    slurm = FakeSlurm(tmp_path, [])
+    slurm._tool("dispatcher", 'echo "$*" >> "$FAKE/calls"; kill -KILL $$')
+    done = slurm.run(seconds_left=10_000)
+    assert done.returncode == 137, done.stdout + done.stderr
+    assert "dispatcher was killed (exit 137)" in done.stdout
+    assert len(slurm.log("calls")) == 1
+    assert slurm.log("scancel") == []
