@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-import orjson
 
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, ExitCode
@@ -32,6 +31,7 @@ from dispatcher.tasks import (
     Materializer,
     MaterializeResult,
     MaterializeSpec,
+    _encoded_batches,
     iter_input_rows,
 )
 
@@ -79,12 +79,12 @@ def count_rollouts(settings: RunSettings, shard_filter: ShardFilter) -> Material
     rows = iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, input_hash)
     for where, raw, row in rows:
         input_rows += 1
-        expanded = materializer.expand(raw, row, where)
-        if expanded:
-            output_hash.update(b"".join(orjson.dumps(r) + b"\n" for r in expanded))
-            rollouts += len(expanded)
-            agent = expanded[0][AGENT_REF]["name"]
-            by_agent[agent] = by_agent.get(agent, 0) + len(expanded)
+        # The same encoding as `materialize`, so the digest is the one a run records.
+        for data, count in _encoded_batches(materializer.expand(raw, row, where)):
+            output_hash.update(data)
+            rollouts += count
+            agent = row[AGENT_REF]["name"]
+            by_agent[agent] = by_agent.get(agent, 0) + count
     return MaterializeResult(
         input_rows=input_rows,
         tasks=materializer.tasks,
