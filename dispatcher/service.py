@@ -31,7 +31,12 @@ from dispatcher.agents import AgentClient, Attempt, DeliveryPolicy
 from dispatcher.aio import cancel_and_wait
 from dispatcher.backoff import BackoffPolicy
 from dispatcher.bytebudget import ByteBudget
-from dispatcher.capture.finalize import CaptureSummary, attach_capture, clear_rollout_captures
+from dispatcher.capture.finalize import (
+    CaptureSummary,
+    attach_agent_trajectory,
+    attach_capture,
+    clear_rollout_captures,
+)
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.concurrency import AimdPolicy
@@ -389,9 +394,9 @@ class Dispatcher:
         if self.settings.capture_dir is not None:
             line, capture = await self._attach_capture(rollout, attempt, row, big)
         elif big:
-            line, capture = await off_loop(row_line, row), {}
+            line, capture = await off_loop(_plain_line, rollout, attempt, row), {}
         else:
-            line, capture = row_line(row), {}
+            line, capture = _plain_line(rollout, attempt, row), {}
         return line, row_facts(row), capture
 
     # ---- the dispatcher's own faults (DESIGN A11) ----------------------------------
@@ -804,6 +809,18 @@ def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
 def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:
     """The agent's result as plain values for the capture merge (decoded on demand)."""
     return result.decoded() if isinstance(result, WireResult) else result
+
+
+def _plain_line(rollout: Rollout, attempt: Attempt, row: dict[str, Any]) -> bytes:
+    """A row without capture: the agent's own trajectory normalized as Gym's collector
+    does (its model calls then read as unobserved), then serialized."""
+    attach_agent_trajectory(
+        row,
+        rollout_id=rollout.rollout_id,
+        task_id=rollout.task_index,
+        agent_result=_readable(attempt.result),
+    )
+    return row_line(row)
 
 
 def _merge_in_worker(
