@@ -253,9 +253,7 @@ def trajectory_model_call(call: CapturedCall) -> TrajectoryModelCall:
         model_call_id=call.model_call_id,
         started_at=call.started_at,
         completed_at=call.completed_at,
-        duration_ms=call.latency_ms
-        if call.latency_ms is not None and call.latency_ms >= 0
-        else None,
+        duration_ms=_non_negative(call.latency_ms),
         request=request,
         response=response,
         response_metadata=ResponseMetadata(
@@ -267,7 +265,8 @@ def trajectory_model_call(call: CapturedCall) -> TrajectoryModelCall:
             response_status=call.response_status,
             finish_reason=call.finish_reason,
             error_category=call.error_category,
-            latency_ttft_ms=call.latency_ttft_ms,
+            latency_ttft_ms=_non_negative(call.latency_ttft_ms),
+            **_execution(call.execution),
         ),
         token_stats=TokenStats(
             prompt_tokens=call.tokens.prompt,
@@ -277,6 +276,17 @@ def trajectory_model_call(call: CapturedCall) -> TrajectoryModelCall:
             cached_tokens=call.tokens.cached,
         ),
     )
+
+
+def _non_negative(value: float | None) -> float | None:
+    return value if value is not None and value >= 0 else None
+
+
+def _execution(execution: Mapping[str, Any]) -> JsonObject:
+    # response_source is a closed set in Gym's schema; anything else is not reported.
+    if execution.get("response_source") not in (None, "upstream", "local"):
+        return {k: v for k, v in execution.items() if k != "response_source"}
+    return dict(execution)
 
 
 def _server_ref(model_ref: object) -> ModelServerRef | None:

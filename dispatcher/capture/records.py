@@ -237,6 +237,8 @@ class CapturedCall:
     tool_calls: tuple[ToolCallRef, ...]
     has_response: bool
     payloads: JsonObject | None = None
+    # How Gym's model server produced the answer (its capture records say; ours do not).
+    execution: JsonObject = field(default_factory=dict)
 
     @property
     def returned_response(self) -> bool:
@@ -333,7 +335,25 @@ def parse_record(
         tool_calls=tool_calls_of(dialect, response),
         has_response=isinstance(record.get("response"), dict),
         payloads=payloads,
+        execution=execution_of(record),
     )
+
+
+_EXECUTION_KEYS = {
+    "upstream_attempted": bool,
+    "response_source": str,
+    "upstream_status_code": int,
+    "local_response_reason": str,
+}
+
+
+def execution_of(record: Mapping[str, Any]) -> JsonObject:
+    """Gym's facts about how an answer was produced, each kept only in its expected type."""
+    return {
+        key: record[key]
+        for key, kind in _EXECUTION_KEYS.items()
+        if isinstance(record.get(key), kind) and not (kind is int and isinstance(record[key], bool))
+    }
 
 
 def _model_ref_of(value: object) -> str | dict[str, str] | None:
