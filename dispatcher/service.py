@@ -48,6 +48,7 @@ from dispatcher.limits import ResponseLimits
 from dispatcher.load import AgentLoad
 from dispatcher.offload import AnswerClassifier, off_loop
 from dispatcher.ops import delivery
+from dispatcher.ops.aggregate import write_aggregate_metrics
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.replicas import BreakerPolicy
@@ -226,6 +227,7 @@ class Dispatcher:
         await self._output.close()
         await self._failures.close()
         await self._session.close()
+        await self._write_aggregate_metrics()
         # 4. Record this hop in the manifest and tell the operator.
         self.state = "finished"
         summary = self.summary()
@@ -237,6 +239,12 @@ class Dispatcher:
         await self._stop_telemetry()
         assert self._prepared is not None
         self._prepared.lock.release()
+
+    async def _write_aggregate_metrics(self) -> None:
+        # Gym's end-of-run file, once every rollout has its final row (a hop that
+        # leaves work for a rerun would only write numbers the next hop replaces).
+        if self._fatal is None and self._prepared is not None and self.remaining() == 0:
+            await write_aggregate_metrics(self._prepared.paths.output, self.settings.agents)
 
     # ---- producing rollouts ----------------------------------------------------
 
