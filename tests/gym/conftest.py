@@ -126,6 +126,7 @@ class GymStack:
     venv: Path
     root: Path
     agent_url: str
+    head_port: int
     gym_capture_dir: Path
     proxy_capture_dir: Path
     sim_model_url: str
@@ -148,6 +149,13 @@ class GymStack:
             timeout=120,
         )
 
+    def gym_collect(self, output: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        """Gym's own collector against the running stack (``gym eval run --no-serve``)."""
+        args = ["eval", "run", "--no-serve", "--agent", AGENT, "--input", str(self.tasks)]
+        args += ["--output", str(output), "--num-repeats", "2", "--no-health-check"]
+        args += ["+head_server.host=127.0.0.1", f"+head_server.port={self.head_port}", *extra]
+        return self.gym(*args, timeout_s=180)
+
     def run(self, output: Path, *extra: str) -> subprocess.CompletedProcess[str]:
         args = ["run", "--input", str(self.tasks), "--output", str(output)]
         args += ["--agent", f"{AGENT}={self.agent_url}", "--default-agent", AGENT]
@@ -167,8 +175,9 @@ def _venv_links(root: Path, venv: Path) -> Path:
 
 
 def _gym_args(
-    venv: Path, model_server: str, proxy_url: str, root: Path, agent_port: int
+    venv: Path, model_server: str, proxy_url: str, root: Path, ports: tuple[int, int]
 ) -> list[str]:
+    agent_port, head_port = ports
     packages = site_packages(venv)
     model_config = f"responses_api_models/{model_server}/configs/{model_server}.yaml"
     return [
@@ -177,7 +186,7 @@ def _gym_args(
         "--config", str(packages / model_config),
         f"+policy_base_url={proxy_url}/v1", "+policy_api_key=sim", "+policy_model_name=sim-model",
         f"+uv_venv_dir={_venv_links(root, venv)}", "+skip_venv_if_present=true",
-        "+head_server.host=127.0.0.1", f"+head_server.port={free_port()}",
+        "+head_server.host=127.0.0.1", f"+head_server.port={head_port}",
         f"++{AGENT}.responses_api_agents.simple_agent.host=127.0.0.1",
         f"++{AGENT}.responses_api_agents.simple_agent.port={agent_port}",
         "+observability_enabled=true", f"+model_call_capture_dir={root / 'gym-captures'}",
@@ -201,10 +210,9 @@ def gym_stack(
         proxy = start(dispatcher_cmd(*proxy_args), root / "proxy.log", root)
         procs.append(proxy)
         proxy_url = wait_for(proxy, LISTENING, 30).group(1)
-        agent_port = free_port()
-        gym = start(
-            _gym_args(gym_venv, model_server, proxy_url, root, agent_port), root / "gym.log", root
-        )
+        agent_port, head_port = free_port(), free_port()
+        gym_args = _gym_args(gym_venv, model_server, proxy_url, root, (agent_port, head_port))
+        gym = start(gym_args, root / "gym.log", root)
         procs.append(gym)
         wait_for(gym, READY, 240)
         tasks = site_packages(gym_venv) / "resources_servers/string_match/data/example.jsonl"
@@ -212,6 +220,7 @@ def gym_stack(
             venv=gym_venv,
             root=root,
             agent_url=f"http://127.0.0.1:{agent_port}",
+            head_port=head_port,
             gym_capture_dir=root / "gym-captures",
             proxy_capture_dir=root / "proxy-captures",
             sim_model_url=sim_url,
