@@ -172,6 +172,11 @@ class TrajectoryRecord(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrajectoryRecord:
+        self.check_consistency()
+        return self
+
+    def check_consistency(self) -> None:
+        """Gym's record-wide rules: unique invocations and calls, turns of this rollout."""
         ids = [invocation.invocation_id for invocation in self.invocations]
         if len(ids) != len(set(ids)):
             raise ValueError("invocation_id must be unique within a trajectory")
@@ -185,7 +190,6 @@ class TrajectoryRecord(_Strict):
             if (turn.invocation_id, turn.turn_no) in keys:
                 raise ValueError("turn number must be unique within an invocation")
             keys.add((turn.invocation_id, turn.turn_no))
-        return self
 
 
 # --- identity ----------------------------------------------------------------------------
@@ -231,7 +235,10 @@ def build_trajectory(
     else:
         record = _built(task_id, rollout_id, calls or (), captured, status, gaps, resolved)
     _add_unavailable_gaps(record, producer_turns=sent is not None)
-    return TrajectoryRecord.model_validate(record.model_dump()).model_dump(mode="json")
+    # Built by appending to lists, which pydantic does not re-validate: check the
+    # record-wide rules once, here, before it is written.
+    record.check_consistency()
+    return record.model_dump(mode="json")
 
 
 def _validated(agent_trajectory: object, gaps: list[Gap]) -> TrajectoryRecord | None:
