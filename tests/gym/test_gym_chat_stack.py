@@ -65,6 +65,7 @@ def test_capture_proxy_as_gyms_upstream_forwards_but_cannot_attribute(gym_stack:
     captured = list(gym_stack.proxy_capture_dir.glob("*.capture.jsonl"))
     gym_files = list(gym_stack.gym_capture_dir.glob("*.capture.jsonl"))
     assert gym_files and not captured
+    assert "model_call_not_captured" in (gym_stack.root / "proxy.log").read_text()
 
 
 def test_aggregate_metrics_are_written_and_gym_compare_reads_them(
