@@ -44,7 +44,21 @@ def find_python313() -> Path | None:
         candidates.append(Path(on_path))
     pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
     candidates += sorted(pyenv_root.glob("versions/3.13*/bin/python3.13"), reverse=True)
-    return next((path for path in candidates if path.is_file()), None)
+    return next((path for path in candidates if _is_python313(path)), None)
+
+
+def _is_python313(path: Path) -> bool:
+    # A pyenv shim on PATH exists whether or not it can run 3.13: ask the interpreter.
+    if not path.is_file():
+        return False
+    check = "import sys; sys.exit(sys.version_info[:2] != (3, 13))"
+    try:
+        return (
+            subprocess.run([str(path), "-c", check], capture_output=True, timeout=30).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def ready_venv() -> Path | None:
