@@ -225,10 +225,17 @@ def build_trajectory(
     status: str = "completed",
     capture_gaps: Iterable[JsonObject] = (),
     resolved: object = None,
+    include_payloads: bool = False,
 ) -> JsonObject:
-    """The row's ``ng_trajectory``; ``calls`` is None when nothing was captured at all."""
+    """The row's ``ng_trajectory``; ``calls`` is None when nothing was captured at all.
+
+    Turns always show the question and answer of their call (Gym's readers judge a
+    turn by them); ``model_calls`` carry the raw request and response only with
+    ``include_payloads``, like the capture block (a request holds the whole
+    conversation so far, which would make a row grow with the square of its turns).
+    """
     gaps = [Gap.model_validate(g) for g in capture_gaps]
-    captured = [trajectory_model_call(call) for call in calls or ()]
+    captured = [trajectory_model_call(call, include_payloads) for call in calls or ()]
     sent = _validated(agent_trajectory, gaps)
     if sent is not None:
         record = _merged(sent, task_id, rollout_id, captured, gaps)
@@ -251,11 +258,9 @@ def _validated(agent_trajectory: object, gaps: list[Gap]) -> TrajectoryRecord | 
         return None
 
 
-def trajectory_model_call(call: CapturedCall) -> TrajectoryModelCall:
-    """A captured call as ``ng_trajectory.model_calls`` lists it (payloads when read)."""
-    payloads = call.payloads or {}
-    request = payloads.get("request", payloads.get("request_raw"))
-    response = payloads.get("response", payloads.get("response_raw"))
+def trajectory_model_call(call: CapturedCall, include_payloads: bool) -> TrajectoryModelCall:
+    """A captured call as ``ng_trajectory.model_calls`` lists it."""
+    request, response = _payloads(call) if include_payloads else (None, None)
     return TrajectoryModelCall(
         model_call_id=call.model_call_id,
         started_at=call.started_at,
@@ -283,6 +288,12 @@ def trajectory_model_call(call: CapturedCall) -> TrajectoryModelCall:
             cached_tokens=call.tokens.cached,
         ),
     )
+
+
+def _payloads(call: CapturedCall) -> tuple[Any, Any]:
+    payloads = call.payloads or {}
+    request = payloads.get("request", payloads.get("request_raw"))
+    return request, payloads.get("response", payloads.get("response_raw"))
 
 
 def _non_negative(value: float | None) -> float | None:
@@ -320,10 +331,10 @@ def _built(
         Invocation(invocation_id=BUILT_INVOCATION_ID, status=_status(status), model_calls=refs)
     )
     steps = 0
-    for call, model_call in zip(calls, captured, strict=True):
+    for call in calls:
         if not call.returned_response:
             continue
-        record.turns.append(_turn(record, model_call, call, steps))
+        record.turns.append(_turn(record, call, steps))
         steps += len(call.tool_calls)
         record.tool_calls.extend(
             ToolCall(
@@ -345,10 +356,8 @@ def _status(status: str) -> Literal["completed", "failed", "incomplete", "unknow
     return "unknown"
 
 
-def _turn(
-    record: TrajectoryRecord, model_call: TrajectoryModelCall, call: CapturedCall, steps: int
-) -> Turn:
-    question, answer, reasoning = turn_content(model_call.request, model_call.response)
+def _turn(record: TrajectoryRecord, call: CapturedCall, steps: int) -> Turn:
+    question, answer, reasoning = turn_content(*_payloads(call))
     return Turn(
         invocation_id=BUILT_INVOCATION_ID,
         task_id=record.task_id,

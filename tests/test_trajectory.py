@@ -204,7 +204,20 @@ def test_the_agents_model_calls_are_updated_with_what_capture_saw() -> None:
     [call] = trajectory["model_calls"]
     assert call["token_stats"]["prompt_tokens"] == 100
     assert call["response_metadata"]["status_code"] == 200
-    assert call["request"] == {"messages": []}
+    # Without payloads capture has no request to say: the agent's own stays.
+    assert call["request"] == "agent's view"
+
+
+def test_payloads_in_model_calls_only_when_asked_turns_always_show_the_answer() -> None:
+    lean = build_trajectory(task_id="3", rollout_id="3-0", calls=[captured("a")])
+    full = build_trajectory(
+        task_id="3", rollout_id="3-0", calls=[captured("a")], include_payloads=True
+    )
+
+    assert (lean["model_calls"][0]["request"], lean["model_calls"][0]["response"]) == (None, None)
+    assert full["model_calls"][0]["request"] == {"messages": []}
+    assert lean["turns"] == full["turns"]
+    assert lean["turns"][0]["answer"] == {"role": "assistant", "content": "hi"}
 
 
 def test_identity_mismatch_is_a_gap_and_the_identity_is_restamped() -> None:

@@ -189,7 +189,9 @@ async def attach_capture(
     if gaps:
         capture["gaps"] = gaps
     row["ng_model_call_capture"] = capture
-    _attach_trajectory(row, task_id, rollout_id, agent_result, snapshot.calls, gaps)
+    _attach_trajectory(
+        row, task_id, rollout_id, agent_result, (snapshot.calls, include_payloads), gaps
+    )
     trajectory = row.get("ng_trajectory")
     if observability and isinstance(trajectory, dict):
         perf = compute_perf(trajectory, total_latency_ms=total_latency_ms)
@@ -205,7 +207,7 @@ def attach_agent_trajectory(
     so its missing model calls read as "unobserved" (a gap), not as a mismatch."""
     if agent_result is None or not isinstance(agent_result.get("ng_trajectory"), dict):
         return
-    _attach_trajectory(row, task_id, rollout_id, agent_result, None, [])
+    _attach_trajectory(row, task_id, rollout_id, agent_result, (None, False), [])
 
 
 def _attach_trajectory(
@@ -213,10 +215,11 @@ def _attach_trajectory(
     task_id: int,
     rollout_id: str,
     agent_result: Mapping[str, Any] | None,
-    calls: Sequence[CapturedCall] | None,
+    captured: tuple[Sequence[CapturedCall] | None, bool],
     gaps: list[JsonObject],
 ) -> None:
     result = agent_result or {}
+    calls, include_payloads = captured
     try:
         row["ng_trajectory"] = build_trajectory(
             task_id=trajectory_task_id(row, task_id),
@@ -226,6 +229,7 @@ def _attach_trajectory(
             status="failed" if "_ng_failure_class" in row else "completed",
             capture_gaps=gaps,
             resolved=result.get("resolved"),
+            include_payloads=include_payloads,
         )
     except Exception as exc:  # the row must still be written: say why it has no trajectory
         failed = gap("trajectory_projection_failed", type(exc).__name__)
