@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -226,6 +227,7 @@ def build_trajectory(
     capture_gaps: Iterable[JsonObject] = (),
     resolved: object = None,
     include_payloads: bool = False,
+    observed: Observed | None = None,
 ) -> JsonObject:
     """The row's ``ng_trajectory``; ``calls`` is None when nothing was captured at all.
 
@@ -237,10 +239,17 @@ def build_trajectory(
     gaps = [Gap.model_validate(g) for g in capture_gaps]
     captured = [trajectory_model_call(call, include_payloads) for call in calls or ()]
     sent = _validated(agent_trajectory, gaps)
+    if observed is not None:
+        gaps.extend(observed.gaps)
     if sent is not None:
         record = _merged(sent, task_id, rollout_id, captured, gaps)
     else:
-        record = _built(task_id, rollout_id, calls or (), captured, status, gaps, resolved)
+        record = TrajectoryRecord(
+            task_id=task_id, rollout_id=rollout_id, model_calls=captured, gaps=gaps
+        )
+        _built(record, calls or (), status, observed, resolved)
+    if observed is not None:
+        _add_observed(record, observed)
     _add_unavailable_gaps(record, producer_turns=sent is not None)
     # Built by appending to lists, which pydantic does not re-validate: check the
     # record-wide rules once, here, before it is written.
@@ -312,36 +321,41 @@ def _server_ref(model_ref: object) -> ModelServerRef | None:
     return ModelServerRef.model_validate(ref) if ref is not None else None
 
 
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What an agent's observation bundle (Gym's ``ng_agent_observations``) adds,
+    already joined to the captured calls: its invocations, tool calls and gaps."""
+
+    invocations: list[Invocation]
+    tool_calls: list[ToolCall]
+    gaps: list[Gap]
+
+
 def _built(
-    task_id: str,
-    rollout_id: str,
+    record: TrajectoryRecord,
     calls: Sequence[CapturedCall],
-    captured: list[TrajectoryModelCall],
     status: str,
-    gaps: list[Gap],
+    observed: Observed | None,
     resolved: object,
 ) -> TrajectoryRecord:
-    record = TrajectoryRecord(
-        task_id=task_id, rollout_id=rollout_id, model_calls=captured, gaps=gaps
-    )
-    if not calls:
-        return record
-    refs = [ModelCallRef(model_call_id=call.model_call_id) for call in calls]
-    record.invocations.append(
-        Invocation(invocation_id=BUILT_INVOCATION_ID, status=_status(status), model_calls=refs)
-    )
-    steps = 0
+    if observed is not None and observed.invocations:
+        record.invocations.extend(observed.invocations)
+    elif calls:
+        refs = [ModelCallRef(model_call_id=call.model_call_id) for call in calls]
+        invocation = Invocation(
+            invocation_id=BUILT_INVOCATION_ID, status=_status(status), model_calls=refs
+        )
+        record.invocations.append(invocation)
+    owners = _owners(record.invocations)
+    steps: Counter[str] = Counter()
     for call in calls:
-        if not call.returned_response:
-            continue
-        record.turns.append(_turn(record, call, steps))
-        steps += len(call.tool_calls)
+        owner = owners.get(call.model_call_id) or owners.get(call.response_id or "")
+        if owner is None or not call.returned_response:
+            continue  # unowned calls (a judge, say) stay evidence, never a turn of the agent
+        record.turns.append(_turn(record, call, owner, steps[owner]))
+        steps[owner] += len(call.tool_calls)
         record.tool_calls.extend(
-            ToolCall(
-                invocation_id=BUILT_INVOCATION_ID,
-                tool_call_id=t.tool_call_id,
-                tool_name=t.tool_name,
-            )
+            ToolCall(invocation_id=owner, tool_call_id=t.tool_call_id, tool_name=t.tool_name)
             for t in call.tool_calls
             if t.tool_call_id
         )
@@ -350,19 +364,40 @@ def _built(
     return record
 
 
+def _owners(invocations: Sequence[Invocation]) -> dict[str, str]:
+    """Invocation of each referenced call, by ``model_call_id`` or ``response_id``."""
+    owners: dict[str, str] = {}
+    for invocation in invocations:
+        for ref in invocation.model_calls:
+            for key in (ref.model_call_id, ref.response_id):
+                if key:
+                    owners.setdefault(key, invocation.invocation_id)
+    return owners
+
+
+def _add_observed(record: TrajectoryRecord, observed: Observed) -> None:
+    """What the observations add that the trajectory does not already have."""
+    known = {invocation.invocation_id for invocation in record.invocations}
+    record.invocations.extend(i for i in observed.invocations if i.invocation_id not in known)
+    tools = {(tool.invocation_id, tool.tool_call_id) for tool in record.tool_calls}
+    record.tool_calls.extend(
+        t for t in observed.tool_calls if (t.invocation_id, t.tool_call_id) not in tools
+    )
+
+
 def _status(status: str) -> Literal["completed", "failed", "incomplete", "unknown"]:
     if status in ("completed", "failed", "incomplete"):
         return status  # type: ignore[return-value]
     return "unknown"
 
 
-def _turn(record: TrajectoryRecord, call: CapturedCall, steps: int) -> Turn:
+def _turn(record: TrajectoryRecord, call: CapturedCall, owner: str, steps: int) -> Turn:
     question, answer, reasoning = turn_content(*_payloads(call))
     return Turn(
-        invocation_id=BUILT_INVOCATION_ID,
+        invocation_id=owner,
         task_id=record.task_id,
         rollout_id=record.rollout_id,
-        turn_no=len(record.turns) + 1,
+        turn_no=sum(1 for turn in record.turns if turn.invocation_id == owner) + 1,
         timestamp=call.started_at or call.completed_at or 0.0,
         question=question,
         answer=answer,

@@ -24,6 +24,7 @@ from typing import Any
 from dispatcher.capture.records import CapturedCall, parse_record, token_fields
 from dispatcher.capture.store import capture_path, clear_rollouts, has_claims, incomplete_path
 from dispatcher.capture.tokens import TokenCounts
+from dispatcher.observations import observed_from
 from dispatcher.trajectory import build_trajectory, compute_perf, gap, trajectory_task_id
 
 JsonObject = dict[str, Any]
@@ -203,9 +204,11 @@ async def attach_capture(
 def attach_agent_trajectory(
     row: dict[str, Any], *, rollout_id: str, task_id: int, agent_result: Mapping[str, Any] | None
 ) -> None:
-    """Without capture: normalize the agent's own ``ng_trajectory`` as Gym's collector does,
-    so its missing model calls read as "unobserved" (a gap), not as a mismatch."""
-    if agent_result is None or not isinstance(agent_result.get("ng_trajectory"), dict):
+    """Without capture: normalize the agent's own ``ng_trajectory`` (or observations) as
+    Gym's collector does, so its missing model calls read as "unobserved" (a gap), not
+    as a mismatch."""
+    has_own = ("ng_trajectory", "ng_agent_observations")
+    if agent_result is None or not any(key in agent_result for key in has_own):
         return
     _attach_trajectory(row, task_id, rollout_id, agent_result, (None, False), [])
 
@@ -221,6 +224,7 @@ def _attach_trajectory(
     result = agent_result or {}
     calls, include_payloads = captured
     try:
+        observed = observed_from(result.get("ng_agent_observations"), calls)
         row["ng_trajectory"] = build_trajectory(
             task_id=trajectory_task_id(row, task_id),
             rollout_id=rollout_id,
@@ -230,6 +234,7 @@ def _attach_trajectory(
             capture_gaps=gaps,
             resolved=result.get("resolved"),
             include_payloads=include_payloads,
+            observed=observed,
         )
     except Exception as exc:  # the row must still be written: say why it has no trajectory
         failed = gap("trajectory_projection_failed", type(exc).__name__)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
-from dispatcher.capture.records import CapturedCall, ToolCallRef
+from dispatcher.capture.records import CapturedCall, ToolCallRef, parse_record
 from dispatcher.capture.tokens import TokenCounts
+from dispatcher.observations import observed_from
 from dispatcher.sim.model import SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import DIALECT_PATHS, agent_trajectory, request_body
 from dispatcher.trajectory import build_trajectory
@@ -128,3 +130,73 @@ async def test_every_sim_model_answer_passes_the_sdks_and_gyms_models(
     data.write_bytes(b"".join(orjson.dumps(a) + b"\n" for a in answers))
 
     assert run_in_gym(gym_venv, _ANSWERS, data) == "6"
+
+
+_JOIN = """
+import json, sys
+from nemo_gym.base_responses_api_model import build_model_call_record
+from nemo_gym.rollout_observability import AgentObservationBundle, join_model_call_observations
+lines = [json.loads(line) for line in open(sys.argv[1], "rb") if line.strip()]
+case = json.loads(lines[0])
+calls = [build_model_call_record(record, call_index=i) for i, record in enumerate(lines[1:])]
+joined = join_model_call_observations(AgentObservationBundle.model_validate(case), calls)
+refs = {
+    r.invocation_id: [ref.model_dump(mode="json") for ref in r.model_calls]
+    for r in joined.records if r.kind == "agent_invocation"
+}
+gaps = sorted([g.code, g.invocation_id, g.detail] for g in joined.gaps)
+print(json.dumps({"refs": refs, "gaps": gaps}))
+"""
+
+
+def test_observations_join_as_gyms_join_does(gym_venv: Path, tmp_path: Path) -> None:
+    server = {"type": "responses_api_models", "name": "policy_model"}
+
+    def record(call_id: str, session: str | None = None, response_id: str | None = None) -> Any:
+        line = {
+            "model_call_id": call_id,
+            "dialect": "chat",
+            "model_ref": server,
+            "status_code": 200,
+            "response": {"id": response_id or f"resp-{call_id}", "choices": []},
+        }
+        return line | ({"client_session_id": session} if session else {})
+
+    records = [
+        record("a", session="root"),
+        record("b"),
+        record("c", response_id="same"),
+        record("d", response_id="same"),
+        record("judge"),
+    ]
+    invocations = [
+        {"invocation_id": "root", "model_calls": [{"model_call_id": "x"}]},
+        {"invocation_id": "sub", "model_calls": [{"model_ref": server, "response_id": "resp-b"}]},
+        {"invocation_id": "dup", "model_calls": [{"model_ref": server, "response_id": "same"}]},
+        {"invocation_id": "thief", "model_calls": [{"model_call_id": "a"}]},
+    ]
+    case = {
+        "source": "t",
+        "records": [{"kind": "agent_invocation", **i} for i in invocations],
+        "gaps": [],
+    }
+    data = tmp_path / "join.jsonl"
+    data.write_bytes(orjson.dumps(orjson.dumps(case).decode()) + b"\n")
+    data.write_bytes(data.read_bytes() + b"".join(orjson.dumps(r) + b"\n" for r in records))
+
+    gyms = orjson.loads(run_in_gym(gym_venv, _JOIN, data))
+
+    calls = [
+        parse_record(orjson.dumps(r), call_index=i, include_payloads=False)
+        for i, r in enumerate(records)
+    ]
+    observed = observed_from(case, [c for c in calls if c is not None])
+    assert observed is not None
+    ours = {
+        "refs": {
+            i.invocation_id: [ref.model_dump(mode="json") for ref in i.model_calls]
+            for i in observed.invocations
+        },
+        "gaps": sorted([g.code, g.invocation_id, g.detail] for g in observed.gaps),
+    }
+    assert ours == gyms
