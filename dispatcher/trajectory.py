@@ -1,18 +1,19 @@
 """``ng_trajectory`` and ``ng_perf`` of one rollout (DESIGN A7). Pure functions, no I/O.
 
 The trajectory is NeMo Gym's ``TrajectoryRecord`` (schema 1.0), so Gym's own
-readers (``gym eval health-check``, ``export --format atif``) accept our rows:
+readers (its ``TrajectoryRecord`` model, ``gym eval health-check``) accept our rows:
 ``task_id`` and ``rollout_id`` are strings, ``invocations`` are agent
 conversations referencing their model calls, ``turns`` are assistant responses,
 ``model_calls`` carry ``response_metadata`` and ``token_stats``, and ``gaps``
 name what could not be observed. The schema forbids unknown keys; the models
-below mirror it, so whatever we emit has been validated against it first.
+below mirror it, and whatever we emit is built from them.
 
 An agent may send its own ``ng_trajectory``: when valid it is kept, identity
 re-stamped (a mismatch is a gap), and the captured calls are merged into its
-``model_calls`` by ``model_call_id``; nothing it said is dropped. Otherwise one
-invocation is built from the captures, whose turns are the calls that returned
-a response.
+``model_calls`` by ``model_call_id``; nothing it said is dropped. Otherwise the
+invocations are those of the agent's observations (``observations.py``), or one
+built from the captures; their turns are the calls they own that returned a
+response.
 
 ``ng_perf`` sums tokens over the calls the invocations reference, counting each
 physical call once, so a call listed by two invocations cannot double the bill.
