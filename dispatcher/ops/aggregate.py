@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +44,38 @@ def aggregate_metrics_path(output: Path) -> Path:
     return output.with_name(output.stem + SUFFIX)
 
 
-def rows_by_agent(output: Path) -> dict[str, list[JsonObject]]:
-    """Each agent's success rows as /aggregate_metrics takes them (blocking: run in a thread)."""
-    grouped: dict[str, list[JsonObject]] = {}
+@dataclass
+class AgentRows:
+    """One agent's rows as /aggregate_metrics takes them, and the replica of its last one."""
+
+    rows: list[JsonObject] = field(default_factory=list)
+    last_replica: str | None = None
+
+
+def rows_by_agent(output: Path) -> dict[str, AgentRows]:
+    """Each agent's success rows, stripped (blocking: run it in a thread)."""
+    grouped: dict[str, AgentRows] = {}
     with output.open("rb") as lines:
         for line in lines:
             row = _parsed(line)
             agent = row.get("agent_ref") if row else None
             name = agent.get("name") if isinstance(agent, dict) else None
             if row is not None and isinstance(name, str):
-                grouped.setdefault(name, []).append(stripped(row))
+                entry = grouped.setdefault(name, AgentRows())
+                entry.rows.append(stripped(row))
+                entry.last_replica = _replica(row) or entry.last_replica
     return grouped
+
+
+def _replica(row: Mapping[str, Any]) -> str | None:
+    stamp = row.get("_ng_dispatch")
+    replica = stamp.get("replica") if isinstance(stamp, dict) else None
+    return replica if isinstance(replica, str) else None
+
+
+def _replicas_to_ask(urls: Sequence[str], last: str | None) -> list[str]:
+    # The replica that answered last is alive; a dead or silent one is asked only after it.
+    return sorted(urls, key=lambda url: url != last)
 
 
 def _parsed(line: bytes) -> JsonObject | None:
@@ -76,19 +98,21 @@ def stripped(row: Mapping[str, Any]) -> JsonObject:
 
 
 async def write_aggregate_metrics(
-    output: Path, agents: Mapping[str, Sequence[str]], *, timeout_s: float = 30.0
+    output: Path,
+    agents: Mapping[str, Sequence[str]],
+    *,
+    timeout_s: float = 30.0,
+    connect_timeout_s: float = 2.0,
 ) -> Path | None:
     """Ask each agent for its metrics and write the file; None when no agent answered."""
     grouped = await asyncio.to_thread(rows_by_agent, output)
     entries: list[JsonObject] = []
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        for name, rows in sorted(grouped.items()):
-            urls = agents.get(name)
-            if urls:
-                entry = await _agent_entry(session, name, urls[0], rows)
-                if entry is not None:
-                    entries.append(entry)
+        for name, found in sorted(grouped.items()):
+            entry = await _first_answer(session, name, agents.get(name) or (), found)
+            if entry is not None:
+                entries.append(entry)
     if not entries:
         return None
     path = aggregate_metrics_path(output)
@@ -103,24 +127,36 @@ async def write_aggregate_metrics(
     return path
 
 
-async def _agent_entry(
-    session: aiohttp.ClientSession, name: str, url: str, rows: list[JsonObject]
+async def _first_answer(
+    session: aiohttp.ClientSession, name: str, urls: Sequence[str], found: AgentRows
 ) -> JsonObject | None:
-    body = orjson.dumps({"verify_responses": rows})
-    headers = {"Content-Type": "application/json"}
-    try:
-        async with session.post(f"{url}/aggregate_metrics", data=body, headers=headers) as response:
-            answer = await response.read() if response.status < 300 else None
-            status = response.status
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning("aggregate_metrics_unavailable", agent=name, error=repr(exc))
-        return None
-    metrics = _parsed(answer) if answer is not None else None
-    if metrics is None:
+    """The agent's metrics from the first replica that answers at all; an HTTP answer
+    that is not metrics (404 from an agent that does not aggregate) ends the search."""
+    body = orjson.dumps({"verify_responses": found.rows})
+    for url in _replicas_to_ask(urls, found.last_replica):
+        try:
+            status, answer = await _post(session, f"{url}/aggregate_metrics", body)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("aggregate_metrics_unavailable", agent=name, replica=url, error=repr(exc))
+            continue
+        metrics = _parsed(answer) if status < 300 else None
+        if metrics is not None:
+            return _entry(name, metrics)
         # 404/405: an agent that does not aggregate (not a Gym agent); nothing is wrong.
         level = log.info if status in (404, 405) else log.warning
         level("aggregate_metrics_unavailable", agent=name, http_status=status)
         return None
+    return None
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    async with session.post(url, data=body, headers=headers) as response:
+        return response.status, await response.read()
+
+
+def _entry(name: str, metrics: Mapping[str, Any]) -> JsonObject:
+    """One agent's entry, in the shape of the entries Gym's collector writes."""
     entry: JsonObject = {"agent_ref": {"name": name}}
     for key in ("agent_metrics", "key_metrics"):
         entry[key] = metrics.get(key) or {}
