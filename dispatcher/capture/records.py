@@ -9,6 +9,9 @@ A line holds ``model_call_id, rollout_id, dialect, path, stream, model_ref,
 started_at, completed_at, latency_ms, latency_ttft_ms, status_code,
 error_category, request, response`` (DESIGN A6), plus ``request_raw`` /
 ``response_raw`` when a body was not JSON and ``error_detail`` when there is one.
+Values have the types NeMo Gym's model servers write: ``model_ref`` is
+``{"type": "responses_api_models", "name": <the request's model>}``, the times
+are Unix seconds.
 Request headers are never part of a record, so credentials never reach the disk.
 """
 
@@ -19,7 +22,7 @@ import uuid
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -115,9 +118,10 @@ def encode_record(exchange: Exchange) -> bytes:
         "dialect": exchange.dialect,
         "path": exchange.path,
         "stream": exchange.streamed,
-        "model_ref": _model_ref(request, response),
-        "started_at": _iso(exchange.started_at),
-        "completed_at": _iso(exchange.started_at + duration_s),
+        "model_ref": model_server_ref(_model_ref(request, response)),
+        # Unix seconds, as NeMo Gym's model servers write them, so Gym's readers take ours.
+        "started_at": round(exchange.started_at, 6),
+        "completed_at": round(exchange.started_at + duration_s, 6),
         "latency_ms": round(duration_s * 1000.0, 3),
         "latency_ttft_ms": _ttft_ms(exchange),
         "status_code": exchange.status_code,
@@ -189,10 +193,6 @@ def _ttft_ms(exchange: Exchange) -> float | None:
     if not exchange.streamed or exchange.ttft_s is None:
         return None
     return round(exchange.ttft_s * 1000.0, 3)
-
-
-def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
 
 
 # --- reading back ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
+from dispatcher.capture.proxy import build_proxy_app
 from dispatcher.capture.records import CapturedCall, ToolCallRef, parse_record
 from dispatcher.capture.tokens import TokenCounts
 from dispatcher.observations import observed_from
@@ -200,3 +201,39 @@ def test_observations_join_as_gyms_join_does(gym_venv: Path, tmp_path: Path) -> 
         "gaps": sorted([g.code, g.invocation_id, g.detail] for g in observed.gaps),
     }
     assert ours == gyms
+
+
+_GYM_MERGE = """
+import json, sys
+from pathlib import Path
+from nemo_gym.base_responses_api_model import merge_model_call_capture_into_record
+record = {"_ng_task_index": 0, "_ng_rollout_index": 0}
+merge_model_call_capture_into_record(record, [Path(sys.argv[1])])
+print(json.dumps(record["ng_model_call_capture"]))
+"""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_gyms_collector_reads_our_proxys_capture_files(
+    gym_venv: Path, tmp_path: Path, stream: bool
+) -> None:
+    model, model_url = await serve(build_sim_model_app(SimModelConfig(reasoning_tokens=3)))
+    proxy, proxy_url = await serve(build_proxy_app(model_url, tmp_path / "captures"))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for dialect, path in DIALECT_PATHS.items():
+                body = request_body(dialect, stream=stream, prompt="q", model="sim-model")
+                url = f"{proxy_url}/ng-rollout/0-0{path}"
+                async with session.post(url, json=body) as response:
+                    await response.read()
+    finally:
+        await proxy.cleanup()
+        await model.cleanup()
+
+    capture = orjson.loads(run_in_gym(gym_venv, _GYM_MERGE, tmp_path / "captures"))
+
+    assert "gaps" not in capture, capture["gaps"]
+    assert capture["metrics"]["num_calls"] == 4
+    server = {"type": "responses_api_models", "name": "sim-model"}
+    assert all(call["model_ref"] == server for call in capture["calls"])
+    assert all(isinstance(call["started_at"], float) for call in capture["calls"])
