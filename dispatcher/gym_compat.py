@@ -11,14 +11,19 @@ Any other difference is refused, naming what differs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
 
 from dispatcher.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 Signature = frozenset[tuple[int, int, str]]
 BACKUP_SUFFIX = ".gym"
@@ -53,20 +58,30 @@ def _key(row: Any, path: Path, number: int) -> tuple[int, int, str]:
     return task, rollout, hashlib.sha256(request).hexdigest()
 
 
-def set_aside(materialized: Path) -> Path:
-    """Keep Gym's file while ours is written over it, to restore it on a refusal."""
+@contextlib.contextmanager
+def adoption(materialized: Path, manifest: Path, gym: Signature | None) -> Iterator[None]:
+    """Around materializing over Gym's file: keep Gym's aside, adopt the run when ours
+    matches it, and put Gym's back on a mismatch or on any error, so a refused run
+    leaves Gym's directory as it found it."""
+    if gym is None:
+        yield
+        return
     backup = materialized.with_name(materialized.name + BACKUP_SUFFIX)
     os.replace(materialized, backup)
-    return backup
+    try:
+        yield
+        _check_adoptable(gym, materialized, manifest)
+    except BaseException:
+        os.replace(backup, materialized)
+        raise
+    backup.unlink()
+    log.info("gym_output_adopted", folder=str(materialized.parent), rollouts=len(gym))
 
 
-def check_adoptable(gym: Signature, materialized: Path, backup: Path, manifest: Path) -> None:
-    """Adopt (drop the backup) when our materialization is Gym's, else restore it and refuse."""
+def _check_adoptable(gym: Signature, materialized: Path, manifest: Path) -> None:
     ours = gym_signature(materialized) or frozenset()
     if ours == gym:
-        backup.unlink()
         return
-    os.replace(backup, materialized)
     missing, extra = len(gym - ours), len(ours - gym)
     raise ConfigError(
         f"{materialized.parent}: output rows of a run without {manifest.name} (NeMo Gym's?) "

@@ -174,11 +174,8 @@ def _prepare_locked(
     gym_run = _gym_output(paths) if previous is None else None
     if previous is None and gym_run is None:
         _refuse_orphan_outputs(paths)
-    backup = gym_compat.set_aside(paths.materialized) if gym_run is not None else None
-    result = _materialize_checked(settings, paths, previous, shard_filter)
-    if gym_run is not None and backup is not None:
-        gym_compat.check_adoptable(gym_run, paths.materialized, backup, paths.manifest)
-        log.info("gym_output_adopted", folder=str(paths.output.parent), rollouts=len(gym_run))
+    with gym_compat.adoption(paths.materialized, paths.manifest, gym_run):
+        result = _materialize_checked(settings, paths, previous, shard_filter)
     manifest = _manifest(settings, result, previous)
     write_json_atomic(paths.manifest, manifest)
     for path in (paths.output, paths.failures):

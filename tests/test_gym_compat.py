@@ -169,3 +169,20 @@ async def test_rows_without_manifest_or_materialized_inputs_are_still_refused(
 
     assert result.returncode == 2
     assert "x_manifest.json does not" in result.stderr
+
+
+async def test_a_gym_directory_is_left_as_found_when_the_run_cannot_start(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    tasks, output, _ = await gym_written_run(tmp_path, url)
+    materialized = tmp_path / "out" / "x_materialized_inputs.jsonl"
+    theirs = materialized.read_bytes()
+    # A task file that cannot be read stops the run while it materializes.
+    tasks.write_bytes(tasks.read_bytes() + b"not json\n")
+
+    result = await run_cli(*run_args(tasks, output, url, "--num-repeats", "2"))
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert materialized.read_bytes() == theirs
+    assert not list((tmp_path / "out").glob("*.gym"))
