@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import structlog
 
-from dispatcher import __version__
+from dispatcher import __version__, gym_compat
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError
 from dispatcher.state import OutputPaths, RunState, TailRepair, load_run_state, repair_torn_tail
@@ -171,9 +171,11 @@ def _prepare_locked(
         if folder is not None:
             log.info("fresh_start_moved_old_files", folder=str(folder))
     previous = read_manifest(paths.manifest)
-    if previous is None:
+    gym_run = _gym_output(paths) if previous is None else None
+    if previous is None and gym_run is None:
         _refuse_orphan_outputs(paths)
-    result = _materialize_checked(settings, paths, previous, shard_filter)
+    with gym_compat.adoption(paths.materialized, paths.manifest, gym_run):
+        result = _materialize_checked(settings, paths, previous, shard_filter)
     manifest = _manifest(settings, result, previous)
     write_json_atomic(paths.manifest, manifest)
     for path in (paths.output, paths.failures):
@@ -188,8 +190,14 @@ def _prepare_locked(
         materialized=result,
         state=state,
         already_final=_count_final(state),
-        resumed=previous is not None,
+        resumed=previous is not None or gym_run is not None,
     )
+
+
+def _gym_output(paths: OutputPaths) -> gym_compat.Signature | None:
+    """A directory NeMo Gym's collector wrote: rows, no manifest, its materialized inputs."""
+    has_rows = any(p.exists() and p.stat().st_size > 0 for p in (paths.output, paths.failures))
+    return gym_compat.gym_signature(paths.materialized) if has_rows else None
 
 
 def _refuse_orphan_outputs(paths: OutputPaths) -> None:

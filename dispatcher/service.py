@@ -31,7 +31,12 @@ from dispatcher.agents import AgentClient, Attempt, DeliveryPolicy
 from dispatcher.aio import cancel_and_wait
 from dispatcher.backoff import BackoffPolicy
 from dispatcher.bytebudget import ByteBudget
-from dispatcher.capture.finalize import CaptureSummary, attach_capture, clear_rollout_captures
+from dispatcher.capture.finalize import (
+    CaptureSummary,
+    attach_agent_trajectory,
+    attach_capture,
+    clear_rollout_captures,
+)
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.concurrency import AimdPolicy
@@ -43,6 +48,7 @@ from dispatcher.limits import ResponseLimits
 from dispatcher.load import AgentLoad
 from dispatcher.offload import AnswerClassifier, off_loop
 from dispatcher.ops import delivery
+from dispatcher.ops.aggregate import write_aggregate_metrics
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.replicas import BreakerPolicy
@@ -230,6 +236,7 @@ class Dispatcher:
         await self._output.close()
         await self._failures.close()
         await self._session.close()
+        await self._write_aggregate_metrics()
         # 4. Record this hop in the manifest and tell the operator.
         self.state = "finished"
         summary = self.summary()
@@ -241,6 +248,12 @@ class Dispatcher:
         await self._stop_telemetry()
         assert self._prepared is not None
         self._prepared.lock.release()
+
+    async def _write_aggregate_metrics(self) -> None:
+        # Gym's end-of-run file, once every rollout has its final row (a hop that
+        # leaves work for a rerun would only write numbers the next hop replaces).
+        if self._fatal is None and self._prepared is not None and self.remaining() == 0:
+            await write_aggregate_metrics(self._prepared.paths.output, self.settings.agents)
 
     # ---- producing rollouts ----------------------------------------------------
 
@@ -398,9 +411,9 @@ class Dispatcher:
         if self.settings.capture_dir is not None:
             line, capture = await self._attach_capture(rollout, attempt, row, big)
         elif big:
-            line, capture = await off_loop(row_line, row), {}
+            line, capture = await off_loop(_plain_line, rollout, attempt, row), {}
         else:
-            line, capture = row_line(row), {}
+            line, capture = _plain_line(rollout, attempt, row), {}
         return line, row_facts(row), capture
 
     # ---- the dispatcher's own faults (DESIGN A11) ----------------------------------
@@ -831,6 +844,18 @@ def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
 def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:
     """The agent's result as plain values for the capture merge (decoded on demand)."""
     return result.decoded() if isinstance(result, WireResult) else result
+
+
+def _plain_line(rollout: Rollout, attempt: Attempt, row: dict[str, Any]) -> bytes:
+    """A row without capture: the agent's own trajectory normalized as Gym's collector
+    does (its model calls then read as unobserved), then serialized."""
+    attach_agent_trajectory(
+        row,
+        rollout_id=rollout.rollout_id,
+        task_id=rollout.task_index,
+        agent_result=_readable(attempt.result),
+    )
+    return row_line(row)
 
 
 def _merge_in_worker(

@@ -233,7 +233,8 @@ def assert_trajectory(row: JsonObject) -> JsonObject:
     trajectory: JsonObject = row["ng_trajectory"]
     assert set(trajectory) >= TRAJECTORY_KEYS
     assert trajectory["schema_version"] == "1.0"
-    assert trajectory["task_id"] == row["_ng_task_index"]
+    # Gym's TrajectoryRecord: string ids; the row's index stands for its task.
+    assert trajectory["task_id"] == str(row["_ng_task_index"])
     assert trajectory["rollout_id"] == rollout_id_of(row)
     return trajectory
 
@@ -309,11 +310,15 @@ def assert_built_trajectory(row: JsonObject, capture: JsonObject, k: int) -> Non
     call_ids = [c["model_call_id"] for c in capture["calls"]]
     [invocation] = trajectory["invocations"]
     assert invocation["status"] == "completed"
-    assert invocation["model_calls"] == [{"model_call_id": i} for i in call_ids]
-    assert [t["model_call"]["model_call_id"] for t in trajectory["turns"]] == call_ids
+    assert [ref["model_call_id"] for ref in invocation["model_calls"]] == call_ids
+    assert [t["model_calls"] for t in trajectory["turns"]] == [
+        [{"model_call_id": i, "model_ref": None, "response_id": None}] for i in call_ids
+    ]
+    assert all(t["answer"] for t in trajectory["turns"])
     assert [c["model_call_id"] for c in trajectory["model_calls"]] == call_ids
     assert len(trajectory["tool_calls"]) == k * MODEL.tool_calls
-    assert trajectory["gaps"] == []
+    # A trajectory built from captures has no conversation to show, as in Gym.
+    assert gap_codes(trajectory) == ["conversation_unavailable"]
 
 
 def assert_perf(row: JsonObject, per_call: JsonObject, k: int) -> None:
@@ -414,15 +419,18 @@ async def test_the_agents_own_trajectory_is_used(stack: Stack, sim_agent: SimAge
         trajectory = assert_trajectory(row)
         # The agent's refs are (model_ref, response_id), which a built trajectory never uses.
         response_ids = [c["response_id"] for c in capture["calls"]]
-        refs = [{"model_ref": "sim-model", "response_id": r} for r in response_ids]
-        assert trajectory["invocations"] == [
-            {"invocation_id": "agent", "status": "completed", "model_calls": refs}
+        server = {"type": "responses_api_models", "name": "sim-model"}
+        refs = [
+            {"model_call_id": None, "model_ref": server, "response_id": r} for r in response_ids
         ]
+        [invocation] = trajectory["invocations"]
+        assert (invocation["invocation_id"], invocation["status"]) == ("agent", "completed")
+        assert invocation["model_calls"] == refs
         assert [t["turn_no"] for t in trajectory["turns"]] == [1, 2]
         assert [c["model_call_id"] for c in trajectory["model_calls"]] == [
             c["model_call_id"] for c in capture["calls"]
         ]
-        assert trajectory["gaps"] == []
+        assert gap_codes(trajectory) == ["conversation_unavailable"]
         perf = row["ng_perf"]
         assert (perf["num_turns"], perf["token_observability_coverage"]) == (k, 1.0)
         assert perf["completion_tokens"] == k * MODEL.completion_tokens

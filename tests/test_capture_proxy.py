@@ -11,6 +11,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import structlog
+import structlog.testing
 from aiohttp import web
 from yarl import URL
 
@@ -248,13 +250,17 @@ async def test_calls_without_the_prefix_are_forwarded_not_recorded(
         assert listed.status == 200
         assert (await listed.json())["data"][0]["id"] == "sim-model"
     body = orjson.dumps(request_body("chat", stream=False, prompt="p", model="m"))
-    async with session.post(f"{proxy}/v1/chat/completions", data=body) as answered:
-        assert answered.status == 200
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(2):
+            async with session.post(f"{proxy}/v1/chat/completions", data=body) as answered:
+                assert answered.status == 200
     async with session.get(f"{proxy}/ng-rollout/0-0/v1/models") as prefixed:
         assert prefixed.status == 200
 
-    assert model_app[STATS_KEY].requests == 1
+    assert model_app[STATS_KEY].requests == 2
     assert written_files(tmp_path) == []
+    # Said once, so a model server calling without the prefix is noticed, not flooded.
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["model_call_not_captured"]
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from dispatcher.sim.model import (
     config_from_args,
 )
 from dispatcher.sim.model_client import DIALECT_PATHS, agent_trajectory, request_body
-from dispatcher.trajectory import AgentTrajectory
+from dispatcher.trajectory import TrajectoryRecord
 
 DIALECTS = tuple(DIALECT_PATHS)
 
@@ -143,7 +143,7 @@ def test_agent_trajectory_helper_is_a_valid_trajectory() -> None:
 
     sent = agent_trajectory(task_id=2, rollout_id="2-1", responses=responses, model_ref="policy")
 
-    parsed = AgentTrajectory.model_validate(sent)
+    parsed = TrajectoryRecord.model_validate(sent)
     assert [ref.response_id for ref in parsed.invocations[0].model_calls] == ["resp-1", "resp-2"]
     assert len(parsed.turns) == 2
 

@@ -24,7 +24,8 @@ from typing import Any
 from dispatcher.capture.records import CapturedCall, parse_record, token_fields
 from dispatcher.capture.store import capture_path, clear_rollouts, has_claims, incomplete_path
 from dispatcher.capture.tokens import TokenCounts
-from dispatcher.trajectory import build_trajectory, compute_perf, gap
+from dispatcher.observations import observed_from
+from dispatcher.trajectory import build_trajectory, compute_perf, gap, trajectory_task_id
 
 JsonObject = dict[str, Any]
 
@@ -94,7 +95,11 @@ def _read_capture(capture_dir: Path, rollout_id: str, include_payloads: bool) ->
 def _add_line(snapshot: _Snapshot, line: bytes, include_payloads: bool) -> None:
     if not line.strip():
         return
-    call = parse_record(line, include_payloads=include_payloads)
+    index = len(snapshot.calls) + snapshot.unreadable_lines
+    try:
+        call = parse_record(line, call_index=index, include_payloads=include_payloads)
+    except Exception:  # a line any server wrote must never end the run: it is a gap
+        call = None
     if call is None:
         snapshot.unreadable_lines += 1
     else:
@@ -171,29 +176,71 @@ async def attach_capture(
     The files read are ``capture_id``'s when given (one attempt of one hop,
     see ``capture.scope``); the row still names ``rollout_id``.
     """
+    # Payloads are always read: the trajectory's turns are made of them (as in Gym);
+    # only the capture block drops them unless asked.
     snapshot, wait_s, pending = await _wait_and_read(
-        capture_dir, capture_id or rollout_id, include_payloads, poll_s, limit_s
+        capture_dir, capture_id or rollout_id, True, poll_s, limit_s
     )
     gaps = _gaps(snapshot, pending)
     capture: JsonObject = {
         "rollout_id": rollout_id,
         "metrics": capture_metrics(snapshot.calls),
-        "calls": [call.to_row() for call in snapshot.calls],
+        "calls": [call.to_row(include_payloads=include_payloads) for call in snapshot.calls],
     }
     if gaps:
         capture["gaps"] = gaps
-    agent_trajectory = agent_result.get("ng_trajectory") if agent_result else None
-    trajectory = build_trajectory(
-        task_id=task_id,
-        rollout_id=rollout_id,
-        calls=snapshot.calls,
-        agent_trajectory=agent_trajectory,
-        status="failed" if "_ng_failure_class" in row else "completed",
-        capture_gaps=gaps,
-    )
     row["ng_model_call_capture"] = capture
-    row["ng_trajectory"] = trajectory
-    perf = compute_perf(trajectory, total_latency_ms=total_latency_ms) if observability else None
-    if perf is not None:
-        row["ng_perf"] = perf
+    _attach_trajectory(
+        row, task_id, rollout_id, agent_result, (snapshot.calls, include_payloads), gaps
+    )
+    trajectory = row.get("ng_trajectory")
+    if observability and isinstance(trajectory, dict):
+        perf = compute_perf(trajectory, total_latency_ms=total_latency_ms)
+        if perf is not None:
+            row["ng_perf"] = perf
     return CaptureSummary(wait_s, len(snapshot.calls), [g["code"] for g in gaps])
+
+
+def attach_agent_trajectory(
+    row: dict[str, Any], *, rollout_id: str, task_id: int, agent_result: Mapping[str, Any] | None
+) -> None:
+    """Without capture: normalize the agent's own ``ng_trajectory`` (or observations) as
+    Gym's collector does, so its missing model calls read as "unobserved" (a gap), not
+    as a mismatch."""
+    has_own = ("ng_trajectory", "ng_agent_observations")
+    if agent_result is None or not any(key in agent_result for key in has_own):
+        return
+    _attach_trajectory(row, task_id, rollout_id, agent_result, (None, False), [])
+
+
+def _attach_trajectory(
+    row: dict[str, Any],
+    task_id: int,
+    rollout_id: str,
+    agent_result: Mapping[str, Any] | None,
+    captured: tuple[Sequence[CapturedCall] | None, bool],
+    gaps: list[JsonObject],
+) -> None:
+    result = agent_result or {}
+    calls, include_payloads = captured
+    try:
+        observed = observed_from(result.get("ng_agent_observations"), calls)
+        row["ng_trajectory"] = build_trajectory(
+            task_id=trajectory_task_id(row, task_id),
+            rollout_id=rollout_id,
+            calls=calls,
+            agent_trajectory=result.get("ng_trajectory"),
+            status="failed" if "_ng_failure_class" in row else "completed",
+            capture_gaps=gaps,
+            resolved=result.get("resolved"),
+            include_payloads=include_payloads,
+            observed=observed,
+        )
+    except Exception as exc:  # the row must still be written: say why it has no trajectory
+        failed = gap("trajectory_projection_failed", type(exc).__name__)
+        row["ng_trajectory"] = {
+            "schema_version": "1.0",
+            "task_id": trajectory_task_id(row, task_id),
+            "rollout_id": rollout_id,
+            "gaps": [failed],
+        }

@@ -85,6 +85,7 @@ UPSTREAM_KEY = web.AppKey("capture_upstream", _Upstream)
 SESSION_KEY = web.AppKey("capture_session", aiohttp.ClientSession)
 STORE_KEY = web.AppKey("capture_store", CaptureStore)
 LIMITS_KEY = web.AppKey("capture_limits", ProxyLimits)
+UNATTRIBUTED_KEY = web.AppKey("unattributed_calls", list[str])
 
 
 def build_proxy_app(
@@ -104,6 +105,7 @@ def build_proxy_app(
     app[LIMITS_KEY] = limits
     app[UPSTREAM_KEY] = _Upstream(upstream_url.rstrip("/"), upstream_timeout_s)
     app[STORE_KEY] = CaptureStore(capture_dir, before_write=before_write)
+    app[UNATTRIBUTED_KEY] = []
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_route("*", ROLLOUT_PREFIX + "{rollout_id}/{tail:.*}", _handle_rollout_call)
     app.router.add_route("*", "/{tail:.*}", _handle_passthrough)
@@ -178,6 +180,12 @@ class _Recording:
 
 
 async def _handle_passthrough(request: web.Request) -> web.StreamResponse:
+    if request.path in DIALECT_BY_PATH and not request.app[UNATTRIBUTED_KEY]:
+        # Said once: a model call without /ng-rollout/<id>/ names no rollout, so it is
+        # forwarded but cannot be captured. NeMo Gym's model servers call their upstream
+        # like this; with them, Gym's own capture directory is the one to read.
+        request.app[UNATTRIBUTED_KEY].append(request.path)
+        log.warning("model_call_not_captured", path=request.path, reason="no /ng-rollout/<id>/")
     return await _forward(request, request.rel_url.raw_path_qs, None)
 
 

@@ -9,6 +9,9 @@ A line holds ``model_call_id, rollout_id, dialect, path, stream, model_ref,
 started_at, completed_at, latency_ms, latency_ttft_ms, status_code,
 error_category, request, response`` (DESIGN A6), plus ``request_raw`` /
 ``response_raw`` when a body was not JSON and ``error_detail`` when there is one.
+Values have the types NeMo Gym's model servers write: ``model_ref`` is
+``{"type": "responses_api_models", "name": <the request's model>}``, the times
+are Unix seconds.
 Request headers are never part of a record, so credentials never reach the disk.
 """
 
@@ -19,7 +22,7 @@ import uuid
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -115,9 +118,10 @@ def encode_record(exchange: Exchange) -> bytes:
         "dialect": exchange.dialect,
         "path": exchange.path,
         "stream": exchange.streamed,
-        "model_ref": _model_ref(request, response),
-        "started_at": _iso(exchange.started_at),
-        "completed_at": _iso(exchange.started_at + duration_s),
+        "model_ref": model_server_ref(_model_ref(request, response)),
+        # Unix seconds, as NeMo Gym's model servers write them, so Gym's readers take ours.
+        "started_at": round(exchange.started_at, 6),
+        "completed_at": round(exchange.started_at + duration_s, 6),
         "latency_ms": round(duration_s * 1000.0, 3),
         "latency_ttft_ms": _ttft_ms(exchange),
         "status_code": exchange.status_code,
@@ -191,11 +195,16 @@ def _ttft_ms(exchange: Exchange) -> float | None:
     return round(exchange.ttft_s * 1000.0, 3)
 
 
-def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
-
-
 # --- reading back ------------------------------------------------------------------------
+#
+# Two writers produce these lines: our proxy (``model_ref`` the request's model
+# name, ISO timestamps) and NeMo Gym's model servers (``model_ref`` a
+# ``{type, name}`` object naming the model server, Unix-second timestamps,
+# sometimes ``client_session_id``). Both read into one CapturedCall. A line is
+# whatever some server wrote: every field is checked for its shape, and a shape
+# we do not expect reads as "not reported", never as an exception.
+
+MODEL_SERVER_TYPE = "responses_api_models"
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,12 +218,17 @@ class CapturedCall:
     """A capture line as finalization needs it; ``payloads`` only when asked for."""
 
     model_call_id: str
+    call_index: int
     dialect: str | None
-    model_ref: str | None
+    model_ref: str | dict[str, str] | None
+    request_model: str | None
     response_model: str | None
     response_id: str | None
-    started_at: str | None
-    completed_at: str | None
+    response_status: str | None
+    finish_reason: str | None
+    client_session_id: str | None
+    started_at: float | None
+    completed_at: float | None
     latency_ms: float | None
     latency_ttft_ms: float | None
     status_code: int | None
@@ -223,6 +237,8 @@ class CapturedCall:
     tool_calls: tuple[ToolCallRef, ...]
     has_response: bool
     payloads: JsonObject | None = None
+    # How Gym's model server produced the answer (its capture records say; ours do not).
+    execution: JsonObject = field(default_factory=dict)
 
     @property
     def returned_response(self) -> bool:
@@ -230,22 +246,31 @@ class CapturedCall:
         ok = self.status_code is not None and 200 <= self.status_code < 300
         return ok and self.has_response and self.error_category is None
 
-    def to_row(self) -> JsonObject:
+    def to_row(self, *, include_payloads: bool) -> JsonObject:
+        """The call as ``ng_model_call_capture.calls`` lists it: our keys plus Gym's
+        ``ModelCallRecord`` names (``call_index``, ``model``, ``latency_total_ms``)."""
         row: JsonObject = {
             "model_call_id": self.model_call_id,
+            "call_index": self.call_index,
             "dialect": self.dialect,
             "model_ref": self.model_ref,
+            "model": self.response_model or self.request_model,
             "response_id": self.response_id,
+            "response_status": self.response_status,
+            "finish_reason": self.finish_reason,
             "started_at": self.started_at,
             "completed_at": self.completed_at,
             "latency_ms": self.latency_ms,
+            "latency_total_ms": self.latency_ms,
             "latency_ttft_ms": self.latency_ttft_ms,
             "status_code": self.status_code,
             "error_category": self.error_category,
             **token_fields(self.tokens),
             "num_tool_calls": len(self.tool_calls),
         }
-        if self.payloads:
+        if self.client_session_id is not None:
+            row["client_session_id"] = self.client_session_id
+        if include_payloads and self.payloads:
             row.update(self.payloads)
         return row
 
@@ -261,7 +286,21 @@ def token_fields(tokens: TokenCounts) -> JsonObject:
     }
 
 
-def parse_record(line: bytes, *, include_payloads: bool) -> CapturedCall | None:
+def model_server_ref(model_ref: object) -> dict[str, str] | None:
+    """A record's ``model_ref`` as Gym's ``{type, name}``: Gym writes that object; our proxy
+    writes the model's name, which stands for the server that serves it."""
+    if isinstance(model_ref, str) and model_ref:
+        return {"type": MODEL_SERVER_TYPE, "name": model_ref}
+    if isinstance(model_ref, Mapping):
+        name, kind = model_ref.get("name"), model_ref.get("type")
+        if isinstance(name, str) and kind == MODEL_SERVER_TYPE:
+            return {"type": MODEL_SERVER_TYPE, "name": name}
+    return None
+
+
+def parse_record(
+    line: bytes, *, call_index: int = 0, include_payloads: bool
+) -> CapturedCall | None:
     """A capture line → CapturedCall; None when the line is not a readable record."""
     try:
         record = orjson.loads(line)
@@ -269,63 +308,116 @@ def parse_record(line: bytes, *, include_payloads: bool) -> CapturedCall | None:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("model_call_id"), str):
         return None
-    response = record.get("response")
-    response = response if isinstance(response, dict) else None
+    response = _dict(record.get("response"))
+    request = _dict(record.get("request"))
     dialect = _str(record.get("dialect"))
     payloads = None
     if include_payloads:
         payloads = {key: record[key] for key in PAYLOAD_KEYS if record.get(key) is not None}
     return CapturedCall(
         model_call_id=record["model_call_id"],
+        call_index=call_index,
         dialect=dialect,
-        model_ref=_str(record.get("model_ref")),
-        response_model=_str(response.get("model")) if response else None,
-        response_id=_str(response.get("id")) if response else None,
-        started_at=_str(record.get("started_at")),
-        completed_at=_str(record.get("completed_at")),
-        latency_ms=_number(record.get("latency_ms")),
+        model_ref=_model_ref_of(record.get("model_ref")),
+        request_model=_str(request.get("model")),
+        response_model=_str(response.get("model")),
+        response_id=_str(response.get("id")),
+        response_status=_str(response.get("status")),
+        finish_reason=finish_reason_of(response),
+        client_session_id=_str(record.get("client_session_id")),
+        started_at=timestamp(record.get("started_at")),
+        completed_at=timestamp(record.get("completed_at")),
+        latency_ms=_number(record.get("latency_ms", record.get("latency_total_ms"))),
         latency_ttft_ms=_number(record.get("latency_ttft_ms")),
         status_code=_int(record.get("status_code")),
         error_category=_str(record.get("error_category")),
-        tokens=normalize_usage(response.get("usage") if response else None),
+        tokens=normalize_usage(response.get("usage")),
         tool_calls=tool_calls_of(dialect, response),
-        has_response=response is not None,
+        has_response=isinstance(record.get("response"), dict),
         payloads=payloads,
+        execution=execution_of(record),
     )
 
 
-def tool_calls_of(
-    dialect: str | None, response: Mapping[str, Any] | None
-) -> tuple[ToolCallRef, ...]:
+_EXECUTION_KEYS = {
+    "upstream_attempted": bool,
+    "response_source": str,
+    "upstream_status_code": int,
+    "local_response_reason": str,
+}
+
+
+def execution_of(record: Mapping[str, Any]) -> JsonObject:
+    """Gym's facts about how an answer was produced, each kept only in its expected type."""
+    return {
+        key: record[key]
+        for key, kind in _EXECUTION_KEYS.items()
+        if isinstance(record.get(key), kind) and not (kind is int and isinstance(record[key], bool))
+    }
+
+
+def _model_ref_of(value: object) -> str | dict[str, str] | None:
+    if isinstance(value, str):
+        return value
+    return model_server_ref(value)
+
+
+def timestamp(value: object) -> float | None:
+    """Unix seconds from Gym's float or our proxy's ISO 8601 string."""
+    number = _number(value)
+    if number is not None:
+        return number
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def finish_reason_of(response: Mapping[str, Any]) -> str | None:
+    """Why the model stopped, from whichever place the dialect reports it."""
+    choices = response.get("choices")
+    first = _dict(choices[0]) if isinstance(choices, list) and choices else {}
+    details = _dict(response.get("incomplete_details"))
+    for value in (response.get("stop_reason"), first.get("finish_reason"), details.get("reason")):
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def tool_calls_of(dialect: str | None, response: Mapping[str, Any]) -> tuple[ToolCallRef, ...]:
     """Tool calls a response asks for, in order, whatever the dialect."""
-    if not response:
-        return ()
     if dialect == "responses":
-        items = response.get("output") or []
         return tuple(
             ToolCallRef(_str(i.get("call_id") or i.get("id")), _str(i.get("name")))
-            for i in items
-            if isinstance(i, dict) and str(i.get("type", "")).endswith("_call")
+            for i in _dicts(response.get("output"))
+            if str(i.get("type", "")).endswith("_call")
         )
     if dialect == "messages":
-        blocks = response.get("content") or []
         return tuple(
             ToolCallRef(_str(b.get("id")), _str(b.get("name")))
-            for b in blocks
-            if isinstance(b, dict) and b.get("type") in ("tool_use", "server_tool_use")
+            for b in _dicts(response.get("content"))
+            if b.get("type") in ("tool_use", "server_tool_use")
         )
     return _chat_tool_calls(response)
 
 
 def _chat_tool_calls(response: Mapping[str, Any]) -> tuple[ToolCallRef, ...]:
     refs: list[ToolCallRef] = []
-    for choice in response.get("choices") or []:
-        message = choice.get("message") if isinstance(choice, dict) else None
-        for call in (message or {}).get("tool_calls") or []:
-            if isinstance(call, dict):
-                function = call.get("function") or {}
-                refs.append(ToolCallRef(_str(call.get("id")), _str(function.get("name"))))
+    for choice in _dicts(response.get("choices")):
+        for call in _dicts(_dict(choice.get("message")).get("tool_calls")):
+            function = _dict(call.get("function"))
+            refs.append(ToolCallRef(_str(call.get("id")), _str(function.get("name"))))
     return tuple(refs)
+
+
+def _dict(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _dicts(value: object) -> list[dict[str, Any]]:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
 
 
 def _str(value: object) -> str | None:

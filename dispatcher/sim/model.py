@@ -307,6 +307,7 @@ def _responses_response(config: SimModelConfig, body: JsonObject) -> JsonObject:
         "created_at": int(time.time()),
         "model": _model(config, body),
         "status": "completed",
+        **_responses_settings(body),
         "output": output,
         "usage": {
             "input_tokens": usage.prompt,
@@ -316,6 +317,34 @@ def _responses_response(config: SimModelConfig, body: JsonObject) -> JsonObject:
             "total_tokens": usage.prompt + usage.completion,
         },
     }
+
+
+def _responses_settings(body: JsonObject) -> JsonObject:
+    """The request settings every OpenAI Response echoes back; the OpenAI SDK's and
+    Gym's response models require them, so an answer without them fails the call."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    return {
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions")
+        if isinstance(body.get("instructions"), str)
+        else None,
+        "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
+        "parallel_tool_calls": parallel if isinstance(parallel, bool) else True,
+        "temperature": _number_or_none(body.get("temperature")),
+        "tool_choice": choice if isinstance(choice, str | dict) else "auto",
+        "tools": tools if isinstance(tools, list) else [],
+        "top_p": _number_or_none(body.get("top_p")),
+        "truncation": "disabled",
+    }
+
+
+def _number_or_none(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _messages_response(config: SimModelConfig, body: JsonObject) -> JsonObject:

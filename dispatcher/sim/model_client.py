@@ -9,6 +9,7 @@ referencing its calls by ``(model_ref, response_id)``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,25 +85,46 @@ async def call_model(
 
 def agent_trajectory(
     *,
-    task_id: int,
+    task_id: int | str,
     rollout_id: str,
     responses: Sequence[Mapping[str, Any]],
     model_ref: str,
     invocation_id: str = "agent",
 ) -> JsonObject:
-    """An agent-side ``ng_trajectory``: one invocation, one turn per response."""
-    refs = [{"model_ref": model_ref, "response_id": r["id"]} for r in responses if r.get("id")]
+    """An agent-side ``ng_trajectory`` in NeMo Gym's ``TrajectoryRecord`` shape: one
+    invocation, one turn per response, calls referenced by ``(model_ref, response_id)``
+    with ``model_ref`` naming the model server as Gym does (``{type, name}``)."""
+    server = {"type": "responses_api_models", "name": model_ref}
+    answered = [r for r in responses if isinstance(r.get("id"), str)]
+    refs = [{"model_ref": server, "response_id": r["id"]} for r in answered]
+    turns = [
+        {
+            "invocation_id": invocation_id,
+            "task_id": str(task_id),
+            "rollout_id": rollout_id,
+            "turn_no": n,
+            "timestamp": time.time(),
+            "answer": _answer(response),
+            "step_count": 0,
+            "model_calls": [ref],
+        }
+        for n, (response, ref) in enumerate(zip(answered, refs, strict=True), start=1)
+    ]
     return {
         "schema_version": "1.0",
-        "task_id": task_id,
+        "task_id": str(task_id),
         "rollout_id": rollout_id,
         "invocations": [
             {"invocation_id": invocation_id, "status": "completed", "model_calls": refs}
         ],
-        "turns": [
-            {"invocation_id": invocation_id, "turn_no": n, "model_call": ref}
-            for n, ref in enumerate(refs, start=1)
-        ],
+        "turns": turns,
         "tool_calls": [],
         "gaps": [],
     }
+
+
+def _answer(response: Mapping[str, Any]) -> Any:
+    for key in ("output", "choices", "content"):
+        if response.get(key) is not None:
+            return response[key]
+    return None

@@ -1,0 +1,105 @@
+"""A Python 3.13 virtualenv with NeMo Gym 0.7.0, cached outside the checkout.
+
+``tests/gym`` runs a real Gym stack from it; ``.ci/run`` builds it ahead of the
+tests (``python3 tests/gym/gym_env.py``) so the tests only use it. Standard
+library only: it must run before anything else is installed.
+
+Gym 0.7.0 declares ``Requires-Python >=3.13.14``; it runs on any 3.13, so the
+wheel is fetched for 3.13.14 and installed with ``--ignore-requires-python``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+GYM_VERSION = "0.7.0"
+PYTHON_ENV = "ROLLOUT_DISPATCHER_PYTHON313"
+CACHE_ENV = "ROLLOUT_DISPATCHER_GYM_CACHE"
+
+
+def cache_dir() -> Path:
+    override = os.environ.get(CACHE_ENV)
+    return Path(override) if override else Path.home() / ".cache" / "rollout-dispatcher-gym"
+
+
+def venv_dir() -> Path:
+    return cache_dir() / f"venv-{GYM_VERSION}"
+
+
+def _stamp() -> Path:
+    return venv_dir() / ".complete"
+
+
+def find_python313() -> Path | None:
+    """A Python 3.13 interpreter: $ROLLOUT_DISPATCHER_PYTHON313, python3.13 on PATH, or pyenv's."""
+    candidates: list[Path] = []
+    if os.environ.get(PYTHON_ENV):
+        candidates.append(Path(os.environ[PYTHON_ENV]))
+    on_path = shutil.which("python3.13")
+    if on_path:
+        candidates.append(Path(on_path))
+    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates += sorted(pyenv_root.glob("versions/3.13*/bin/python3.13"), reverse=True)
+    return next((path for path in candidates if _is_python313(path)), None)
+
+
+def _is_python313(path: Path) -> bool:
+    # A pyenv shim on PATH exists whether or not it can run 3.13: ask the interpreter.
+    if not path.is_file():
+        return False
+    check = "import sys; sys.exit(sys.version_info[:2] != (3, 13))"
+    try:
+        return (
+            subprocess.run([str(path), "-c", check], capture_output=True, timeout=30).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def ready_venv() -> Path | None:
+    """The venv's directory when it is complete, else None."""
+    return venv_dir() if _stamp().exists() else None
+
+
+def install(python: Path) -> Path:
+    """Build the venv (about 80 s on 2 cores); a finished one is reused as it is."""
+    if ready_venv() is not None:
+        return venv_dir()
+    venv = venv_dir()
+    if venv.exists():
+        shutil.rmtree(venv)  # a half-built venv from an interrupted install
+    wheels = cache_dir() / "wheels"
+    _run(python, "-m", "venv", str(venv))
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
+    _run(*pip, "download", "--no-deps", f"nemo-gym=={GYM_VERSION}", "--python-version",
+         "3.13.14", "--only-binary=:all:", "-d", str(wheels))  # fmt: skip
+    wheel = next(wheels.glob(f"nemo_gym-{GYM_VERSION}-*.whl"))
+    _run(*pip, "install", "--ignore-requires-python", str(wheel))
+    _stamp().write_text(GYM_VERSION + "\n")
+    return venv
+
+
+def _run(*args: str | Path) -> None:
+    subprocess.run([str(arg) for arg in args], check=True)
+
+
+def main() -> int:
+    python = find_python313()
+    if python is None:
+        sys.stderr.write(
+            f"no Python 3.13 found (set {PYTHON_ENV}, put python3.13 on PATH, or install it "
+            "with pyenv); the NeMo Gym tests will be skipped\n"
+        )
+        return 1
+    venv = install(python)
+    sys.stdout.write(f"NeMo Gym {GYM_VERSION} venv ready at {venv}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""The files NeMo Gym's collector writes or reads around a run, without a Gym install.
+
+- ``X_aggregate_metrics.json`` (what ``gym eval compare`` reads) is made of each
+  agent's ``/aggregate_metrics`` answer, as Gym makes it, once the run is complete;
+- an output directory Gym wrote (rows, materialized inputs, no manifest) is
+  adopted on resume when its materialized inputs are this run's, else refused
+  with its files untouched. (``tests/gym`` does both against a real Gym.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from tests.conftest import SimAgentFactory
+from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
+
+METRICS = {
+    "agent_metrics": {"mean/reward": 1.0},
+    "key_metrics": {"mean/reward": 1.0},
+    "group_level_metrics": [{"task_index": 0}],
+    "repeat_level_metrics": [],
+    "perf_summary": {"token_observability_coverage": 1.0},
+}
+
+
+class GymLikeAgent:
+    """An agent with Gym's ``/aggregate_metrics``: it keeps what it was sent."""
+
+    def __init__(self) -> None:
+        self.aggregated: list[dict[str, Any]] = []
+
+    async def run(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        usage = {"input_tokens": 3, "output_tokens": 1}
+        return web.json_response({**body, "reward": 1.0, "response": {"usage": usage, "x": 1}})
+
+    async def aggregate(self, request: web.Request) -> web.Response:
+        self.aggregated.append(await request.json())
+        return web.json_response(METRICS)
+
+
+@pytest.fixture
+async def gym_like_agent() -> AsyncIterator[tuple[str, GymLikeAgent]]:
+    agent = GymLikeAgent()
+    app = web.Application()
+    app.router.add_post("/run", agent.run)
+    app.router.add_post("/aggregate_metrics", agent.aggregate)
+    runner, url = await serve(app)
+    yield url, agent
+    await runner.cleanup()
+
+
+async def test_a_complete_run_writes_gyms_aggregate_metrics(
+    tmp_path: Path, gym_like_agent: tuple[str, GymLikeAgent]
+) -> None:
+    url, agent = gym_like_agent
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
+    output = tmp_path / "out" / "x.jsonl"
+
+    result = await run_cli(*run_args(tasks, output, url, "--num-repeats", "2"))
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    [sent] = agent.aggregated
+    rows = sent["verify_responses"]
+    assert len(rows) == 6
+    # Stripped as Gym strips them: no payloads, the response's usage kept.
+    assert all("responses_create_params" not in row for row in rows)
+    assert all(
+        row["response"] == {"usage": {"input_tokens": 3, "output_tokens": 1}} for row in rows
+    )
+    written = orjson.loads((tmp_path / "out" / "x_aggregate_metrics.json").read_bytes())
+    assert written == [{"agent_ref": {"name": "sim"}, **METRICS}]
+
+
+async def test_an_agent_without_the_endpoint_gets_no_file_and_no_failure(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 2)
+    output = tmp_path / "out" / "x.jsonl"
+
+    result = await run_cli(*run_args(tasks, output, url))
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "out" / "x_aggregate_metrics.json").exists()
+    [event] = [
+        e for e in log_events(result.stderr) if e["event"] == "aggregate_metrics_unavailable"
+    ]
+    assert (event["agent"], event["http_status"], event["level"]) == ("sim", 404, "info")
+
+
+async def test_a_run_with_work_left_writes_no_metrics(
+    tmp_path: Path, gym_like_agent: tuple[str, GymLikeAgent]
+) -> None:
+    url, agent = gym_like_agent
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 2)
+    output = tmp_path / "out" / "x.jsonl"
+
+    result = await run_cli(*run_args(tasks, output, url, "--dispatch-budget-s", "0"))
+
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert agent.aggregated == []
+
+
+# ---- adopting Gym's output directory -----------------------------------------------------
+
+
+async def gym_written_run(tmp_path: Path, url: str) -> tuple[Path, Path, list[dict[str, Any]]]:
+    """A finished run whose manifest is gone: the files Gym's collector leaves."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
+    output = tmp_path / "out" / "x.jsonl"
+    first = await run_cli(*run_args(tasks, output, url, "--num-repeats", "2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "out" / "x_manifest.json").unlink()
+    return tasks, output, read_jsonl(output)
+
+
+async def test_a_gym_output_directory_is_adopted_and_resumed(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, agent = await sim_agent()
+    tasks, output, rows = await gym_written_run(tmp_path, url)
+    output.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows[1:]))
+    before = agent.requests
+
+    result = await run_cli(*run_args(tasks, output, url, "--num-repeats", "2"))
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [e for e in log_events(result.stderr) if e["event"] == "gym_output_adopted"]
+    assert agent.requests - before == 1
+    assert sorted(keys_of(read_jsonl(output))) == sorted(keys_of(rows))
+    assert (tmp_path / "out" / "x_manifest.json").exists()
+    assert not list((tmp_path / "out").glob("*.gym"))
+
+
+async def test_a_gym_directory_of_another_run_is_refused_untouched(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, agent = await sim_agent()
+    tasks, output, _ = await gym_written_run(tmp_path, url)
+    materialized = tmp_path / "out" / "x_materialized_inputs.jsonl"
+    theirs = materialized.read_bytes()
+    before = agent.requests
+
+    result = await run_cli(*run_args(tasks, output, url, "--num-repeats", "3"))
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "materialized inputs differ from this run's" in result.stderr
+    assert "3 of this run's not in it" in result.stderr
+    assert materialized.read_bytes() == theirs
+    assert not list((tmp_path / "out").glob("*.gym"))
+    assert agent.requests == before
+
+
+async def test_rows_without_manifest_or_materialized_inputs_are_still_refused(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    tasks, output, _ = await gym_written_run(tmp_path, url)
+    (tmp_path / "out" / "x_materialized_inputs.jsonl").unlink()
+
+    result = await run_cli(*run_args(tasks, output, url, "--num-repeats", "2"))
+
+    assert result.returncode == 2
+    assert "x_manifest.json does not" in result.stderr
+
+
+async def test_a_gym_directory_is_left_as_found_when_the_run_cannot_start(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    tasks, output, _ = await gym_written_run(tmp_path, url)
+    materialized = tmp_path / "out" / "x_materialized_inputs.jsonl"
+    theirs = materialized.read_bytes()
+    # A task file that cannot be read stops the run while it materializes.
+    tasks.write_bytes(tasks.read_bytes() + b"not json\n")
+
+    result = await run_cli(*run_args(tasks, output, url, "--num-repeats", "2"))
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert materialized.read_bytes() == theirs
+    assert not list((tmp_path / "out").glob("*.gym"))
