@@ -194,6 +194,7 @@ def test_progress_fields_are_flat_and_rounded() -> None:
         "expected": 10_000,
         "remaining": 8766,
         "in_flight": 256,
+        "limit": None,
         "failed": 12,
         "drained": 0,
         "rollouts_per_hour": 1.235,
@@ -205,6 +206,15 @@ def test_progress_fields_are_flat_and_rounded() -> None:
         "eta_s": 9130.0,
     }
     orjson.dumps(fields)
+
+
+def test_the_progress_line_shows_in_flight_against_the_limit() -> None:
+    # The agents' limits summed, within the pool's: 300 + 400 capped at 512.
+    snap = snapshot(pool_limit=512, concurrency={"a": {"limit": 300}, "b": {"limit": 400}})
+
+    assert progress_fields(snap)["limit"] == 512
+    assert "| in flight 256/512 |" in format_progress(snap)
+    assert progress_fields(snapshot(pool_limit=64))["limit"] == 64
 
 
 @pytest.mark.parametrize(

@@ -141,11 +141,13 @@ def test_dashboard_shape() -> None:
     for title in (
         "Drain margin vs remaining budget",
         "Failures by class",
-        "In flight by agent",
+        "In flight vs concurrency limit by agent",
         "Event-loop lag",
         "Model-call capture wait and gaps",
         "Remaining rollouts",
         "ETA",
+        "Retries by reason",
+        "Replicas up",
     ):
         assert title in by_title
 

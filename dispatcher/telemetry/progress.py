@@ -49,6 +49,7 @@ def progress_fields(snapshot: Mapping[str, Any]) -> dict[str, Any]:
         "expected": progress.get("expected"),
         "remaining": progress.get("remaining"),
         "in_flight": progress.get("in_flight"),
+        "limit": _limit(snapshot),
         "failed": _failed(snapshot.get("outcomes") or {}),
         "drained": snapshot.get("drained"),
         "rollouts_per_hour": _round(snapshot.get("rollouts_per_hour")),
@@ -113,7 +114,8 @@ def _compose(f: Mapping[str, Any], dropped: frozenset[str]) -> str:
     parts.append(f"budget left {_duration(f['budget_remaining_s'])}")
     parts.append(f"ETA {_duration(f['eta_s'])}")
     if "in_flight" not in dropped:
-        parts.append(f"in flight {_count(f['in_flight'])}")
+        limit = f"/{f['limit']:,}" if f["limit"] is not None else ""
+        parts.append(f"in flight {_count(f['in_flight'])}{limit}")
     if f["failed"] and "failed" not in dropped:
         parts.append(f"failed {f['failed']:,}")
     if f["drained"] and "drained" not in dropped:
@@ -126,6 +128,18 @@ def _latency(f: Mapping[str, Any], *, full: bool) -> str:
     if not full:
         return p95
     return f"p50 {_duration(f['p50_s'])} p75 {_duration(f['p75_s'])} {p95}"
+
+
+def _limit(snapshot: Mapping[str, Any]) -> int | None:
+    """Rollouts allowed in flight now: the agents' limits summed, within the pool's."""
+    pool = snapshot.get("pool_limit")
+    agents = snapshot.get("concurrency") or {}
+    limits = [a.get("limit") for a in agents.values()]
+    pool_limit = pool if type(pool) is int else None
+    if not limits or not all(type(n) is int for n in limits):
+        return pool_limit
+    total = sum(int(n) for n in limits)
+    return total if pool_limit is None else min(total, pool_limit)
 
 
 def _failed(outcomes: Mapping[str, int]) -> int:
