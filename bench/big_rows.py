@@ -254,7 +254,7 @@ async def _stall_while(work: Callable[[], Any]) -> float:
 
 def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> None:
     """A rollout with many big captured calls: its merge on the loop and in the worker."""
-    from dispatcher import service
+    from dispatcher import finalizer
     from dispatcher.capture.finalize import attach_capture
     from dispatcher.capture.store import capture_path
     from dispatcher.offload import off_loop
@@ -277,7 +277,7 @@ def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> N
 
     async def in_worker() -> None:
         row: dict[str, Any] = {"reward": 1.0}
-        await off_loop(service._merge_in_worker, lambda: merge(row), row)
+        await off_loop(finalizer._merge_in_worker, lambda: merge(row), row)
 
     print(f"capture merge of {calls} calls x {call_bytes // 1000} KB, largest loop stall")
     for payloads in (False, True):

@@ -12,14 +12,12 @@ saves time; a kill -9 anywhere loses nothing that was acknowledged.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 from typing import Any, BinaryIO
 
 import aiohttp
@@ -32,30 +30,25 @@ from dispatcher.aio import cancel_and_wait
 from dispatcher.backoff import BackoffPolicy
 from dispatcher.bytebudget import ByteBudget
 from dispatcher.capture.finalize import (
-    CaptureSummary,
-    attach_agent_trajectory,
-    attach_capture,
     clear_rollout_captures,
 )
-from dispatcher.capture.scope import capture_key
-from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.concurrency import AimdPolicy
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault, fd_limit
+from dispatcher.finalizer import Finalizer
 from dispatcher.latency import DispatchLatencyTracker
 from dispatcher.limits import ResponseLimits
 from dispatcher.load import AgentLoad
-from dispatcher.offload import AnswerClassifier, off_loop
+from dispatcher.offload import AnswerClassifier
 from dispatcher.ops import delivery
 from dispatcher.ops.aggregate import write_aggregate_metrics
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.replicas import BreakerPolicy
-from dispatcher.rowbytes import WireResult, row_line
-from dispatcher.rows import build_row, is_terminal
+from dispatcher.rows import is_terminal
 from dispatcher.scheduler import Admission, Budget, RolloutPool
-from dispatcher.state import FAILURE_TERMINAL, RunState
+from dispatcher.state import RunState
 from dispatcher.store import RowWriter, write_json_atomic
 from dispatcher.tasks import Rollout, materialized_key, new_capture_token
 from dispatcher.telemetry.discovery import (
@@ -109,6 +102,7 @@ class Dispatcher:
         # Rows waiting for their commit, bounded by the bytes they hold; the
         # slots above bound their count.
         self._commit_bytes = ByteBudget(settings.commit_queue_bytes)
+        self._finalizer = Finalizer(settings, self.metrics)
         self._started_monotonic = time.monotonic()
         self._budget = Budget(None)
         self._background: list[asyncio.Task[None]] = []
@@ -376,7 +370,7 @@ class Dispatcher:
 
     async def _commit(self, rollout: Rollout, attempt: Attempt) -> None:
         try:
-            line, row, capture = await self._finalize(rollout, attempt)
+            line, row, capture = await self._finalizer.finalize(rollout, attempt)
         except Exception as exc:
             # A bug of ours (or our memory) while handling an answer: not the
             # agent's failure, so no row; the rollout runs again.
@@ -394,27 +388,6 @@ class Dispatcher:
             return
         self._handled_answer()
         self._record(rollout, attempt.outcome, attempt.duration_s, attempt, row, capture)
-
-    async def _finalize(
-        self, rollout: Rollout, attempt: Attempt
-    ) -> tuple[bytes | None, dict[str, Any] | None, dict[str, Any]]:
-        """The line to append for this attempt (capture attached), what ``_record``
-        reads of its row, and the capture's figures.
-
-        A big row is merged and serialized in a worker and then held only as
-        its line: the dict it came from is dropped here.
-        """
-        row = build_row(rollout, attempt)
-        if row is None:
-            return None, None, {}
-        big = attempt.body_bytes > self.settings.offload_bytes
-        if self.settings.capture_dir is not None:
-            line, capture = await self._attach_capture(rollout, attempt, row, big)
-        elif big:
-            line, capture = await off_loop(_plain_line, rollout, attempt, row), {}
-        else:
-            line, capture = _plain_line(rollout, attempt, row), {}
-        return line, row_facts(row), capture
 
     # ---- the dispatcher's own faults (DESIGN A11) ----------------------------------
 
@@ -476,56 +449,6 @@ class Dispatcher:
         if not await pool.wait_idle(grace_s):
             cancelled = await pool.cancel_all("dispatch budget exhausted")
             log.warning("rollouts_cancelled", count=cancelled, reason="dispatch budget exhausted")
-
-    async def _attach_capture(
-        self, rollout: Rollout, attempt: Attempt, row: dict[str, Any], big: bool
-    ) -> tuple[bytes, dict[str, Any]]:
-        """Attach the captured calls and serialize; a big merge runs in a worker thread.
-
-        The quiescence wait stays here, on the loop: a worker must not sleep
-        through a poll. The merge of many big calls and its serialization go to
-        the worker, whole, with what is left of the wait limit.
-        """
-        capture_dir = self.settings.capture_dir
-        assert capture_dir is not None
-        capture_id = await asyncio.to_thread(capture_key, capture_dir, rollout)
-        waited_s, capture_bytes = await self._wait_quiet(capture_id)
-        merge = functools.partial(
-            attach_capture,
-            row,
-            capture_dir=capture_dir,
-            rollout_id=rollout.rollout_id,
-            capture_id=capture_id,
-            task_id=rollout.task_index,
-            agent_result=_readable(attempt.result),
-            total_latency_ms=attempt.duration_s * 1000.0,
-            poll_s=self.settings.capture_poll_s,
-            limit_s=max(0.0, self.settings.capture_wait_limit_s - waited_s),
-            include_payloads=self.settings.capture_include_payloads,
-        )
-        if big or capture_bytes > self.settings.offload_bytes:
-            line, summary = await off_loop(_merge_in_worker, merge, row)
-        else:
-            summary = await merge()
-            line = row_line(row)
-        wait_s = waited_s + summary.wait_s
-        self.metrics.capture_waited(wait_s, summary.gaps)
-        return line, {"calls": summary.num_calls, "gaps": summary.gaps, "wait_s": wait_s}
-
-    async def _wait_quiet(self, rollout_id: str) -> tuple[float, int]:
-        """Poll until no capture write of the rollout is claimed (or the limit);
-        returns the seconds waited and the size of its capture file."""
-        capture_dir = self.settings.capture_dir
-        assert capture_dir is not None
-        started = time.perf_counter()
-        deadline = started + self.settings.capture_wait_limit_s
-        while True:
-            claimed, size = await asyncio.to_thread(_capture_state, capture_dir, rollout_id)
-            if not claimed or time.perf_counter() >= deadline:
-                return time.perf_counter() - started, size
-            await asyncio.sleep(
-                min(self.settings.capture_poll_s, max(0.0, deadline - time.perf_counter()))
-            )
 
     # ---- the one place outcomes are counted ------------------------------------
 
@@ -834,49 +757,6 @@ def _log_level(outcome: Outcome, row: dict[str, Any] | None) -> int:
     if not outcome.writes_failure_row:
         return logging.INFO
     return logging.ERROR if row is not None and is_terminal(row) else logging.WARNING
-
-
-def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``_record`` reads of a row, so the row itself need not be kept."""
-    return {FAILURE_TERMINAL: row.get(FAILURE_TERMINAL)}
-
-
-def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:
-    """The agent's result as plain values for the capture merge (decoded on demand)."""
-    return result.decoded() if isinstance(result, WireResult) else result
-
-
-def _plain_line(rollout: Rollout, attempt: Attempt, row: dict[str, Any]) -> bytes:
-    """A row without capture: the agent's own trajectory normalized as Gym's collector
-    does (its model calls then read as unobserved), then serialized."""
-    attach_agent_trajectory(
-        row,
-        rollout_id=rollout.rollout_id,
-        task_id=rollout.task_index,
-        agent_result=_readable(attempt.result),
-    )
-    return row_line(row)
-
-
-def _merge_in_worker(
-    merge: Callable[[], Coroutine[Any, Any, CaptureSummary]], row: dict[str, Any]
-) -> tuple[bytes, CaptureSummary]:
-    """Run the capture merge on a loop of this worker thread, then serialize the row."""
-    summary = asyncio.run(merge())
-    return row_line(row), summary
-
-
-def _capture_state(capture_dir: Path, rollout_id: str) -> tuple[bool, int]:
-    """Whether a capture write of the rollout is claimed, and its capture file's size."""
-    try:
-        size = capture_path(capture_dir, rollout_id).stat().st_size
-    except OSError:
-        size = 0
-    try:
-        return has_claims(capture_dir, rollout_id), size
-    except OSError:
-        # attach_capture reads what is there and names the error as a gap.
-        return False, size
 
 
 def _open_fds() -> int:

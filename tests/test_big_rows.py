@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher import offload, service
+from dispatcher import finalizer, offload
 from dispatcher.agents import classify_response
 from dispatcher.bytebudget import ByteBudget
 from dispatcher.capture.finalize import attach_capture
@@ -206,7 +206,7 @@ async def test_a_fault_in_the_worker_requeues_the_rollout(
             raise error
         return row_line(row)
 
-    monkeypatch.setattr(service, "row_line", flaky_row_line)
+    monkeypatch.setattr(finalizer, "row_line", flaky_row_line)
     # Every answer counts as big: each row is serialized in the worker.
     dispatcher = dispatcher_for(tmp_path, agent_url, 6, concurrency=3, offload_bytes=0)
 
@@ -265,7 +265,7 @@ async def test_a_big_capture_merged_in_a_worker_gives_the_same_row(tmp_path: Pat
     await merge(on_loop)
     in_worker = {**result, **OURS}
     line, summary = await offload.off_loop(
-        service._merge_in_worker, lambda: merge(in_worker), in_worker
+        finalizer._merge_in_worker, lambda: merge(in_worker), in_worker
     )
     assert summary.num_calls == 50 and summary.gaps == []
     assert orjson.loads(line) == orjson.loads(row_line(on_loop))

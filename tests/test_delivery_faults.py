@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher import agents, service
+from dispatcher import agents, finalizer, service
 from dispatcher.config import load_settings
 from dispatcher.errors import ExitCode
 from dispatcher.faults import FaultPersisted
@@ -94,7 +94,7 @@ async def test_running_out_of_descriptors_mid_run_requeues_and_shrinks_the_pool(
 async def test_a_bug_while_handling_an_answer_requeues_the_rollout(
     tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_build_row = service.build_row
+    real_build_row = finalizer.build_row
     calls = 0
 
     def flaky_build_row(*args: Any) -> Any:
@@ -104,7 +104,7 @@ async def test_a_bug_while_handling_an_answer_requeues_the_rollout(
             raise RuntimeError("a bug of ours")
         return real_build_row(*args)
 
-    monkeypatch.setattr(service, "build_row", flaky_build_row)
+    monkeypatch.setattr(finalizer, "build_row", flaky_build_row)
     dispatcher = dispatcher_for(tmp_path, agent_url, 10, concurrency=4)
 
     assert await dispatcher.run() is ExitCode.DONE
@@ -121,7 +121,7 @@ async def test_a_bug_that_persists_ends_the_run_naming_it(
     def broken_build_row(*args: Any) -> Any:
         raise RuntimeError("a bug of ours")
 
-    monkeypatch.setattr(service, "build_row", broken_build_row)
+    monkeypatch.setattr(finalizer, "build_row", broken_build_row)
     dispatcher = dispatcher_for(tmp_path, agent_url, 10, concurrency=2, local_fault_persist_s=0.5)
 
     with pytest.raises(FaultPersisted, match="a bug of ours"):
