@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 
 from dispatcher import jsonx
+from dispatcher.aio import Wakeup
 from dispatcher.backoff import BackoffPolicy, parse_retry_after
 from dispatcher.concurrency import AimdController, AimdPolicy, StartRateLimiter
 from dispatcher.faults import LocalFault, as_local_fault
@@ -413,28 +414,6 @@ class _Deadline:
     """A rollout's delivery deadline; waits for room or pacing push it back."""
 
     at: float
-
-
-class Wakeup:
-    """Wakes every waiter at once; firing costs nothing while nobody waits."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-        self._waiting = 0
-
-    async def wait(self, timeout_s: float) -> None:
-        """Until fired, or ``timeout_s`` passed."""
-        self._waiting += 1
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), timeout_s)
-        finally:
-            self._waiting -= 1
-
-    def fire(self) -> None:
-        if self._waiting:
-            self._event.set()
-            self._event = asyncio.Event()
 
 
 def _is_congestion(missed: NotDelivered) -> bool:

@@ -1,8 +1,9 @@
-"""Stopping background tasks: one way, used by the service and its telemetry."""
+"""Small asyncio pieces: stopping background tasks, and waking many waiters at once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 
@@ -18,3 +19,25 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     await asyncio.wait({task})
     if not task.cancelled() and (error := task.exception()) is not None:
         raise error
+
+
+class Wakeup:
+    """Wakes every waiter at once; firing costs nothing while nobody waits."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._waiting = 0
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until fired, or ``timeout_s`` passed."""
+        self._waiting += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout_s)
+        finally:
+            self._waiting -= 1
+
+    def fire(self) -> None:
+        if self._waiting:
+            self._event.set()
+            self._event = asyncio.Event()
