@@ -215,16 +215,7 @@ def _materialize_checked(
     previous: dict[str, Any] | None,
     shard_filter: Callable[[int], bool] | None,
 ) -> MaterializeResult:
-    spec = MaterializeSpec(
-        input_path=settings.input,
-        agents=frozenset(settings.agents),
-        default_agent=settings.default_agent,
-        num_repeats=settings.num_repeats,
-        limit=settings.limit,
-        overrides=settings.responses_create_params,
-        skip_invalid_rows=settings.skip_invalid_rows,
-        shard_filter=shard_filter,
-    )
+    spec = MaterializeSpec.from_settings(settings, shard_filter)
     _remove_stale_temporaries(paths)
     if previous is not None:
         recorded = _reusable_materialization(spec, settings, paths, previous)

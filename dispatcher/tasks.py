@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import orjson
 import structlog
@@ -38,6 +38,9 @@ from dispatcher.state import (
     TASK_INDEX,
     rollout_key,
 )
+
+if TYPE_CHECKING:
+    from dispatcher.config import RunSettings
 
 log = structlog.get_logger(__name__)
 
@@ -146,6 +149,21 @@ class MaterializeSpec:
     overrides: Mapping[str, Any]
     skip_invalid_rows: bool
     shard_filter: Callable[[int], bool] | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: RunSettings, shard_filter: Callable[[int], bool] | None
+    ) -> MaterializeSpec:
+        return cls(
+            input_path=settings.input,
+            agents=frozenset(settings.agents),
+            default_agent=settings.default_agent,
+            num_repeats=settings.num_repeats,
+            limit=settings.limit,
+            overrides=settings.responses_create_params,
+            skip_invalid_rows=settings.skip_invalid_rows,
+            shard_filter=shard_filter,
+        )
 
 
 @dataclass(frozen=True)

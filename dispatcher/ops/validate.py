@@ -62,16 +62,7 @@ class Report:
 
 def count_rollouts(settings: RunSettings, shard_filter: ShardFilter) -> MaterializeResult:
     """What materializing would give, digests included, without writing anything (blocking)."""
-    spec = MaterializeSpec(
-        input_path=settings.input,
-        agents=frozenset(settings.agents),
-        default_agent=settings.default_agent,
-        num_repeats=settings.num_repeats,
-        limit=settings.limit,
-        overrides=settings.responses_create_params,
-        skip_invalid_rows=settings.skip_invalid_rows,
-        shard_filter=shard_filter,
-    )
+    spec = MaterializeSpec.from_settings(settings, shard_filter)
     materializer = Materializer(spec)
     input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
     input_rows = rollouts = 0
