@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable
@@ -32,6 +33,14 @@ async def wait_until(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(step_s)
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound and released), for an address that refuses."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 
 READY_TIMEOUT_S = 30.0
 # Prometheus applies discovered targets on a fixed 5 s tick and then offsets
@@ -39,12 +38,6 @@ def require_binary(name: str) -> str:
         pytest.skip(f"`{name}` not found on PATH (Debian/Ubuntu: apt-get install prometheus)")
     return path
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class PrometheusServer:

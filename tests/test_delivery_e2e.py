@@ -27,6 +27,7 @@ from dispatcher.serving import start_site
 from dispatcher.sim.agent import STATS_KEY, SimAgentConfig, build_sim_agent_app
 from dispatcher.state import OutputPaths, load_run_state, row_key
 from tests.helpers import (
+    free_port,
     log_events,
     read_jsonl,
     run_args,
@@ -346,12 +347,6 @@ async def test_failures_are_warnings_with_the_status_and_every_line_has_the_run_
     finished = [e for e in events if e["event"] == "rollout_finished"]
     assert {(e["level"], e["http_status"]) for e in finished} == {("warning", 500)}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def test_a_black_holed_address_hits_the_connect_timeout(

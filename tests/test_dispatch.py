@@ -7,7 +7,6 @@ ordering asserted here is caused, never timed.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from tests.helpers import (
     FakeAgent,
     Responder,
     echo_result,
+    free_port,
     keys_of,
     log_events,
     read_jsonl,
@@ -99,12 +99,6 @@ def seen_count(agent: FakeAgent, count: int) -> Callable[[], bool]:
 def names_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # ---- the bounded pool --------------------------------------------------------
