@@ -116,7 +116,7 @@ _INVALID_CHOICE = re.compile(r"invalid choice: '?([^' ]*)'? \(choose from (.*)\)
 
 
 def suggestion(message: str, options: Iterable[str]) -> str:
-    """" (did you mean X?)" for an unknown flag or command in ``message``, else ""."""
+    """ " (did you mean X?)" for an unknown flag or command in ``message``, else ""."""
     choice = _INVALID_CHOICE.search(message)
     if choice is not None:
         word, known = choice[1], [c.strip("'") for c in choice[2].split(", ")]
@@ -157,9 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _command_modules() -> list[Any]:
     from dispatcher.capture import proxy
     from dispatcher.ops import init, merge, report, status, validate
+    from dispatcher.serve import command as serve
     from dispatcher.sim import agent, model
 
-    return [agent, model, proxy, status, report, merge, validate, init]
+    return [serve, agent, model, proxy, status, report, merge, validate, init]
 
 
 def _add_run_parser(sub: Any) -> None:
@@ -181,8 +182,8 @@ def run_epilog() -> str:
     return f"{_EXIT_CODES}\nenvironment:\n{environment}\n"
 
 
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``run`` (``validate`` takes the same ones)."""
+def add_run_arguments(p: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
+    """The flags of ``run`` (``validate`` takes the same ones; ``serve`` all but ``exclude``)."""
     p.add_argument("--config", help="TOML file with the same settings as keys")
     p.add_argument(
         "--agent",
@@ -197,7 +198,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="hard cap of an agent's rollouts in flight (repeatable)",
     )
     for flag, text in _RUN_FLAGS.items():
-        p.add_argument(flag, help=text)
+        if flag not in exclude:
+            p.add_argument(flag, help=text)
     for flag, text in _SWITCHES.items():
         p.add_argument(flag, action="store_const", const=True, default=None, help=text)
 
@@ -211,7 +213,7 @@ def run_flag_values(args: argparse.Namespace) -> dict[str, Any]:
     }
     for flag in (*_RUN_FLAGS, *_SWITCHES):
         key = flag.removeprefix("--").replace("-", "_")
-        value = getattr(args, key)
+        value = getattr(args, key, None)
         if value is not None and key in _JSON_FLAGS and value.lstrip().startswith("{"):
             value = _json_flag(flag, value)
         values[key] = value

@@ -5,8 +5,8 @@ file. With a capture directory it waits until the rollout's model-call
 captures are durable (the wait stays on the event loop), merges them into the
 row with token and latency figures, and serializes it; a big merge runs
 whole in the worker thread (``offload.py``). Without one, the agent's own
-trajectory is normalized as NeMo Gym's collector does. The service calls it
-once per answer and writes the line.
+trajectory is normalized as NeMo Gym's collector does. A rollout's ``Flight``
+calls it once per answer and writes the line.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ class Finalizer:
         self.metrics = metrics
 
     async def finalize(
-        self, rollout: Rollout, attempt: Attempt
+        self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None = None
     ) -> tuple[bytes | None, dict[str, Any] | None, dict[str, Any]]:
-        """The line to append for this attempt (capture attached), what ``_record``
-        reads of its row, and the capture's figures.
+        """The line to append for this attempt (capture attached), what ``Job.record``
+        reads of its row, and the capture's figures. ``extra`` keys are added
+        to the row (the policy versions of service mode).
 
         A big row is merged and serialized in a worker and then held only as
         its line: the dict it came from is dropped here.
@@ -50,6 +51,8 @@ class Finalizer:
         row = build_row(rollout, attempt)
         if row is None:
             return None, None, {}
+        if extra:
+            row.update(extra)
         big = attempt.body_bytes > self.settings.offload_bytes
         if self.settings.capture_dir is not None:
             line, capture = await self._attach_capture(rollout, attempt, row, big)
@@ -111,7 +114,7 @@ class Finalizer:
 
 
 def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``_record`` reads of a row, so the row itself need not be kept."""
+    """What ``Job.record`` reads of a row, so the row itself need not be kept."""
     return {FAILURE_TERMINAL: row.get(FAILURE_TERMINAL)}
 
 

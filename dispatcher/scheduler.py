@@ -1,10 +1,10 @@
 """The bounded pool and the drain decision (DESIGN A9, A11).
 
-Rollouts are admitted one at a time, in input order, by a single producer:
-each first wins a concurrency slot, then the budget decides whether it starts
-or is drained. Drained rollouts write nothing and run on resume. The pool
-holds at most ``concurrency`` asyncio tasks, so a task file of any size costs
-the same memory. The number of slots can shrink below ``concurrency`` while
+Each job's producer admits its rollouts one at a time, in input order: each
+first wins a concurrency slot, then the budget decides whether it starts or
+is drained. Drained rollouts write nothing and run on resume. At most
+``concurrency`` rollouts hold slots, so a task file of any size costs the
+same memory. The number of slots can shrink below ``concurrency`` while
 the dispatcher's own faults last (``Limiter.shrink``) and grows back one slot
 per delivered answer.
 """
@@ -12,18 +12,10 @@ per delivered answer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import heapq
+import itertools
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine
-from enum import StrEnum
-from typing import Any
-
-import structlog
-
-from dispatcher.tasks import Rollout
-
-log = structlog.get_logger(__name__)
+from collections.abc import Callable
 
 
 class Budget:
@@ -48,24 +40,30 @@ class Budget:
 
 
 class Limiter:
-    """A semaphore whose limit can change while slots are held.
+    """A semaphore whose limit can change while slots are held, served in rank order.
 
     Shrinking never takes a slot away from a rollout: it only makes later
-    ``acquire`` calls wait until enough slots are released.
+    ``acquire`` calls wait until enough slots are released. Waiters are served
+    lowest ``rank`` first, then in arrival order: a job of higher priority
+    gets the next free slot (service mode), and equal ranks are first come,
+    first served.
     """
 
     def __init__(self, limit: int) -> None:
         self.ceiling = limit
         self.limit = limit
         self.in_use = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: list[tuple[tuple[int, ...], int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
 
-    async def acquire(self) -> None:
+    async def acquire(self, rank: tuple[int, ...] = ()) -> None:
         if self.in_use < self.limit and not self._waiters:
             self.in_use += 1
             return
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        heapq.heappush(self._waiters, (rank, next(self._arrivals), waiter))
+        # Waiters left behind by cancellations must not hold back a free slot.
+        self._wake()
         try:
             await waiter
         except asyncio.CancelledError:
@@ -73,13 +71,15 @@ class Limiter:
                 # Woken and cancelled in the same iteration: pass the slot on.
                 self.release()
             raise
-        finally:
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
 
     def release(self) -> None:
         self.in_use -= 1
         self._wake()
+
+    @property
+    def waiting(self) -> int:
+        """Acquirers waiting now."""
+        return sum(1 for _, _, waiter in self._waiters if not waiter.done())
 
     def shrink(self) -> int:
         """Halve the slots in use (at least one stays); returns the new limit."""
@@ -99,26 +99,39 @@ class Limiter:
 
     def _wake(self) -> None:
         while self._waiters and self.in_use < self.limit:
-            waiter = self._waiters.popleft()
+            _, _, waiter = heapq.heappop(self._waiters)
             if not waiter.done():
                 self.in_use += 1
                 waiter.set_result(None)
 
 
-class Admission(StrEnum):
-    STARTED = "started"
-    DRAINED = "drained"
+class Slots:
+    """The slots one admitted rollout holds until its agent has answered."""
+
+    __slots__ = ("_agent_slot", "_pool_slot")
+
+    def __init__(self, pool_slot: Limiter | None, agent_slot: Limiter | None) -> None:
+        self._pool_slot = pool_slot
+        self._agent_slot = agent_slot
+
+    def release(self) -> None:
+        """Free both slots; a second call does nothing."""
+        if self._pool_slot is not None:
+            self._pool_slot.release()
+            self._pool_slot = None
+        if self._agent_slot is not None:
+            self._agent_slot.release()
+            self._agent_slot = None
 
 
 class RolloutPool:
-    """Owns the agent slots: at most ``concurrency`` rollouts talk to agents at once.
+    """The agent slots shared by every job: at most ``concurrency`` rollouts at agents.
 
-    A rollout holds its slot, and its agent's slot where the agent has a
-    limit of its own (``agent_slots``: ``--agent-concurrency``, or the
-    adaptive limit of ``--concurrency auto``), from admission until it calls
-    ``leave`` (once its agent has answered) or its task ends, whichever comes
-    first; the rest of its task (the commit) no longer counts against the
-    agents' concurrency.
+    ``admit`` hands a rollout its slots, and its agent's slot where the agent
+    has a limit of its own (``agent_slots``: ``--agent-concurrency``, or the
+    adaptive limit of ``--concurrency auto``), or drains it. The rollout's
+    ``Flight`` holds the ``Slots`` until its agent has answered; the commit
+    that follows no longer counts against the agents' concurrency.
     """
 
     def __init__(
@@ -126,75 +139,44 @@ class RolloutPool:
         concurrency: int | None,
         budget: Budget,
         drain_margin: Callable[[], float | None],
-        run: Callable[[Rollout], Coroutine[Any, Any, None]],
         agent_slots: dict[str, Limiter] | None = None,
     ) -> None:
         self.slots = Limiter(concurrency) if concurrency is not None else None
         self.agent_slots = agent_slots or {}
-        self._budget = budget
+        self.budget = budget
         self._drain_margin = drain_margin
-        self._run = run
-        # Each rollout task, with the agent slot it holds (None: its agent has no limit).
-        self.in_flight: dict[asyncio.Task[None], Limiter | None] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.at_agents = 0
 
-    async def admit(self, rollout: Rollout) -> Admission:
-        """Wait for the slots, then start the rollout or drain it."""
-        agent_slot = self.agent_slots.get(rollout.agent)
+    async def admit(self, agent: str, rank: tuple[int, ...] = ()) -> Slots | None:
+        """Wait for the slots, then hand them over, or drain (None): no time is left."""
+        agent_slot = self.agent_slots.get(agent)
         if agent_slot is not None:
-            await agent_slot.acquire()
+            await agent_slot.acquire(rank)
         if self.slots is not None:
             try:
-                await self.slots.acquire()
+                await self.slots.acquire(rank)
             except BaseException:
                 if agent_slot is not None:
                     agent_slot.release()
                 raise
+        slots = _CountedSlots(self, self.slots, agent_slot)
         # Decided after the slot is won: the wait itself may have used up the budget.
-        if self._budget.should_drain(self._drain_margin()):
-            self._release_slots(agent_slot)
-            return Admission.DRAINED
-        task = asyncio.create_task(self._run(rollout), name=f"rollout:{rollout.rollout_id}")
-        self.in_flight[task] = agent_slot
-        self._idle.clear()
-        task.add_done_callback(self._finished)
-        return Admission.STARTED
+        if self.budget.should_drain(self._drain_margin()):
+            slots.release()
+            return None
+        return slots
 
-    def leave(self) -> None:
-        """Called by a rollout's own task: its agent has answered, free the slot."""
-        task = asyncio.current_task()
-        if task in self.in_flight:
-            self._release(task)
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        if task in self.in_flight:
-            self._release(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("rollout_task_crashed", task=task.get_name(), exc_info=task.exception())
+class _CountedSlots(Slots):
+    __slots__ = ("_pool",)
 
-    def _release(self, task: asyncio.Task[None]) -> None:
-        self._release_slots(self.in_flight.pop(task))
-        if not self.in_flight:
-            self._idle.set()
+    def __init__(self, pool: RolloutPool, pool_slot: Limiter | None, agent_slot: Limiter | None):
+        super().__init__(pool_slot, agent_slot)
+        self._pool: RolloutPool | None = pool
+        pool.at_agents += 1
 
-    def _release_slots(self, agent_slot: Limiter | None) -> None:
-        if self.slots is not None:
-            self.slots.release()
-        if agent_slot is not None:
-            agent_slot.release()
-
-    async def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait until no rollout holds a slot; True when none does."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        return not self.in_flight
-
-    async def cancel_all(self, reason: str) -> int:
-        """Cancel the rollouts still waiting on an agent; they write no row."""
-        tasks = set(self.in_flight)
-        for task in tasks:
-            task.cancel(reason)
-        if tasks:
-            await asyncio.wait(tasks)
-        return len(tasks)
+    def release(self) -> None:
+        super().release()
+        if self._pool is not None:
+            self._pool.at_agents -= 1
+            self._pool = None

@@ -14,13 +14,14 @@ of the file for good. That stops the run (exit 1) naming the file.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import fcntl
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import orjson
 import structlog
 
 from dispatcher import jsonx
+from dispatcher.aio import Wakeup
 from dispatcher.config import FsyncPolicy
 from dispatcher.errors import ConfigError, OutputWriteError
 from dispatcher.state import OutputPaths
@@ -138,15 +140,24 @@ class RowWriter:
     """
 
     def __init__(
-        self, path: Path, policy: FsyncPolicy, *, interval_s: float = 0.05, max_rows: int = 256
+        self,
+        path: Path,
+        policy: FsyncPolicy,
+        *,
+        interval_s: float = 0.05,
+        max_rows: int = 256,
+        on_error: Callable[[OutputWriteError], None] | None = None,
+        index: LineIndex | None = None,
     ) -> None:
         self.path = path
         self._policy = policy
         self._interval_s = interval_s if policy == "batch" else 0.0
         self._max_rows = max_rows
+        self._on_error = on_error
+        self.index = index
         self._fd: int | None = None
         self._size = 0
-        self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
+        self._pending: list[tuple[bytes, asyncio.Future[int | None]]] = []
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._error: OutputWriteError | None = None
@@ -172,14 +183,18 @@ class RowWriter:
         """Queue one row and wait until it is durable; raises ``OutputWriteError``."""
         await self.append_line(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
 
-    async def append_line(self, line: bytes) -> None:
-        """``append`` for a row already serialized: one JSON object and its newline."""
+    async def append_line(self, line: bytes) -> int | None:
+        """``append`` for a row already serialized: one JSON object and its newline.
+
+        Returns the row's line number (from 1) when the writer keeps a
+        ``LineIndex``, else None.
+        """
         if self._error is not None:
             raise self._error
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         self._pending.append((line, future))
         self._wakeup.set()
-        await future
+        return await future
 
     async def close(self) -> None:
         """Write what is queued, then close."""
@@ -193,6 +208,22 @@ class RowWriter:
             self._fd = None
 
     async def _flush_loop(self) -> None:
+        """Write batches until closed; if it dies, every waiting row fails with it.
+
+        A flusher that died silently would leave each ``append`` waiting for
+        ever: the run would hang instead of failing.
+        """
+        try:
+            await self._flush_batches()
+        except Exception as exc:
+            self._error = OutputWriteError(f"{self.path}: the row writer failed: {exc!r}")
+            log.error("row_writer_failed", path=str(self.path), exc_info=exc)
+            batch = self._take_batch()
+            _settle([f for _, f in batch], self._error, 0)
+            if self._on_error is not None:
+                self._on_error(self._error)
+
+    async def _flush_batches(self) -> None:
         while True:
             await self._wakeup.wait()
             if self._interval_s and not self._closing:
@@ -200,7 +231,11 @@ class RowWriter:
             self._wakeup.clear()
             batch = self._take_batch()
             if batch:
-                await asyncio.to_thread(self._commit, batch)
+                try:
+                    await asyncio.to_thread(self._commit, batch)
+                except BaseException:
+                    self._pending = batch + self._pending  # failed by _flush_loop
+                    raise
             if self._closing and not self._pending:
                 return
 
@@ -214,14 +249,15 @@ class RowWriter:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
 
-    def _take_batch(self) -> list[tuple[bytes, asyncio.Future[None]]]:
+    def _take_batch(self) -> list[tuple[bytes, asyncio.Future[int | None]]]:
         batch, self._pending = self._pending, []
         return batch
 
-    def _commit(self, batch: list[tuple[bytes, asyncio.Future[None]]]) -> None:
+    def _commit(self, batch: list[tuple[bytes, asyncio.Future[int | None]]]) -> None:
         """Write one batch (in a thread) and settle its futures on the loop."""
         data = b"".join(line for line, _ in batch)
         error: OutputWriteError | None = None
+        start = self._size
         try:
             self._check_unchanged()
             self._write_all(data)
@@ -230,9 +266,21 @@ class RowWriter:
         except OSError as exc:
             error = self._fail(exc)
         loop = batch[0][1].get_loop()
-        loop.call_soon_threadsafe(_settle, [f for _, f in batch], error)
+        loop.call_soon_threadsafe(self._written, batch, start, error)
         if error is None:
             self.rows_written += len(batch)
+
+    def _written(
+        self,
+        batch: list[tuple[bytes, asyncio.Future[int | None]]],
+        start: int,
+        error: OutputWriteError | None,
+    ) -> None:
+        """On the loop: index the batch's lines (durable now), then wake their rows."""
+        first_seq = 0
+        if error is None and self.index is not None:
+            first_seq = self.index.add(start, [len(line) for line, _ in batch])
+        _settle([f for _, f in batch], error, first_seq)
 
     def _check_unchanged(self) -> None:
         """Raise ``_ChangedUnderUs`` unless our name still leads to our file, at our size."""
@@ -291,13 +339,70 @@ class _ChangedUnderUs(Exception):
 SETTLE_CHUNK = 32
 
 
-def _settle(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
-    for future in futures[:SETTLE_CHUNK]:
+def _settle(
+    futures: list[asyncio.Future[int | None]], error: BaseException | None, first_seq: int
+) -> None:
+    """Wake each row's commit with its line number (``first_seq`` on; 0: not indexed)."""
+    for i, future in enumerate(futures[:SETTLE_CHUNK]):
         if future.done():
             continue
-        if error is None:
-            future.set_result(None)
-        else:
+        if error is not None:
             future.set_exception(error)
+        else:
+            future.set_result(first_seq + i if first_seq else None)
     if len(futures) > SETTLE_CHUNK:
-        asyncio.get_running_loop().call_soon(_settle, futures[SETTLE_CHUNK:], error)
+        rest = futures[SETTLE_CHUNK:]
+        next_seq = first_seq + SETTLE_CHUNK if first_seq else 0
+        asyncio.get_running_loop().call_soon(_settle, rest, error, next_seq)
+
+
+class LineIndex:
+    """Where each line of an output file starts, so rows can be read by line number.
+
+    Service mode's results stream reads a job's rows from its file by their
+    ``_ng_seq`` (line number, from 1). The writer adds each batch once it is
+    durable and fires ``grew``; readers wait on it.
+    """
+
+    def __init__(self) -> None:
+        self.starts = array.array("Q")
+        self.end = 0
+        self.grew = Wakeup()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def add(self, start: int, lengths: list[int]) -> int:
+        """Index lines of ``lengths`` bytes written from ``start``; the first one's number."""
+        first_seq = len(self.starts) + 1
+        offset = start
+        for length in lengths:
+            self.starts.append(offset)
+            offset += length
+        self.end = offset
+        self.grew.fire()
+        return first_seq
+
+    def span(self, first_seq: int, last_seq: int) -> tuple[int, int]:
+        """Byte offsets ``[start, end)`` of lines ``first_seq``..``last_seq``."""
+        start = self.starts[first_seq - 1]
+        end = self.starts[last_seq] if last_seq < len(self.starts) else self.end
+        return start, end
+
+    @classmethod
+    def scan(cls, path: Path) -> LineIndex:
+        """An index of a file's whole lines (blocking). A torn tail is never indexed."""
+        index = cls()
+        index.load(path)
+        return index
+
+    def load(self, path: Path) -> None:
+        """Index the whole lines a file holds now (blocking; before anything is added)."""
+        offset = 0
+        with contextlib.suppress(FileNotFoundError), path.open("rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                self.starts.append(offset)
+                offset += len(line)
+        self.end = offset

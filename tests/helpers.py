@@ -323,6 +323,11 @@ class FakeAgent:
     def seen(self) -> int:
         return len(self.bodies)
 
+    @property
+    def holding(self) -> int:
+        """Requests held now, waiting for ``release_next`` or ``open``."""
+        return sum(1 for future in self._held if not future.done())
+
     def task_indexes(self) -> list[int]:
         return [b["_ng_task_index"] for b in self.bodies]
 

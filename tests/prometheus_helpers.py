@@ -39,7 +39,6 @@ def require_binary(name: str) -> str:
     return path
 
 
-
 class PrometheusServer:
     """One `prometheus` process with its own config and data directory."""
 

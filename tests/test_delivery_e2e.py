@@ -348,7 +348,6 @@ async def test_failures_are_warnings_with_the_status_and_every_line_has_the_run_
     assert {(e["level"], e["http_status"]) for e in finished} == {("warning", 500)}
 
 
-
 async def test_a_black_holed_address_hits_the_connect_timeout(
     tmp_path: Path, servers: Servers
 ) -> None:

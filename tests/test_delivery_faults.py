@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher import agents, finalizer, service
+from dispatcher import agents, daemon, finalizer
 from dispatcher.config import load_settings
 from dispatcher.errors import ExitCode
 from dispatcher.faults import FaultPersisted
@@ -72,7 +72,7 @@ async def test_running_out_of_descriptors_mid_run_requeues_and_shrinks_the_pool(
     tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Without the start-up cap, 200 rollouts want 200 sockets and get about 40.
-    monkeypatch.setattr(service, "FD_RESERVE", -10_000)
+    monkeypatch.setattr(daemon, "FD_RESERVE", -10_000)
     dispatcher = dispatcher_for(tmp_path, agent_url, 300, concurrency=200)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 48, hard))

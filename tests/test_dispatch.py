@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from dispatcher.agents import body_excerpt
-from dispatcher.scheduler import Admission, Budget, RolloutPool
+from dispatcher.scheduler import Budget, RolloutPool
 from dispatcher.tasks import Rollout
 from tests.conftest import SimAgentFactory
 from tests.helpers import (
@@ -98,7 +98,6 @@ def seen_count(agent: FakeAgent, count: int) -> Callable[[], bool]:
 
 def names_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
-
 
 
 # ---- the bounded pool --------------------------------------------------------
@@ -528,42 +527,54 @@ def test_without_a_budget_nothing_drains() -> None:
 
 async def test_the_drain_is_decided_after_the_slot_is_won() -> None:
     clock = FakeClock()
-    release = asyncio.Event()
-    started: list[int] = []
-
-    async def run_one(r: Rollout) -> None:
-        started.append(r.task_index)
-        await release.wait()
-
-    pool = RolloutPool(1, Budget(5.0, clock=clock), lambda: None, run_one)
-    assert await pool.admit(rollout(0)) is Admission.STARTED
-    waiting = asyncio.create_task(pool.admit(rollout(1)))
-    await wait_until(lambda: started == [0])
+    pool = RolloutPool(1, Budget(5.0, clock=clock), lambda: None)
+    first = await pool.admit("sim")
+    assert first is not None
+    waiting = asyncio.create_task(pool.admit("sim"))
+    await asyncio.sleep(0)
     assert not waiting.done()  # no slot yet
     clock.now += 5.0  # the budget runs out while it waits for the slot
-    release.set()
-    assert await waiting is Admission.DRAINED
-    assert started == [0]
+    first.release()
+    assert await waiting is None  # drained
     # A drained rollout gives its slot back at once.
-    assert await pool.admit(rollout(2)) is Admission.DRAINED
-    assert await pool.wait_idle(5.0)
+    assert await pool.admit("sim") is None
+    assert pool.at_agents == 0
 
 
 async def test_a_learned_margin_drains_once_known() -> None:
     clock = FakeClock()
     margin: list[float | None] = [None]
-
-    async def run_one(r: Rollout) -> None:
-        return None
-
-    pool = RolloutPool(2, Budget(10.0, clock=clock), lambda: margin[0], run_one)
+    pool = RolloutPool(2, Budget(10.0, clock=clock), lambda: margin[0])
     clock.now += 7.0
-    assert await pool.admit(rollout(0)) is Admission.STARTED
+    assert await pool.admit("sim") is not None
     margin[0] = 3.5  # e.g. the p75, known once five rollouts finished
-    assert await pool.admit(rollout(1)) is Admission.DRAINED
+    assert await pool.admit("sim") is None
     margin[0] = 2.5
-    assert await pool.admit(rollout(2)) is Admission.STARTED
-    assert await pool.wait_idle(5.0)
+    assert await pool.admit("sim") is not None
+    assert pool.at_agents == 2
+
+
+async def test_a_free_slot_goes_to_the_best_rank_then_the_first_comer() -> None:
+    pool = RolloutPool(1, Budget(None), lambda: None)
+    held = await pool.admit("sim")
+    assert held is not None
+    order: list[str] = []
+
+    async def admit(name: str, rank: tuple[int, ...]) -> None:
+        slots = await pool.admit("sim", rank)
+        assert slots is not None
+        order.append(name)
+        slots.release()
+
+    waiters = [
+        asyncio.create_task(admit("low", (0,))),
+        asyncio.create_task(admit("high-first", (-1,))),
+        asyncio.create_task(admit("high-second", (-1,))),
+    ]
+    await asyncio.sleep(0)
+    held.release()
+    await asyncio.gather(*waiters)
+    assert order == ["high-first", "high-second", "low"]
 
 
 # ---- bad input: exit 2, nothing dispatched, no file created --------------------

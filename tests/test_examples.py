@@ -169,15 +169,17 @@ def test_alert_rules_unit_tests_pass_in_promtool() -> None:
 def test_alert_rule_unit_tests_cover_every_rule() -> None:
     tests = yaml.safe_load((EXAMPLES / "prometheus" / "alerts_test.yml").read_text())["tests"]
     tested = {t["alertname"] for case in tests for t in case["alert_rule_test"]}
-    fired = {
-        t["alertname"] for case in tests for t in case["alert_rule_test"] if t["exp_alerts"]
-    }
-    assert tested == fired == {
-        "DispatcherRunStalled",
-        "DispatcherAllReplicasDown",
-        "DispatcherP95NearTimeout",
-        "DispatcherBudgetOverrun",
-    }
+    fired = {t["alertname"] for case in tests for t in case["alert_rule_test"] if t["exp_alerts"]}
+    assert (
+        tested
+        == fired
+        == {
+            "DispatcherRunStalled",
+            "DispatcherAllReplicasDown",
+            "DispatcherP95NearTimeout",
+            "DispatcherBudgetOverrun",
+        }
+    )
 
 
 def test_prometheus_example_discovers_runs_from_their_target_files() -> None:

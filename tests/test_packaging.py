@@ -195,5 +195,3 @@ def test_image_gets_the_examples() -> None:
     assert "LICENSE" in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().splitlines()
     assert "!dispatcher/" in ignored and "!LICENSE" in ignored
-
-

@@ -1,7 +1,7 @@
 """Delivery history across hops: retries and replica health, as ``status`` and ``report`` show it.
 
 Each hop appends what its delivery saw to the manifest's ``delivery_history``
-(``service.Dispatcher``); this module sums the hops and renders them.
+(``job.Job``); this module sums the hops and renders them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The daemon's own HTTP endpoints: /metrics, /healthz and /status.
+"""The daemon's own HTTP endpoints: /metrics, /healthz and /status (and the jobs API's routes).
 
 They run on the daemon's event loop rather than in a thread: a scrape then
 sees a consistent state without locks, and a scrape that times out is itself
@@ -23,6 +23,8 @@ SHUTDOWN_TIMEOUT_S = 2.0
 
 StatusFn = Callable[[], Mapping[str, Any]]
 HealthFn = Callable[[], bool]
+# Adds more routes to the application (service mode's jobs API).
+Routes = Callable[[web.Application], None]
 
 
 def parse_listen(value: str) -> tuple[str, int] | None:
@@ -50,7 +52,14 @@ def _check_ipv6(host: str, value: str) -> None:
         raise ValueError(f"not an IPv6 address in the metrics address {value!r}") from None
 
 
-def build_app(*, metrics: Metrics, status: StatusFn, healthy: HealthFn) -> web.Application:
+def build_app(
+    *,
+    metrics: Metrics,
+    status: StatusFn,
+    healthy: HealthFn,
+    routes: Routes | None = None,
+    max_body_bytes: int | None = None,
+) -> web.Application:
     """The aiohttp application behind `start_http_server` (also usable with a test client)."""
 
     async def handle_metrics(request: web.Request) -> web.Response:
@@ -61,20 +70,22 @@ def build_app(*, metrics: Metrics, status: StatusFn, healthy: HealthFn) -> web.A
 
     async def handle_healthz(request: web.Request) -> web.Response:
         if healthy():
-            return _json({"status": "ok"})
-        return _json({"status": "shutting_down"}, status=503)
+            return json_response({"status": "ok"})
+        return json_response({"status": "shutting_down"}, status=503)
 
     async def handle_status(request: web.Request) -> web.Response:
-        return _json(status())
+        return json_response(status())
 
-    app = web.Application()
+    app = web.Application(client_max_size=max_body_bytes or 1024**2)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/status", handle_status)
+    if routes is not None:
+        routes(app)
     return app
 
 
-def _json(body: Mapping[str, Any], *, status: int = 200) -> web.Response:
+def json_response(body: Mapping[str, Any], *, status: int = 200) -> web.Response:
     # NaN and inf become null, datetimes ISO strings; non-str keys are allowed
     # so a mapping keyed by quantile floats still serializes.
     payload = orjson.dumps(body, default=str, option=orjson.OPT_NON_STR_KEYS)
@@ -88,13 +99,21 @@ async def start_http_server(
     metrics: Metrics,
     status: StatusFn,
     healthy: HealthFn,
+    routes: Routes | None = None,
+    max_body_bytes: int | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve the endpoints on the running loop; returns the runner and the bound port.
 
     Port 0 binds a free port. Stop with `await runner.cleanup()`. A busy port
     raises OSError before anything is served.
     """
-    app = build_app(metrics=metrics, status=status, healthy=healthy)
+    app = build_app(
+        metrics=metrics,
+        status=status,
+        healthy=healthy,
+        routes=routes,
+        max_body_bytes=max_body_bytes,
+    )
     # No access log: Prometheus scraping every few seconds would drown the log.
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()

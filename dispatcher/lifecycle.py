@@ -1,0 +1,71 @@
+"""Lifecycle states as enums whose moves only go forward.
+
+A late event must not undo a later state: a SIGTERM that arrives while the
+daemon writes its summary must not turn "finished" back into "draining", and
+a cancel that races a job's last commit must not turn "done" into
+"cancelled". ``Lifecycle.advance`` ignores any move to a state that is not
+after the current one, and says so by returning False.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+
+class Phase(StrEnum):
+    """The daemon's phases, in the only order they can follow."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    SHUTTING_DOWN = "shutting_down"
+    FINISHED = "finished"
+
+
+class JobState(StrEnum):
+    """A job's states (service mode). The last four are final; ``incomplete``
+    (rollouts left for a later hop) is final for this daemon's life only."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING)
+
+
+S = TypeVar("S", Phase, JobState)
+
+# The rank of each state: a move goes only to a higher rank. The final job
+# states share one rank, so whichever comes first stays.
+_RANK: dict[StrEnum, int] = {
+    **{phase: rank for rank, phase in enumerate(Phase)},
+    JobState.QUEUED: 0,
+    JobState.RUNNING: 1,
+    JobState.DONE: 2,
+    JobState.INCOMPLETE: 2,
+    JobState.FAILED: 2,
+    JobState.CANCELLED: 2,
+}
+
+
+class Lifecycle(Generic[S]):
+    """The current state, moved only forward."""
+
+    def __init__(self, initial: S) -> None:
+        self.state: S = initial
+
+    def advance(self, to: S) -> bool:
+        """Move to ``to`` when it comes after the current state; False otherwise."""
+        if _RANK[to] <= _RANK[self.state]:
+            return False
+        self.state = to
+        return True
+
+    def at_least(self, state: S) -> bool:
+        return _RANK[self.state] >= _RANK[state]

@@ -1,0 +1,133 @@
+"""The jobs API (DESIGN A12) as aiohttp routes on the daemon's one listener.
+
+    POST   /v1/jobs                      submit (201 new, 200 the same again, 400, 409)
+    GET    /v1/jobs                      every job's status
+    GET    /v1/jobs/<id>                 one job's status (404 unknown)
+    DELETE /v1/jobs/<id>                 cancel: its rollouts at agents write nothing
+    GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true)
+    POST   /v1/policy                    {"version": V}: the trainer's policy version
+    GET    /v1/policy                    the current version
+
+Every error is a JSON object with one line under ``error``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from dispatcher.serve.results import stream
+from dispatcher.serve.service import BadJob, Conflict, Service
+from dispatcher.telemetry.server import Routes, json_response
+
+log = structlog.get_logger("dispatcher.serve")
+
+NDJSON = "application/x-ndjson"
+# A job's rows arrive in its body: allow real batches of prompts.
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+def routes(service: Service) -> Routes:
+    """The routes of the jobs API, bound to ``service``."""
+    handlers = _Handlers(service)
+
+    def add(app: web.Application) -> None:
+        app.router.add_post("/v1/jobs", handlers.submit)
+        app.router.add_get("/v1/jobs", handlers.list_jobs)
+        app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
+        app.router.add_delete("/v1/jobs/{job_id}", handlers.cancel)
+        app.router.add_get("/v1/jobs/{job_id}/results", handlers.results)
+        app.router.add_post("/v1/policy", handlers.set_policy)
+        app.router.add_get("/v1/policy", handlers.get_policy)
+
+    return add
+
+
+def error(status: int, message: str) -> web.Response:
+    return json_response({"error": message}, status=status)
+
+
+class _Handlers:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    async def submit(self, request: web.Request) -> web.Response:
+        try:
+            code, status = await self.service.submit(await request.read())
+        except BadJob as exc:
+            return error(400, str(exc))
+        except Conflict as exc:
+            return error(409, str(exc))
+        return json_response(status, status=code)
+
+    async def list_jobs(self, request: web.Request) -> web.Response:
+        return json_response({"jobs": [j.status() for j in self.service.jobs.values()]})
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        served = self.service.jobs.get(request.match_info["job_id"])
+        if served is None:
+            return _unknown(request)
+        return json_response(served.status())
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        status = self.service.cancel(request.match_info["job_id"])
+        if status is None:
+            return _unknown(request)
+        return json_response(status)
+
+    async def results(self, request: web.Request) -> web.StreamResponse:
+        served = self.service.jobs.get(request.match_info["job_id"])
+        if served is None:
+            return _unknown(request)
+        try:
+            after = _int_param(request, "after", 0)
+            group = _bool_param(request, "group")
+            wait = _bool_param(request, "wait")
+        except ValueError as exc:
+            return error(400, str(exc))
+        response = web.StreamResponse(headers={"Content-Type": NDJSON})
+        await response.prepare(request)
+        source = await served.source()
+        async for chunk in stream(source, after, group, wait):
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    async def set_policy(self, request: web.Request) -> web.Response:
+        try:
+            body: Any = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return error(400, "body: not valid JSON")
+        version = body.get("version") if isinstance(body, dict) else None
+        if type(version) is not int or version < 0:
+            return error(400, "version: must be an integer >= 0")
+        await self.service.set_policy(version)
+        return json_response({"version": version})
+
+    async def get_policy(self, request: web.Request) -> web.Response:
+        return json_response({"version": self.service.daemon.policy_version()})
+
+
+def _unknown(request: web.Request) -> web.Response:
+    return error(404, f"job_id: no job {request.match_info['job_id']!r}")
+
+
+def _int_param(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name}: must be an integer >= 0, got {raw!r}")
+    return int(raw)
+
+
+def _bool_param(request: web.Request, name: str) -> bool:
+    raw = request.query.get(name, "false").lower()
+    if raw in ("true", "1", "yes"):
+        return True
+    if raw in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{name}: must be true or false, got {raw!r}")

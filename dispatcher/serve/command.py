@@ -1,0 +1,127 @@
+"""``dispatcher serve``: one daemon for a whole training run (DESIGN A12).
+
+The table of contents is ``serve``: lock the state directory, bind the
+listener (jobs API, /metrics, /healthz, /status), start the daemon, resume
+every unfinished job, then serve until SIGTERM/SIGINT or the budget's end;
+shutdown runs the exit stack in reverse (jobs settle with the grace, then the
+daemon, the listener last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+import structlog
+
+from dispatcher.config import RunSettings, load_settings
+from dispatcher.daemon import Daemon, PolicyClock
+from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.latency import DispatchLatencyTracker
+from dispatcher.serve import api
+from dispatcher.serve.registry import Registry
+from dispatcher.serve.service import Service
+from dispatcher.serving import listen_address
+from dispatcher.telemetry.logs import configure_logging
+
+log = structlog.get_logger("dispatcher.serve")
+
+# Flags of `run` that belong to a job (its body says them) or to `run` alone.
+_NOT_SERVE_FLAGS = frozenset(
+    {"--input", "--output", "--limit", "--shard", "--metrics-listen", "--metrics-sd-dir"}
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from dispatcher.cli import add_run_arguments
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="a daemon for a whole training run: jobs over HTTP, rows streamed back",
+        description=(
+            "Serves the jobs API (POST/GET/DELETE /v1/jobs, /v1/jobs/ID/results, /v1/policy), "
+            "/metrics, /healthz and /status on --listen. Each job is a run of its own under "
+            "STATE_DIR/jobs/ID. After any kill, the same command resumes every unfinished "
+            "job. Takes the flags of `dispatcher run` that are not a job's."
+        ),
+    )
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on")
+    parser.add_argument("--state-dir", required=True, metavar="DIR", help="the job registry")
+    parser.add_argument(
+        "--max-off-policy-steps",
+        metavar="K",
+        help="a job for policy version p starts rollouts only once the trainer's version "
+        "is >= p - K (default: no pacing)",
+    )
+    add_run_arguments(parser, exclude=_NOT_SERVE_FLAGS)
+    parser.set_defaults(handler=serve_command, is_async=True)
+
+
+async def serve_command(args: argparse.Namespace) -> int:
+    from dispatcher.cli import _tune_gc, budget_seconds, run_flag_values
+
+    listen_address(args.listen)  # a bad address is named as --listen
+    state_dir = Path(args.state_dir)
+    values = run_flag_values(args)
+    # Jobs name their own files; these are placeholders the daemon never opens.
+    values.update(
+        input=state_dir / "jobs", output=state_dir / "jobs" / "x.jsonl", metrics_listen=args.listen
+    )
+    settings = load_settings(values)
+    configure_logging(settings.log_format, level=settings.log_level)
+    _tune_gc()
+    steps = _steps(args.max_off_policy_steps)
+    return int(await serve(settings, state_dir, steps, budget_seconds(settings)))
+
+
+def _steps(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise ConfigError(f"--max-off-policy-steps {value!r}: must be an integer >= 0")
+    return int(value)
+
+
+async def serve(
+    settings: RunSettings,
+    state_dir: Path,
+    max_off_policy_steps: int | None,
+    budget_s: float | None,
+) -> ExitCode:
+    """Run the daemon until a stop; the exit code (75 while jobs are unfinished)."""
+    registry = Registry(state_dir)
+    await asyncio.to_thread(registry.lock)
+    try:
+        daemon = Daemon(settings, budget_s=budget_s, latency=DispatchLatencyTracker())
+        daemon.policy = PolicyClock(await asyncio.to_thread(registry.read_policy))
+        daemon.stop_at_budget_end = True
+        service = Service(daemon, settings, registry, max_off_policy_steps)
+        async with contextlib.AsyncExitStack() as stack:
+            await daemon.listen(
+                service.status, daemon.healthy, api.routes(service), api.MAX_BODY_BYTES
+            )
+            stack.push_async_callback(daemon.close)
+            await daemon.start(service.status)
+            daemon.begin_dispatch()
+            stack.push_async_callback(service.close)
+            await service.resume()
+            _announce(daemon, state_dir)
+            await daemon.stop_requested.wait()
+        return service.exit_code()
+    finally:
+        registry.unlock()
+
+
+def _announce(daemon: Daemon, state_dir: Path) -> None:
+    endpoint = daemon.metrics_endpoint
+    assert endpoint is not None
+    url = endpoint.url.removesuffix("/metrics")
+    log.info(
+        "serve_started", url=url, state_dir=str(state_dir), policy_version=daemon.policy_version()
+    )
+    # The one line other programs wait for: it means the jobs API accepts requests.
+    sys.stdout.write(f"dispatcher serve listening on {url}\n")
+    sys.stdout.flush()

@@ -1,0 +1,111 @@
+"""Complete groups: tasks whose every repeat is final, in the order they completed.
+
+A trainer that computes advantages per prompt group wants a group only once
+all of its repeats are final (DESIGN A12, ``group=true``). ``Groups`` counts
+each task's final rollouts; when a task's count reaches its repeats, one line
+``{"task_index", "rows": [seq, ...], "failures": n}`` is appended to the job's
+``groups.jsonl``. A group's ``_ng_seq`` on the stream is its line number
+there, so ``after=`` resumes a group stream as exactly as a row stream.
+
+The file is derived data: on open, groups that completed before a kill -9
+but whose line was lost are appended again (in task order), so the order is
+fixed once written and never changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dispatcher import jsonx
+from dispatcher.config import FsyncPolicy
+from dispatcher.outcome import Outcome
+from dispatcher.state import RunState, repair_torn_tail, row_key, task_of
+from dispatcher.store import LineIndex, RowWriter
+from dispatcher.tasks import Rollout, materialized_key
+
+
+class Groups:
+    """Counts final rollouts per task and logs each task once all its repeats are final."""
+
+    def __init__(self, path: Path, fsync: FsyncPolicy) -> None:
+        self.path = path
+        self._fsync = fsync
+        self.expected: Counter[int] = Counter()
+        self.final: Counter[int] = Counter()
+        self.failures: Counter[int] = Counter()
+        self.rows: defaultdict[int, list[int]] = defaultdict(list)
+        self.logged: set[int] = set()
+        self.index = LineIndex()
+        self._writer: RowWriter | None = None
+        self._appends: set[asyncio.Task[int | None]] = set()
+
+    def load(self, materialized: Path, output: Path, state: RunState) -> list[int]:
+        """Read back what earlier hops did (blocking); the complete tasks not yet logged."""
+        with materialized.open("rb") as f:
+            for line in f:
+                self.expected[task_of(materialized_key(line))] += 1
+        with output.open("rb") as f:
+            for seq, line in enumerate(f, start=1):
+                key = row_key(jsonx.loads(line))
+                if key is not None:
+                    self.rows[task_of(key)].append(seq)
+                    self.final[task_of(key)] += 1
+        for key in state.failed_attempts:
+            if state.is_final(key) and key not in state.successes:
+                self.failures[task_of(key)] += 1
+                self.final[task_of(key)] += 1
+        repair_torn_tail(self.path)
+        self.index.load(self.path)
+        with self.path.open("ab+") as f:
+            f.seek(0)
+            for line in f:
+                self.logged.add(orjson.loads(line)["task_index"])
+        return sorted(t for t in self.expected if self._complete(t) and t not in self.logged)
+
+    async def open(self, missing: list[int]) -> None:
+        self._writer = RowWriter(self.path, self._fsync, index=self.index)
+        self._writer.open()
+        for task in missing:
+            self._log(task)
+
+    def on_final(self, rollout: Rollout, outcome: Outcome, seq: int | None) -> None:
+        """Count one final rollout (``Job``'s hook); log its group when it completes it."""
+        task = rollout.task_index
+        self.final[task] += 1
+        if outcome is Outcome.SUCCESS and seq is not None:
+            self.rows[task].append(seq)
+        else:
+            self.failures[task] += 1
+        if self._complete(task) and task not in self.logged:
+            self._log(task)
+
+    def _complete(self, task: int) -> bool:
+        return self.final[task] >= self.expected[task] > 0
+
+    def _log(self, task: int) -> None:
+        assert self._writer is not None
+        self.logged.add(task)
+        line = orjson.dumps(
+            {"task_index": task, "rows": sorted(self.rows[task]), "failures": self.failures[task]},
+            option=orjson.OPT_APPEND_NEWLINE,
+        )
+        append = asyncio.create_task(self._writer.append_line(line), name=f"group:{task}")
+        self._appends.add(append)
+        append.add_done_callback(self._appends.discard)
+
+    async def close(self) -> None:
+        if self._appends:
+            await asyncio.wait(set(self._appends))
+        if self._writer is not None:
+            await self._writer.close()
+
+
+def group_line(record: bytes) -> dict[str, Any]:
+    """A line of ``groups.jsonl``, parsed."""
+    data: dict[str, Any] = orjson.loads(record)
+    return data

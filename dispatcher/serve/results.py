@@ -1,0 +1,126 @@
+"""A job's results stream (DESIGN A12): durable success rows as NDJSON, resumable exactly.
+
+Rows are read back from the job's output file by line number, so the stream
+only ever shows what is durable, in commit order, and ``after=SEQ`` resumes
+it exactly. A row's line gets ``"_ng_seq": N`` spliced in front (its bytes
+are not parsed). With ``group=true`` the stream walks ``groups.jsonl``
+instead (``groups.py``) and sends each complete group with its rows.
+
+A live job's line indexes wake waiting streams the moment a batch is
+durable; a job that is no longer running is read from its files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from dispatcher.store import LineIndex
+
+# Lines read per chunk: big enough to amortize the thread hop, small enough
+# that a stream of multi-megabyte rows holds a bounded amount of memory.
+CHUNK_LINES = 64
+CHUNK_BYTES = 8 * 1024 * 1024
+# A stream wakes at least this often to check that its job is still running.
+IDLE_CHECK_S = 1.0
+
+
+@dataclass
+class Source:
+    """Where a job's results are, and whether more may come."""
+
+    output: Path
+    rows: LineIndex
+    groups_path: Path
+    groups: LineIndex
+    final_state: Callable[[], str | None]
+
+
+async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIterator[bytes]:
+    """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line."""
+    index = source.groups if group else source.rows
+    next_seq = after + 1
+    with _Reader(source.output) as rows, _Reader(source.groups_path) as groups:
+        while True:
+            # The job's state first: a job final now has every line indexed.
+            final = source.final_state()
+            if next_seq <= len(index):
+                last = _chunk_end(index, next_seq)
+                if group:
+                    chunk = await asyncio.to_thread(
+                        _groups_chunk, groups, rows, source, next_seq, last
+                    )
+                else:
+                    chunk = await asyncio.to_thread(_rows_chunk, rows, index, next_seq, last)
+                next_seq = last + 1
+                yield chunk
+                continue
+            if final is not None:
+                if wait:
+                    yield orjson.dumps({"end": final}, option=orjson.OPT_APPEND_NEWLINE)
+                return
+            if not wait:
+                return
+            await index.grew.wait(IDLE_CHECK_S)
+
+
+def _chunk_end(index: LineIndex, first: int) -> int:
+    last = min(len(index), first + CHUNK_LINES - 1)
+    while last > first and index.span(first, last)[1] - index.span(first, first)[0] > CHUNK_BYTES:
+        last = first + (last - first) // 2
+    return last
+
+
+class _Reader:
+    """A file read with ``pread``, opened when first read."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._fd: int | None = None
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+    def read(self, start: int, end: int) -> bytes:
+        # Opened on first use: a queued job's files do not exist yet.
+        if self._fd is None:
+            self._fd = os.open(self._path, os.O_RDONLY)
+        return os.pread(self._fd, end - start, start)
+
+
+def with_seq(line: bytes, seq: int) -> bytes:
+    """A row's line with ``"_ng_seq": seq`` first, without parsing it."""
+    head = b'{"_ng_seq":%d' % seq
+    body = line.rstrip(b"\n")
+    if body == b"{}":
+        return head + b"}"
+    return head + b"," + body[1:]
+
+
+def _rows_chunk(reader: _Reader, index: LineIndex, first: int, last: int) -> bytes:
+    start, end = index.span(first, last)
+    data = reader.read(start, end)
+    lines = data.splitlines()
+    return b"".join(with_seq(line, first + i) + b"\n" for i, line in enumerate(lines))
+
+
+def _groups_chunk(groups: _Reader, rows: _Reader, source: Source, first: int, last: int) -> bytes:
+    start, end = source.groups.span(first, last)
+    out = []
+    for i, record in enumerate(groups.read(start, end).splitlines()):
+        group = orjson.loads(record)
+        parts = [with_seq(rows.read(*source.rows.span(s, s)), s) for s in group["rows"]]
+        out.append(
+            b'{"_ng_seq":%d,"task_index":%d,"failures":%d,"rows":[%s]}\n'
+            % (first + i, group["task_index"], group["failures"], b",".join(parts))
+        )
+    return b"".join(out)

@@ -1,0 +1,146 @@
+"""A job's body (DESIGN A12), validated whole before anything touches the disk.
+
+``JobSpec.parse`` turns a request body into a spec or a ``BadJob`` whose one
+line names the field. ``check_tasks`` then runs the rows (or the task file)
+through the same validation as ``dispatcher run`` into a scratch file, so a
+malformed row is a 400 naming ``rows[i]`` and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dispatcher.capture.store import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
+from dispatcher.config import MAX_REPEATS, RunSettings
+from dispatcher.errors import ConfigError
+from dispatcher.tasks import MaterializeSpec, materialize
+
+
+class BadJob(Exception):
+    """A job body that cannot be run: a 400 with this one-line message."""
+
+
+class JobSpec(BaseModel):
+    """What a trainer submits; ``job_id`` makes the submission idempotent."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    job_id: str | None = Field(
+        default=None, pattern=ROLLOUT_ID_PATTERN, max_length=MAX_ROLLOUT_ID_LEN
+    )
+    rows: list[dict[str, Any]] | None = None
+    input: str | None = None
+    num_repeats: int | None = Field(default=None, ge=1, le=MAX_REPEATS)
+    default_agent: str | None = None
+    policy_version: int | None = Field(default=None, ge=0)
+    priority: int = 0
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _rows_or_input(self) -> JobSpec:
+        if (self.rows is None) == (self.input is None):
+            raise ValueError("give exactly one of rows or input")
+        if self.rows is not None and not self.rows:
+            raise ValueError("rows: a job needs at least one row")
+        return self
+
+    @classmethod
+    def parse(cls, body: bytes, agents: dict[str, list[str]]) -> JobSpec:
+        """The spec of a request body; ``BadJob`` naming the field when it is not one."""
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadJob(f"body: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise BadJob("body: must be a JSON object")
+        try:
+            spec = cls.model_validate(data)
+        except ValidationError as exc:
+            raise BadJob(_first_error(exc)) from None
+        if spec.default_agent is not None and spec.default_agent not in agents:
+            known = ", ".join(sorted(agents))
+            raise BadJob(f"default_agent: unknown agent {spec.default_agent!r} (known: {known})")
+        return spec
+
+    def with_id(self) -> JobSpec:
+        """The spec with its ``job_id``, one made up when the trainer gave none."""
+        if self.job_id is not None:
+            return self
+        return self.model_copy(update={"job_id": f"job-{uuid.uuid4().hex[:12]}"})
+
+    def digest(self) -> str:
+        """The job's identity: the same body again is the same job."""
+        data = self.model_dump(mode="json")
+        return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    def settings(self, base: RunSettings, input_path: Path, output: Path) -> RunSettings:
+        """The job's run settings: the daemon's, with this job's files and task keys."""
+        values = base.model_dump()
+        values.update(input=input_path, output=output, shard=None)
+        if self.num_repeats is not None:
+            values["num_repeats"] = self.num_repeats
+        if self.default_agent is not None:
+            values["default_agent"] = self.default_agent
+        return RunSettings.model_validate(values)
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "body"
+    if error["type"] == "extra_forbidden":
+        return f"{where}: not a job field"
+    return f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """The submitted rows as a task file (blocking)."""
+    with path.open("wb") as f:
+        for row in rows:
+            f.write(orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch: Path) -> None:
+    """Validate the job's rows or task file as ``dispatcher run`` would (blocking).
+
+    Runs in ``scratch``, which is left empty: a bad job creates nothing.
+    """
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch) as folder:
+        tasks = Path(folder) / "rows.jsonl"
+        if spec.rows is not None:
+            write_rows(spec.rows, tasks)
+        else:
+            tasks = _readable_input(spec.input)
+        try:
+            job_settings = settings(tasks)
+            materialize(MaterializeSpec.from_settings(job_settings, None), Path(folder) / "m.jsonl")
+        except ConfigError as exc:
+            raise BadJob(_rows_named(str(exc), tasks)) from None
+
+
+def _readable_input(value: str | None) -> Path:
+    assert value is not None
+    path = Path(value)
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise BadJob(f"input: {value!r} is not a readable file")
+    return path
+
+
+def _rows_named(message: str, tasks: Path) -> str:
+    """Name a submitted row ``rows[i]`` instead of its line in the scratch file."""
+    prefix = f"{tasks}:"
+    if not message.startswith(prefix) or tasks.name != "rows.jsonl":
+        return message
+    line, _, rest = message[len(prefix) :].partition(":")
+    return f"rows[{int(line) - 1}]:{rest}" if line.isdigit() else message

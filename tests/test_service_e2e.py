@@ -1,0 +1,333 @@
+"""Service mode (DESIGN A12) through the real CLI: `dispatcher serve` in a subprocess,
+real agents on 127.0.0.1, the jobs API over HTTP.
+
+Agents are gated by the test where ordering matters (``FakeAgent``); no sleeps.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import SimAgentFactory
+from tests.helpers import CliProcess, FakeAgent, read_jsonl, spawn_cli, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Serve:
+    """A running ``dispatcher serve`` and an HTTP session to it."""
+
+    def __init__(self, proc: CliProcess, url: str, session: aiohttp.ClientSession) -> None:
+        self.proc = proc
+        self.url = url
+        self.http = session
+
+    @classmethod
+    async def start(cls, state_dir: Path, agent_url: str, *flags: str) -> Serve:
+        proc = await spawn_cli(
+            "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+            "--agent", f"sim={agent_url}", "--log-format", "json", "--fsync", "never", *flags,
+        )  # fmt: skip
+        await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
+        assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
+        url = proc.stdout[0].decode().split()[-1]
+        return cls(proc, url, aiohttp.ClientSession())
+
+    async def submit(self, expect: int = 201, **body: Any) -> dict[str, Any]:
+        async with self.http.post(f"{self.url}/v1/jobs", data=orjson.dumps(body)) as r:
+            data: dict[str, Any] = await r.json()
+            assert r.status == expect, data
+            return data
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        async with self.http.get(f"{self.url}/v1/jobs/{job_id}") as r:
+            data: dict[str, Any] = await r.json()
+            return data
+
+    async def results(self, job_id: str, **params: Any) -> list[dict[str, Any]]:
+        """Every line of a results stream, read to its end."""
+        query = {k: str(v).lower() for k, v in params.items()}
+        async with self.http.get(f"{self.url}/v1/jobs/{job_id}/results", params=query) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"] == "application/x-ndjson"
+            return [orjson.loads(line) async for line in r.content if line.strip()]
+
+    def slot_waiters(self, count: int) -> Any:
+        """A condition: ``count`` jobs wait for a slot of the pool (from /status)."""
+
+        async def check() -> bool:
+            async with self.http.get(f"{self.url}/status") as r:
+                return bool((await r.json())["slot_waiters"] == count)
+
+        return check
+
+    def in_state(self, job_id: str, state: str) -> Any:
+        """A condition: the job's status says ``state``."""
+
+        async def check() -> bool:
+            return bool((await self.job(job_id))["state"] == state)
+
+        return check
+
+    async def set_policy(self, version: int) -> None:
+        async with self.http.post(f"{self.url}/v1/policy", json={"version": version}) as r:
+            assert r.status == 200
+
+    async def stop(self, sig: int = signal.SIGTERM) -> int:
+        await self.http.close()
+        if sig == signal.SIGKILL:
+            return (await self.proc.kill()).returncode
+        self.proc.send_signal(sig)
+        result = await self.proc.wait()
+        if result.returncode != 0:
+            print(result.stderr[-3000:])
+        return result.returncode
+
+
+@pytest.fixture
+async def gated_agent() -> AsyncIterator[FakeAgent]:
+    agent = FakeAgent(gated=True)
+    await agent.start()
+    yield agent
+    await agent.close()
+
+
+def rows(count: int, **extra: Any) -> list[dict[str, Any]]:
+    return [{"agent_ref": {"name": "sim"}, "question": i, **extra} for i in range(count)]
+
+
+def keys(lines: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    return [(row["_ng_task_index"], row["_ng_rollout_index"]) for row in lines]
+
+
+def row_lines(stream: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [line for line in stream if "end" not in line]
+
+
+async def test_three_jobs_by_priority_every_row_streamed_once_in_groups(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    serve = await Serve.start(tmp_path / "state", gated_agent.url, "--concurrency", "1")
+    try:
+        # One slot, held: the order in which the agent sees the rest shows who won it.
+        await serve.submit(job_id="first", rows=rows(1, job="first"))
+        await wait_until(lambda: gated_agent.holding == 1)
+        for job_id, priority in (("low", 0), ("high", 5), ("mid", 2)):
+            await serve.submit(job_id=job_id, rows=rows(2, job=job_id), num_repeats=2,
+                               priority=priority)  # fmt: skip
+        await wait_until(serve.slot_waiters(3))
+        gated_agent.open()
+        streams = {j: await serve.results(j, wait=True) for j in ("first", "low", "high", "mid")}
+        groups = {j: await serve.results(j, wait=True, group=True) for j in ("low", "high", "mid")}
+    finally:
+        assert await serve.stop() == 0
+    # The slot went by priority: high's 4 rollouts, then mid's, then low's.
+    order = [body["job"] for body in gated_agent.bodies]
+    assert order == ["first"] + ["high"] * 4 + ["mid"] * 4 + ["low"] * 4
+    for job_id, stream in streams.items():
+        lines = row_lines(stream)
+        assert stream[-1] == {"end": "done"}
+        assert [line["_ng_seq"] for line in lines] == list(range(1, len(lines) + 1))
+        assert len(set(keys(lines))) == len(lines) == (1 if job_id == "first" else 4)
+    for stream in groups.values():
+        complete = row_lines(stream)
+        assert [g["_ng_seq"] for g in complete] == [1, 2]
+        assert sorted(g["task_index"] for g in complete) == [0, 1]
+        for group in complete:
+            assert group["failures"] == 0
+            assert {r["_ng_task_index"] for r in group["rows"]} == {group["task_index"]}
+            assert sorted(r["_ng_rollout_index"] for r in group["rows"]) == [0, 1]
+
+
+async def test_a_consumer_that_reconnects_with_after_misses_and_repeats_nothing(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    serve = await Serve.start(tmp_path / "state", gated_agent.url, "--concurrency", "4")
+    got: list[dict[str, Any]] = []
+    try:
+        await serve.submit(job_id="j", rows=rows(10))
+        url = f"{serve.url}/v1/jobs/j/results"
+        async with serve.http.get(url, params={"wait": "true"}) as r:
+            for _ in range(3):
+                await wait_until(lambda: gated_agent.holding > 0)
+                gated_agent.release_next()
+                got.append(orjson.loads(await r.content.readline()))
+        # The connection is gone; rows keep coming while nobody reads.
+        for _ in range(4):
+            await wait_until(lambda: gated_agent.holding > 0)
+            gated_agent.release_next()
+        await wait_until(lambda: _durable(tmp_path, "j") >= 7)
+        gated_agent.open()
+        got += await serve.results("j", after=got[-1]["_ng_seq"], wait=True)
+    finally:
+        assert await serve.stop() == 0
+    assert got[-1] == {"end": "done"}
+    lines = row_lines(got)
+    assert [line["_ng_seq"] for line in lines] == list(range(1, 11))
+    assert sorted(keys(lines)) == [(i, 0) for i in range(10)]
+
+
+def _durable(tmp_path: Path, job_id: str) -> int:
+    output = tmp_path / "state" / "jobs" / job_id / "rollouts.jsonl"
+    return output.read_bytes().count(b"\n") if output.exists() else 0
+
+
+async def test_delete_cancels_a_job_and_its_in_flight_rollouts_write_nothing(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    serve = await Serve.start(tmp_path / "state", gated_agent.url, "--concurrency", "3")
+    try:
+        await serve.submit(job_id="doomed", rows=rows(20))
+        await wait_until(lambda: gated_agent.holding == 3)
+        gated_agent.release_next()
+        # One row written, and its freed slot taken by a fourth rollout.
+        await wait_until(lambda: _durable(tmp_path, "doomed") == 1 and gated_agent.holding == 3)
+        async with serve.http.delete(f"{serve.url}/v1/jobs/doomed") as r:
+            assert r.status == 200
+        stream = await serve.results("doomed", wait=True)
+        status = await serve.job("doomed")
+        await wait_until(lambda: gated_agent.disconnects == 3)
+    finally:
+        assert await serve.stop() == 0
+    assert stream[-1] == {"end": "cancelled"}
+    assert len(row_lines(stream)) == 1
+    assert status["state"] == "cancelled" and status["final"] is True
+    folder = tmp_path / "state" / "jobs" / "doomed"
+    assert len(read_jsonl(folder / "rollouts.jsonl")) == 1
+    assert read_jsonl(folder / "rollouts_failures.jsonl") == []
+    assert gated_agent.seen == 4  # nothing started after the cancel
+
+
+async def test_kill_9_mid_job_then_the_same_command_finishes_every_job_exactly_once(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent(latency_s=0.05)
+    state = tmp_path / "state"
+    serve = await Serve.start(state, url, "--concurrency", "8")
+    await serve.submit(job_id="a", rows=rows(40), num_repeats=2)
+    await serve.submit(job_id="b", rows=rows(30), priority=1)
+    await wait_until(lambda: _durable(tmp_path, "a") + _durable(tmp_path, "b") >= 10)
+    assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    again = await Serve.start(state, url, "--concurrency", "8")
+    try:
+        streams = {j: await again.results(j, wait=True) for j in ("a", "b")}
+        listing = await again.http.get(f"{again.url}/v1/jobs")
+        jobs = {j["job_id"]: j for j in (await listing.json())["jobs"]}
+    finally:
+        assert await again.stop() == 0
+    for job_id, expected in (("a", 80), ("b", 30)):
+        assert streams[job_id][-1] == {"end": "done"}
+        lines = row_lines(streams[job_id])
+        assert len(lines) == expected
+        assert len(set(keys(lines))) == expected
+        assert jobs[job_id]["state"] == "done"
+        output = read_jsonl(state / "jobs" / job_id / "rollouts.jsonl")
+        assert Counter(keys(output)).most_common(1)[0][1] == 1
+
+
+async def test_off_policy_pacing_starts_step_p_only_once_v_reaches_p_minus_k(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, stats = await sim_agent(latency_s=0.0)
+    serve = await Serve.start(tmp_path / "state", url, "--max-off-policy-steps", "1")
+    try:
+        for step in range(4):
+            await serve.submit(job_id=f"step{step}", rows=rows(5), policy_version=step)
+        for step in (0, 1):
+            assert (await serve.results(f"step{step}", wait=True))[-1] == {"end": "done"}
+        # V = 0: steps 2 and 3 are more than one step ahead and start nothing.
+        await wait_until(serve.in_state("step2", "paced"))
+        await wait_until(serve.in_state("step3", "paced"))
+        started_before = stats.requests
+        assert started_before == 10
+        await serve.set_policy(1)
+        assert (await serve.results("step2", wait=True))[-1] == {"end": "done"}
+        assert (await serve.job("step3"))["state"] == "paced"
+        assert stats.requests == 15
+        await serve.set_policy(2)
+        step3 = await serve.results("step3", wait=True)
+        all_rows = {s: row_lines(await serve.results(f"step{s}")) for s in range(4)}
+    finally:
+        assert await serve.stop() == 0
+    assert step3[-1] == {"end": "done"}
+    for step, lines in all_rows.items():
+        assert len(lines) == 5
+        for row in lines:
+            assert row["_ng_policy_version_start"] >= step - 1
+            assert row["_ng_policy_version_end"] >= row["_ng_policy_version_start"]
+
+
+async def test_bad_job_bodies_are_400_naming_the_field_and_create_nothing(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    state = tmp_path / "state"
+    serve = await Serve.start(state, url)
+    bad = {
+        b"{not json": "body: not valid JSON",
+        b"[]": "body: must be a JSON object",
+        orjson.dumps({"rows": rows(1), "input": "x.jsonl"}): "give exactly one of rows or input",
+        orjson.dumps({}): "give exactly one of rows or input",
+        orjson.dumps({"rows": rows(1), "job_id": "../up"}): "job_id:",
+        orjson.dumps({"rows": rows(1), "default_agent": "nope"}): "default_agent: unknown agent",
+        orjson.dumps({"rows": [{"agent_ref": {"name": "nope"}}]}): "rows[0]:",
+        orjson.dumps({"rows": [*rows(2), {"_ng_no_persist": True}]}): "rows[2]:",
+        orjson.dumps({"rows": rows(1), "num_repeats": 0}): "num_repeats:",
+        orjson.dumps({"rows": rows(1), "colour": "red"}): "colour: not a job field",
+        orjson.dumps({"input": str(tmp_path / "absent.jsonl")}): "input:",
+    }
+    try:
+        for body, message in bad.items():
+            async with serve.http.post(f"{serve.url}/v1/jobs", data=body) as r:
+                error = (await r.json())["error"]
+                assert r.status == 400, (body, error)
+                assert message in error and "\n" not in error, (body, error)
+        assert sorted(p.name for p in (state / "jobs").iterdir()) == []
+        await serve.submit(job_id="once", rows=rows(1))
+        again = await serve.submit(expect=200, job_id="once", rows=rows(1))
+        assert again["job_id"] == "once"
+        async with serve.http.post(
+            f"{serve.url}/v1/jobs", data=orjson.dumps({"job_id": "once", "rows": rows(2)})
+        ) as r:
+            assert r.status == 409
+            assert "different body" in (await r.json())["error"]
+        async with serve.http.get(f"{serve.url}/v1/jobs/nobody/results") as r:
+            assert r.status == 404
+        async with serve.http.get(f"{serve.url}/v1/jobs/once/results?after=-1") as r:
+            assert r.status == 400
+        # A second daemon on the same state directory: exit 2, naming it.
+        second = await spawn_cli(
+            "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--agent", f"sim={url}"
+        )
+        result = await second.wait()
+        assert result.returncode == 2
+        assert "--state-dir" in result.stderr and "another dispatcher serve" in result.stderr
+    finally:
+        assert await serve.stop() == 0
+
+
+async def test_a_job_folder_that_exists_without_its_record_is_a_conflict(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    state = tmp_path / "state"
+    (state / "jobs" / "taken").mkdir(parents=True)
+    (state / "jobs" / "taken" / "rollouts.jsonl").write_bytes(b'{"other": 1}\n')
+    serve = await Serve.start(state, url)
+    try:
+        async with serve.http.post(
+            f"{serve.url}/v1/jobs", data=orjson.dumps({"job_id": "taken", "rows": rows(1)})
+        ) as r:
+            assert r.status == 409
+    finally:
+        assert await serve.stop() == 0
+    assert (state / "jobs" / "taken" / "rollouts.jsonl").read_bytes() == b'{"other": 1}\n'
