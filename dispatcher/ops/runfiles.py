@@ -18,10 +18,8 @@ from typing import Any
 import orjson
 
 from dispatcher.errors import ConfigError
-from dispatcher.state import (
-    AGENT_REF,
-    OutputPaths,
-)
+from dispatcher.keys import AGENT_REF
+from dispatcher.state import OutputPaths
 
 NO_AGENT = "<none>"
 # Slack for file-system timestamps (coarse or set by a file server's clock)

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from dispatcher.errors import ExitCode
+from dispatcher.keys import row_key
 from dispatcher.ops import delivery
 from dispatcher.ops.args import positive_int
 from dispatcher.ops.runfiles import (
@@ -41,7 +42,7 @@ from dispatcher.ops.runfiles import (
     require_run,
 )
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
-from dispatcher.state import OutputPaths, RunState, Tail, iter_rows, row_key, tail_state
+from dispatcher.state import OutputPaths, RunState, Tail, iter_rows, tail_state
 
 DEFAULT_MAX_ATTEMPTS = 3
 

@@ -23,10 +23,11 @@ import aiohttp
 
 from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.keys import AGENT_REF
 from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.table import format_table
 from dispatcher.prepare import task_settings
-from dispatcher.state import AGENT_REF, OutputPaths, RunState, load_run_state
+from dispatcher.state import OutputPaths, RunState, load_run_state
 from dispatcher.tasks import (
     Materializer,
     MaterializeResult,
