@@ -279,8 +279,8 @@ def build_report(output: Path, timeout_s: float | None, max_attempts: int | None
     """The report as one JSON-ready dict (read-only, streaming)."""
     paths = require_run(output)
     manifest = read_manifest(paths.manifest)
-    if timeout_s is None and manifest is not None:
-        timeout_s = _number(manifest.get("rollout_timeout_s"))
+    if timeout_s is None and manifest is not None and manifest.rollout_timeout_s is not None:
+        timeout_s = float(manifest.rollout_timeout_s)
     data = collect(paths, max_attempts_for(max_attempts, manifest))
     attempts = data.attempts
     by_kind: dict[int, list[float]] = {_SUCCESS: [], _FAILURE: []}
