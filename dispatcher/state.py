@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from dispatcher.contracts import FAILURE_CLASS, is_not_delivered, is_terminal
-from dispatcher.keys import rollout_key as rollout_key  # re-exported for older imports
+from dispatcher.keys import rollout_key as rollout_key  # tests import it here
 from dispatcher.keys import row_key
 
 _READ_CHUNK = 1 << 20

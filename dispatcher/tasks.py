@@ -6,6 +6,9 @@ anything is dispatched, so a bad line stops the run with nothing sent), and
 the dispatcher then streams that file. Memory stays flat: the only per-task
 state is a compact open-addressing table of row digests (12 bytes a slot),
 needed because identical input rows share one task index.
+
+How a rollout is named and keyed (ids, the integer key, their bounds) is
+``keys.py``'s; this module applies it to each row.
 """
 
 from __future__ import annotations
