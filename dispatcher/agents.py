@@ -30,11 +30,22 @@ from dispatcher import jsonx
 from dispatcher.aio import Wakeup
 from dispatcher.backoff import BackoffPolicy, parse_retry_after
 from dispatcher.concurrency import AimdController, AimdPolicy, StartRateLimiter
+from dispatcher.contracts import (
+    FAILURE_CLASS,
+    FAILURE_HTTP_STATUS,
+    FAILURE_MESSAGE,
+    FAILURE_RESPONSE_BODY,
+    FAILURE_TERMINAL,
+    FAILURE_TYPE,
+    NO_PERSIST,
+    NOT_DELIVERED,
+    FailureKeys,
+    is_terminal,
+)
 from dispatcher.faults import LocalFault, as_local_fault
 from dispatcher.limits import BodyLimitError, ResponseLimits, read_capped
 from dispatcher.outcome import Outcome
 from dispatcher.replicas import BreakerPolicy, Replica, ReplicaSet
-from dispatcher.state import FAILURE_CLASS, FAILURE_TERMINAL, NO_PERSIST, NOT_DELIVERED
 
 # Statuses after which the rollout most likely never ran (A5).
 REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
@@ -58,14 +69,14 @@ class Failure:
     # A11: the delivery deadline ran out; resume does not count it as an attempt.
     not_delivered: bool = False
 
-    def as_row_keys(self) -> dict[str, Any]:
-        keys = {
-            "_ng_failure_class": self.failure_class,
-            "_ng_failure_type": self.type,
-            "_ng_failure_message": self.message,
-            "_ng_failure_http_status": self.http_status,
-            "_ng_failure_response_body": self.response_body,
-            "_ng_failure_terminal": self.terminal,
+    def as_row_keys(self) -> FailureKeys:
+        keys: FailureKeys = {
+            FAILURE_CLASS: self.failure_class,
+            FAILURE_TYPE: self.type,
+            FAILURE_MESSAGE: self.message,
+            FAILURE_HTTP_STATUS: self.http_status,
+            FAILURE_RESPONSE_BODY: self.response_body,
+            FAILURE_TERMINAL: self.terminal,
         }
         if self.not_delivered:
             keys[NOT_DELIVERED] = True
@@ -581,4 +592,4 @@ def body_excerpt(raw: bytes) -> str:
 
 
 def agent_reported_terminal(result: dict[str, Any]) -> bool:
-    return result.get(FAILURE_TERMINAL) is True
+    return is_terminal(result)

@@ -24,14 +24,13 @@ from pydantic import (
 )
 
 from dispatcher.errors import ConfigError
+from dispatcher.keys import repeats_problem
 from dispatcher.limits import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S
 from dispatcher.urls import agent_url_problem, redact_url
 
 ENV_PREFIX = "DISPATCHER_"
 FsyncPolicy = Literal["always", "batch", "never"]
 LogFormat = Literal["json", "console"]
-# Rollout indices take 24 bits of a rollout's key (state.rollout_key).
-MAX_REPEATS = (1 << 24) - 1
 
 
 class RunSettings(BaseModel):
@@ -157,12 +156,12 @@ class RunSettings(BaseModel):
 
     @field_validator("num_repeats")
     @classmethod
-    def _repeats_positive(cls, value: int | dict[str, int]) -> int | dict[str, int]:
+    def _repeats_bounded(cls, value: int | dict[str, int]) -> int | dict[str, int]:
+        # Bounded so that rollout keys cannot collide (keys.MAX_REPEATS).
         counts = [value] if isinstance(value, int) else list(value.values())
-        if any(n < 1 for n in counts):
-            raise ValueError("repeats must be >= 1")
-        if any(n > MAX_REPEATS for n in counts):
-            raise ValueError(f"repeats must be at most {MAX_REPEATS:,} (2^24 - 1)")
+        for problem in map(repeats_problem, counts):
+            if problem is not None:
+                raise ValueError(problem)
         return value
 
     @field_validator("dispatch_budget_s")

@@ -23,10 +23,10 @@ from dispatcher.capture.finalize import CaptureSummary, attach_agent_trajectory,
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.config import RunSettings
+from dispatcher.contracts import FAILURE_TERMINAL
 from dispatcher.offload import off_loop
 from dispatcher.rowbytes import WireResult, row_line
 from dispatcher.rows import build_row
-from dispatcher.state import FAILURE_TERMINAL
 from dispatcher.tasks import Rollout
 from dispatcher.telemetry.metrics import Metrics
 

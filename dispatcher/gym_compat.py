@@ -22,6 +22,7 @@ import orjson
 import structlog
 
 from dispatcher.errors import ConfigError
+from dispatcher.keys import ROLLOUT_INDEX, TASK_INDEX
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +52,7 @@ def _loaded(line: bytes) -> Any:
 def _key(row: Any, path: Path, number: int) -> tuple[int, int, str]:
     if not isinstance(row, dict):
         raise ConfigError(f"{path}:{number}: not a JSON object, so the run cannot be adopted")
-    task, rollout = row.get("_ng_task_index"), row.get("_ng_rollout_index")
+    task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
     if not isinstance(task, int) or not isinstance(rollout, int):
         raise ConfigError(f"{path}:{number}: no _ng_task_index/_ng_rollout_index to adopt by")
     request = orjson.dumps(row.get("responses_create_params"), option=orjson.OPT_SORT_KEYS)

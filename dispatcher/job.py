@@ -34,22 +34,23 @@ from dispatcher.agents import Attempt
 from dispatcher.aio import cancel_and_wait
 from dispatcher.capture.finalize import clear_rollout_captures
 from dispatcher.config import RunSettings
+from dispatcher.contracts import LastRun, is_terminal
 from dispatcher.daemon import Daemon, peak_rss_mb
 from dispatcher.errors import DispatcherError, ExitCode
 from dispatcher.faults import LocalFault
 from dispatcher.finalizer import Finalizer
 from dispatcher.flight import Flight
+from dispatcher.keys import materialized_key
 from dispatcher.latency import DispatchLatencyTracker
 from dispatcher.lifecycle import JobState, Lifecycle
 from dispatcher.ops import delivery
 from dispatcher.ops.aggregate import write_aggregate_metrics
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
-from dispatcher.rows import is_terminal
 from dispatcher.scheduler import Slots
 from dispatcher.state import RunState
-from dispatcher.store import LineIndex, RowWriter, write_json_atomic
-from dispatcher.tasks import Rollout, materialized_key, new_capture_token
+from dispatcher.store import LineIndex, RowWriter, write_manifest
+from dispatcher.tasks import Rollout, new_capture_token
 from dispatcher.telemetry.discovery import sd_file_for, target_labels
 from dispatcher.telemetry.progress import estimate_eta_s
 
@@ -137,8 +138,8 @@ class Job:
         prepared = self.prepared
         assert prepared is not None
         return {
-            "run_id": prepared.manifest["run_id"],
-            "hop": prepared.manifest["hops"],
+            "run_id": prepared.record.run_id,
+            "hop": prepared.record.hops,
             "resumed": prepared.resumed,
             "expected": prepared.materialized.rollouts,
             "already_final": prepared.already_final,
@@ -150,10 +151,10 @@ class Job:
         endpoint = self.daemon.metrics_endpoint
         if endpoint is None:
             return
-        prepared.manifest["metrics_url"] = endpoint.url
-        write_json_atomic(prepared.paths.manifest, prepared.manifest)
+        prepared.record = prepared.record.with_metrics_url(endpoint.url)
+        write_manifest(prepared.paths.manifest, prepared.record)
         output = prepared.paths.output
-        labels = target_labels(prepared.manifest, output, self.settings.shard)
+        labels = target_labels(prepared.record.to_json(), output, self.settings.shard)
         endpoint.publish(sd_file_for(output, self.settings.metrics_sd_dir), labels)
 
     def _writer(self, path: Path, index: LineIndex | None) -> RowWriter:
@@ -483,22 +484,20 @@ class Job:
 
     def _write_last_run(self, summary: dict[str, Any]) -> None:
         assert self.prepared is not None
-        manifest = dict(self.prepared.manifest)
         finished_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        manifest[delivery.HISTORY_KEY] = delivery.appended(
-            manifest, delivery.history_entry(self.daemon.delivery_figures(), finished_at)
-        )
         error = self.fatal or self.daemon.fatal
-        manifest["last_run"] = {
-            "finished_at": finished_at,
-            "exit_code": int(error.exit_code if error else self._final_exit_code()),
+        last_run = LastRun(
+            finished_at=finished_at,
+            exit_code=int(error.exit_code if error else self._final_exit_code()),
             # What `dispatcher status` needs to say why rollouts wrote no row.
-            "drained": self.outcomes.get(Outcome.DRAINED.value, 0),
-            "cancelled": self.outcomes.get(Outcome.CANCELLED.value, 0),
-            "kill_shaped": self.outcomes.get(Outcome.KILL_SHAPED.value, 0),
-            "summary": summary,
-        }
-        write_json_atomic(self.prepared.paths.manifest, manifest)
+            drained=self.outcomes.get(Outcome.DRAINED.value, 0),
+            cancelled=self.outcomes.get(Outcome.CANCELLED.value, 0),
+            kill_shaped=self.outcomes.get(Outcome.KILL_SHAPED.value, 0),
+            summary=summary,
+        )
+        entry = delivery.history_entry(self.daemon.delivery_figures(), finished_at)
+        record = self.prepared.record.ended_hop(last_run, entry)
+        write_manifest(self.prepared.paths.manifest, record)
 
 
 def _log_level(outcome: Outcome, row: dict[str, Any] | None) -> int:

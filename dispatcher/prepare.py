@@ -26,9 +26,10 @@ import structlog
 
 from dispatcher import __version__, gym_compat
 from dispatcher.config import RunSettings
+from dispatcher.contracts import RunManifest
 from dispatcher.errors import ConfigError
 from dispatcher.state import OutputPaths, RunState, TailRepair, load_run_state, repair_torn_tail
-from dispatcher.store import RunLock, move_aside, read_manifest, write_json_atomic
+from dispatcher.store import RunLock, move_aside, read_manifest, write_manifest
 from dispatcher.tasks import (
     MaterializeResult,
     MaterializeSpec,
@@ -54,7 +55,7 @@ TASK_SETTINGS = (
 class PreparedRun:
     paths: OutputPaths
     lock: RunLock
-    manifest: dict[str, Any]
+    record: RunManifest  # the manifest as written at the start of this hop
     materialized: MaterializeResult
     state: RunState
     already_final: int
@@ -177,7 +178,7 @@ def _prepare_locked(
     with gym_compat.adoption(paths.materialized, paths.manifest, gym_run):
         result = _materialize_checked(settings, paths, previous, shard_filter)
     manifest = _manifest(settings, result, previous)
-    write_json_atomic(paths.manifest, manifest)
+    write_manifest(paths.manifest, manifest)
     for path in (paths.output, paths.failures):
         repair = repair_torn_tail(path)
         if repair is not TailRepair.NONE:
@@ -186,7 +187,7 @@ def _prepare_locked(
     return PreparedRun(
         paths=paths,
         lock=lock,
-        manifest=manifest,
+        record=manifest,
         materialized=result,
         state=state,
         already_final=_count_final(state),
@@ -212,7 +213,7 @@ def _refuse_orphan_outputs(paths: OutputPaths) -> None:
 def _materialize_checked(
     settings: RunSettings,
     paths: OutputPaths,
-    previous: dict[str, Any] | None,
+    previous: RunManifest | None,
     shard_filter: Callable[[int], bool] | None,
 ) -> MaterializeResult:
     spec = MaterializeSpec.from_settings(settings, shard_filter)
@@ -246,7 +247,7 @@ def _remove_stale_temporaries(paths: OutputPaths) -> None:
 
 
 def _reusable_materialization(
-    spec: MaterializeSpec, settings: RunSettings, paths: OutputPaths, previous: dict[str, Any]
+    spec: MaterializeSpec, settings: RunSettings, paths: OutputPaths, previous: RunManifest
 ) -> MaterializeResult | None:
     """The recorded materialization when rebuilding it would give the same file, else None.
 
@@ -256,18 +257,10 @@ def _reusable_materialization(
     instead of rewriting every rollout. Any mismatch returns None: the caller
     materializes again and ``_check_same_run`` says what changed.
     """
-    try:
-        recorded = MaterializeResult(
-            input_rows=int(previous["input_rows"]),
-            tasks=int(previous["tasks"]),
-            rollouts=int(previous["rollouts"]),
-            rollouts_by_agent={str(k): int(v) for k, v in previous["rollouts_by_agent"].items()},
-            input_digest=str(previous["input_digest"]),
-            materialized_digest=str(previous["materialized_digest"]),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError):
+    recorded = _recorded_materialization(previous)
+    if recorded is None:
         return None  # a manifest from an older version: materialize again
-    if previous.get("task_settings") != task_settings(settings):
+    if previous.task_settings != task_settings(settings):
         return None
     if not set(recorded.rollouts_by_agent) <= set(settings.agents):
         return None
@@ -278,50 +271,73 @@ def _reusable_materialization(
     return recorded
 
 
+def _recorded_materialization(previous: RunManifest) -> MaterializeResult | None:
+    """What the manifest says materializing gave, or None when it does not say all of it."""
+    if (
+        previous.input_rows is None
+        or previous.tasks is None
+        or previous.rollouts is None
+        or previous.rollouts_by_agent is None
+        or previous.input_digest is None
+        or previous.materialized_digest is None
+    ):
+        return None
+    return MaterializeResult(
+        input_rows=previous.input_rows,
+        tasks=previous.tasks,
+        rollouts=previous.rollouts,
+        rollouts_by_agent=dict(previous.rollouts_by_agent),
+        input_digest=previous.input_digest,
+        materialized_digest=previous.materialized_digest,
+    )
+
+
 def _check_same_run(
-    settings: RunSettings, previous: dict[str, Any], result: MaterializeResult
+    settings: RunSettings, previous: RunManifest, result: MaterializeResult
 ) -> None:
     hint = "rerun with --fresh to start over (the old files are moved aside, not deleted)"
     # Settings first: a changed ``limit`` also changes the digest of the lines read.
-    before = previous.get("task_settings", {})
+    before = previous.task_settings or {}
     now = task_settings(settings)
     changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ConfigError(f"task-affecting settings changed ({'; '.join(changed)}); {hint}")
-    if previous.get("input_digest") != result.input_digest:
+    if previous.input_digest != result.input_digest:
         raise ConfigError(
             f"{settings.input}: the task file changed since this run started "
             f"(its digest differs from {settings.output.stem}_manifest.json); {hint}"
         )
-    if previous.get("materialized_digest") != result.materialized_digest:
+    if previous.materialized_digest != result.materialized_digest:
         raise ConfigError(f"the materialized rows differ from this run's earlier ones; {hint}")
 
 
 def _manifest(
-    settings: RunSettings, result: MaterializeResult, previous: dict[str, Any] | None
-) -> dict[str, Any]:
+    settings: RunSettings, result: MaterializeResult, previous: RunManifest | None
+) -> RunManifest:
+    """This hop's manifest: the earlier one (unknown keys and ``last_run`` kept) updated."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    earlier = previous or {}
+    earlier = previous or RunManifest()
     settings_json = task_settings(settings)
-    return {
-        **earlier,
-        "run_id": earlier.get("run_id") or uuid.uuid4().hex,
-        "created_at": earlier.get("created_at") or now,
-        "hops": int(earlier.get("hops", 0)) + 1,
-        "hop_started_at": now,
-        "dispatcher_version": __version__,
-        "input": str(settings.input),
-        "input_rows": result.input_rows,
-        "input_digest": result.input_digest,
-        "materialized_digest": result.materialized_digest,
-        "task_settings": settings_json,
-        "task_settings_digest": _digest(settings_json),
-        "max_attempts": settings.max_attempts,
-        "rollout_timeout_s": settings.rollout_timeout_s,
-        "tasks": result.tasks,
-        "rollouts": result.rollouts,
-        "rollouts_by_agent": result.rollouts_by_agent,
-    }
+    return earlier.model_copy(
+        update={
+            "run_id": earlier.run_id or uuid.uuid4().hex,
+            "created_at": earlier.created_at or now,
+            "hops": earlier.hops + 1,
+            "hop_started_at": now,
+            "dispatcher_version": __version__,
+            "input": str(settings.input),
+            "input_rows": result.input_rows,
+            "input_digest": result.input_digest,
+            "materialized_digest": result.materialized_digest,
+            "task_settings": settings_json,
+            "task_settings_digest": _digest(settings_json),
+            "max_attempts": settings.max_attempts,
+            "rollout_timeout_s": settings.rollout_timeout_s,
+            "tasks": result.tasks,
+            "rollouts": result.rollouts,
+            "rollouts_by_agent": result.rollouts_by_agent,
+        }
+    )
 
 
 def _count_final(state: RunState) -> int:

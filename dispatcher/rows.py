@@ -12,21 +12,28 @@ from typing import Any
 import structlog
 
 from dispatcher.agents import Attempt
-from dispatcher.outcome import Outcome
-from dispatcher.state import (
+from dispatcher.contracts import (
+    DISPATCH_KEY,
+    FAILURE_HTTP_STATUS,
+    FAILURE_MESSAGE,
+    FAILURE_RESPONSE_BODY,
+    FAILURE_TERMINAL,
+    FAILURE_TYPE,
+    NOT_DELIVERED,
+)
+from dispatcher.keys import (
     AGENT_REF,
     ATTEMPT_INDEX,
-    FAILURE_TERMINAL,
-    NOT_DELIVERED,
+    CAPTURE_ID,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     TASK_INDEX,
 )
-from dispatcher.tasks import CAPTURE_ID, Rollout
+from dispatcher.outcome import Outcome
+from dispatcher.tasks import Rollout
 
 log = structlog.get_logger(__name__)
 
-DISPATCH_KEY = "_ng_dispatch"
 # What the dispatcher writes into every row it builds from an agent's result:
 # identity, its stamp and the capture attachments. An agent cannot set them.
 # (``ng_trajectory`` is the agent's to send, A7.)
@@ -122,13 +129,16 @@ def _agent_reported_row(
     rollout: Rollout, attempt: Attempt, result: dict[str, Any]
 ) -> dict[str, Any]:
     row = _result_row(rollout, attempt, result, RESERVED_RESULT_KEYS)
-    row.setdefault("_ng_failure_type", "AgentReportedFailure")
-    row.setdefault("_ng_failure_message", "")
-    row.setdefault("_ng_failure_http_status", None)
-    row.setdefault("_ng_failure_response_body", None)
-    row.setdefault("_ng_failure_terminal", False)
+    for key, value in _AGENT_REPORTED_DEFAULTS.items():
+        row.setdefault(key, value)
     return row
 
 
-def is_terminal(row: dict[str, Any]) -> bool:
-    return row.get("_ng_failure_terminal") is True
+# The failure keys an agent may leave out of a failure it reports (A5).
+_AGENT_REPORTED_DEFAULTS: dict[str, Any] = {
+    FAILURE_TYPE: "AgentReportedFailure",
+    FAILURE_MESSAGE: "",
+    FAILURE_HTTP_STATUS: None,
+    FAILURE_RESPONSE_BODY: None,
+    FAILURE_TERMINAL: False,
+}

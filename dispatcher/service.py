@@ -90,7 +90,7 @@ class Dispatcher:
         prepared = job.prepared
         rate = daemon.metrics.rollouts_per_hour()
         return {
-            "run_id": prepared.manifest["run_id"] if prepared else None,
+            "run_id": prepared.record.run_id if prepared else None,
             "state": self.state,
             "elapsed_s": round(daemon.elapsed_s(), 3),
             "progress": job.progress(),

@@ -27,43 +27,11 @@ from typing import Any, BinaryIO
 
 import orjson
 
-TASK_INDEX = "_ng_task_index"
-ROLLOUT_INDEX = "_ng_rollout_index"
-ATTEMPT_INDEX = "_ng_attempt_index"
-ROLLOUT_ID = "_ng_rollout_id"
-FAILURE_CLASS = "_ng_failure_class"
-FAILURE_TERMINAL = "_ng_failure_terminal"
-NO_PERSIST = "_ng_no_persist"
-# A11: a rollout whose delivery deadline ran out; its row spends no attempt.
-NOT_DELIVERED = "_ng_failure_not_delivered"
-AGENT_REF = "agent_ref"
+from dispatcher.contracts import FAILURE_CLASS, is_not_delivered, is_terminal
+from dispatcher.keys import rollout_key as rollout_key  # tests import it here
+from dispatcher.keys import row_key
 
 _READ_CHUNK = 1 << 20
-_ROLLOUT_BITS = 24
-
-
-def rollout_key(task_index: int, rollout_index: int) -> int:
-    """A compact key for a (task, rollout): one int per rollout keeps resume sets small."""
-    return (task_index << _ROLLOUT_BITS) | rollout_index
-
-
-def task_of(key: int) -> int:
-    return key >> _ROLLOUT_BITS
-
-
-def key_label(key: int) -> str:
-    """The default rollout id of a key (DESIGN A2), for messages."""
-    return f"{key >> _ROLLOUT_BITS}-{key & ((1 << _ROLLOUT_BITS) - 1)}"
-
-
-def row_key(row: dict[str, Any] | None) -> int | None:
-    """``rollout_key`` of a row's (task, rollout) identity, or None without a valid one."""
-    if row is None:
-        return None
-    task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
-    if type(task) is not int or type(rollout) is not int or task < 0 or rollout < 0:
-        return None
-    return rollout_key(task, rollout)
 
 
 @dataclass(frozen=True)
@@ -224,11 +192,11 @@ class RunState:
         """Count one failure row (one spent attempt unless not delivered); returns its class."""
         failure_class = str(row.get(FAILURE_CLASS))
         self.failure_classes[failure_class] += 1
-        if row.get(NOT_DELIVERED) is True:
+        if is_not_delivered(row):
             self.not_delivered += 1
             return failure_class
         self.failed_attempts[key] += 1
-        if row.get(FAILURE_TERMINAL) is True:
+        if is_terminal(row):
             self.terminal.add(key)
         return failure_class
 

@@ -27,10 +27,12 @@ from typing import Any
 
 import orjson
 import structlog
+from pydantic import ValidationError
 
 from dispatcher import jsonx
 from dispatcher.aio import Wakeup
 from dispatcher.config import FsyncPolicy
+from dispatcher.contracts import RunManifest
 from dispatcher.errors import ConfigError, OutputWriteError
 from dispatcher.state import OutputPaths
 
@@ -100,7 +102,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
+def read_manifest(path: Path) -> RunManifest | None:
+    """The manifest a run resumes from (None when absent); a bad one is a ``ConfigError``."""
     try:
         data = orjson.loads(path.read_bytes())
     except FileNotFoundError:
@@ -109,7 +112,18 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         raise ConfigError(f"{path}: manifest is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: manifest is not a JSON object")
-    return data
+    try:
+        return RunManifest.parse(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"][:2])
+        raise ConfigError(
+            f"{path}: manifest key {key!r}: {first['msg']}; rerun with --fresh to start over"
+        ) from None
+
+
+def write_manifest(path: Path, manifest: RunManifest) -> None:
+    write_json_atomic(path, manifest.to_json())
 
 
 def move_aside(paths: OutputPaths) -> Path | None:

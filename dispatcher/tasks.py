@@ -6,6 +6,9 @@ anything is dispatched, so a bad line stops the run with nothing sent), and
 the dispatcher then streams that file. Memory stays flat: the only per-task
 state is a compact open-addressing table of row digests (12 bytes a slot),
 needed because identical input rows share one task index.
+
+How a rollout is named and keyed (ids, the integer key, their bounds) is
+``keys.py``'s; this module applies it to each row.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,19 +26,20 @@ import orjson
 import structlog
 
 from dispatcher import jsonx
-from dispatcher.capture.store import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN, ROLLOUT_ID_RE
+from dispatcher.contracts import DISPATCH_KEY, FAILURE_KEYS, NO_PERSIST
 from dispatcher.errors import ConfigError
-from dispatcher.state import (
+from dispatcher.keys import (
     AGENT_REF,
     ATTEMPT_INDEX,
-    FAILURE_CLASS,
-    FAILURE_TERMINAL,
-    NO_PERSIST,
-    NOT_DELIVERED,
+    CAPTURE_ID,
+    MAX_ROLLOUT_INDEX,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     TASK_INDEX,
+    own_rollout_id_problem,
+    rollout_id_for,
     rollout_key,
+    task_index_problem,
 )
 
 if TYPE_CHECKING:
@@ -45,45 +48,14 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 RESPONSES_CREATE_PARAMS = "responses_create_params"
-# The capture-scoped id the agent is given for its model calls (see ``Rollout``).
-CAPTURE_ID = "_ng_capture_id"
-# Per-hop token appended to a rollout id to make its capture id: "." + 8 hex digits.
-CAPTURE_TOKEN_LEN = 9
-# The id names capture files and URL paths: leave room for a "-aN" retry
-# suffix and the capture token.
-MAX_OWN_ROLLOUT_ID_LEN = MAX_ROLLOUT_ID_LEN - len("-a99999999") - CAPTURE_TOKEN_LEN
 DEFAULT_REPEATS_KEY = "_default"
-# Rollout indices take 24 bits of a rollout's key (state.rollout_key).
-MAX_ROLLOUT_INDEX = (1 << 24) - 1
 # Keys the dispatcher itself sets in bodies or rows, or reads from agent
 # results. A task row carrying one would forge an outcome (an agent that
 # echoes its input would report ``_ng_no_persist`` forever, or a terminal
 # failure), so it is an input error. A task row may carry its own
 # ``_ng_task_index`` and ``_ng_rollout_id`` (A1, A2); ``_ng_rollout_index``
 # is always reassigned.
-RESERVED_INPUT_KEYS = frozenset(
-    {
-        ATTEMPT_INDEX,
-        NO_PERSIST,
-        FAILURE_CLASS,
-        FAILURE_TERMINAL,
-        NOT_DELIVERED,
-        "_ng_failure_type",
-        "_ng_failure_message",
-        "_ng_failure_http_status",
-        "_ng_failure_response_body",
-        "_ng_dispatch",
-        CAPTURE_ID,
-    }
-)
-
-
-def rollout_id_for(row: Mapping[str, Any], attempt_index: int = 0) -> str:
-    """Rollout id (A2): the row's own ``_ng_rollout_id`` or ``task-rollout``; ``-aN`` on retries."""
-    base = row.get(ROLLOUT_ID)
-    if base is None:
-        base = f"{row[TASK_INDEX]}-{row[ROLLOUT_INDEX]}"
-    return f"{base}-a{attempt_index}" if attempt_index > 0 else str(base)
+RESERVED_INPUT_KEYS = FAILURE_KEYS | {ATTEMPT_INDEX, NO_PERSIST, DISPATCH_KEY, CAPTURE_ID}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +105,7 @@ class Rollout:
 
 
 def new_capture_token() -> str:
-    """A fresh per-hop token: 8 hex digits (``CAPTURE_TOKEN_LEN`` with its dot)."""
+    """A fresh per-hop token: 8 hex digits (``keys.CAPTURE_TOKEN_LEN`` with its dot)."""
     return os.urandom(4).hex()
 
 
@@ -331,10 +303,11 @@ class Materializer:
     def _task_index(self, raw: bytes, row: dict[str, Any], where: str) -> int:
         own = row.get(TASK_INDEX)
         if own is not None:
-            if type(own) is not int or own < 0:
-                raise ConfigError(f"{where}: {TASK_INDEX} must be a non-negative integer")
+            problem = task_index_problem(own)
+            if problem is not None:
+                raise ConfigError(f"{where}: {problem}")
             self.tasks += 1
-            return own
+            return int(own)
         digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
         index = self._digests.get_or_add(digest, self._next_task)
         if index == self._next_task:
@@ -376,13 +349,9 @@ def _check_reserved_keys(row: dict[str, Any], where: str) -> None:
 
 
 def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
-    if not isinstance(value, str) or not ROLLOUT_ID_RE.fullmatch(value):
-        raise ConfigError(f"{where}: {ROLLOUT_ID} {value!r} must match {ROLLOUT_ID_PATTERN}")
-    if len(value) > MAX_OWN_ROLLOUT_ID_LEN:
-        raise ConfigError(
-            f"{where}: {ROLLOUT_ID} is {len(value)} characters; at most "
-            f"{MAX_OWN_ROLLOUT_ID_LEN} (it names capture files)"
-        )
+    problem = own_rollout_id_problem(value)
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
     if repeats != 1:
         raise ConfigError(
             f"{where}: a row with its own {ROLLOUT_ID} cannot be repeated ({repeats} repeats)"
@@ -456,30 +425,6 @@ def file_digest(path: Path) -> str | None:
     except FileNotFoundError:
         return None
     return hasher.hexdigest()
-
-
-_KEY_TAIL = b',"_ng_task_index":'
-_KEY_TAIL_PATTERN = re.compile(
-    rb',"_ng_task_index":(0|[1-9][0-9]*),"_ng_rollout_index":(0|[1-9][0-9]*)}\n?'
-)
-
-
-def materialized_key(line: bytes) -> int:
-    """The rollout key of one materialized line, mostly without parsing the row.
-
-    ``Materializer.expand`` sets the two indices last, so a line usually ends
-    ``,"_ng_task_index":T,"_ng_rollout_index":R}``. In valid JSON an
-    unescaped quote followed by ``_`` opens a string (a closing quote is
-    followed by punctuation or space), and a number right before the line's
-    last brace belongs to the top-level object, so that tail can only be the
-    row's own keys. Any other layout is parsed in full.
-    """
-    start = line.rfind(_KEY_TAIL)
-    match = _KEY_TAIL_PATTERN.fullmatch(line, start) if start >= 0 else None
-    if match is None:
-        row = jsonx.loads(line)
-        return rollout_key(row[TASK_INDEX], row[ROLLOUT_INDEX])
-    return rollout_key(int(match[1]), int(match[2]))
 
 
 def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:

@@ -24,6 +24,7 @@ from typing import Any
 from dispatcher.capture.records import CapturedCall, parse_record, token_fields
 from dispatcher.capture.store import capture_path, clear_rollouts, has_claims, incomplete_path
 from dispatcher.capture.tokens import TokenCounts
+from dispatcher.contracts import FAILURE_CLASS
 from dispatcher.observations import observed_from
 from dispatcher.trajectory import build_trajectory, compute_perf, gap, trajectory_task_id
 
@@ -230,7 +231,7 @@ def _attach_trajectory(
             rollout_id=rollout_id,
             calls=calls,
             agent_trajectory=result.get("ng_trajectory"),
-            status="failed" if "_ng_failure_class" in row else "completed",
+            status="failed" if FAILURE_CLASS in row else "completed",
             capture_gaps=gaps,
             resolved=result.get("resolved"),
             include_payloads=include_payloads,

@@ -36,14 +36,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange, encode_record
-from dispatcher.capture.store import (
-    MAX_ROLLOUT_ID_LEN,
-    ROLLOUT_ID_PATTERN,
-    BeforeWrite,
-    CaptureStore,
-    is_valid_rollout_id,
-)
+from dispatcher.capture.store import BeforeWrite, CaptureStore
 from dispatcher.errors import ConfigError
+from dispatcher.keys import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN, is_valid_rollout_id
 from dispatcher.limits import ProxyLimits, RecordBudget
 from dispatcher.ops.args import positive_int
 from dispatcher.serving import serve_until_signal

@@ -41,7 +41,6 @@ import contextlib
 import errno
 import itertools
 import os
-import re
 import shutil
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
@@ -51,22 +50,14 @@ from typing import Any, TypeVar
 
 import structlog
 
+from dispatcher.keys import is_valid_rollout_id
+
 log = structlog.get_logger(__name__)
 
-# Same language as DESIGN A2; fullmatch, because ``$`` would let a trailing newline through.
-ROLLOUT_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
-ROLLOUT_ID_RE = re.compile(ROLLOUT_ID_PATTERN.strip("^$"))
-# Longer ids cannot name a file on common filesystems (255 bytes with the suffix).
-MAX_ROLLOUT_ID_LEN = 200
 CLAIMS_DIR = "claims"
 
 BeforeWrite = Callable[[str], Awaitable[None]]
 _T = TypeVar("_T")
-
-
-def is_valid_rollout_id(value: str) -> bool:
-    """True for ids that may name capture files (A2); everything else is refused."""
-    return len(value) <= MAX_ROLLOUT_ID_LEN and ROLLOUT_ID_RE.fullmatch(value) is not None
 
 
 def capture_path(capture_dir: Path, rollout_id: str) -> Path:

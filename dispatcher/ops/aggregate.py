@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 import structlog
 
+from dispatcher.contracts import DISPATCH_KEY
 from dispatcher.store import fsync_dir
 
 log = structlog.get_logger("dispatcher.aggregate")
@@ -68,7 +69,7 @@ def rows_by_agent(output: Path) -> dict[str, AgentRows]:
 
 
 def _replica(row: Mapping[str, Any]) -> str | None:
-    stamp = row.get("_ng_dispatch")
+    stamp = row.get(DISPATCH_KEY)
     replica = stamp.get("replica") if isinstance(stamp, dict) else None
     return replica if isinstance(replica, str) else None
 

@@ -1,7 +1,8 @@
 """Delivery history across hops: retries and replica health, as ``status`` and ``report`` show it.
 
 Each hop appends what its delivery saw to the manifest's ``delivery_history``
-(``job.Job``); this module sums the hops and renders them.
+(``job.Job``, through ``contracts.RunManifest.ended_hop``); this
+module builds a hop's entry, sums the hops and renders them.
 """
 
 from __future__ import annotations
@@ -9,15 +10,14 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
+from dispatcher.contracts import RunManifest
 from dispatcher.ops.table import format_table
 
-HISTORY_KEY = "delivery_history"
-HISTORY_HOPS = 50  # hops kept in the manifest; older ones drop off
 _REPLICA_FIGURES = ("sent", "delivered", "not_delivered", "probes", "opened")
 
 
 def history_entry(figures: dict[str, Any], finished_at: str) -> dict[str, Any]:
-    """One hop's record, from the figures of ``Dispatcher._delivery_figures``."""
+    """One hop's record, from the figures of ``Daemon.delivery_figures``."""
     return {
         "finished_at": finished_at,
         "retries": figures["retries"],
@@ -27,16 +27,9 @@ def history_entry(figures: dict[str, Any], finished_at: str) -> dict[str, Any]:
     }
 
 
-def appended(manifest: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
-    earlier = manifest.get(HISTORY_KEY)
-    hops = earlier if isinstance(earlier, list) else []
-    return [*hops, entry][-HISTORY_HOPS:]
-
-
-def summarize(manifest: dict[str, Any] | None) -> dict[str, Any]:
+def summarize(manifest: RunManifest | None) -> dict[str, Any]:
     """Totals over the recorded hops: retries by agent and reason, figures per replica."""
-    hops = manifest.get(HISTORY_KEY) if manifest is not None else None
-    hops = [h for h in hops if isinstance(h, dict)] if isinstance(hops, list) else []
+    hops = (manifest.delivery_history if manifest is not None else None) or []
     retries: defaultdict[str, Counter[str]] = defaultdict(Counter)
     replicas: defaultdict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     last_state: dict[tuple[str, str], str] = {}

@@ -41,12 +41,13 @@ from typing import IO, Any
 import orjson
 
 from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.keys import key_label, row_key, task_of
 from dispatcher.ops.args import positive_int
 from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.shard import Shard, shard_of_output
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for
 from dispatcher.ops.table import format_table
-from dispatcher.state import OutputPaths, RunState, iter_lines, key_label, row_key, task_of
+from dispatcher.state import OutputPaths, RunState, iter_lines
 
 SAMPLE = 20
 

@@ -35,15 +35,16 @@ from typing import Any
 
 import orjson
 
+from dispatcher.contracts import DISPATCH_KEY as DISPATCH
+from dispatcher.keys import row_key, task_of
 from dispatcher.ops import delivery
 from dispatcher.ops.args import positive_float, positive_int
 from dispatcher.ops.runfiles import agent_name, read_manifest, require_run
 from dispatcher.ops.status import Standing, max_attempts_for, standing
 from dispatcher.ops.table import format_table, utc_time
 from dispatcher.outcome import Outcome
-from dispatcher.state import OutputPaths, RunState, iter_rows, row_key, task_of
+from dispatcher.state import OutputPaths, RunState, iter_rows
 
-DISPATCH = "_ng_dispatch"
 LIMIT_FRACTION = 0.99
 START_GROUPS = 10
 
@@ -278,8 +279,8 @@ def build_report(output: Path, timeout_s: float | None, max_attempts: int | None
     """The report as one JSON-ready dict (read-only, streaming)."""
     paths = require_run(output)
     manifest = read_manifest(paths.manifest)
-    if timeout_s is None and manifest is not None:
-        timeout_s = _number(manifest.get("rollout_timeout_s"))
+    if timeout_s is None and manifest is not None and manifest.rollout_timeout_s is not None:
+        timeout_s = float(manifest.rollout_timeout_s)
     data = collect(paths, max_attempts_for(max_attempts, manifest))
     attempts = data.attempts
     by_kind: dict[int, list[float]] = {_SUCCESS: [], _FAILURE: []}

@@ -17,11 +17,10 @@ from typing import Any
 
 import orjson
 
+from dispatcher.contracts import RunManifest
 from dispatcher.errors import ConfigError
-from dispatcher.state import (
-    AGENT_REF,
-    OutputPaths,
-)
+from dispatcher.keys import AGENT_REF
+from dispatcher.state import OutputPaths
 
 NO_AGENT = "<none>"
 # Slack for file-system timestamps (coarse or set by a file server's clock)
@@ -94,18 +93,21 @@ def _read_pid(fd: int) -> int | None:
     return value if type(value) is int else None
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest as a dict, or None when absent or unreadable (status never fails on it)."""
+def read_manifest(path: Path) -> RunManifest | None:
+    """The manifest, or None when absent or unreadable (status never fails on it).
+
+    A value of the wrong type reads as absent (``RunManifest.lenient``).
+    """
     try:
         data = orjson.loads(path.read_bytes())
     except (FileNotFoundError, orjson.JSONDecodeError):
         return None
-    return data if isinstance(data, dict) else None
+    return RunManifest.lenient(data)
 
 
 @dataclass(frozen=True)
 class LastRun:
-    """The summary the last hop wrote into the manifest as ``last_run``."""
+    """The manifest's ``last_run`` (``contracts.LastRun``) as ``status`` shows it."""
 
     finished_at: float | None
     exit_code: int | None
@@ -125,18 +127,17 @@ class LastRun:
         }
 
 
-def last_run(paths: OutputPaths, manifest: dict[str, Any] | None) -> LastRun | None:
-    raw = manifest.get("last_run") if manifest is not None else None
-    if not isinstance(raw, dict):
+def last_run(paths: OutputPaths, manifest: RunManifest | None) -> LastRun | None:
+    recorded = manifest.last_run if manifest is not None else None
+    if recorded is None:
         return None
-    finished = _timestamp(raw.get("finished_at"))
-    exit_code = raw.get("exit_code")
+    finished = _timestamp(recorded.finished_at)
     return LastRun(
         finished_at=finished,
-        exit_code=exit_code if type(exit_code) is int else None,
-        drained=_count(raw.get("drained")),
-        cancelled=_count(raw.get("cancelled")),
-        kill_shaped=_count(raw.get("kill_shaped")),
+        exit_code=recorded.exit_code,
+        drained=recorded.drained,
+        cancelled=recorded.cancelled,
+        kill_shaped=recorded.kill_shaped,
         stale=finished is not None and _written_after(paths, finished),
     )
 
@@ -151,10 +152,10 @@ def _written_after(paths: OutputPaths, when: float) -> bool:
     return False
 
 
-def _timestamp(value: Any) -> float | None:
+def _timestamp(value: str | float | None) -> float | None:
     """Unix seconds, or an ISO-8601 time (UTC when it names no zone)."""
     if not isinstance(value, str):
-        return _number(value)
+        return None if value is None else float(value)
     try:
         when = datetime.fromisoformat(value.strip())
     except ValueError:
@@ -162,13 +163,3 @@ def _timestamp(value: Any) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return when.timestamp()
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _count(value: Any) -> int:
-    return value if type(value) is int and value >= 0 else 0

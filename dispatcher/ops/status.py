@@ -28,7 +28,9 @@ from typing import Any
 
 import orjson
 
+from dispatcher.contracts import RunManifest
 from dispatcher.errors import ExitCode
+from dispatcher.keys import row_key
 from dispatcher.ops import delivery
 from dispatcher.ops.args import positive_int
 from dispatcher.ops.runfiles import (
@@ -41,7 +43,7 @@ from dispatcher.ops.runfiles import (
     require_run,
 )
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
-from dispatcher.state import OutputPaths, RunState, Tail, iter_rows, row_key, tail_state
+from dispatcher.state import OutputPaths, RunState, Tail, iter_rows, tail_state
 
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -205,12 +207,12 @@ def collect_status(output: Path, max_attempts: int | None = None) -> RunStatus:
     return status
 
 
-def max_attempts_for(given: int | None, manifest: dict[str, Any] | None) -> int:
+def max_attempts_for(given: int | None, manifest: RunManifest | None) -> int:
     """The attempt cap: as given, else the manifest's ``max_attempts``, else the default."""
     if given is not None:
         return given
-    recorded = manifest.get("max_attempts") if manifest else None
-    return recorded if type(recorded) is int and recorded > 0 else DEFAULT_MAX_ATTEMPTS
+    recorded = manifest.max_attempts if manifest is not None else None
+    return recorded if recorded is not None else DEFAULT_MAX_ATTEMPTS
 
 
 def _health(status: RunStatus, name: str, path: Path) -> FileHealth:

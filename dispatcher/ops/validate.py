@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from dispatcher.config import RunSettings
+from dispatcher.contracts import RunManifest
 from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.keys import AGENT_REF
 from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.table import format_table
 from dispatcher.prepare import task_settings
-from dispatcher.state import AGENT_REF, OutputPaths, RunState, load_run_state
+from dispatcher.state import OutputPaths, RunState, load_run_state
 from dispatcher.tasks import (
     Materializer,
     MaterializeResult,
@@ -123,7 +125,7 @@ def resume_state(settings: RunSettings, result: MaterializeResult, report: Repor
     state = load_run_state(paths, settings.max_attempts)
     final = _count_final(state)
     report.lines.append(
-        f"resume: hop {int(previous.get('hops', 0)) + 1} of run {previous.get('run_id')}: "
+        f"resume: hop {previous.hops + 1} of run {previous.run_id}: "
         f"{final:,} of {result.rollouts:,} rollouts final"
     )
     report.lines.append(f"would run: {max(0, result.rollouts - final):,} rollouts")
@@ -140,17 +142,16 @@ def _no_manifest(paths: OutputPaths, report: Report) -> None:
     report.lines.append("resume: none (a new run)")
 
 
-def _changes(settings: RunSettings, previous: dict[str, object], result: MaterializeResult) -> str:
+def _changes(settings: RunSettings, previous: RunManifest, result: MaterializeResult) -> str:
     """Why ``run`` would refuse to resume (the checks of ``prepare``), or ""."""
-    before = previous.get("task_settings") or {}
-    assert isinstance(before, dict)
+    before = previous.task_settings or {}
     now = task_settings(settings)
     changed = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
     if changed:
         return f"task-affecting settings changed ({'; '.join(changed)})"
-    if previous.get("input_digest") != result.input_digest:
+    if previous.input_digest != result.input_digest:
         return f"the task file {settings.input} changed since this run started"
-    if previous.get("materialized_digest") != result.materialized_digest:
+    if previous.materialized_digest != result.materialized_digest:
         return "the materialized rows differ from this run's earlier ones"
     return ""
 

@@ -23,10 +23,11 @@ import orjson
 
 from dispatcher import jsonx
 from dispatcher.config import FsyncPolicy
+from dispatcher.keys import materialized_key, row_key, task_of
 from dispatcher.outcome import Outcome
-from dispatcher.state import RunState, repair_torn_tail, row_key, task_of
+from dispatcher.state import RunState, repair_torn_tail
 from dispatcher.store import LineIndex, RowWriter
-from dispatcher.tasks import Rollout, materialized_key
+from dispatcher.tasks import Rollout
 
 
 class Groups:

@@ -87,7 +87,7 @@ class ServedJob:
             return
         prepared = job.prepared
         assert prepared is not None
-        structlog.contextvars.bind_contextvars(run_id=prepared.manifest["run_id"])
+        structlog.contextvars.bind_contextvars(run_id=prepared.record.run_id)
         try:
             missing = await asyncio.to_thread(
                 groups.load, prepared.paths.materialized, prepared.paths.output, prepared.state

@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dispatcher.capture.store import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
-from dispatcher.config import MAX_REPEATS, RunSettings
+from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError
+from dispatcher.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
 from dispatcher.tasks import MaterializeSpec, materialize
 
 

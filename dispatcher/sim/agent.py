@@ -30,9 +30,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from dispatcher.contracts import NO_PERSIST
+from dispatcher.keys import ATTEMPT_INDEX, TASK_INDEX, rollout_id_for
 from dispatcher.serving import serve_until_signal
 from dispatcher.sim.model_client import agent_trajectory, call_model
-from dispatcher.tasks import rollout_id_for
 
 
 @dataclass(frozen=True)
@@ -173,12 +174,12 @@ async def _answer(
     if failure == "malformed":
         return web.Response(status=200, body=b"{not json", content_type="application/json")
     if failure == "kill_shaped":
-        return _json({"_ng_no_persist": True, "reason": "simulated preemption"})
+        return _json({NO_PERSIST: True, "reason": "simulated preemption"})
     calls = await _call_model(request, config, row)
     result = _result(row, config.reward_p, rng, calls)
     if config.agent_trajectory and calls:
         result["ng_trajectory"] = agent_trajectory(
-            task_id=row["_ng_task_index"],
+            task_id=row[TASK_INDEX],
             rollout_id=_rollout_id(row),
             responses=calls,
             model_ref="sim-model",
@@ -208,7 +209,7 @@ async def _call_model(
 
 
 def _rollout_id(row: dict[str, Any]) -> str:
-    return rollout_id_for(row, int(row.get("_ng_attempt_index", 0)))
+    return rollout_id_for(row, int(row.get(ATTEMPT_INDEX, 0)))
 
 
 # The key of the realistic payload: per generated token, its id and logprob.

@@ -1,0 +1,174 @@
+"""JSON that several modules read, typed and defined here once (DESIGN A3, A4, A5).
+
+- ``RunManifest``: ``X_manifest.json``. ``prepare`` writes it at the start of
+  each hop, the service adds the hop's ``last_run`` and delivery history when
+  it ends, and the operator commands (``status``, ``report``, ``merge``,
+  ``validate``) read it.
+- ``LastRun``: the manifest's ``last_run``, what ``dispatcher status`` needs
+  to say why rollouts wrote no row.
+- The failure-row keys (``_ng_failure_*``) and the other outcome keys an
+  agent's result may carry (``_ng_no_persist``); ``FailureKeys`` types them.
+
+The manifest is a pydantic model: it is read and written a few times a hop,
+never on the hot path. Keys it does not know (written by an older or newer
+dispatcher, or by hand) are kept, so a read-modify-write leaves them as
+they were; dumping writes exactly the keys that were read or set. Failure
+rows are not models: one is built per failed attempt and read per line when
+millions of rows are scanned on resume, so they stay dicts with a
+``TypedDict`` for their keys.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, NotRequired, TypedDict
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+# -- failure rows (A5) and agent results (A3) -----------------------------------
+
+FAILURE_CLASS: Final = "_ng_failure_class"
+FAILURE_TYPE: Final = "_ng_failure_type"
+FAILURE_MESSAGE: Final = "_ng_failure_message"
+FAILURE_HTTP_STATUS: Final = "_ng_failure_http_status"
+FAILURE_RESPONSE_BODY: Final = "_ng_failure_response_body"
+FAILURE_TERMINAL: Final = "_ng_failure_terminal"
+# A11: a rollout whose delivery deadline ran out; its row spends no attempt.
+NOT_DELIVERED: Final = "_ng_failure_not_delivered"
+# A3: an agent's "write nothing" (a kill-shaped interruption).
+NO_PERSIST: Final = "_ng_no_persist"
+# How the dispatcher saw an attempt (replica, timing), on every row it writes.
+DISPATCH_KEY: Final = "_ng_dispatch"
+
+
+class FailureKeys(TypedDict):
+    _ng_failure_class: str
+    _ng_failure_type: str
+    _ng_failure_message: str
+    _ng_failure_http_status: int | None
+    _ng_failure_response_body: str | None
+    _ng_failure_terminal: bool
+    _ng_failure_not_delivered: NotRequired[bool]
+
+
+FAILURE_KEYS: Final = frozenset(FailureKeys.__annotations__)
+
+
+def is_terminal(row: dict[str, Any]) -> bool:
+    """A failure row (or an agent's result) that must never be retried."""
+    return row.get(FAILURE_TERMINAL) is True
+
+
+def is_not_delivered(row: dict[str, Any]) -> bool:
+    """A failure row of a rollout that never reached an agent (A11): it spends no attempt."""
+    return row.get(NOT_DELIVERED) is True
+
+
+# -- the run manifest (A4) --------------------------------------------------------
+
+HISTORY_KEY: Final = "delivery_history"
+HISTORY_HOPS: Final = 50  # hops kept in the manifest; older ones drop off
+
+Count = Annotated[StrictInt, Field(ge=0)]
+Seconds = StrictInt | StrictFloat
+
+
+class LastRun(BaseModel):
+    """The manifest's ``last_run``: how the last hop that ended cleanly ended."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    # ISO-8601 UTC as the dispatcher writes it; Unix seconds are read too.
+    finished_at: StrictStr | Seconds | None = None
+    exit_code: StrictInt | None = None
+    drained: Count = 0
+    cancelled: Count = 0
+    kill_shaped: Count = 0
+    summary: dict[str, Any] | None = None
+
+
+class RunManifest(BaseModel):
+    """``X_manifest.json``: the run's identity and what its hops recorded."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    run_id: StrictStr | None = None
+    created_at: StrictStr | None = None
+    hops: Count = 0
+    hop_started_at: StrictStr | None = None
+    dispatcher_version: StrictStr | None = None
+    input: StrictStr | None = None
+    input_rows: Count | None = None
+    input_digest: StrictStr | None = None
+    materialized_digest: StrictStr | None = None
+    # The task-affecting settings as JSON (prepare.TASK_SETTINGS) and their digest.
+    task_settings: dict[str, Any] | None = None
+    task_settings_digest: StrictStr | None = None
+    max_attempts: Annotated[StrictInt, Field(ge=1)] | None = None
+    rollout_timeout_s: Seconds | None = None
+    tasks: Count | None = None
+    rollouts: Count | None = None
+    rollouts_by_agent: dict[str, Count] | None = None
+    metrics_url: StrictStr | None = None
+    delivery_history: list[dict[str, Any]] | None = None
+    last_run: LastRun | None = None
+
+    @classmethod
+    def parse(cls, data: Any) -> RunManifest:
+        """The manifest the dispatcher resumes from; ``ValidationError`` names a bad key."""
+        return cls.model_validate(data)
+
+    @classmethod
+    def lenient(cls, data: Any) -> RunManifest | None:
+        """For read-only tools, which never fail on a manifest: a bad value reads as absent."""
+        if not isinstance(data, dict):
+            return None
+        for _ in range(len(data) + 1):
+            try:
+                return cls.model_validate(data)
+            except ValidationError as exc:
+                data = _without(data, [error["loc"] for error in exc.errors()])
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object to write: the keys read or set, unknown ones included."""
+        return self.model_dump(exclude_unset=True)
+
+    def ended_hop(self, last_run: LastRun, history_entry: dict[str, Any]) -> RunManifest:
+        """This manifest with a hop's end recorded: its ``last_run`` and delivery history."""
+        return self.model_copy(
+            update={
+                "last_run": last_run,
+                HISTORY_KEY: appended_history(self.delivery_history, history_entry),
+            }
+        )
+
+    def with_metrics_url(self, url: str) -> RunManifest:
+        return self.model_copy(update={"metrics_url": url})
+
+
+def appended_history(
+    hops: list[dict[str, Any]] | None, entry: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The delivery history with one more hop, the oldest dropped past ``HISTORY_HOPS``."""
+    return [*(hops or []), entry][-HISTORY_HOPS:]
+
+
+def _without(data: dict[str, Any], locations: list[tuple[int | str, ...]]) -> dict[str, Any]:
+    """``data`` without each error's key: the key of a nested object, else the top-level one."""
+    data = dict(data)
+    for loc in locations:
+        top, inner = loc[0], loc[1] if len(loc) > 1 else None
+        nested = data.get(top) if isinstance(top, str) else None
+        if isinstance(nested, dict) and isinstance(inner, str):
+            data[str(top)] = {k: v for k, v in nested.items() if k != inner}
+        elif isinstance(top, str):
+            data.pop(top, None)
+    return data

@@ -1,0 +1,136 @@
+"""The JSON contracts several modules read (contracts.py): manifest, last run, failure keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from dispatcher.agents import Failure
+from dispatcher.config import load_settings
+from dispatcher.contracts import (
+    FAILURE_KEYS,
+    HISTORY_HOPS,
+    NOT_DELIVERED,
+    LastRun,
+    RunManifest,
+)
+from dispatcher.errors import ConfigError
+from dispatcher.ops.runfiles import read_manifest as read_for_status
+from dispatcher.prepare import prepare_run
+from dispatcher.store import read_manifest, write_json_atomic, write_manifest
+from tests.helpers import write_tasks
+
+# What a run writes (prepare, then the service at the end of a hop), plus keys
+# this version does not know, at the top and inside ``last_run``.
+WRITTEN: dict[str, Any] = {
+    "run_id": "0f" * 16,
+    "created_at": "2026-01-01T00:00:00Z",
+    "hops": 2,
+    "hop_started_at": "2026-01-01T01:00:00Z",
+    "dispatcher_version": "0.1.0",
+    "input": "tasks.jsonl",
+    "input_rows": 3,
+    "input_digest": "a" * 64,
+    "materialized_digest": "b" * 64,
+    "task_settings": {"num_repeats": {"a": 2, "_default": 1}, "limit": None},
+    "task_settings_digest": "c" * 64,
+    "max_attempts": 3,
+    "rollout_timeout_s": 30,
+    "tasks": 3,
+    "rollouts": 6,
+    "rollouts_by_agent": {"a": 6},
+    "metrics_url": "http://127.0.0.1:9100/metrics",
+    "delivery_history": [{"finished_at": "2026-01-01T00:30:00Z", "retries": {}}],
+    "last_run": {
+        "finished_at": "2026-01-01T00:30:00Z",
+        "exit_code": 75,
+        "drained": 1,
+        "cancelled": 0,
+        "kill_shaped": 2,
+        "summary": {"median_s": 1.5, "drained": 1},
+        "from_a_newer_version": [1, 2],
+    },
+    "from_a_newer_version": {"x": 1},
+}
+
+
+def test_a_manifest_survives_a_read_and_a_write_byte_for_byte(tmp_path: Path) -> None:
+    original, again = tmp_path / "a.json", tmp_path / "b.json"
+    write_json_atomic(original, WRITTEN)
+    manifest = read_manifest(original)
+    assert manifest is not None
+    write_manifest(again, manifest)
+    assert again.read_bytes() == original.read_bytes()
+    assert manifest.last_run is not None and manifest.last_run.kill_shaped == 2
+
+
+def test_absent_keys_stay_absent() -> None:
+    assert RunManifest.parse({"run_id": "r"}).to_json() == {"run_id": "r"}
+    assert RunManifest.parse({"rollout_timeout_s": None}).to_json() == {"rollout_timeout_s": None}
+
+
+def test_a_bad_value_stops_a_resume_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "x_manifest.json"
+    path.write_bytes(orjson.dumps({**WRITTEN, "hops": "two"}))
+    with pytest.raises(ConfigError, match=r"x_manifest.json: manifest key 'hops'"):
+        read_manifest(path)
+
+
+def test_read_only_tools_read_a_bad_value_as_absent(tmp_path: Path) -> None:
+    path = tmp_path / "x_manifest.json"
+    last = {**WRITTEN["last_run"], "drained": -1, "exit_code": "x"}
+    path.write_bytes(orjson.dumps({**WRITTEN, "max_attempts": 0, "last_run": last}))
+    manifest = read_for_status(path)
+    assert manifest is not None and manifest.last_run is not None
+    assert manifest.max_attempts is None
+    assert (manifest.last_run.drained, manifest.last_run.exit_code) == (0, None)
+    assert manifest.last_run.kill_shaped == 2 and manifest.run_id == WRITTEN["run_id"]
+    path.write_bytes(b"[1]")
+    assert read_for_status(path) is None
+
+
+def test_ending_a_hop_records_last_run_and_keeps_a_bounded_history() -> None:
+    manifest = RunManifest.parse({**WRITTEN, "delivery_history": [{"n": i} for i in range(60)]})
+    last = LastRun(finished_at="2026-01-02T00:00:00Z", exit_code=0, summary={"ok": True})
+    ended = manifest.ended_hop(last, {"n": 60}).to_json()
+    assert ended["last_run"] == {
+        "finished_at": "2026-01-02T00:00:00Z",
+        "exit_code": 0,
+        "summary": {"ok": True},
+    }
+    assert [h["n"] for h in ended["delivery_history"]] == list(range(61 - HISTORY_HOPS, 61))
+    assert ended["from_a_newer_version"] == {"x": 1}
+
+
+def test_prepare_keeps_unknown_keys_across_hops(tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 2)
+    cli = {
+        "input": tasks,
+        "output": tmp_path / "out" / "x.jsonl",
+        "agents": {"sim": ["http://h:1"]},
+    }
+    settings = load_settings(cli, env={})
+    first = prepare_run(settings, None)
+    first.lock.release()
+    path = first.paths.manifest
+    assert orjson.loads(path.read_bytes()) == first.manifest == first.record.to_json()
+    path.write_bytes(orjson.dumps({**first.manifest, "last_run": WRITTEN["last_run"], "own": 1}))
+
+    second = prepare_run(settings, None)
+    second.lock.release()
+
+    written = orjson.loads(path.read_bytes())
+    assert written["own"] == 1 and written["last_run"] == WRITTEN["last_run"]
+    assert written["hops"] == 2 and written["run_id"] == first.record.run_id
+    assert second.resumed and written == second.manifest
+
+
+def test_failure_rows_carry_exactly_the_contract_keys() -> None:
+    failure = Failure("agent_request_failed", "ClientError", "refused", not_delivered=True)
+    assert set(failure.as_row_keys()) == FAILURE_KEYS
+    assert NOT_DELIVERED in FAILURE_KEYS
+    plain = Failure("agent_run_error", "HTTPError", "500", http_status=500)
+    assert set(plain.as_row_keys()) == FAILURE_KEYS - {NOT_DELIVERED}
