@@ -7,6 +7,7 @@ Agents are gated by the test where ordering matters (``FakeAgent``); no sleeps.
 from __future__ import annotations
 
 import signal
+import subprocess
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from tests.conftest import SimAgentFactory
 from tests.helpers import CliProcess, FakeAgent, read_jsonl, spawn_cli, wait_until
+from tests.prometheus_helpers import require_binary
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,6 +71,10 @@ class Serve:
 
         return check
 
+    async def metrics(self) -> str:
+        async with self.http.get(f"{self.url}/metrics") as r:
+            return await r.text()
+
     def in_state(self, job_id: str, state: str) -> Any:
         """A condition: the job's status says ``state``."""
 
@@ -98,6 +104,15 @@ async def gated_agent() -> AsyncIterator[FakeAgent]:
     await agent.start()
     yield agent
     await agent.close()
+
+
+def lint_metrics(text: str) -> None:
+    """``promtool check metrics`` finds nothing to say about the scrape."""
+    promtool = require_binary("promtool")
+    lint = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
 def rows(count: int, **extra: Any) -> list[dict[str, Any]]:
@@ -247,8 +262,12 @@ async def test_off_policy_pacing_starts_step_p_only_once_v_reaches_p_minus_k(
         # V = 0: steps 2 and 3 are more than one step ahead and start nothing.
         await wait_until(serve.in_state("step2", "paced"))
         await wait_until(serve.in_state("step3", "paced"))
-        started_before = stats.requests
-        assert started_before == 10
+        assert stats.requests == 10
+        metrics = await serve.metrics()
+        assert 'dispatcher_jobs{state="paced"} 2.0' in metrics
+        assert 'dispatcher_jobs{state="done"} 2.0' in metrics
+        assert "dispatcher_policy_version 0.0" in metrics
+        lint_metrics(metrics)
         await serve.set_policy(1)
         assert (await serve.results("step2", wait=True))[-1] == {"end": "done"}
         assert (await serve.job("step3"))["state"] == "paced"

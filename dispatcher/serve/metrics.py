@@ -1,0 +1,50 @@
+"""The service's own series, read at scrape time: jobs by state and the policy version.
+
+Bounded by design: one series per job state, never one per job (a job's own
+figures are at ``GET /v1/jobs/<id>``). States with no job are exported as 0,
+so a dashboard sees a job leave a state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from dispatcher.lifecycle import JobState
+
+# "paced" is a running job held back by --max-off-policy-steps.
+JOB_STATES = (*(state.value for state in JobState), "paced")
+
+
+class ServiceGauges(Collector):
+    def __init__(
+        self, job_counts: Callable[[], Mapping[str, int]], policy_version: Callable[[], int | None]
+    ) -> None:
+        self._job_counts = job_counts
+        self._policy_version = policy_version
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs = GaugeMetricFamily(
+            "dispatcher_jobs", "Jobs of the service by state.", labels=["state"]
+        )
+        counts = self._job_counts()
+        for state in JOB_STATES:
+            jobs.add_metric([state], counts.get(state, 0))
+        yield jobs
+        version = GaugeMetricFamily(
+            "dispatcher_policy_version", "The trainer's policy version (POST /v1/policy)."
+        )
+        current = self._policy_version()
+        if current is not None:
+            version.add_metric([], current)
+        yield version
+
+
+def declare_service_gauges(
+    registry: CollectorRegistry,
+    job_counts: Callable[[], Mapping[str, int]],
+    policy_version: Callable[[], int | None],
+) -> None:
+    registry.register(ServiceGauges(job_counts, policy_version))

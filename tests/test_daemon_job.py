@@ -1,0 +1,132 @@
+"""The daemon/job split in-process: forward-only lifecycles, a dead row writer,
+a startup that fails half-way, and line numbers of durable rows."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dispatcher import daemon as daemon_module
+from dispatcher.config import load_settings
+from dispatcher.errors import OutputWriteError
+from dispatcher.lifecycle import JobState, Lifecycle, Phase
+from dispatcher.service import Dispatcher
+from dispatcher.state import OutputPaths
+from dispatcher.store import LineIndex, RowWriter, RunLock
+from tests.conftest import SimAgentFactory
+from tests.helpers import read_jsonl, write_tasks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def no_signal_handlers() -> Iterator[None]:
+    yield
+    loop = asyncio.get_event_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+
+
+@pytest.fixture
+async def agent_url(sim_agent: SimAgentFactory) -> AsyncIterator[str]:
+    url, _ = await sim_agent()
+    yield url
+
+
+def dispatcher_for(tmp_path: Path, url: str, tasks: int, **settings: Any) -> Dispatcher:
+    write_tasks(tmp_path / "tasks.jsonl", tasks)
+    values = {
+        "input": str(tmp_path / "tasks.jsonl"),
+        "output": str(tmp_path / "x.jsonl"),
+        "agents": {"sim": [url]},
+        "metrics_listen": "off",
+        "fsync": "never",
+        **settings,
+    }
+    return Dispatcher(load_settings(values, env={}), budget_s=None)
+
+
+def test_lifecycles_only_move_forward() -> None:
+    phase = Lifecycle(Phase.STARTING)
+    assert phase.advance(Phase.RUNNING)
+    assert phase.advance(Phase.FINISHED)
+    # A late signal's "draining" must not undo "finished".
+    assert not phase.advance(Phase.DRAINING)
+    assert phase.state is Phase.FINISHED
+    job = Lifecycle(JobState.QUEUED)
+    assert job.advance(JobState.RUNNING)
+    assert job.advance(JobState.DONE)
+    # A cancel that races the last commit leaves the job done.
+    assert not job.advance(JobState.CANCELLED)
+    assert job.state is JobState.DONE
+    assert JobState.DONE.final and not JobState.RUNNING.final
+
+
+async def test_a_signal_after_the_run_finished_leaves_it_finished(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None
+) -> None:
+    dispatcher = dispatcher_for(tmp_path, agent_url, 5)
+    await dispatcher.run()
+    assert dispatcher.state == "finished"
+    dispatcher.daemon._handle_signal(signal.SIGTERM)
+    assert dispatcher.state == "finished"
+
+
+async def test_a_row_writer_whose_flusher_dies_fails_the_run_instead_of_hanging_it(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: RowWriter) -> None:
+        raise RuntimeError("a bug in the writer")
+
+    monkeypatch.setattr(RowWriter, "_check_unchanged", broken)
+    dispatcher = dispatcher_for(tmp_path, agent_url, 50, concurrency=8)
+    with pytest.raises(OutputWriteError, match="row writer failed"):
+        await asyncio.wait_for(dispatcher.run(), 30)
+    assert read_jsonl(OutputPaths.for_output(tmp_path / "x.jsonl").output) == []
+
+
+async def test_a_startup_that_fails_half_way_releases_the_lock_session_and_writers(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("telemetry could not start")
+
+    # After the job's files and the session exist, before dispatch.
+    monkeypatch.setattr(daemon_module, "declare_run_gauges", broken)
+    dispatcher = dispatcher_for(tmp_path, agent_url, 5)
+    with pytest.raises(RuntimeError, match="telemetry could not start"):
+        await dispatcher.run()
+    lock = RunLock(OutputPaths.for_output(tmp_path / "x.jsonl").lock)
+    lock.acquire()  # not held any more
+    lock.release()
+    assert dispatcher.daemon.agents._session.closed
+    assert all(w._flusher is None for w in dispatcher.job.writers)
+    pending = {t.get_name() for t in asyncio.all_tasks()} - {asyncio.current_task().get_name()}  # type: ignore[union-attr]
+    assert not [name for name in pending if name.startswith(("writer:", "ticker", "budget"))]
+
+
+async def test_durable_rows_get_their_line_numbers_and_the_index_finds_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"old": 1}\n{"old": 2}\n')
+    index = LineIndex.scan(path)
+    assert len(index) == 2
+    writer = RowWriter(path, "never", index=index)
+    writer.open()
+    seqs = await asyncio.gather(*(writer.append_line(b'{"new": %d}\n' % i) for i in range(5)))
+    await writer.close()
+    assert sorted(s for s in seqs if s is not None) == [3, 4, 5, 6, 7]
+    data = path.read_bytes()
+    for seq in (1, 3, 7):
+        start, end = index.span(seq, seq)
+        assert data[start:end].count(b"\n") == 1
+    assert LineIndex.scan(path).starts == index.starts
+    # A torn tail is never indexed.
+    path.write_bytes(data + b'{"torn')
+    assert len(LineIndex.scan(path)) == 7
