@@ -380,6 +380,9 @@ class LineIndex:
 
     def __init__(self) -> None:
         self.starts = array.array("Q")
+        # When each line added by a writer became durable (monotonic); lines
+        # read back from an earlier hop have none.
+        self.durable_at = array.array("d")
         self.end = 0
         self.grew = Wakeup()
 
@@ -390,12 +393,19 @@ class LineIndex:
         """Index lines of ``lengths`` bytes written from ``start``; the first one's number."""
         first_seq = len(self.starts) + 1
         offset = start
+        now = time.monotonic()
         for length in lengths:
             self.starts.append(offset)
+            self.durable_at.append(now)
             offset += length
         self.end = offset
         self.grew.fire()
         return first_seq
+
+    def durable_since(self, seq: int) -> float | None:
+        """Monotonic time line ``seq`` became durable, when this process wrote it."""
+        missing = len(self.starts) - len(self.durable_at)
+        return self.durable_at[seq - 1 - missing] if seq > missing else None
 
     def span(self, first_seq: int, last_seq: int) -> tuple[int, int]:
         """Byte offsets ``[start, end)`` of lines ``first_seq``..``last_seq``."""

@@ -91,8 +91,9 @@ class _Handlers:
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         await response.prepare(request)
         source = await served.source()
-        async for chunk in stream(source, after, group, wait):
+        async for chunk, born in stream(source, after, group, wait):
             await response.write(chunk)
+            self.service.delivered(born, group)
         await response.write_eof()
         return response
 

@@ -22,7 +22,6 @@ from dispatcher.daemon import Daemon, PolicyClock
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.latency import DispatchLatencyTracker
 from dispatcher.serve import api
-from dispatcher.serve.metrics import declare_service_gauges
 from dispatcher.serve.registry import Registry
 from dispatcher.serve.service import Service
 from dispatcher.serving import listen_address
@@ -100,7 +99,6 @@ async def serve(
         daemon.policy = PolicyClock(await asyncio.to_thread(registry.read_policy))
         daemon.stop_at_budget_end = True
         service = Service(daemon, settings, registry, max_off_policy_steps)
-        declare_service_gauges(daemon.metrics.registry, service.job_counts, daemon.policy_version)
         async with contextlib.AsyncExitStack() as stack:
             await daemon.listen(
                 service.status, daemon.healthy, api.routes(service), api.MAX_BODY_BYTES

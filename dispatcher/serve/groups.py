@@ -15,6 +15,7 @@ fixed once written and never changes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from typing import Any
 import orjson
 
 from dispatcher import jsonx
-from dispatcher.config import FsyncPolicy
 from dispatcher.keys import materialized_key, row_key, task_of
 from dispatcher.outcome import Outcome
 from dispatcher.state import RunState, repair_torn_tail
@@ -33,14 +33,16 @@ from dispatcher.tasks import Rollout
 class Groups:
     """Counts final rollouts per task and logs each task once all its repeats are final."""
 
-    def __init__(self, path: Path, fsync: FsyncPolicy) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self._fsync = fsync
         self.expected: Counter[int] = Counter()
         self.final: Counter[int] = Counter()
         self.failures: Counter[int] = Counter()
         self.rows: defaultdict[int, list[int]] = defaultdict(list)
         self.logged: set[int] = set()
+        # When each group completed in this process (monotonic): its last row's
+        # durable moment, which the stream's delay is measured from.
+        self.completed_at: dict[int, float] = {}
         self.index = LineIndex()
         self._writer: RowWriter | None = None
         self._appends: set[asyncio.Task[int | None]] = set()
@@ -69,7 +71,8 @@ class Groups:
         return sorted(t for t in self.expected if self._complete(t) and t not in self.logged)
 
     async def open(self, missing: list[int]) -> None:
-        self._writer = RowWriter(self.path, self._fsync, index=self.index)
+        # Never fsynced: the file is derived data, rebuilt from the rows on open.
+        self._writer = RowWriter(self.path, "never", index=self.index)
         self._writer.open()
         for task in missing:
             self._log(task)
@@ -83,6 +86,7 @@ class Groups:
         else:
             self.failures[task] += 1
         if self._complete(task) and task not in self.logged:
+            self.completed_at[task] = time.monotonic()
             self._log(task)
 
     def _complete(self, task: int) -> bool:

@@ -1,4 +1,4 @@
-"""The service's own series, read at scrape time: jobs by state and the policy version.
+"""The service's own series: jobs by state, the policy version, the results stream's delay.
 
 Bounded by design: one series per job state, never one per job (a job's own
 figures are at ``GET /v1/jobs/<id>``). States with no job are exported as 0,
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
+from prometheus_client import Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -42,9 +43,21 @@ class ServiceGauges(Collector):
         yield version
 
 
-def declare_service_gauges(
+# The delay goal is tens of milliseconds; the top buckets catch a stalled stream.
+DELAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def declare_service_metrics(
     registry: CollectorRegistry,
     job_counts: Callable[[], Mapping[str, int]],
     policy_version: Callable[[], int | None],
-) -> None:
+) -> Histogram:
+    """Register the service's series; returns the results-delay histogram to observe."""
     registry.register(ServiceGauges(job_counts, policy_version))
+    return Histogram(
+        "dispatcher_results_delay_seconds",
+        "From a row (or a group's last row) being durable to its delivery on a results stream.",
+        ("mode",),
+        buckets=DELAY_BUCKETS_S,
+        registry=registry,
+    )

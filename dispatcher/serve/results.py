@@ -39,9 +39,16 @@ class Source:
     groups_path: Path
     groups: LineIndex
     final_state: Callable[[], str | None]
+    # When a task's group completed in this process (monotonic), if it did.
+    group_completed_at: Callable[[int], float | None]
 
 
-async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIterator[bytes]:
+# A chunk of the stream, and when each of its lines became durable (for the
+# stream's delay; None for lines of an earlier daemon).
+Chunk = tuple[bytes, list[float | None]]
+
+
+async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIterator[Chunk]:
     """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line."""
     index = source.groups if group else source.rows
     next_seq = after + 1
@@ -62,7 +69,7 @@ async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIt
                 continue
             if final is not None:
                 if wait:
-                    yield orjson.dumps({"end": final}, option=orjson.OPT_APPEND_NEWLINE)
+                    yield orjson.dumps({"end": final}, option=orjson.OPT_APPEND_NEWLINE), []
                 return
             if not wait:
                 return
@@ -106,21 +113,24 @@ def with_seq(line: bytes, seq: int) -> bytes:
     return head + b"," + body[1:]
 
 
-def _rows_chunk(reader: _Reader, index: LineIndex, first: int, last: int) -> bytes:
+def _rows_chunk(reader: _Reader, index: LineIndex, first: int, last: int) -> Chunk:
     start, end = index.span(first, last)
     data = reader.read(start, end)
     lines = data.splitlines()
-    return b"".join(with_seq(line, first + i) + b"\n" for i, line in enumerate(lines))
+    born = [index.durable_since(seq) for seq in range(first, last + 1)]
+    return b"".join(with_seq(line, first + i) + b"\n" for i, line in enumerate(lines)), born
 
 
-def _groups_chunk(groups: _Reader, rows: _Reader, source: Source, first: int, last: int) -> bytes:
+def _groups_chunk(groups: _Reader, rows: _Reader, source: Source, first: int, last: int) -> Chunk:
     start, end = source.groups.span(first, last)
     out = []
+    born: list[float | None] = []
     for i, record in enumerate(groups.read(start, end).splitlines()):
         group = orjson.loads(record)
+        born.append(source.group_completed_at(group["task_index"]))
         parts = [with_seq(rows.read(*source.rows.span(s, s)), s) for s in group["rows"]]
         out.append(
             b'{"_ng_seq":%d,"task_index":%d,"failures":%d,"rows":[%s]}\n'
             % (first + i, group["task_index"], group["failures"], b",".join(parts))
         )
-    return b"".join(out)
+    return b"".join(out), born

@@ -18,24 +18,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from dispatcher.config import RunSettings
-from dispatcher.daemon import Daemon
+from dispatcher.daemon import Daemon, peak_rss_mb
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode
 from dispatcher.job import Job
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.groups import Groups
+from dispatcher.serve.metrics import declare_service_metrics
 from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, now_iso
 from dispatcher.serve.results import Source
 from dispatcher.serve.spec import BadJob, JobSpec, check_tasks, write_rows
 from dispatcher.store import LineIndex
 
 log = structlog.get_logger("dispatcher.serve")
+
+DELAY_WINDOW = 10_000
 
 
 class Conflict(Exception):
@@ -58,7 +61,7 @@ class ServedJob:
         self.finished = False
         self.final_status: dict[str, Any] | None = None
         self.task: asyncio.Task[None] | None = None
-        self.groups: Groups | None = Groups(self.groups_path, self.settings.fsync)
+        self.groups: Groups | None = Groups(self.groups_path)
         self.job: Job | None = Job(
             service.daemon,
             self.settings,
@@ -175,15 +178,26 @@ class ServedJob:
         """Where the job's results are: its live indexes, or its files once finished."""
         job, groups = self.job, self.groups
         if job is not None and groups is not None and job.output_index is not None:
-            return Source(self.output, job.output_index, self.groups_path, groups.index, self._end)
+            return Source(
+                self.output,
+                job.output_index,
+                self.groups_path,
+                groups.index,
+                self._end,
+                groups.completed_at.get,
+            )
         rows = await asyncio.to_thread(LineIndex.scan, self.output)
         group_index = await asyncio.to_thread(LineIndex.scan, self.groups_path)
-        return Source(self.output, rows, self.groups_path, group_index, self._end)
+        return Source(self.output, rows, self.groups_path, group_index, self._end, _unknown)
 
     def _end(self) -> str | None:
         if not self.finished or self.final_status is None:
             return None
         return str(self.final_status["state"])
+
+
+def _unknown(task: int) -> float | None:
+    return None
 
 
 class Service:
@@ -202,6 +216,12 @@ class Service:
         self.max_off_policy_steps = max_off_policy_steps
         self.jobs: dict[str, ServedJob] = {}
         self._next_seq = 1
+        # Seconds from a row (or a group's last row) being durable to its
+        # delivery on a results stream: the last ones, for /status.
+        self.delays: deque[float] = deque(maxlen=DELAY_WINDOW)
+        self._delay_histogram = declare_service_metrics(
+            daemon.metrics.registry, self.job_counts, daemon.policy_version
+        )
         # One submission at a time: two racing bodies for one job_id must
         # not both create it.
         self._submitting = asyncio.Lock()
@@ -266,6 +286,27 @@ class Service:
         log.info("job_cancel_requested", job_id=job_id)
         return served.status()
 
+    def delivered(self, born: list[float | None], group: bool) -> None:
+        """A stream wrote lines that became durable at ``born``: record their delay."""
+        now = time.monotonic()
+        for durable_at in born:
+            if durable_at is not None:
+                self.delays.append(now - durable_at)
+                self._delay_histogram.labels("groups" if group else "rows").observe(
+                    now - durable_at
+                )
+
+    def delay_quantiles(self) -> dict[str, float | None]:
+        ordered = sorted(self.delays)
+        if not ordered:
+            return {"p50": None, "p99": None, "max": None}
+        last = len(ordered) - 1
+        return {
+            "p50": ordered[min(last, int(0.5 * len(ordered)))],
+            "p99": ordered[min(last, int(0.99 * len(ordered)))],
+            "max": ordered[-1],
+        }
+
     async def set_policy(self, version: int) -> None:
         policy = self.daemon.policy
         assert policy is not None
@@ -317,7 +358,10 @@ class Service:
             "slot_waiters": daemon.slot_waiters(),
             **daemon.delivery_figures(),
             "metrics_url": daemon.metrics_endpoint.url if daemon.metrics_endpoint else None,
-            "now": time.time(),
+            "results_delay_s": self.delay_quantiles(),
+            "event_loop_lag_p99_s": daemon.lag.p99_s(),
+            "event_loop_lag_max_s": daemon.lag.max_s(),
+            "peak_rss_mb": peak_rss_mb(),
         }
 
 
