@@ -1,0 +1,199 @@
+"""Service mode under load: thousands in flight, groups streamed as they complete,
+and a daemon that stays the same size across a thousand jobs.
+
+Everything runs in its own process: two simulated agents (``slow`` with the
+given latency, ``fast`` with none), ``dispatcher serve``, and this script as
+the trainer. Printed:
+
+1. Load: one job of ``--tasks`` × ``--repeats`` rollouts at ``--concurrency``
+   against the slow agent while a trainer streams its complete groups
+   (``group=true&wait=true``). Figures: the most rollouts in flight the
+   daemon reported, its event-loop lag (p99, max) and the delay from a
+   group's last row being durable to its delivery on the stream (p50, p99,
+   from the daemon's own measurement, ``/status``).
+2. Many jobs: ``--small-jobs`` small jobs against the fast agent, submitted
+   one after another, each streamed to its end before the next. The daemon's
+   resident memory (VmRSS) after the first tenth and at the end, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import dispatcher_server
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmRSS")
+
+
+class Daemon:
+    def __init__(self, work: Path, slow: str, fast: str, concurrency: int) -> None:
+        self.log = (work / "serve.log").open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dispatcher",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--state-dir",
+                str(work / "state"),
+                "--agent",
+                f"slow={slow}",
+                "--agent",
+                f"fast={fast}",
+                "--concurrency",
+                str(concurrency),
+                "--log-format",
+                "json",
+                "--progress-interval-s",
+                "5",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        if "listening on " not in line:
+            raise SystemExit(f"dispatcher serve did not start; see {work / 'serve.log'}")
+        self.url = line.split()[-1]
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        code = self.proc.wait(60)
+        self.log.close()
+        return code
+
+
+async def status(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with http.get(f"{url}/status") as r:
+        data: dict[str, Any] = await r.json()
+        return data
+
+
+async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    async with http.post(f"{url}/v1/jobs", data=orjson.dumps(body)) as r:
+        if r.status != 201:
+            raise SystemExit(f"submit: {r.status} {await r.text()}")
+
+
+async def consume(http: aiohttp.ClientSession, url: str, job_id: str) -> tuple[int, int]:
+    """Read a job's group stream to its end: (groups, rows)."""
+    groups = rows = 0
+    params = {"group": "true", "wait": "true"}
+    async with http.get(f"{url}/v1/jobs/{job_id}/results", params=params) as r:
+        async for line in r.content:
+            data = orjson.loads(line)
+            if "end" in data:
+                if data["end"] != "done":
+                    raise SystemExit(f"{job_id} ended {data['end']}")
+                break
+            groups += 1
+            rows += len(data["rows"])
+    return groups, rows
+
+
+async def load_phase(daemon: Daemon, tasks: int, repeats: int) -> None:
+    url = daemon.url
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        rows = [{"agent_ref": {"name": "slow"}, "prompt": f"task {i}"} for i in range(tasks)]
+        started = time.monotonic()
+        await submit(http, url, {"job_id": "load", "rows": rows, "num_repeats": repeats})
+        consumer = asyncio.create_task(consume(http, url, "load"))
+        peak = 0
+        while not consumer.done():
+            snapshot = await status(http, url)
+            peak = max(peak, snapshot["progress"].get("in_flight", 0))
+            await asyncio.wait({consumer}, timeout=0.25)
+        groups, got = consumer.result()
+        elapsed = time.monotonic() - started
+        final = await status(http, url)
+    delay = final["results_delay_s"]
+    print(
+        f"load: {tasks} tasks x {repeats} repeats, {got} rows in {groups} groups, {elapsed:.1f} s"
+    )
+    print(f"  most in flight (daemon /status, 4 samples/s): {peak}")
+    print(
+        "  event-loop lag: p99 "
+        f"{_ms(final['event_loop_lag_p99_s'])}, max {_ms(final['event_loop_lag_max_s'])}"
+    )
+    print(
+        "  group durable -> delivered on the stream: "
+        f"p50 {_ms(delay['p50'])}, p99 {_ms(delay['p99'])}, max {_ms(delay['max'])}"
+    )
+    print(f"  daemon peak RSS: {final['peak_rss_mb']} MB")
+
+
+async def jobs_phase(daemon: Daemon, count: int) -> None:
+    url = daemon.url
+    samples: list[tuple[int, float]] = []
+    async with aiohttp.ClientSession() as http:
+        started = time.monotonic()
+        for n in range(1, count + 1):
+            rows = [
+                {"agent_ref": {"name": "fast"}, "prompt": f"job {n} task {i}"} for i in range(4)
+            ]
+            await submit(http, url, {"job_id": f"small-{n}", "rows": rows, "num_repeats": 2})
+            groups, got = await consume(http, url, f"small-{n}")
+            if (groups, got) != (4, 8):
+                raise SystemExit(f"small-{n}: {groups} groups, {got} rows")
+            if n % max(1, count // 10) == 0:
+                samples.append((n, rss_mb(daemon.proc.pid)))
+        elapsed = time.monotonic() - started
+    first, last = samples[0], samples[-1]
+    print(f"jobs: {count} jobs of 8 rollouts, one after another, {elapsed:.1f} s")
+    print("  daemon RSS (MB) after N jobs: " + ", ".join(f"{n}: {mb:.1f}" for n, mb in samples))
+    print(f"  RSS at {last[0]} / RSS at {first[0]}: {last[1] / first[1]:.3f}")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1000:.1f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=10_000)
+    parser.add_argument("--latency-s", type=float, default=1.0)
+    parser.add_argument("--tasks", type=int, default=5_000)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--small-jobs", type=int, default=1_000)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.concurrency, args.tasks, args.repeats, args.small_jobs = 200, 100, 4, 20
+        args.latency_s = 0.2
+    with tempfile.TemporaryDirectory() as folder:
+        work = Path(folder)
+        with (
+            dispatcher_server("sim-agent", "--latency-s", str(args.latency_s)) as slow,
+            dispatcher_server("sim-agent", "--latency-s", "0") as fast,
+        ):
+            daemon = Daemon(work, slow, fast, args.concurrency)
+            try:
+                asyncio.run(load_phase(daemon, args.tasks, args.repeats))
+                asyncio.run(jobs_phase(daemon, args.small_jobs))
+            finally:
+                code = daemon.stop()
+            print(f"dispatcher serve exit code after SIGTERM: {code}")
+
+
+if __name__ == "__main__":
+    main()
