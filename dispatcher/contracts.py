@@ -1,7 +1,7 @@
 """JSON that several modules read, typed and defined here once (DESIGN A3, A4, A5).
 
 - ``RunManifest``: ``X_manifest.json``. ``prepare`` writes it at the start of
-  each hop, the service adds the hop's ``last_run`` and delivery history when
+  each hop, ``Job`` adds the hop's ``last_run`` and delivery history when
   it ends, and the operator commands (``status``, ``report``, ``merge``,
   ``validate``) read it.
 - ``LastRun``: the manifest's ``last_run``, what ``dispatcher status`` needs

@@ -1,10 +1,18 @@
 """``make demo``: the main job, for real, on the built-in simulated servers.
 
 Starts a simulated model server, the capture proxy in front of it and two
-simulated agent replicas, all on 127.0.0.1 as separate processes, then runs
-``dispatcher run`` twice: a first hop with a tight dispatch budget (some
-rollouts are drained, exit 75), and a second hop of the same command that
-resumes and finishes the run. Everything lands in ``demo-output/``.
+simulated agent replicas, all on 127.0.0.1 as separate processes, then shows
+both modes:
+
+1. ``dispatcher run``: a first hop with a tight dispatch budget (some
+   rollouts are drained, exit 75), then the same command again until it
+   resumes and finishes the run (exit 0);
+2. ``dispatcher serve``: a trainer (the blocking ``dispatcher.client``)
+   submits training steps as jobs, consumes step N's complete groups while
+   step N+1 runs, and advances the policy version after each step
+   (``--max-off-policy-steps 1`` paces step N+2 until then).
+
+Everything lands in ``demo-output/``.
 """
 
 from __future__ import annotations
@@ -149,9 +157,66 @@ def main() -> int:
             hop += 1
             code = _hop(hop, base, None, out)
         print(f"\n== done in {time.monotonic() - started:.1f}s, exit {code} ==")
-    _show_files(out)
-    _show(["status", str(out / "rollouts.jsonl")])
+        _show_files(out)
+        _show(["status", str(out / "rollouts.jsonl")])
+        if code == 0:
+            code = _service_mode(out, urls)
     return code
+
+
+STEPS = 3
+STEP_TASKS = 16
+
+
+def _service_mode(out: Path, urls: dict[str, str]) -> int:
+    """The same agents behind ``dispatcher serve``, driven by a trainer."""
+    from dispatcher.client import Client
+
+    print("\n== service mode: one daemon for the whole training run ==")
+    args = [
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(out / "serve"),
+        "--agent", f"math_agent={urls['agents']}", "--concurrency", "24",
+        "--max-off-policy-steps", "1", "--log-format", "json",
+    ]  # fmt: skip
+    daemon, url = _start(args, out / "serve.log")
+    print(f"dispatcher serve at {url} (jobs API, /metrics, /status); log {out / 'serve.log'}")
+    try:
+        with Client(url) as client:
+            for step in range(min(2, STEPS)):
+                _submit_step(client, step)
+            for step in range(STEPS):
+                started = time.monotonic()
+                groups = rows = 0
+                results = client.results(f"step-{step}", group=True)
+                for group in results:  # complete groups as soon as they are durable
+                    groups += 1
+                    rows += len(group["rows"])
+                took = time.monotonic() - started
+                print(
+                    f"  trainer: step {step}: {groups} groups, {rows} rows in {took:.1f}s "
+                    f"(job {results.final_state}); policy version -> {step + 1}"
+                )
+                client.set_policy_version(step + 1)
+                if step + 2 < STEPS:
+                    _submit_step(client, step + 2)
+    finally:
+        daemon.terminate()
+        code = daemon.wait(timeout=60)
+    print(f"dispatcher serve exit {code} after SIGTERM; jobs under {out / 'serve' / 'jobs'}")
+    return code
+
+
+def _submit_step(client: Any, step: int) -> None:
+    rows = [
+        {
+            "agent_ref": {"name": "math_agent"},
+            "responses_create_params": {"input": f"Step {step}: what is {i} + {i}?"},
+            "expected_answer": str(2 * i),
+        }
+        for i in range(STEP_TASKS)
+    ]
+    status = client.submit(rows, job_id=f"step-{step}", num_repeats=REPEATS, policy_version=step)
+    print(f"  trainer: submitted step {step} ({STEP_TASKS} tasks x {REPEATS}): {status.state}")
 
 
 def _show_files(out: Path) -> None:

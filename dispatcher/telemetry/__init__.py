@@ -1,6 +1,6 @@
 """Live observability: Prometheus metrics, the HTTP endpoints, logging, progress.
 
-The service owns one `Metrics` and calls it on its completion path; the rest
+The daemon owns one `Metrics`; jobs call it on their completion path; the rest
 are building blocks it starts and stops (`start_http_server`,
 `LoopLagMonitor`, `ProgressLine`) or pure helpers (`format_progress`,
 `progress_fields`, `estimate_eta_s`, `parse_listen`).

@@ -193,7 +193,7 @@ class _WithoutCreated:
 
 
 class Metrics:
-    """All the run's metrics, updated by the service on its completion path.
+    """All the daemon's metrics, updated by its jobs on their completion path (``Job.record``).
 
     Pairing contract: every `rollout_started` is followed by exactly one
     `rollout_finished` (any outcome, cancelled and kill-shaped included), so

@@ -1,6 +1,6 @@
 """Progress figures for humans: the `progress` event fields and a live terminal line.
 
-Everything reads the service's run-status snapshot (the `/status` body), so
+Everything reads the run-status snapshot (the `/status` body), so
 the log event, the terminal line and the endpoint always agree.
 """
 
