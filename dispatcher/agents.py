@@ -126,7 +126,7 @@ class DeliveryPolicy:
 
 
 class DeliveryObserver(Protocol):
-    """Told about retries and replica health; ``load.AgentLoad`` turns them into metrics and logs."""
+    """Told about retries and replica health (``load.AgentLoad`` makes metrics and logs of them)."""
 
     def retrying(
         self, replica: Replica, rollout_id: str, reason: str, delay_s: float, retry: int
