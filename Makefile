@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/adaptive.py
 	$(BIN)/python bench/hostile_answers.py
 	$(BIN)/python bench/big_rows.py --offload-compare
+	$(BIN)/python bench/latency_window.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
@@ -43,6 +44,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/retries.py --smoke
 	$(BIN)/python bench/adaptive.py --smoke
 	$(BIN)/python bench/big_rows.py --smoke
+	$(BIN)/python bench/latency_window.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output
