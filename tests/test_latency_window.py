@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -42,7 +43,7 @@ def assert_close(estimate: float | None, exact: float | None) -> None:
 @pytest.mark.parametrize("shape", ["lognormal", "uniform", "pareto"])
 def test_quantiles_are_within_the_stated_relative_error(seed: int, shape: str) -> None:
     rng = random.Random(seed)
-    draw = {
+    draw: Callable[[], float] = {
         "lognormal": lambda: rng.lognormvariate(3.0, 1.5),
         "uniform": lambda: rng.uniform(0.01, 600.0),
         "pareto": lambda: rng.paretovariate(1.2),
