@@ -45,7 +45,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -146,7 +146,7 @@ def results_query(after: int, group: bool, wait: bool) -> str:
 
 
 def submit_body(
-    rows: list[Mapping[str, Any]] | None,
+    rows: Sequence[Mapping[str, Any]] | None,
     input: str | os.PathLike[str] | None,
     **fields: Any,
 ) -> dict[str, Any]:
@@ -330,7 +330,7 @@ class AsyncClient:
 
     async def submit(
         self,
-        rows: list[Mapping[str, Any]] | None = None,
+        rows: Sequence[Mapping[str, Any]] | None = None,
         *,
         input: str | os.PathLike[str] | None = None,
         job_id: str | None = None,
@@ -595,7 +595,7 @@ class Client:
 
     def submit(
         self,
-        rows: list[Mapping[str, Any]] | None = None,
+        rows: Sequence[Mapping[str, Any]] | None = None,
         *,
         input: str | os.PathLike[str] | None = None,
         job_id: str | None = None,
