@@ -292,7 +292,13 @@ class Results:
 
 
 class AsyncClient:
-    """The daemon's HTTP API over one aiohttp session; use as ``async with``."""
+    """The daemon's HTTP API over one aiohttp session; use as ``async with``.
+
+    ``timeout_s`` bounds each call (and a stream's connect);
+    ``retry_deadline_s`` is how long a call or a stream keeps retrying without
+    progress; ``stream_idle_timeout_s`` reconnects a results stream silent
+    for that long (useful once the daemon sends keep-alive lines).
+    """
 
     def __init__(
         self,
@@ -300,11 +306,13 @@ class AsyncClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+        stream_idle_timeout_s: float | None = None,
         backoff: BackoffPolicy = DEFAULT_BACKOFF,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.retry_deadline_s = retry_deadline_s
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self._backoff = backoff
         self._session: aiohttp.ClientSession | None = None
 
@@ -452,8 +460,12 @@ class AsyncClient:
         """One connection's worth of the stream; ``_Transient`` when it was cut."""
         query = results_query(position.last_seq, group, wait)
         url = f"{self.base_url}{job_path(job_id, '/results')}?{query}"
-        # No total timeout: a job's stream lives as long as the job.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s)
+        # No total timeout: a job's stream lives as long as the job. An idle
+        # timeout is the only way to notice a half-open connection (the
+        # daemon's host gone without a FIN); off unless asked for.
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.timeout_s, sock_read=self.stream_idle_timeout_s
+        )
         splitter = NdjsonSplitter()
         try:
             async with self._http.get(url, timeout=timeout) as resp:
@@ -541,10 +553,15 @@ class Client:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+        stream_idle_timeout_s: float | None = None,
         backoff: BackoffPolicy = DEFAULT_BACKOFF,
     ) -> None:
         self._async = AsyncClient(
-            base_url, timeout_s=timeout_s, retry_deadline_s=retry_deadline_s, backoff=backoff
+            base_url,
+            timeout_s=timeout_s,
+            retry_deadline_s=retry_deadline_s,
+            stream_idle_timeout_s=stream_idle_timeout_s,
+            backoff=backoff,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

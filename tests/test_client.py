@@ -156,7 +156,8 @@ class BadResultsPeer:
     lines after ``after`` then half of the next one and drops the connection;
     ``"503"`` answers 503; ``"resend"`` ignores ``after`` and sends everything;
     ``"hold"`` sends one line and waits for ``release`` (a daemon about to be
-    killed). Past the plans it streams the rest and the end line, in 7-byte
+    killed); ``"stall"`` sends one line and then nothing (a half-open
+    connection). Past the plans it streams the rest and the end line, in 7-byte
     writes so lines straddle chunks.
     """
 
@@ -183,9 +184,10 @@ class BadResultsPeer:
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         pending = [line for line in self.lines if plan == "resend" or line["_ng_seq"] > after]
-        if isinstance(plan, int) or plan == "hold":
-            count = 1 if plan == "hold" else int(plan)
-            await self.send_then_drop(request, response, pending, count, hold=plan == "hold")
+        if isinstance(plan, int) or plan in ("hold", "stall"):
+            count = 1 if plan in ("hold", "stall") else int(plan)
+            hold, stall = plan == "hold", plan == "stall"
+            await self.send_then_drop(request, response, pending, count, hold=hold, stall=stall)
             return response
         await self.write_slowly(response, stream_bytes(pending) + b'{"end": "done"}\n')
         await response.write_eof()
@@ -198,7 +200,8 @@ class BadResultsPeer:
         pending: list[Any],
         n: int,
         *,
-        hold: bool,
+        hold: bool = False,
+        stall: bool = False,
     ) -> None:
         await self.write_slowly(response, stream_bytes(pending[:n]))
         if n < len(pending):
@@ -206,6 +209,8 @@ class BadResultsPeer:
         if hold:
             self.holding.set()
             await self.release.wait()
+        if stall:
+            await self.release.wait()  # silent until the client has given up on it
         assert request.transport is not None
         request.transport.close()
 
@@ -264,6 +269,17 @@ async def test_a_peer_that_resends_everything_yields_nothing_twice(bad_peer: Any
         seqs, final = await collect(client)
     assert seqs == [1, 2, 3, 4, 5]
     assert final is JobState.DONE
+
+
+async def test_a_silent_stream_is_reconnected_after_the_idle_timeout(bad_peer: Any) -> None:
+    peer = BadResultsPeer(rows(4), plans=["stall"])
+    url = await bad_peer(peer)
+    async with AsyncClient(url, backoff=FAST, stream_idle_timeout_s=0.2) as client:
+        seqs, final = await collect(client)
+    peer.release.set()
+    assert seqs == [1, 2, 3, 4]
+    assert final is JobState.DONE
+    assert peer.afters == [0, 1]
 
 
 async def test_503_while_the_daemon_starts_is_retried(bad_peer: Any) -> None:
