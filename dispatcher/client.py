@@ -218,7 +218,7 @@ class StreamPosition:
         if seq is None:
             if "end" not in item:
                 raise ClientError(None, f"results line without _ng_seq: {line[:200]!r}")
-            self.final_state = JobState(item["end"])
+            self.final_state = _end_state(item["end"])
             return None
         if not isinstance(seq, int):
             raise ClientError(None, f"results line with a bad _ng_seq: {seq!r}")
@@ -226,6 +226,15 @@ class StreamPosition:
             return None  # a peer that resent what we already yielded: never twice
         self.last_seq = seq
         return item
+
+
+def _end_state(end: Any) -> JobState:
+    """The final state an end line names: ``"done"``, or a status object holding it."""
+    state = end.get("state") if isinstance(end, dict) else end
+    try:
+        return JobState(str(state))
+    except ValueError:
+        raise ClientError(None, f"results end line with an unknown state: {end!r}") from None
 
 
 # --- retries -----------------------------------------------------------------------

@@ -135,11 +135,20 @@ def test_position_yields_each_seq_once_and_stops_at_the_end_line() -> None:
     assert position.last_seq == 5
     assert position.accept(b'{"end": "incomplete"}') is None
     assert position.final_state is JobState.INCOMPLETE
+    # DESIGN A12 words it as ``{"end": status}``: a status object is read too.
+    assert position.accept(b'{"end": {"job_id": "s", "state": "cancelled"}}') is None
+    assert position.final_state is JobState.CANCELLED
 
 
 @pytest.mark.parametrize(
     ("line", "match"),
-    [(b"[1]", "not an object"), (b'{"row": 1}', "without _ng_seq"), (b"{oops", "not JSON")],
+    [
+        (b"[1]", "not an object"),
+        (b'{"row": 1}', "without _ng_seq"),
+        (b"{oops", "not JSON"),
+        (b'{"end": "exploded"}', "unknown state"),
+        (b'{"_ng_seq": "7"}', "bad _ng_seq"),
+    ],
 )
 def test_position_rejects_lines_outside_the_contract(line: bytes, match: str) -> None:
     with pytest.raises(ClientError, match=match):
