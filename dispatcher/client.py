@@ -29,7 +29,9 @@ it. The iterator remembers the last ``_ng_seq`` it yielded; when the connection
 drops or the daemon restarts it reconnects with ``after=`` that seq, with
 backoff, until ``retry_deadline_s`` passes without progress. The caller sees
 every row exactly once. ``Results.last_seq`` is what to persist to resume
-across processes (``results(job_id, after=last_seq)``).
+across processes (``results(job_id, after=last_seq)``). A 404 for a job the
+stream has already read from counts as a daemon still starting (jobs are never
+forgotten), not as an unknown job.
 
 Every call whose repetition is harmless is retried the same way: all of them
 except ``submit`` without a ``job_id`` (a retried anonymous submit could create
@@ -105,6 +107,7 @@ class JobStatus:
     eta_s: float | None = None
     output: str | None = None
     error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, body: Any) -> JobStatus:
@@ -126,6 +129,7 @@ class JobStatus:
                 eta_s=body.get("eta_s"),
                 output=body.get("output"),
                 error=body.get("error"),
+                metadata=dict(body.get("metadata") or {}),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ClientError(None, f"bad job status from the daemon: {exc!r}") from None
@@ -205,6 +209,8 @@ class StreamPosition:
 
     last_seq: int = 0
     final_state: JobState | None = None
+    #: Whether the daemon has answered 200 for this stream once.
+    connected: bool = False
 
     def accept(self, line: bytes) -> dict[str, Any] | None:
         """The row (or group) to yield, or None for a repeat or the end line."""
@@ -478,8 +484,13 @@ class AsyncClient:
         splitter = NdjsonSplitter()
         try:
             async with self._http.get(url, timeout=timeout) as resp:
+                if resp.status == 404 and position.connected:
+                    # Jobs are never forgotten: a job streamed before and
+                    # unknown now is a restarted daemon still loading its registry.
+                    raise _Transient("404 for a job streamed before: the daemon is starting")
                 if resp.status != 200:
                     _raise_for_status(resp, await resp.read())
+                position.connected = True
                 retries.progress()
                 async for chunk in resp.content.iter_any():
                     for line in splitter.feed(chunk):

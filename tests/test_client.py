@@ -350,6 +350,34 @@ async def test_a_4xx_is_raised_at_once_with_the_daemons_message() -> None:
         await runner.cleanup()
 
 
+async def test_404_after_a_restart_is_retried_for_a_job_streamed_before() -> None:
+    lines = rows(4)
+    first = BadResultsPeer(lines, plans=[2])
+    unknown_then_known = BadResultsPeer(lines, plans=[])
+    calls = 0
+
+    async def results(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return await first.results(request)
+        if calls == 2:  # the restarted daemon, its registry not loaded yet
+            return web.json_response({"error": "job_id: no job 'step-1'"}, status=404)
+        return await unknown_then_known.results(request)
+
+    app = web.Application()
+    app.router.add_get("/v1/jobs/{job_id}/results", results)
+    runner, url = await serve(app)
+    try:
+        async with AsyncClient(url, backoff=FAST) as client:
+            seqs, final = await collect(client)
+    finally:
+        await runner.cleanup()
+    assert seqs == [1, 2, 3, 4]
+    assert final is JobState.DONE
+    assert unknown_then_known.afters == [2]
+
+
 async def test_a_daemon_restart_on_the_same_port_is_survived() -> None:
     lines = rows(6)
     first = BadResultsPeer(lines, plans=["hold"])
