@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/hostile_answers.py
 	$(BIN)/python bench/big_rows.py --offload-compare
 	$(BIN)/python bench/service.py
+	$(BIN)/python bench/latency_window.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
@@ -45,6 +46,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/adaptive.py --smoke
 	$(BIN)/python bench/big_rows.py --smoke
 	$(BIN)/python bench/service.py --smoke
+	$(BIN)/python bench/latency_window.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output

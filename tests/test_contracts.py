@@ -117,7 +117,9 @@ def test_prepare_keeps_unknown_keys_across_hops(tmp_path: Path) -> None:
     first.lock.release()
     path = first.paths.manifest
     assert orjson.loads(path.read_bytes()) == first.record.to_json()
-    path.write_bytes(orjson.dumps({**first.record.to_json(), "last_run": WRITTEN["last_run"], "own": 1}))
+    path.write_bytes(
+        orjson.dumps({**first.record.to_json(), "last_run": WRITTEN["last_run"], "own": 1})
+    )
 
     second = prepare_run(settings, None)
     second.lock.release()

@@ -20,7 +20,7 @@ import structlog
 from dispatcher.config import RunSettings, load_settings
 from dispatcher.daemon import Daemon, PolicyClock
 from dispatcher.errors import ConfigError, ExitCode
-from dispatcher.latency import DispatchLatencyTracker
+from dispatcher.latency_window import LatencyWindow
 from dispatcher.serve import api
 from dispatcher.serve.registry import Registry
 from dispatcher.serve.service import Service
@@ -95,7 +95,7 @@ async def serve(
     registry = Registry(state_dir)
     await asyncio.to_thread(registry.lock)
     try:
-        daemon = Daemon(settings, budget_s=budget_s, latency=DispatchLatencyTracker())
+        daemon = Daemon(settings, budget_s=budget_s, latency=LatencyWindow())
         daemon.policy = PolicyClock(await asyncio.to_thread(registry.read_policy))
         daemon.stop_at_budget_end = True
         service = Service(daemon, settings, registry, max_off_policy_steps)
