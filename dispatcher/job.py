@@ -122,7 +122,8 @@ class Job:
             stack.callback(prepared.lock.release)
             if self._publish_endpoint:
                 await asyncio.to_thread(self._publish_metrics_endpoint, prepared)
-            if self.output_index is not None:
+            if self.output_index is not None and not len(self.output_index):
+                # Once per process: a later hop's index already holds every line.
                 await asyncio.to_thread(self.output_index.load, prepared.paths.output)
             output = self._writer(prepared.paths.output, self.output_index)
             failures = self._writer(prepared.paths.failures, None)
@@ -441,6 +442,11 @@ class Job:
             return 0
         final = prepared.already_final + self._final_this_run
         return max(0, prepared.materialized.rollouts - final)
+
+    @property
+    def final_this_run(self) -> int:
+        """Rollouts this hop made final."""
+        return self._final_this_run
 
     def committing(self) -> int:
         return sum(1 for flight in self.flights if not flight.at_agent)

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.conftest import SimAgentFactory
 from tests.helpers import CliProcess, FakeAgent, read_jsonl, spawn_cli, wait_until
@@ -350,3 +351,29 @@ async def test_a_job_folder_that_exists_without_its_record_is_a_conflict(
     finally:
         assert await serve.stop() == 0
     assert (state / "jobs" / "taken" / "rollouts.jsonl").read_bytes() == b'{"other": 1}\n'
+
+
+async def test_failed_attempts_run_again_in_a_next_hop_within_the_daemon(tmp_path: Path) -> None:
+    def first_attempts_fail(body: dict[str, Any]) -> web.StreamResponse:
+        if body.get("_ng_attempt_index", 0) == 0 and body["question"] % 2 == 0:
+            return web.json_response({"error": "flaky"}, status=500)
+        return web.json_response({"reward": 1.0})
+
+    agent = FakeAgent(first_attempts_fail)
+    await agent.start()
+    serve = await Serve.start(tmp_path / "state", agent.url)
+    try:
+        await serve.submit(job_id="flaky", rows=rows(6))
+        stream = await serve.results("flaky", wait=True, group=True)
+        status = await serve.job("flaky")
+    finally:
+        assert await serve.stop() == 0
+        await agent.close()
+    assert stream[-1] == {"end": "done"}
+    groups = row_lines(stream)
+    assert sorted(g["task_index"] for g in groups) == list(range(6))
+    assert all(len(g["rows"]) == 1 and g["failures"] == 0 for g in groups)
+    assert status["state"] == "done"
+    folder = tmp_path / "state" / "jobs" / "flaky"
+    assert len(read_jsonl(folder / "rollouts_failures.jsonl")) == 3
+    assert orjson.loads((folder / "rollouts_manifest.json").read_bytes())["hops"] == 2

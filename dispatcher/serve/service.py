@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from dispatcher.aio import cancel_and_wait
 from dispatcher.config import RunSettings
 from dispatcher.daemon import Daemon, peak_rss_mb
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode
@@ -39,6 +40,9 @@ from dispatcher.store import LineIndex
 log = structlog.get_logger("dispatcher.serve")
 
 DELAY_WINDOW = 10_000
+# Between hops of a job that made no progress (its agent down, say): 1 s, 2 s ... 60 s.
+HOP_PAUSE_BASE_S = 1.0
+HOP_PAUSE_CAP_S = 60.0
 
 
 class Conflict(Exception):
@@ -62,13 +66,21 @@ class ServedJob:
         self.final_status: dict[str, Any] | None = None
         self.task: asyncio.Task[None] | None = None
         self.groups: Groups | None = Groups(self.groups_path)
-        self.job: Job | None = Job(
-            service.daemon,
+        self.output_index = LineIndex()
+        self.job: Job | None = self._new_job()
+        self._cancelled = asyncio.Event()
+
+    def _new_job(self) -> Job:
+        """One hop of the job: a ``Job`` on its files, sharing its indexes and groups."""
+        spec, record = self.record.spec, self.record
+        assert self.groups is not None
+        return Job(
+            self.service.daemon,
             self.settings,
             rank=lambda: (-spec.priority, record.submitted_seq),
             on_final=self.groups.on_final,
             publish_endpoint=False,
-            output_index=LineIndex(),
+            output_index=self.output_index,
             gate=self._gate,
         )
 
@@ -80,31 +92,70 @@ class ServedJob:
         self.task = asyncio.create_task(self._run(), name=f"job:{self.job_id}")
 
     async def _run(self) -> None:
-        job, groups = self.job, self.groups
-        assert job is not None and groups is not None
+        """Hops until the job is final: failed attempts with attempts left (and
+        rollouts of an agent that was down) run again in a next hop, as
+        ``dispatcher run``'s job script would rerun it, after a pause when a
+        hop made no progress."""
         structlog.contextvars.bind_contextvars(job_id=self.job_id)
+        hop = idle_hops = 0
+        while True:
+            job = self.job if hop == 0 and self.job is not None else self._new_job()
+            self.job = job
+            state, error = await self._hop(job, first=hop == 0)
+            if state is not JobState.INCOMPLETE or self._stopping():
+                break
+            idle_hops = 0 if job.final_this_run else idle_hops + 1
+            pause_s = min(HOP_PAUSE_CAP_S, HOP_PAUSE_BASE_S * 2 ** (idle_hops - 1))
+            if idle_hops and await self._paused(pause_s):
+                break
+            hop += 1
+        if self._cancelled.is_set() and state is JobState.INCOMPLETE:
+            state = JobState.CANCELLED
+        assert self.groups is not None
+        await self.groups.close()
+        await self._settle(state, error)
+
+    async def _hop(self, job: Job, *, first: bool) -> tuple[JobState, str | None]:
+        """Open, dispatch and close one hop; its final state and error."""
         try:
             await job.open()
         except DispatcherError as exc:
-            await self._settle(JobState.FAILED, str(exc))
-            return
+            return JobState.FAILED, str(exc)
         prepared = job.prepared
-        assert prepared is not None
+        assert prepared is not None and self.groups is not None
         structlog.contextvars.bind_contextvars(run_id=prepared.record.run_id)
         try:
-            missing = await asyncio.to_thread(
-                groups.load, prepared.paths.materialized, prepared.paths.output, prepared.state
-            )
-            await groups.open(missing)
+            if first:
+                missing = await asyncio.to_thread(
+                    self.groups.load,
+                    prepared.paths.materialized,
+                    prepared.paths.output,
+                    prepared.state,
+                )
+                await self.groups.open(missing)
             log.info("job_started", job_id=self.job_id, **job.started_event())
             await job.dispatch()
         except Exception as exc:
             job.fail(DispatcherError(f"job {self.job_id} failed: {exc!r}"))
         finally:
             await job.close()
-            await groups.close()
-            error = job.fatal or job.daemon.fatal
-            await self._settle(job.state.state, str(error) if error else None)
+        error = job.fatal or job.daemon.fatal
+        return job.state.state, str(error) if error else None
+
+    def _stopping(self) -> bool:
+        return self._cancelled.is_set() or self.service.daemon.stop_requested.is_set()
+
+    async def _paused(self, delay_s: float) -> bool:
+        """Wait ``delay_s`` before the next hop; True when a cancel or stop came first."""
+        log.info("job_hop_paused", job_id=self.job_id, pause_s=round(delay_s, 3))
+        waits = {
+            asyncio.create_task(self._cancelled.wait()),
+            asyncio.create_task(self.service.daemon.stop_requested.wait()),
+        }
+        done, pending = await asyncio.wait(waits, timeout=delay_s, return_when="FIRST_COMPLETED")
+        for task in pending:
+            await cancel_and_wait(task)
+        return bool(done)
 
     async def _settle(self, state: JobState, error: str | None) -> None:
         """Record the final state, keep only the final status, wake the streams."""
@@ -113,8 +164,7 @@ class ServedJob:
         self.finished = True
         self.final_status = self.status()
         log.info("job_finished", job_id=self.job_id, state=state.value, error=error)
-        if self.job is not None and self.job.output_index is not None:
-            self.job.output_index.grew.fire()
+        self.output_index.grew.fire()
         if self.groups is not None:
             self.groups.index.grew.fire()
         self.job = None
@@ -134,6 +184,7 @@ class ServedJob:
             self.paced = False
 
     def cancel(self) -> None:
+        self._cancelled.set()
         if self.job is not None:
             self.job.cancel("job cancelled")
 
