@@ -161,7 +161,8 @@ class RolloutPool:
                 raise
         slots = _CountedSlots(self, self.slots, agent_slot)
         # Decided after the slot is won: the wait itself may have used up the budget.
-        if self.budget.should_drain(self._drain_margin()):
+        # (Without a budget nothing drains: the margin, a quantile, is not computed.)
+        if self.budget.budget_s is not None and self.budget.should_drain(self._drain_margin()):
             slots.release()
             return None
         return slots

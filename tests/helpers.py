@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from dispatcher.config import load_settings
+from dispatcher.service import Dispatcher
 from dispatcher.serving import start_site
 
 
@@ -57,6 +59,20 @@ def write_tasks(path: Path, count: int, agent: str | None = "sim", **extra: Any)
                 row["agent_ref"] = {"name": agent}
             f.write(orjson.dumps(row) + b"\n")
     return path
+
+
+def in_process_run(tmp_path: Path, url: str, tasks: int, **settings: Any) -> Dispatcher:
+    """A ``dispatcher run`` of ``tasks`` rows against ``url``, built in this process."""
+    write_tasks(tmp_path / "tasks.jsonl", tasks)
+    values = {
+        "input": str(tmp_path / "tasks.jsonl"),
+        "output": str(tmp_path / "x.jsonl"),
+        "agents": {"sim": [url]},
+        "metrics_listen": "off",
+        "fsync": "never",
+        **settings,
+    }
+    return Dispatcher(load_settings(values, env={}), budget_s=None)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

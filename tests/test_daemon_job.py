@@ -5,50 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dispatcher import daemon as daemon_module
-from dispatcher.config import load_settings
 from dispatcher.errors import OutputWriteError
 from dispatcher.lifecycle import JobState, Lifecycle, Phase
-from dispatcher.service import Dispatcher
 from dispatcher.state import OutputPaths
 from dispatcher.store import LineIndex, RowWriter, RunLock
 from tests.conftest import SimAgentFactory
-from tests.helpers import read_jsonl, write_tasks
+from tests.helpers import in_process_run, read_jsonl
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def no_signal_handlers() -> Iterator[None]:
-    yield
-    loop = asyncio.get_event_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
 
 
 @pytest.fixture
 async def agent_url(sim_agent: SimAgentFactory) -> AsyncIterator[str]:
     url, _ = await sim_agent()
     yield url
-
-
-def dispatcher_for(tmp_path: Path, url: str, tasks: int, **settings: Any) -> Dispatcher:
-    write_tasks(tmp_path / "tasks.jsonl", tasks)
-    values = {
-        "input": str(tmp_path / "tasks.jsonl"),
-        "output": str(tmp_path / "x.jsonl"),
-        "agents": {"sim": [url]},
-        "metrics_listen": "off",
-        "fsync": "never",
-        **settings,
-    }
-    return Dispatcher(load_settings(values, env={}), budget_s=None)
 
 
 def test_lifecycles_only_move_forward() -> None:
@@ -68,37 +45,39 @@ def test_lifecycles_only_move_forward() -> None:
 
 
 async def test_a_signal_after_the_run_finished_leaves_it_finished(
-    tmp_path: Path, agent_url: str, no_signal_handlers: None
+    tmp_path: Path, agent_url: str
 ) -> None:
-    dispatcher = dispatcher_for(tmp_path, agent_url, 5)
+    dispatcher = in_process_run(tmp_path, agent_url, 5)
     await dispatcher.run()
     assert dispatcher.state == "finished"
+    # The daemon removed its signal handlers when it closed.
+    assert not asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
     dispatcher.daemon._handle_signal(signal.SIGTERM)
     assert dispatcher.state == "finished"
 
 
 async def test_a_row_writer_whose_flusher_dies_fails_the_run_instead_of_hanging_it(
-    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(self: RowWriter) -> None:
         raise RuntimeError("a bug in the writer")
 
     monkeypatch.setattr(RowWriter, "_check_unchanged", broken)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 50, concurrency=8)
+    dispatcher = in_process_run(tmp_path, agent_url, 50, concurrency=8)
     with pytest.raises(OutputWriteError, match="row writer failed"):
         await asyncio.wait_for(dispatcher.run(), 30)
     assert read_jsonl(OutputPaths.for_output(tmp_path / "x.jsonl").output) == []
 
 
 async def test_a_startup_that_fails_half_way_releases_the_lock_session_and_writers(
-    tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*args: Any) -> None:
         raise RuntimeError("telemetry could not start")
 
     # After the job's files and the session exist, before dispatch.
     monkeypatch.setattr(daemon_module, "declare_run_gauges", broken)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 5)
+    dispatcher = in_process_run(tmp_path, agent_url, 5)
     with pytest.raises(RuntimeError, match="telemetry could not start"):
         await dispatcher.run()
     lock = RunLock(OutputPaths.for_output(tmp_path / "x.jsonl").lock)

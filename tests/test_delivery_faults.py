@@ -19,12 +19,10 @@ from typing import Any
 import pytest
 
 from dispatcher import agents, daemon, finalizer
-from dispatcher.config import load_settings
 from dispatcher.errors import ExitCode
 from dispatcher.faults import FaultPersisted
-from dispatcher.service import Dispatcher
 from dispatcher.state import OutputPaths
-from tests.helpers import read_jsonl, write_tasks
+from tests.helpers import in_process_run, read_jsonl
 
 
 @pytest.fixture
@@ -51,19 +49,6 @@ def no_signal_handlers() -> Iterator[None]:
         loop.remove_signal_handler(sig)
 
 
-def dispatcher_for(tmp_path: Path, url: str, tasks: int, **settings: Any) -> Dispatcher:
-    write_tasks(tmp_path / "tasks.jsonl", tasks)
-    values = {
-        "input": str(tmp_path / "tasks.jsonl"),
-        "output": str(tmp_path / "x.jsonl"),
-        "agents": {"sim": [url]},
-        "metrics_listen": "off",
-        "fsync": "never",
-        **settings,
-    }
-    return Dispatcher(load_settings(values, env={}), budget_s=None)
-
-
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -73,7 +58,7 @@ async def test_running_out_of_descriptors_mid_run_requeues_and_shrinks_the_pool(
 ) -> None:
     # Without the start-up cap, 200 rollouts want 200 sockets and get about 40.
     monkeypatch.setattr(daemon, "FD_RESERVE", -10_000)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 300, concurrency=200)
+    dispatcher = in_process_run(tmp_path, agent_url, 300, concurrency=200)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 48, hard))
     try:
@@ -105,7 +90,7 @@ async def test_a_bug_while_handling_an_answer_requeues_the_rollout(
         return real_build_row(*args)
 
     monkeypatch.setattr(finalizer, "build_row", flaky_build_row)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 10, concurrency=4)
+    dispatcher = in_process_run(tmp_path, agent_url, 10, concurrency=4)
 
     assert await dispatcher.run() is ExitCode.DONE
 
@@ -122,7 +107,7 @@ async def test_a_bug_that_persists_ends_the_run_naming_it(
         raise RuntimeError("a bug of ours")
 
     monkeypatch.setattr(finalizer, "build_row", broken_build_row)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 10, concurrency=2, local_fault_persist_s=0.5)
+    dispatcher = in_process_run(tmp_path, agent_url, 10, concurrency=2, local_fault_persist_s=0.5)
 
     with pytest.raises(FaultPersisted, match="a bug of ours"):
         await dispatcher.run()
@@ -145,7 +130,7 @@ async def test_running_out_of_memory_reading_an_answer_is_not_a_protocol_violati
         return real_classify(*args)
 
     monkeypatch.setattr(agents, "classify_response", short_of_memory)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 6, concurrency=2)
+    dispatcher = in_process_run(tmp_path, agent_url, 6, concurrency=2)
 
     assert await dispatcher.run() is ExitCode.DONE
 
