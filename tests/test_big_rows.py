@@ -27,9 +27,9 @@ from dispatcher.outcome import Outcome
 from dispatcher.rowbytes import WireResult, classify_big, row_line
 from dispatcher.sim.agent import TOKENS_KEY, token_logprobs_json
 from dispatcher.state import OutputPaths
-from tests.helpers import FakeAgent, read_jsonl, run_args, run_cli
+from tests.helpers import FakeAgent, in_process_run, read_jsonl, run_args, run_cli
 from tests.test_capture_finalize import USAGE, chat_answer, exchange_line, write_lines
-from tests.test_delivery_faults import agent_url, dispatcher_for, no_signal_handlers
+from tests.test_delivery_faults import agent_url, no_signal_handlers
 
 __all__ = ["agent_url", "no_signal_handlers"]
 
@@ -208,7 +208,7 @@ async def test_a_fault_in_the_worker_requeues_the_rollout(
 
     monkeypatch.setattr(finalizer, "row_line", flaky_row_line)
     # Every answer counts as big: each row is serialized in the worker.
-    dispatcher = dispatcher_for(tmp_path, agent_url, 6, concurrency=3, offload_bytes=0)
+    dispatcher = in_process_run(tmp_path, agent_url, 6, concurrency=3, offload_bytes=0)
 
     assert await asyncio.wait_for(dispatcher.run(), 60) is ExitCode.DONE
 
@@ -231,7 +231,7 @@ async def test_a_fault_while_classing_in_the_worker_requeues_the_rollout(
         return classify_big(status, raw)
 
     monkeypatch.setattr(offload, "classify_big", flaky_classify)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 4, concurrency=2, offload_bytes=0)
+    dispatcher = in_process_run(tmp_path, agent_url, 4, concurrency=2, offload_bytes=0)
 
     assert await asyncio.wait_for(dispatcher.run(), 60) is ExitCode.DONE
 
