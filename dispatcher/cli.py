@@ -201,7 +201,8 @@ def add_run_arguments(p: argparse.ArgumentParser, exclude: frozenset[str] = froz
         if flag not in exclude:
             p.add_argument(flag, help=text)
     for flag, text in _SWITCHES.items():
-        p.add_argument(flag, action="store_const", const=True, default=None, help=text)
+        if flag not in exclude:
+            p.add_argument(flag, action="store_const", const=True, default=None, help=text)
 
 
 def run_flag_values(args: argparse.Namespace) -> dict[str, Any]:

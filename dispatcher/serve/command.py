@@ -29,9 +29,10 @@ from dispatcher.telemetry.logs import configure_logging
 
 log = structlog.get_logger("dispatcher.serve")
 
-# Flags of `run` that belong to a job (its body says them) or to `run` alone.
+# Flags of `run` that belong to a job (its body says them) or to `run` alone
+# (`--fresh` would move a job's files aside at each of its hops).
 _NOT_SERVE_FLAGS = frozenset(
-    {"--input", "--output", "--limit", "--shard", "--metrics-listen", "--metrics-sd-dir"}
+    {"--input", "--output", "--limit", "--shard", "--metrics-listen", "--metrics-sd-dir", "--fresh"}
 )
 
 
