@@ -85,7 +85,8 @@ class JobSpec(BaseModel):
     def settings(self, base: RunSettings, input_path: Path, output: Path) -> RunSettings:
         """The job's run settings: the daemon's, with this job's files and task keys."""
         values = base.model_dump()
-        values.update(input=input_path, output=output, shard=None)
+        # A job resumes its own files at every hop: never moved aside (fresh).
+        values.update(input=input_path, output=output, shard=None, fresh=False)
         if self.num_repeats is not None:
             values["num_repeats"] = self.num_repeats
         if self.default_agent is not None:
