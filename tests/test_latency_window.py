@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
+from dispatcher.daemon import LatencyView
 from dispatcher.latency import DispatchLatencyTracker
 from dispatcher.latency_window import LatencyWindow, LogBuckets
 
@@ -177,6 +178,14 @@ def test_a_clock_that_steps_back_keeps_the_newest_window() -> None:
     clock.now -= 3_600.0
     live.record(2.0)
     assert live.count == 2
+
+
+def test_it_is_the_latency_view_the_daemon_holds() -> None:
+    live: LatencyView = window()  # checked by mypy against the daemon's protocol
+    live.record_drained()
+    live.record_drained()
+    assert isinstance(live, LatencyWindow) and live.drained == 2
+    assert live.quantile(0.5) is None  # a drained row is no duration
 
 
 def test_snapshot_shows_the_live_figures() -> None:
