@@ -13,6 +13,7 @@ Every error is a JSON object with one line under ``error``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -26,6 +27,7 @@ from dispatcher.telemetry.server import Routes, json_response
 log = structlog.get_logger("dispatcher.serve")
 
 NDJSON = "application/x-ndjson"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # A job's rows arrive in its body: allow real batches of prompts.
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -34,7 +36,16 @@ def routes(service: Service) -> Routes:
     """The routes of the jobs API, bound to ``service``."""
     handlers = _Handlers(service)
 
+    @web.middleware
+    async def until_resumed(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # The listener is up before the registry is read: until every job is
+        # known again, an answer about jobs could be a wrong 404 or 409.
+        if request.path.startswith("/v1/") and not service.resumed:
+            return error(503, "starting: the job registry is being read; retry")
+        return await handler(request)
+
     def add(app: web.Application) -> None:
+        app.middlewares.append(until_resumed)
         app.router.add_post("/v1/jobs", handlers.submit)
         app.router.add_get("/v1/jobs", handlers.list_jobs)
         app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)

@@ -266,6 +266,8 @@ class Service:
         self.registry = registry
         self.max_off_policy_steps = max_off_policy_steps
         self.jobs: dict[str, ServedJob] = {}
+        # False until the registry is read (the API answers 503 until then).
+        self.resumed = False
         self._next_seq = 1
         # Seconds from a row (or a group's last row) being durable to its
         # delivery on a results stream: the last ones, for /status.
@@ -291,6 +293,7 @@ class Service:
             record.state = record.error = None
             served.start()
             log.info("job_resumed", job_id=record.job_id)
+        self.resumed = True
 
     async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """Accept a job: (201, status) new, (200, status) the same again; raises
