@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import json
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from dispatcher.ops.aggregate import rows_by_agent
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
 
@@ -186,3 +189,35 @@ async def test_a_gym_directory_is_left_as_found_when_the_run_cannot_start(
     assert result.returncode == 2, result.stderr[-3000:]
     assert materialized.read_bytes() == theirs
     assert not list((tmp_path / "out").glob("*.gym"))
+
+
+def test_aggregate_rows_leave_out_outsized_values_without_holding_the_rows(
+    tmp_path: Path,
+) -> None:
+    # A 2 MB per-token list in every row: only the small values travel.
+    tokens = [{"token_id": i, "logprob": -0.5} for i in range(100_000)]
+    output = tmp_path / "x.jsonl"
+    with output.open("wb") as f:
+        for i in range(20):
+            row = {
+                "reward": 1.0,
+                "tokens": tokens,
+                "big_int": 2**70 + i,
+                "response": {"usage": {"input_tokens": 3}, "output": ["long"]},
+                "agent_ref": {"name": "sim"},
+                "_ng_dispatch": {"replica": "http://a"},
+            }
+            f.write(json.dumps(row).encode() + b"\n")
+    tracemalloc.start()
+    grouped = rows_by_agent(output)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    entry = grouped["sim"]
+    assert entry.last_replica == "http://a"
+    sent = json.loads(entry.body())["verify_responses"]
+    assert len(sent) == 20
+    assert sent[3]["big_int"] == 2**70 + 3  # exact, copied as written
+    assert "tokens" not in sent[0] and sent[0]["reward"] == 1.0
+    assert sent[0]["response"] == {"usage": {"input_tokens": 3}}
+    # A few rows' worth at a time, never the file (the old way held it all, parsed).
+    assert peak < output.stat().st_size / 4, (peak, output.stat().st_size)

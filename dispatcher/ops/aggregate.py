@@ -4,7 +4,8 @@ of a run, and which ``gym eval compare`` reads.
 As in Gym, the numbers come from the agents themselves: each agent's
 ``POST /aggregate_metrics`` (Gym's agents forward it to their resources server,
 which knows what its rewards mean) receives that agent's rows, stripped of the
-heavy keys, and its answer becomes one entry of the file. An agent without the
+heavy keys (and any value over 64 KiB, such as per-token lists), and its
+answer becomes one entry of the file. An agent without the
 endpoint simply has no entry; the file is written only when some agent answered.
 The rows are read once, from the output file, after every row is durable.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
 import structlog
 
@@ -45,33 +47,69 @@ def aggregate_metrics_path(output: Path) -> Path:
     return output.with_name(output.stem + SUFFIX)
 
 
+# A kept value bigger than this (a per-token list, say) is left out: metrics
+# are computed from scalars, and a run of megabyte rows must not be held whole.
+MAX_VALUE_BYTES = 64 * 1024
+_RESPONSE_KEEP = ("usage", "incomplete_details")
+
+RowDecoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
 @dataclass
 class AgentRows:
-    """One agent's rows as /aggregate_metrics takes them, and the replica of its last one."""
+    """One agent's rows as /aggregate_metrics takes them (serialized, stripped),
+    and the replica of its last one."""
 
-    rows: list[JsonObject] = field(default_factory=list)
+    rows: list[bytes] = field(default_factory=list)
     last_replica: str | None = None
+
+    def body(self) -> bytes:
+        return b'{"verify_responses":[' + b",".join(self.rows) + b"]}"
 
 
 def rows_by_agent(output: Path) -> dict[str, AgentRows]:
-    """Each agent's success rows, stripped (blocking: run it in a thread)."""
+    """Each agent's success rows, stripped (blocking: run it in a thread).
+
+    Rows are split at their top level without decoding the values; only the
+    kept, small values are copied, so memory follows the stripped rows, not
+    the output file.
+    """
     grouped: dict[str, AgentRows] = {}
     with output.open("rb") as lines:
         for line in lines:
-            row = _parsed(line)
-            agent = row.get("agent_ref") if row else None
-            name = agent.get("name") if isinstance(agent, dict) else None
-            if row is not None and isinstance(name, str):
+            row = _split(line)
+            name = _agent_name(row) if row is not None else None
+            if row is not None and name is not None:
                 entry = grouped.setdefault(name, AgentRows())
                 entry.rows.append(stripped(row))
                 entry.last_replica = _replica(row) or entry.last_replica
     return grouped
 
 
-def _replica(row: Mapping[str, Any]) -> str | None:
-    stamp = row.get(DISPATCH_KEY)
-    replica = stamp.get("replica") if isinstance(stamp, dict) else None
+def _split(line: bytes) -> dict[str, msgspec.Raw] | None:
+    try:
+        return RowDecoder.decode(line)
+    except msgspec.DecodeError:
+        return None  # a torn tail: resume repairs it, metrics skip it
+
+
+def _agent_name(row: Mapping[str, msgspec.Raw]) -> str | None:
+    agent = _small_object(row.get("agent_ref"))
+    name = agent.get("name") if agent else None
+    return name if isinstance(name, str) else None
+
+
+def _replica(row: Mapping[str, msgspec.Raw]) -> str | None:
+    stamp = _small_object(row.get(DISPATCH_KEY))
+    replica = stamp.get("replica") if stamp else None
     return replica if isinstance(replica, str) else None
+
+
+def _small_object(raw: msgspec.Raw | None) -> dict[str, Any] | None:
+    if raw is None or len(raw) > MAX_VALUE_BYTES:
+        return None
+    value = orjson.loads(bytes(raw))
+    return value if isinstance(value, dict) else None
 
 
 def _replicas_to_ask(urls: Sequence[str], last: str | None) -> list[str]:
@@ -79,23 +117,37 @@ def _replicas_to_ask(urls: Sequence[str], last: str | None) -> list[str]:
     return sorted(urls, key=lambda url: url != last)
 
 
-def _parsed(line: bytes) -> JsonObject | None:
+def _parsed(answer: bytes) -> JsonObject | None:
     try:
-        value = orjson.loads(line)
+        value = orjson.loads(answer)
     except orjson.JSONDecodeError:
-        return None  # a torn tail: resume repairs it, metrics skip it
+        return None
     return value if isinstance(value, dict) else None
 
 
-def stripped(row: Mapping[str, Any]) -> JsonObject:
-    """A row without payloads, keeping the response's usage and incomplete_details."""
-    entry = {key: value for key, value in row.items() if key not in _HEAVY_KEYS}
-    response = row.get("response")
-    if isinstance(response, dict):
-        kept = {k: response[k] for k in ("usage", "incomplete_details") if k in response}
-        if kept:
-            entry["response"] = kept
-    return entry
+def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
+    """A row without payloads (keeping the response's usage and incomplete_details)
+    and without outsized values, serialized."""
+    parts = [
+        orjson.dumps(key) + b":" + bytes(raw)
+        for key, raw in row.items()
+        if key not in _HEAVY_KEYS and len(raw) <= MAX_VALUE_BYTES
+    ]
+    response = _response_kept(row.get("response"))
+    if response:
+        parts.append(b'"response":' + orjson.dumps(response))
+    return b"{" + b",".join(parts) + b"}"
+
+
+def _response_kept(raw: msgspec.Raw | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        response = RowDecoder.decode(raw)
+    except msgspec.DecodeError:
+        return None  # not an object
+    kept = {k: orjson.loads(bytes(response[k])) for k in _RESPONSE_KEEP if k in response}
+    return kept or None
 
 
 async def write_aggregate_metrics(
@@ -133,7 +185,7 @@ async def _first_answer(
 ) -> JsonObject | None:
     """The agent's metrics from the first replica that answers at all; an HTTP answer
     that is not metrics (404 from an agent that does not aggregate) ends the search."""
-    body = orjson.dumps({"verify_responses": found.rows})
+    body = found.body()
     for url in _replicas_to_ask(urls, found.last_replica):
         try:
             status, answer = await _post(session, f"{url}/aggregate_metrics", body)
