@@ -331,14 +331,41 @@ def daemon_child(argv: list[str]) -> int:
     return cli.main(rest)
 
 
+def write_compare(work: Path, row_bytes: int = 2 * MB, rows: int = 600) -> None:
+    """Appending big rows: one write(2) per row against one writev(2) per batch of 8."""
+    import os
+    import resource
+
+    lines = [os.urandom(16) * (row_bytes // 16) for _ in range(8)]
+    print(f"appending {rows} rows of {row_bytes / MB:g} MB, CPU seconds (median of 3)")
+    for name in ("write per row", "writev per 8 rows"):
+        spent = []
+        for _ in range(3):
+            path = work / "write-compare.bin"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            for _ in range(rows // len(lines)):
+                if name == "write per row":
+                    for line in lines:
+                        os.write(fd, line)
+                else:
+                    os.writev(fd, lines)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            os.close(fd)
+            path.unlink()
+            spent.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        print(f"  {name:18s} {median(spent):5.2f} s")
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--daemon-child"]:
         return daemon_child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="small counts, for CI")
     parser.add_argument("--offload-compare", action="store_true")
+    parser.add_argument("--write-compare", action="store_true", help="write(2) vs writev(2)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per case")
-    parser.add_argument("--cases", default="2,20", help="row sizes in MB to run (2, 20)")
+    parser.add_argument("--cases", default="2,20", help="row sizes in MB to run (2, 20; 0: none)")
     parser.add_argument("--baseline-child", nargs=4, metavar=("URL", "TASKS", "OUT", "C"))
     opts = parser.parse_args()
     if opts.baseline_child:
@@ -349,7 +376,9 @@ def main() -> int:
         return 0
     cases = SMOKE_CASES if opts.smoke else CASES
     with tempfile.TemporaryDirectory() as tmp:
-        wanted = {int(mb) * MB for mb in opts.cases.split(",")}
+        if opts.write_compare:
+            write_compare(Path(tmp))
+        wanted = {int(mb) * MB for mb in opts.cases.split(",") if mb}
         for row_bytes, concurrency, rollouts in cases:
             if row_bytes in wanted:
                 run_case(Path(tmp), row_bytes, concurrency, rollouts, opts.repeat)

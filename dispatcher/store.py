@@ -1,7 +1,7 @@
 """Output files (DESIGN A4): the run lock, the manifest and the durable row writer.
 
-A batch of rows is appended with ``writev(2)`` on an ``O_APPEND`` descriptor, and
-the rollout counts as done only once its batch is written (and fsynced, by
+Rows are appended whole by ``write(2)`` on an ``O_APPEND`` descriptor, a batch
+at a time, and the rollout counts as done only once its batch is written (and fsynced, by
 policy). A write that fails truncates the file back to its last good size, so
 what is on disk always parses; the writer then refuses further rows.
 
@@ -21,7 +21,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -324,15 +324,13 @@ class RowWriter:
         return self._error
 
     def _write_all(self, lines: list[bytes]) -> None:
-        # One writev(2) for the batch: its rows (megabytes each, for big ones)
-        # are not joined into one more copy first.
         assert self._fd is not None
-        pending = [memoryview(line) for line in lines]
         size = sum(len(line) for line in lines)
         with self.io_lock:
-            while pending:
-                written = os.writev(self._fd, pending[:_IOV_MAX])
-                pending = _advanced(pending, written)
+            for chunk in _chunks(lines):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(self._fd, view) :]
             if self._policy != "never":
                 os.fsync(self._fd)
             self._size += size
@@ -347,20 +345,30 @@ class RowWriter:
         return self._error
 
 
-# Buffers one writev(2) takes at most (Linux's UIO_MAXIOV).
-_IOV_MAX = 1024
+# Rows smaller than this are joined into one write; a bigger one is written as
+# it is, not copied into a joined batch first. (writev(2) of the batch was
+# measured no cheaper than a write(2) per big row: bench/big_rows.py --write-compare.)
+JOIN_BYTES = 1 << 20
 
 
-def _advanced(pending: list[memoryview], written: int) -> list[memoryview]:
-    """What is left of ``pending`` once ``written`` bytes of it are written."""
-    done = 0
-    while done < len(pending) and written >= len(pending[done]):
-        written -= len(pending[done])
-        done += 1
-    rest = pending[done:]
-    if rest and written:
-        rest[0] = rest[0][written:]
-    return rest
+def _chunks(lines: list[bytes]) -> Iterator[bytes]:
+    """A batch as few writes, without copying its big rows once more."""
+    small: list[bytes] = []
+    size = 0
+    for line in lines:
+        if len(line) >= JOIN_BYTES:
+            if small:
+                yield b"".join(small)
+                small, size = [], 0
+            yield line
+            continue
+        small.append(line)
+        size += len(line)
+        if size >= JOIN_BYTES:
+            yield b"".join(small)
+            small, size = [], 0
+    if small:
+        yield b"".join(small)
 
 
 class _ChangedUnderUs(Exception):

@@ -396,14 +396,13 @@ async def test_a_cancelled_waiter_leaves_nothing_held() -> None:
 # ---- the writer's batch ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("written", "left"),
-    [(0, [b"abc", b"de", b"f"]), (2, [b"c", b"de", b"f"]), (3, [b"de", b"f"]), (4, [b"e", b"f"]),
-     (6, [])],
-)  # fmt: skip
-def test_a_short_writev_resumes_where_it_stopped(written: int, left: list[bytes]) -> None:
-    pending = [memoryview(part) for part in (b"abc", b"de", b"f")]
-    assert [bytes(part) for part in store._advanced(pending, written)] == left
+def test_a_batch_is_written_as_its_big_rows_and_its_small_ones_joined() -> None:
+    big = b"x" * store.JOIN_BYTES
+    small = [b"a" * (store.JOIN_BYTES // 2)] * 4
+    chunks = list(store._chunks([b"1", b"2", big, *small, b"3"]))
+    assert chunks[1] is big
+    assert [len(chunk) for chunk in chunks] == [2, len(big), len(big), len(big), 1]
+    assert b"".join(chunks) == b"".join([b"1", b"2", big, *small, b"3"])
 
 
 async def test_a_batch_of_big_rows_is_appended_whole(tmp_path: Path) -> None:
