@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -154,5 +155,13 @@ def serve(source: IO[bytes], sink: IO[bytes]) -> None:
         sink.flush()
 
 
-if __name__ == "__main__":
+def main() -> None:
+    # A terminal's Ctrl-C and a service manager's SIGTERM reach the whole
+    # group: the dispatcher decides when to stop, and the child ends with its input.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve(sys.stdin.buffer, sys.stdout.buffer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Big JSON off the event loop: a worker process validates, one worker thread joins.
 
-Measured with ``bench/big_rows.py`` (``--offload-compare`` and the
-end-to-end runs with ``--worker``): a thread that validates a big body holds
+Measured with ``bench/big_rows.py`` (its end-to-end runs with either worker,
+and ``--offload-compare``): a thread that validates a big body holds
 the GIL for each of the parser's C calls, and the loop waits for them; the
 child process (``jsonworker.py``) holds no lock of ours. What crosses to it is
 the body, written to a pipe with the GIL released; what comes back is where
