@@ -318,16 +318,16 @@ def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> N
 
 def daemon_child(argv: list[str]) -> int:
     """``dispatcher ARGV``, without the end-of-run aggregate step unless asked for."""
-    from dispatcher import cli, offload, service
+    from dispatcher import cli, job, offload
 
     mode, worker, *rest = argv
     offload.WORKER_KIND = worker
     if mode == "no-aggregate":
 
-        async def skipped(self: service.Dispatcher) -> None:
+        async def skipped(self: job.Job) -> None:
             return None
 
-        service.Dispatcher._write_aggregate_metrics = skipped  # type: ignore[method-assign]
+        job.Job._write_aggregate_metrics = skipped  # type: ignore[method-assign]
     return cli.main(rest)
 
 
