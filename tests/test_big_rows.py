@@ -296,7 +296,7 @@ async def test_a_worker_process_that_died_requeues_the_rollout_and_is_replaced(
     worker.split(b"{}")
     assert worker.pid is not None
     os.kill(worker.pid, signal.SIGKILL)
-    dispatcher = dispatcher_for(tmp_path, agent_url, 4, concurrency=1, offload_bytes=0)
+    dispatcher = in_process_run(tmp_path, agent_url, 4, concurrency=1, offload_bytes=0)
 
     assert await asyncio.wait_for(dispatcher.run(), 60) is ExitCode.DONE
 
