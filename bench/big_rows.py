@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server, run_child, write_tasks
+from _common import dispatcher_server, median, run_child, write_tasks
 
 MB = 1_000_000
 # (row bytes, concurrency, rollouts); the issue's two cases.
@@ -110,11 +110,16 @@ def baseline(work: Path, tasks: Path, url: str, concurrency: int, tag: str) -> d
 
 
 def daemon(
-    work: Path, tasks: Path, url: str, concurrency: int, tag: str, fsync: str
-) -> dict[str, float]:
+    work: Path, tasks: Path, url: str, concurrency: int, tag: str, fsync: str,
+    aggregate: bool = False, worker: str = "process",
+) -> dict[str, float]:  # fmt: skip
     output = work / f"{tag}.jsonl"
+    # Without ``aggregate``, the end-of-run aggregate metrics step (which parses
+    # every row of the output and posts them to the agent) is left out: it is
+    # not the dispatch path this bench measures, and it is shown on its own.
+    child = ["--daemon-child", "aggregate" if aggregate else "no-aggregate", worker]
     args = [
-        sys.executable, "-m", "dispatcher", "run", "--input", str(tasks),
+        sys.executable, __file__, *child, "run", "--input", str(tasks),
         "--output", str(output), "--agent", f"sim={url}", "--concurrency", str(concurrency),
         "--log-format", "json", "--log-level", "warning", "--fresh",
         "--metrics-listen", "127.0.0.1:0", "--fsync", fsync,
@@ -137,26 +142,50 @@ def daemon(
     }
 
 
-def run_case(work: Path, row_bytes: int, concurrency: int, rollouts: int) -> None:
+def run_case(work: Path, row_bytes: int, concurrency: int, rollouts: int, repeat: int) -> None:
     tag = f"r{row_bytes // MB}mb-c{concurrency}"
     tasks = work / f"{tag}-tasks.jsonl"
     write_tasks(tasks, rollouts)
+    runs: dict[str, list[dict[str, float]]] = {}
     with dispatcher_server("sim-agent", "--row-bytes", str(row_bytes)) as url:
-        runs = {
-            "baseline (bytes to file)": baseline(work, tasks, url, concurrency, tag),
-            # The baseline does not fsync: compare like with like first.
-            "dispatcher --fsync never": daemon(work, tasks, url, concurrency, tag, "never"),
-            "dispatcher (fsync batch)": daemon(work, tasks, url, concurrency, tag, "batch"),
-        }
-    print(f"{row_bytes / MB:g} MB rows, concurrency {concurrency}, {rollouts} rollouts")
-    base_rate = 0.0
-    for name, fig in runs.items():
-        rate = fig["rows"] / fig["seconds"]
-        base_rate = base_rate or rate
-        print(f"  {name:25s} {rate:6.1f} rows/s {fig['bytes'] / fig['seconds'] / MB:6.1f} MB/s"
-              f" ({rate / base_rate:4.2f})  peak RSS {fig['peak_rss_mb']:6.1f} MB"
-              f"  loop lag p99 {fig['lag_p99_ms']:6.1f} ms, max {fig['lag_max_ms']:6.1f} ms"
-              f"  CPU {fig['cpu_s']:5.1f} s")  # fmt: skip
+        for n in range(repeat):
+            # Interleaved, so the machine's other work weighs on each the same.
+            this = {
+                "baseline (bytes to file)": baseline(work, tasks, url, concurrency, tag),
+                # The baseline does not fsync: compare like with like first.
+                "dispatcher --fsync never": daemon(work, tasks, url, concurrency, tag, "never"),
+                "  the same, thread worker": daemon(
+                    work, tasks, url, concurrency, tag, "never", worker="thread"
+                ),
+                "dispatcher (fsync batch)": daemon(work, tasks, url, concurrency, tag, "batch"),
+            }
+            if n == 0:
+                this["  + end-of-run aggregate"] = daemon(
+                    work, tasks, url, concurrency, tag, "batch", aggregate=True
+                )
+            base_rate = (
+                this["baseline (bytes to file)"]["rows"]
+                / this["baseline (bytes to file)"]["seconds"]
+            )
+            for name, fig in this.items():
+                rate = fig["rows"] / fig["seconds"]
+                runs.setdefault(name, []).append({**fig, "rate": rate, "ratio": rate / base_rate})
+    print(
+        f"{row_bytes / MB:g} MB rows, concurrency {concurrency}, {rollouts} rollouts, median of"
+        f" {repeat} interleaved runs (ratio: to the baseline of the same round)"
+    )
+    for name, figs in runs.items():
+        print(f"  {name:25s} {_figures(figs)}")
+
+
+def _figures(figs: list[dict[str, float]]) -> str:
+    fig = {key: median([f[key] for f in figs]) for key in figs[0]}
+    return (
+        f"{fig['rate']:6.1f} rows/s {fig['bytes'] / fig['seconds'] / MB:6.1f} MB/s"
+        f" ({fig['ratio']:4.2f})  peak RSS {fig['peak_rss_mb']:6.1f} MB"
+        f"  loop lag p99 {fig['lag_p99_ms']:6.1f} ms, max {fig['lag_max_ms']:6.1f} ms"
+        f"  CPU {fig['cpu_s']:5.1f} s  ratios {[round(f['ratio'], 2) for f in figs]}"
+    )
 
 
 def _big_answer(row_bytes: int) -> bytes:
@@ -287,10 +316,56 @@ def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> N
             print(f"  {label:32s} {stalls[2] * 1000:6.1f} ms (median of 5)")
 
 
+def daemon_child(argv: list[str]) -> int:
+    """``dispatcher ARGV``, without the end-of-run aggregate step unless asked for."""
+    from dispatcher import cli, job, offload
+
+    mode, worker, *rest = argv
+    offload.WORKER_KIND = worker
+    if mode == "no-aggregate":
+
+        async def skipped(self: job.Job) -> None:
+            return None
+
+        job.Job._write_aggregate_metrics = skipped  # type: ignore[method-assign]
+    return cli.main(rest)
+
+
+def write_compare(work: Path, row_bytes: int = 2 * MB, rows: int = 600) -> None:
+    """Appending big rows: one write(2) per row against one writev(2) per batch of 8."""
+    import os
+    import resource
+
+    lines = [os.urandom(16) * (row_bytes // 16) for _ in range(8)]
+    print(f"appending {rows} rows of {row_bytes / MB:g} MB, CPU seconds (median of 3)")
+    for name in ("write per row", "writev per 8 rows"):
+        spent = []
+        for _ in range(3):
+            path = work / "write-compare.bin"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            for _ in range(rows // len(lines)):
+                if name == "write per row":
+                    for line in lines:
+                        os.write(fd, line)
+                else:
+                    os.writev(fd, lines)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            os.close(fd)
+            path.unlink()
+            spent.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        print(f"  {name:18s} {median(spent):5.2f} s")
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--daemon-child"]:
+        return daemon_child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="small counts, for CI")
     parser.add_argument("--offload-compare", action="store_true")
+    parser.add_argument("--write-compare", action="store_true", help="write(2) vs writev(2)")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per case")
+    parser.add_argument("--cases", default="2,20", help="row sizes in MB to run (2, 20; 0: none)")
     parser.add_argument("--baseline-child", nargs=4, metavar=("URL", "TASKS", "OUT", "C"))
     opts = parser.parse_args()
     if opts.baseline_child:
@@ -301,8 +376,12 @@ def main() -> int:
         return 0
     cases = SMOKE_CASES if opts.smoke else CASES
     with tempfile.TemporaryDirectory() as tmp:
+        if opts.write_compare:
+            write_compare(Path(tmp))
+        wanted = {int(mb) * MB for mb in opts.cases.split(",") if mb}
         for row_bytes, concurrency, rollouts in cases:
-            run_case(Path(tmp), row_bytes, concurrency, rollouts)
+            if row_bytes in wanted:
+                run_case(Path(tmp), row_bytes, concurrency, rollouts, opts.repeat)
         capture_compare(Path(tmp))
     if opts.offload_compare:
         for row_bytes, count in ((2 * MB, 64), (20 * MB, 8)):

@@ -60,6 +60,10 @@ class Finalizer:
             line, capture = await off_loop(_plain_line, rollout, attempt, row), {}
         else:
             line, capture = _plain_line(rollout, attempt, row), {}
+        if isinstance(attempt.result, WireResult):
+            # Its kept values are slices of the agent's body: let the body go,
+            # so only the line waits for the commit (1x, not 2x, its size).
+            attempt.result.clear()
         return line, row_facts(row), capture
 
     async def _attach_capture(

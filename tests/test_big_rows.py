@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher import finalizer, offload
+from dispatcher import finalizer, offload, store
 from dispatcher.agents import classify_response
 from dispatcher.bytebudget import ByteBudget
 from dispatcher.capture.finalize import attach_capture
 from dispatcher.errors import ExitCode
 from dispatcher.faults import LocalFault
+from dispatcher.jsonworker import WorkerProcess
 from dispatcher.outcome import Outcome
-from dispatcher.rowbytes import WireResult, classify_big, row_line
+from dispatcher.rowbytes import Split, WireResult, classify_big, row_line, split_body, wire_result
 from dispatcher.sim.agent import TOKENS_KEY, token_logprobs_json
 from dispatcher.state import OutputPaths
 from tests.helpers import FakeAgent, in_process_run, read_jsonl, run_args, run_cli
@@ -55,15 +59,20 @@ def big_body(*, extra: bytes = EXACT, row_bytes: int = 300_000) -> bytes:
     return b"{" + echoed + b"," + extra + b"," + tokens + b"}"
 
 
-def merged_line(raw: bytes) -> bytes:
-    outcome, result, failure = classify_big(200, raw)
+# The two ways a big body is classed: validated in a thread, or in the worker process.
+CLASSIFIERS = {"thread": classify_big, "process": offload.classify_in_process}
+
+
+def merged_line(raw: bytes, worker: str = "thread") -> bytes:
+    outcome, result, failure = CLASSIFIERS[worker](200, raw)
     assert outcome is Outcome.SUCCESS and failure is None and result is not None
     return row_line({**result, **OURS})
 
 
-def test_a_split_row_has_the_content_of_a_parse_and_merge() -> None:
+@pytest.mark.parametrize("worker", CLASSIFIERS)
+def test_a_split_row_has_the_content_of_a_parse_and_merge(worker: str) -> None:
     raw = big_body()
-    line = merged_line(raw)
+    line = merged_line(raw, worker)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     # The stdlib keeps big ints exact: compare with it, keys in order too.
     expected = {**json.loads(raw), **OURS}
@@ -114,8 +123,48 @@ def test_bodies_the_splitter_cannot_vouch_for_take_the_full_parse(body: bytes) -
         b"",
     ],
 )
-def test_a_big_body_is_classed_exactly_as_the_full_parse_classes_it(body: bytes) -> None:
-    assert classify_big(200, body)[::2] == classify_response(200, body)[::2]
+@pytest.mark.parametrize("worker", CLASSIFIERS)
+def test_a_big_body_is_classed_exactly_as_the_full_parse_classes_it(
+    body: bytes, worker: str
+) -> None:
+    assert CLASSIFIERS[worker](200, body)[::2] == classify_response(200, body)[::2]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a":1,"a":2}',
+        b'{"a":1,"a":1}',
+        b'{"a":"xy","a":"z"}',
+        b'{"a":[1,2],"b":3,"a":[1]}',
+        b'{"a":1} {}',
+    ],
+)
+def test_a_repeated_key_or_trailing_text_is_not_split(body: bytes) -> None:
+    # The decoded dict folds a repeated key: only the full parse can say what it means.
+    assert split_body(body) is None
+
+
+def test_spans_find_values_between_any_whitespace_and_escaped_keys() -> None:
+    body = b' {  "a" :\t1 , "k\\"x\\\\" :  "s\\"" ,"n":{"m":[]} }  '
+    split = split_body(body)
+    assert split is not None
+    assert [(key, body[start:end]) for key, start, end in split.spans] == [
+        ("a", b"1"),
+        ('k"x\\', b'"s\\""'),
+        ("n", b'{"m":[]}'),
+    ]
+    assert json.loads(row_line({**wire_result(body, split), **OURS})) == {
+        **json.loads(body),
+        **OURS,
+    }
+
+
+def test_a_joined_line_is_the_encoders_line() -> None:
+    _, result, _ = classify_big(200, big_body())
+    assert result is not None
+    row = {**result, **OURS, "ünï": ["\u2028", 1.5, None]}
+    assert row_line(row) == msgspec.json.encode(row) + b"\n"
 
 
 def test_the_dispatchers_own_keys_class_a_big_answer() -> None:
@@ -218,7 +267,7 @@ async def test_a_fault_in_the_worker_requeues_the_rollout(
     assert dispatcher.summary()["outcomes"] == {"success": 6, "requeued": 2}
 
 
-async def test_a_fault_while_classing_in_the_worker_requeues_the_rollout(
+async def test_a_fault_while_classing_in_the_worker_thread_requeues_the_rollout(
     tmp_path: Path, agent_url: str, no_signal_handlers: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     failed = 0
@@ -230,6 +279,7 @@ async def test_a_fault_while_classing_in_the_worker_requeues_the_rollout(
             raise MemoryError
         return classify_big(status, raw)
 
+    monkeypatch.setattr(offload, "WORKER_KIND", "thread")
     monkeypatch.setattr(offload, "classify_big", flaky_classify)
     dispatcher = in_process_run(tmp_path, agent_url, 4, concurrency=2, offload_bytes=0)
 
@@ -237,6 +287,39 @@ async def test_a_fault_while_classing_in_the_worker_requeues_the_rollout(
 
     assert len(read_jsonl(OutputPaths.for_output(tmp_path / "x.jsonl").output)) == 4
     assert dispatcher.summary()["outcomes"] == {"success": 4, "requeued": 1}
+
+
+async def test_a_worker_process_that_died_requeues_the_rollout_and_is_replaced(
+    tmp_path: Path, agent_url: str, no_signal_handlers: None
+) -> None:
+    worker = offload.worker_process()
+    worker.split(b"{}")
+    assert worker.pid is not None
+    os.kill(worker.pid, signal.SIGKILL)
+    dispatcher = in_process_run(tmp_path, agent_url, 4, concurrency=1, offload_bytes=0)
+
+    assert await asyncio.wait_for(dispatcher.run(), 60) is ExitCode.DONE
+
+    assert len(read_jsonl(OutputPaths.for_output(tmp_path / "x.jsonl").output)) == 4
+    assert dispatcher.summary()["outcomes"] == {"success": 4, "requeued": 1}
+
+
+async def test_a_worker_process_killed_while_a_body_is_on_its_way_is_our_fault() -> None:
+    worker = WorkerProcess()
+    try:
+        worker.split(b"{}")
+        assert worker.pid is not None
+        # Stopped, it reads nothing: the body (bigger than the pipe) is still
+        # being written when it dies.
+        os.kill(worker.pid, signal.SIGSTOP)
+        call = asyncio.create_task(asyncio.to_thread(worker.split, big_body(row_bytes=5_000_000)))
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(LocalFault) as fault:
+            await asyncio.wait_for(call, 30)
+        assert fault.value.kind == "worker_exited"
+        assert worker.split(b'{"a":1}') == Split([("a", 5, 6)], {})
+    finally:
+        worker.close()
 
 
 async def test_a_big_capture_merged_in_a_worker_gives_the_same_row(tmp_path: Path) -> None:
@@ -308,3 +391,25 @@ async def test_a_cancelled_waiter_leaves_nothing_held() -> None:
     budget.release(100)
     await behind
     assert budget.held == 30
+
+
+# ---- the writer's batch ------------------------------------------------------------
+
+
+def test_a_batch_is_written_as_its_big_rows_and_its_small_ones_joined() -> None:
+    big = b"x" * store.JOIN_BYTES
+    small = [b"a" * (store.JOIN_BYTES // 2)] * 4
+    chunks = list(store._chunks([b"1", b"2", big, *small, b"3"]))
+    assert chunks[1] is big
+    assert [len(chunk) for chunk in chunks] == [2, len(big), len(big), len(big), 1]
+    assert b"".join(chunks) == b"".join([b"1", b"2", big, *small, b"3"])
+
+
+async def test_a_batch_of_big_rows_is_appended_whole(tmp_path: Path) -> None:
+    writer = store.RowWriter(tmp_path / "x.jsonl", "never")
+    writer.open()
+    lines = [b'{"n":%d,"x":"%s"}\n' % (n, b"y" * (n * 100_000)) for n in range(1, 6)]
+    await asyncio.gather(*(writer.append_line(line) for line in lines))
+    await writer.close()
+    assert (tmp_path / "x.jsonl").read_bytes() == b"".join(lines)
+    assert writer.rows_written == 5
