@@ -246,7 +246,7 @@ async def _run_command(args: argparse.Namespace) -> int:
 
     settings, shard = run_settings(args)
     configure_logging(settings.log_format, level=settings.log_level)
-    _tune_gc()
+    tune_gc()
     dispatcher = Dispatcher(
         settings,
         budget_s=budget_seconds(settings),
@@ -255,7 +255,7 @@ async def _run_command(args: argparse.Namespace) -> int:
     return int(await dispatcher.run())
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Make the cyclic GC rare: its pauses, not our code, were the loop's longest stalls.
 
     A thousand rollouts in flight keep ~100k young container objects alive;

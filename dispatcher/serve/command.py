@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 async def serve_command(args: argparse.Namespace) -> int:
-    from dispatcher.cli import _tune_gc, budget_seconds, run_flag_values
+    from dispatcher.cli import budget_seconds, run_flag_values, tune_gc
 
     listen_address(args.listen)  # a bad address is named as --listen
     state_dir = Path(args.state_dir)
@@ -73,7 +73,7 @@ async def serve_command(args: argparse.Namespace) -> int:
     )
     settings = load_settings(values)
     configure_logging(settings.log_format, level=settings.log_level)
-    _tune_gc()
+    tune_gc()
     steps = _steps(args.max_off_policy_steps)
     return int(await serve(settings, state_dir, steps, budget_seconds(settings)))
 

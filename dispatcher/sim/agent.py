@@ -314,6 +314,11 @@ def add_parser(subparsers: Any) -> None:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    from dispatcher.cli import tune_gc
+
+    # Thousands of requests held open (latency) are thousands of live objects:
+    # the default GC thresholds would pause the simulated agent for 100+ ms.
+    tune_gc()
     fields = SimAgentConfig.__dataclass_fields__
     config = SimAgentConfig(**{k: v for k, v in vars(args).items() if k in fields})
     return await serve_until_signal(build_sim_agent_app(config), args.listen, "sim-agent")
