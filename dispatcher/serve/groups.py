@@ -14,7 +14,7 @@ fixed once written and never changes.
 
 from __future__ import annotations
 
-import asyncio
+import os
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -26,7 +26,7 @@ from dispatcher import jsonx
 from dispatcher.keys import materialized_key, row_key, task_of
 from dispatcher.outcome import Outcome
 from dispatcher.state import RunState, repair_torn_tail
-from dispatcher.store import LineIndex, RowWriter
+from dispatcher.store import LineIndex
 from dispatcher.tasks import Rollout
 
 
@@ -44,8 +44,8 @@ class Groups:
         # durable moment, which the stream's delay is measured from.
         self.completed_at: dict[int, float] = {}
         self.index = LineIndex()
-        self._writer: RowWriter | None = None
-        self._appends: set[asyncio.Task[int | None]] = set()
+        self._fd: int | None = None
+        self._size = 0
 
     def load(self, materialized: Path, output: Path, state: RunState) -> list[int]:
         """Read back what earlier hops did (blocking); the complete tasks not yet logged."""
@@ -71,9 +71,8 @@ class Groups:
         return sorted(t for t in self.expected if self._complete(t) and t not in self.logged)
 
     async def open(self, missing: list[int]) -> None:
-        # Never fsynced: the file is derived data, rebuilt from the rows on open.
-        self._writer = RowWriter(self.path, "never", index=self.index)
-        self._writer.open()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.fstat(self._fd).st_size
         for task in missing:
             self._log(task)
 
@@ -93,21 +92,23 @@ class Groups:
         return self.final[task] >= self.expected[task] > 0
 
     def _log(self, task: int) -> None:
-        assert self._writer is not None
+        """Append the group's line, here on the loop: one small write(2) to the page
+        cache, never fsynced (the file is derived data, rebuilt from the rows on open),
+        so a waiting stream sees the group without a thread hop."""
+        assert self._fd is not None
         self.logged.add(task)
         line = orjson.dumps(
             {"task_index": task, "rows": sorted(self.rows[task]), "failures": self.failures[task]},
             option=orjson.OPT_APPEND_NEWLINE,
         )
-        append = asyncio.create_task(self._writer.append_line(line), name=f"group:{task}")
-        self._appends.add(append)
-        append.add_done_callback(self._appends.discard)
+        os.write(self._fd, line)
+        self.index.add(self._size, [len(line)])
+        self._size += len(line)
 
     async def close(self) -> None:
-        if self._appends:
-            await asyncio.wait(set(self._appends))
-        if self._writer is not None:
-            await self._writer.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def group_line(record: bytes) -> dict[str, Any]:

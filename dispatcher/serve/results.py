@@ -26,6 +26,8 @@ from dispatcher.store import LineIndex
 # that a stream of multi-megabyte rows holds a bounded amount of memory.
 CHUNK_LINES = 64
 CHUNK_BYTES = 8 * 1024 * 1024
+# Chunks up to this size are read on the loop, bigger ones in a thread.
+READ_ON_LOOP_BYTES = 64 * 1024
 # A stream wakes at least this often to check that its job is still running.
 IDLE_CHECK_S = 1.0
 
@@ -74,6 +76,26 @@ async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIt
             if not wait:
                 return
             await index.grew.wait(IDLE_CHECK_S)
+
+
+async def _read(read: Callable[[int, int], Chunk], first: int, last: int, size: int) -> Chunk:
+    """Small chunks are read here (page-cache reads of microseconds: a thread hop
+    would cost more than it saves); big ones in a thread."""
+    if size <= READ_ON_LOOP_BYTES:
+        return read(first, last)
+    return await asyncio.to_thread(read, first, last)
+
+
+def _chunk_bytes(source: Source, group: bool, first: int, last: int) -> int:
+    """About how many bytes a chunk reads: its rows' span, or for groups an
+    estimate from the average row and group sizes (the rows are not known yet)."""
+    rows = source.rows
+    if not group:
+        start, end = rows.span(first, last)
+        return end - start
+    average_row = rows.end / max(1, len(rows))
+    rows_per_group = len(rows) / max(1, len(source.groups))
+    return int(average_row * rows_per_group * (last - first + 1))
 
 
 def _chunk_end(index: LineIndex, first: int) -> int:
