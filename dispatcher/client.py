@@ -50,16 +50,16 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 from urllib.parse import quote, urlencode
 
 import aiohttp
 
-from dispatcher import jsonx
+from dispatcher import contracts, jsonx
 from dispatcher.backoff import BackoffPolicy
+from dispatcher.lifecycle import JobState
 
 T = TypeVar("T")
 
@@ -80,59 +80,16 @@ class ClientError(Exception):
         self.message = message
 
 
-class JobState(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    PACED = "paced"
-    DONE = "done"
-    INCOMPLETE = "incomplete"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """A job's status as the daemon reports it (``GET /v1/jobs/<id>``)."""
-
-    job_id: str
-    state: JobState
-    final: bool
-    priority: int | None = None
-    policy_version: int | None = None
-    expected: int | None = None
-    done: int = 0
-    remaining: int | None = None
-    in_flight: int = 0
-    outcomes: dict[str, int] = field(default_factory=dict)
-    eta_s: float | None = None
-    output: str | None = None
-    error: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+class JobStatus(contracts.JobStatus):
+    """A job's status (``dispatcher.contracts.JobStatus``); a bad one is a ``ClientError``."""
 
     @classmethod
     def from_json(cls, body: Any) -> JobStatus:
-        """Parse a status object; a field this client does not know is ignored."""
-        if not isinstance(body, dict):
-            raise ClientError(None, f"job status is not an object: {str(body)[:200]}")
         try:
-            return cls(
-                job_id=str(body["job_id"]),
-                state=JobState(body["state"]),
-                final=bool(body["final"]),
-                priority=body.get("priority"),
-                policy_version=body.get("policy_version"),
-                expected=body.get("expected"),
-                done=int(body.get("done") or 0),
-                remaining=body.get("remaining"),
-                in_flight=int(body.get("in_flight") or 0),
-                outcomes=dict(body.get("outcomes") or {}),
-                eta_s=body.get("eta_s"),
-                output=body.get("output"),
-                error=body.get("error"),
-                metadata=dict(body.get("metadata") or {}),
-            )
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ClientError(None, f"bad job status from the daemon: {exc!r}") from None
+            status = contracts.JobStatus.from_json(body)
+        except ValueError as exc:
+            raise ClientError(None, f"from the daemon: {exc}") from None
+        return cls(**vars(status))
 
 
 # --- pure pieces: URLs, bodies, the NDJSON stream ----------------------------------

@@ -6,6 +6,8 @@
   ``validate``) read it.
 - ``LastRun``: the manifest's ``last_run``, what ``dispatcher status`` needs
   to say why rollouts wrote no row.
+- ``JobStatus``: a job's status in service mode (``GET /v1/jobs/<id>``),
+  built by ``serve/service.py`` and read by ``dispatcher.client``.
 - The failure-row keys (``_ng_failure_*``) and the other outcome keys an
   agent's result may carry (``_ng_no_persist``); ``FailureKeys`` types them.
 
@@ -20,6 +22,7 @@ millions of rows are scanned on resume, so they stay dicts with a
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Final, NotRequired, TypedDict
 
 from pydantic import (
@@ -31,6 +34,67 @@ from pydantic import (
     StrictStr,
     ValidationError,
 )
+
+from dispatcher.lifecycle import JobState
+
+# -- a job's status (A12) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job's status as the daemon reports it (``GET /v1/jobs/<id>``)."""
+
+    job_id: str
+    state: JobState
+    final: bool
+    priority: int | None = None
+    policy_version: int | None = None
+    expected: int | None = None
+    done: int = 0
+    remaining: int | None = None
+    in_flight: int = 0
+    committing: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    eta_s: float | None = None
+    rows_durable: int = 0
+    groups_complete: int = 0
+    output: str | None = None
+    submitted_at: str | None = None
+    error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "state": self.state.value}
+
+    @classmethod
+    def from_json(cls, body: Any) -> JobStatus:
+        """Parse a status object; a field not known here is ignored. ValueError if bad."""
+        if not isinstance(body, dict):
+            raise ValueError(f"job status is not an object: {str(body)[:200]}")
+        try:
+            return cls(
+                job_id=str(body["job_id"]),
+                state=JobState(body["state"]),
+                final=bool(body["final"]),
+                priority=body.get("priority"),
+                policy_version=body.get("policy_version"),
+                expected=body.get("expected"),
+                done=int(body.get("done") or 0),
+                remaining=body.get("remaining"),
+                in_flight=int(body.get("in_flight") or 0),
+                committing=int(body.get("committing") or 0),
+                outcomes=dict(body.get("outcomes") or {}),
+                eta_s=body.get("eta_s"),
+                rows_durable=int(body.get("rows_durable") or 0),
+                groups_complete=int(body.get("groups_complete") or 0),
+                output=body.get("output"),
+                submitted_at=body.get("submitted_at"),
+                error=body.get("error"),
+                metadata=dict(body.get("metadata") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad job status: {exc!r}") from None
+
 
 # -- failure rows (A5) and agent results (A3) -----------------------------------
 

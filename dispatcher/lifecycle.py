@@ -24,11 +24,13 @@ class Phase(StrEnum):
 
 
 class JobState(StrEnum):
-    """A job's states (service mode). The last four are final; ``incomplete``
-    (rollouts left for a later hop) is final for this daemon's life only."""
+    """A job's states (service mode). The last four are final. ``paced`` is how a
+    running job held back by ``--max-off-policy-steps`` is shown; the lifecycle
+    never moves to it."""
 
     QUEUED = "queued"
     RUNNING = "running"
+    PACED = "paced"
     DONE = "done"
     INCOMPLETE = "incomplete"
     FAILED = "failed"
@@ -36,7 +38,7 @@ class JobState(StrEnum):
 
     @property
     def final(self) -> bool:
-        return self not in (JobState.QUEUED, JobState.RUNNING)
+        return self not in (JobState.QUEUED, JobState.RUNNING, JobState.PACED)
 
 
 S = TypeVar("S", Phase, JobState)
@@ -47,6 +49,7 @@ _RANK: dict[StrEnum, int] = {
     **{phase: rank for rank, phase in enumerate(Phase)},
     JobState.QUEUED: 0,
     JobState.RUNNING: 1,
+    JobState.PACED: 1,
     JobState.DONE: 2,
     JobState.INCOMPLETE: 2,
     JobState.FAILED: 2,

@@ -26,6 +26,7 @@ import structlog
 
 from dispatcher.aio import cancel_and_wait
 from dispatcher.config import RunSettings
+from dispatcher.contracts import JobStatus
 from dispatcher.daemon import Daemon, peak_rss_mb
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode
 from dispatcher.job import Job
@@ -191,33 +192,39 @@ class ServedJob:
     # ---- what the API reads -----------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """The job's ``contracts.JobStatus``, as JSON."""
         if self.final_status is not None:
             return self.final_status
+        return self._status().to_json()
+
+    def _status(self) -> JobStatus:
         spec, record = self.record.spec, self.record
-        status: dict[str, Any] = {
-            "job_id": self.job_id,
-            "state": record.state or JobState.QUEUED.value,
-            "final": self.finished,
-            "priority": spec.priority,
-            "policy_version": spec.policy_version,
-            "metadata": spec.metadata,
-            "submitted_at": record.submitted_at,
-            "output": str(self.output),
-            "error": record.error,
-        }
+        known: dict[str, Any] = {}
         job = self.job
-        if job is not None:
+        state = JobState(record.state) if record.state else JobState.QUEUED
+        if job is not None and not self.finished:
             state = job.state.state
-            if not self.finished:
-                running = state is JobState.RUNNING
-                status["state"] = "paced" if running and self.paced else state.value
-            status["final"] = self.finished
-            status.update(job.progress(), outcomes=dict(job.outcomes))
-            status["eta_s"] = job.eta_s(self._rate(job))
-            status["rows_durable"] = len(job.output_index) if job.output_index is not None else 0
+            if state is JobState.RUNNING and self.paced:
+                state = JobState.PACED
+        if job is not None:
+            known.update(
+                job.progress(), outcomes=dict(job.outcomes), eta_s=job.eta_s(self._rate(job))
+            )
         if self.groups is not None:
-            status["groups_complete"] = len(self.groups.index)
-        return status
+            known["groups_complete"] = len(self.groups.index)
+        return JobStatus(
+            job_id=self.job_id,
+            state=state,
+            final=self.finished,
+            priority=spec.priority,
+            policy_version=spec.policy_version,
+            rows_durable=len(self.output_index),
+            output=str(self.output),
+            submitted_at=record.submitted_at,
+            error=record.error,
+            metadata=spec.metadata,
+            **known,
+        )
 
     @staticmethod
     def _rate(job: Job) -> float:
