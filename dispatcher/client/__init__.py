@@ -1,0 +1,71 @@
+"""Python client of ``dispatcher serve`` (DESIGN A12): jobs, results, policy version.
+
+A trainer submits the rollouts of step N+1 while it consumes step N, so the
+daemon is never idle between steps::
+
+    from dispatcher.client import AsyncClient
+
+    async def train(steps: list[list[dict]]) -> None:
+        async with AsyncClient("http://rollouts:8080") as client:
+            await client.submit(steps[0], job_id="step-0", num_repeats=8, policy_version=0)
+            for n in range(len(steps)):
+                if n + 1 < len(steps):  # queued behind step n, starts as slots free up
+                    await client.submit(
+                        steps[n + 1], job_id=f"step-{n + 1}", num_repeats=8, policy_version=n + 1
+                    )
+                results = client.results(f"step-{n}", group=True)
+                async for group in results:  # a complete group as soon as it is durable
+                    learn(group["task_index"], group["rows"])
+                assert results.final_state == "done"
+                await client.set_policy_version(n + 1)  # after the weight update
+
+``Client`` is the same API, blocking, for trainers without an event loop
+(``for group in client.results(...)``).
+
+The resume contract, kept by ``results``: every line the daemon streams carries
+``_ng_seq`` (a row's line number in the job's output, or a group's own
+sequence number with ``group=True``), and ``after=SEQ`` resumes exactly after
+it. The iterator remembers the last ``_ng_seq`` it yielded; when the connection
+drops or the daemon restarts it reconnects with ``after=`` that seq, with
+backoff, until ``retry_deadline_s`` passes without progress. The caller sees
+every row exactly once. ``Results.last_seq`` is what to persist to resume
+across processes (``results(job_id, after=last_seq)``). A 404 for a job the
+stream has already read from counts as a daemon still starting (jobs are never
+forgotten), not as an unknown job.
+
+Every call whose repetition is harmless is retried the same way: all of them
+except ``submit`` without a ``job_id`` (a retried anonymous submit could create
+a second job). Errors are one type, ``ClientError(status, message)``: the
+HTTP status and the daemon's one-line error, or status None when no answer
+came within the deadline.
+"""
+
+from dispatcher.client.aio import AsyncClient, Results
+from dispatcher.client.blocking import BlockingResults, Client
+from dispatcher.client.wire import (
+    ClientError,
+    JobStatus,
+    NdjsonSplitter,
+    StreamPosition,
+    error_message,
+    job_path,
+    results_query,
+    submit_body,
+)
+from dispatcher.lifecycle import JobState
+
+__all__ = [
+    "AsyncClient",
+    "BlockingResults",
+    "Client",
+    "ClientError",
+    "JobState",
+    "JobStatus",
+    "NdjsonSplitter",
+    "Results",
+    "StreamPosition",
+    "error_message",
+    "job_path",
+    "results_query",
+    "submit_body",
+]

@@ -1,0 +1,320 @@
+"""The async client: one aiohttp session, retries with backoff, resumable results."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextlib import aclosing
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import aiohttp
+
+from dispatcher import jsonx
+from dispatcher.backoff import BackoffPolicy
+from dispatcher.client.wire import (
+    ClientError,
+    JobStatus,
+    NdjsonSplitter,
+    StreamPosition,
+    error_message,
+    job_path,
+    results_query,
+    submit_body,
+)
+from dispatcher.lifecycle import JobState
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRY_DEADLINE_S = 60.0
+DEFAULT_BACKOFF = BackoffPolicy(base_s=0.1, cap_s=5.0)
+# The daemon answers these while it starts, stops or sits behind a proxy.
+_TRANSIENT_STATUSES = frozenset({502, 503, 504})
+_TRANSIENT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+
+
+# --- retries -----------------------------------------------------------------------
+
+
+class _Retry:
+    """Backoff between tries until ``deadline_s`` passes without progress."""
+
+    def __init__(self, deadline_s: float, backoff: BackoffPolicy) -> None:
+        self._deadline_s = deadline_s
+        self._backoff = backoff
+        self._rng = random.Random()
+        self._tries = 0
+        self._since = time.monotonic()
+
+    def progress(self) -> None:
+        self._tries = 0
+        self._since = time.monotonic()
+
+    async def pause_or_raise(self, error: str) -> None:
+        """Sleep before the next try, or raise once the deadline would pass."""
+        delay = self._backoff.delay_s(self._tries, self._rng)
+        if time.monotonic() + delay - self._since > self._deadline_s:
+            raise ClientError(None, f"no answer within {self._deadline_s:g} s: {error}")
+        self._tries += 1
+        await asyncio.sleep(delay)
+
+
+class _Transient(Exception):
+    """A failure worth another try (connection lost, daemon starting or stopping)."""
+
+
+# --- the async client --------------------------------------------------------------
+
+
+class Results:
+    """The async iterator ``AsyncClient.results`` returns (see the module's resume contract)."""
+
+    def __init__(
+        self, open_stream: Callable[[StreamPosition], AsyncGenerator[dict[str, Any], None]]
+    ) -> None:
+        self._position = StreamPosition()
+        self._items = open_stream(self._position)
+
+    @property
+    def last_seq(self) -> int:
+        """The ``_ng_seq`` of the last row (or group) yielded; 0 before the first."""
+        return self._position.last_seq
+
+    @property
+    def final_state(self) -> JobState | None:
+        """The job's final state once the stream's end line arrived, else None."""
+        return self._position.final_state
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        return await self._items.__anext__()
+
+    async def aclose(self) -> None:
+        """Close the connection of an iterator not read to its end."""
+        await self._items.aclose()
+
+
+class AsyncClient:
+    """The daemon's HTTP API over one aiohttp session; use as ``async with``.
+
+    ``timeout_s`` bounds each call (and a stream's connect);
+    ``retry_deadline_s`` is how long a call or a stream keeps retrying without
+    progress; ``stream_idle_timeout_s`` reconnects a results stream silent
+    for that long (useful once the daemon sends keep-alive lines).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+        stream_idle_timeout_s: float | None = None,
+        backoff: BackoffPolicy = DEFAULT_BACKOFF,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retry_deadline_s = retry_deadline_s
+        self.stream_idle_timeout_s = stream_idle_timeout_s
+        self._backoff = backoff
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            json_serialize=lambda obj: jsonx.dumps(obj).decode(),
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def submit(
+        self,
+        rows: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        input: str | os.PathLike[str] | None = None,
+        job_id: str | None = None,
+        num_repeats: int | None = None,
+        default_agent: str | None = None,
+        policy_version: int | None = None,
+        priority: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> JobStatus:
+        """Submit a job: ``rows``, or ``input``, a task file's path on the daemon's host.
+
+        With a ``job_id`` the call is idempotent (the same body returns the
+        same job) and is retried across a lost connection; without one it is
+        sent once.
+        """
+        body = submit_body(
+            rows, input, job_id=job_id, num_repeats=num_repeats, default_agent=default_agent,
+            policy_version=policy_version, priority=priority,
+            metadata=dict(metadata) if metadata is not None else None,
+        )  # fmt: skip
+        answer = await self._call("POST", "/v1/jobs", body, retry=job_id is not None)
+        return JobStatus.from_json(answer)
+
+    async def status(self, job_id: str) -> JobStatus:
+        return JobStatus.from_json(await self._call("GET", job_path(job_id)))
+
+    async def jobs(self) -> list[JobStatus]:
+        """Every job the daemon knows."""
+        answer = await self._call("GET", "/v1/jobs")
+        if not isinstance(answer, dict) or not isinstance(answer.get("jobs"), list):
+            raise ClientError(None, "GET /v1/jobs: no jobs list in the answer")
+        return [JobStatus.from_json(job) for job in answer["jobs"]]
+
+    async def cancel(self, job_id: str) -> JobStatus:
+        """Cancel a job: its in-flight rollouts are cancelled and write nothing."""
+        return JobStatus.from_json(await self._call("DELETE", job_path(job_id)))
+
+    async def wait(self, job_id: str, *, poll_s: float = 1.0) -> JobStatus:
+        """The job's status once it is final (polls ``status``)."""
+        while True:
+            job = await self.status(job_id)
+            if job.final:
+                return job
+            await asyncio.sleep(poll_s)
+
+    async def set_policy_version(self, version: int) -> int:
+        """Set the current policy version V (after each weight update); returns V."""
+        return _version(await self._call("POST", "/v1/policy", {"version": version}))
+
+    async def policy_version(self) -> int:
+        return _version(await self._call("GET", "/v1/policy"))
+
+    def results(
+        self, job_id: str, *, after: int = 0, group: bool = False, wait: bool = True
+    ) -> Results:
+        """Rows (or complete groups) of a job as they become durable, each exactly once.
+
+        Stops at the stream's end (``Results.final_state`` then holds the
+        job's final state) or, with ``wait=False``, once caught up.
+        """
+
+        def open_stream(position: StreamPosition) -> AsyncGenerator[dict[str, Any], None]:
+            position.last_seq = after
+            return self._stream(job_id, position, group=group, wait=wait)
+
+        return Results(open_stream)
+
+    # --- plumbing ---
+
+    @property
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("use the client as `async with AsyncClient(...) as client`")
+        return self._session
+
+    async def _call(self, method: str, path: str, body: Any = None, *, retry: bool = True) -> Any:
+        retries = _Retry(self.retry_deadline_s, self._backoff)
+        while True:
+            try:
+                return await self._call_once(method, path, body)
+            except _Transient as exc:
+                if not retry:
+                    raise ClientError(None, f"{method} {path}: {exc}") from None
+                await retries.pause_or_raise(f"{method} {path}: {exc}")
+
+    async def _call_once(self, method: str, path: str, body: Any) -> Any:
+        try:
+            async with self._http.request(method, self.base_url + path, json=body) as resp:
+                raw = await resp.read()
+                _raise_for_status(resp, raw)
+        except _TRANSIENT_ERRORS as exc:
+            raise _Transient(_describe(exc)) from None
+        try:
+            return jsonx.loads(raw)
+        except ValueError:
+            raise ClientError(resp.status, f"{method} {path}: answer is not JSON") from None
+
+    async def _stream(
+        self, job_id: str, position: StreamPosition, *, group: bool, wait: bool
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        retries = _Retry(self.retry_deadline_s, self._backoff)
+        while True:
+            try:
+                # aclosing: a consumer that stops early must release the connection now.
+                lines = self._stream_once(job_id, position, retries, group, wait)
+                async with aclosing(lines):
+                    async for item in lines:
+                        yield item
+                if position.final_state is not None or not wait:
+                    return
+                error = "the stream ended before the job was final"
+            except _Transient as exc:
+                error = str(exc)
+            await retries.pause_or_raise(f"results of {job_id}: {error}")
+
+    async def _stream_once(
+        self, job_id: str, position: StreamPosition, retries: _Retry, group: bool, wait: bool
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """One connection's worth of the stream; ``_Transient`` when it was cut."""
+        query = results_query(position.last_seq, group, wait)
+        url = f"{self.base_url}{job_path(job_id, '/results')}?{query}"
+        # No total timeout: a job's stream lives as long as the job. An idle
+        # timeout is the only way to notice a half-open connection (the
+        # daemon's host gone without a FIN); off unless asked for.
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.timeout_s, sock_read=self.stream_idle_timeout_s
+        )
+        splitter = NdjsonSplitter()
+        try:
+            async with self._http.get(url, timeout=timeout) as resp:
+                if resp.status == 404 and position.connected:
+                    # Jobs are never forgotten: a job streamed before and
+                    # unknown now is a restarted daemon still loading its registry.
+                    raise _Transient("404 for a job streamed before: the daemon is starting")
+                if resp.status != 200:
+                    _raise_for_status(resp, await resp.read())
+                position.connected = True
+                retries.progress()
+                async for chunk in resp.content.iter_any():
+                    for line in splitter.feed(chunk):
+                        item = position.accept(line)
+                        if item is not None:
+                            retries.progress()
+                            yield item
+                        elif position.final_state is not None:
+                            return
+        except _TRANSIENT_ERRORS as exc:
+            raise _Transient(_describe(exc)) from None
+        if splitter.partial:
+            raise _Transient("the stream was cut mid-line")
+
+
+def _raise_for_status(resp: aiohttp.ClientResponse, raw: bytes) -> None:
+    if resp.status < 400:
+        return
+    message = error_message(raw, resp.reason or "")
+    if resp.status in _TRANSIENT_STATUSES:
+        raise _Transient(f"{resp.status}: {message}")
+    raise ClientError(resp.status, message)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _version(answer: Any) -> int:
+    if not isinstance(answer, dict) or not isinstance(answer.get("version"), int):
+        raise ClientError(None, f"policy answer without an integer version: {answer!r}")
+    version: int = answer["version"]
+    return version

@@ -1,0 +1,173 @@
+"""The blocking client: the async one, run on a private loop in its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from dispatcher.backoff import BackoffPolicy
+from dispatcher.client.aio import (
+    DEFAULT_BACKOFF,
+    DEFAULT_RETRY_DEADLINE_S,
+    DEFAULT_TIMEOUT_S,
+    AsyncClient,
+    Results,
+)
+from dispatcher.client.wire import JobStatus
+from dispatcher.lifecycle import JobState
+
+T = TypeVar("T")
+
+
+class BlockingResults:
+    """The plain iterator ``Client.results`` returns; same attributes as ``Results``."""
+
+    def __init__(self, client: Client, results: Results) -> None:
+        self._client = client
+        self._results = results
+
+    @property
+    def last_seq(self) -> int:
+        return self._results.last_seq
+
+    @property
+    def final_state(self) -> JobState | None:
+        return self._results.final_state
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        try:
+            return self._client._run(self._results.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self._client._run(self._results.aclose())
+
+
+class Client:
+    """The same API as ``AsyncClient``, blocking; use as ``with Client(...) as client``.
+
+    It runs an ``AsyncClient`` on a private event loop in a thread of its own
+    rather than re-implementing the calls over ``http.client``: one
+    implementation of retries, reconnection and parsing serves both clients,
+    so they cannot drift apart, and it works from code that already runs an
+    event loop of its own (a notebook), where ``asyncio.run`` would refuse.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+        stream_idle_timeout_s: float | None = None,
+        backoff: BackoffPolicy = DEFAULT_BACKOFF,
+    ) -> None:
+        self._async = AsyncClient(
+            base_url,
+            timeout_s=timeout_s,
+            retry_deadline_s=retry_deadline_s,
+            stream_idle_timeout_s=stream_idle_timeout_s,
+            backoff=backoff,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Self:
+        loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=loop.run_forever, name="dispatcher-client", daemon=True
+        )
+        self._thread.start()
+        self._loop = loop
+        self._run(self._async.__aenter__())
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            # Streams left unfinished first: they hold connections of the session.
+            self._run(loop.shutdown_asyncgens())
+            self._run(self._async.close())
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+            self._loop = self._thread = None
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("use the client as `with Client(...) as client`")
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) while waiting: the call must not go on alone.
+            future.cancel()
+            raise
+
+    def submit(
+        self,
+        rows: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        input: str | os.PathLike[str] | None = None,
+        job_id: str | None = None,
+        num_repeats: int | None = None,
+        default_agent: str | None = None,
+        policy_version: int | None = None,
+        priority: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> JobStatus:
+        """See ``AsyncClient.submit``."""
+        return self._run(
+            self._async.submit(
+                rows, input=input, job_id=job_id, num_repeats=num_repeats,
+                default_agent=default_agent, policy_version=policy_version,
+                priority=priority, metadata=metadata,
+            )
+        )  # fmt: skip
+
+    def status(self, job_id: str) -> JobStatus:
+        return self._run(self._async.status(job_id))
+
+    def jobs(self) -> list[JobStatus]:
+        return self._run(self._async.jobs())
+
+    def cancel(self, job_id: str) -> JobStatus:
+        return self._run(self._async.cancel(job_id))
+
+    def wait(self, job_id: str, *, poll_s: float = 1.0) -> JobStatus:
+        return self._run(self._async.wait(job_id, poll_s=poll_s))
+
+    def set_policy_version(self, version: int) -> int:
+        return self._run(self._async.set_policy_version(version))
+
+    def policy_version(self) -> int:
+        return self._run(self._async.policy_version())
+
+    def results(
+        self, job_id: str, *, after: int = 0, group: bool = False, wait: bool = True
+    ) -> BlockingResults:
+        """See ``AsyncClient.results``; a plain iterator."""
+        return BlockingResults(
+            self, self._async.results(job_id, after=after, group=group, wait=wait)
+        )

@@ -1,0 +1,142 @@
+"""What the client and the daemon exchange: errors, the job status, URLs and bodies,
+and the NDJSON results stream read as exact positions (pure: no I/O)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from dispatcher import contracts, jsonx
+from dispatcher.lifecycle import JobState
+
+
+class ClientError(Exception):
+    """The daemon refused a call (its HTTP status and one-line error), or never answered."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(f"{status}: {message}" if status is not None else message)
+        self.status = status
+        self.message = message
+
+
+class JobStatus(contracts.JobStatus):
+    """A job's status (``dispatcher.contracts.JobStatus``); a bad one is a ``ClientError``."""
+
+    @classmethod
+    def from_json(cls, body: Any) -> JobStatus:
+        try:
+            status = contracts.JobStatus.from_json(body)
+        except ValueError as exc:
+            raise ClientError(None, f"from the daemon: {exc}") from None
+        return cls(**vars(status))
+
+
+# --- pure pieces: URLs, bodies, the NDJSON stream ----------------------------------
+
+
+def job_path(job_id: str, suffix: str = "") -> str:
+    """``/v1/jobs/<id>[suffix]`` with the id quoted as one path segment."""
+    return f"/v1/jobs/{quote(job_id, safe='')}{suffix}"
+
+
+def results_query(after: int, group: bool, wait: bool) -> str:
+    """The query string of a results request."""
+    flag = {True: "true", False: "false"}
+    return urlencode({"after": str(after), "group": flag[group], "wait": flag[wait]})
+
+
+def submit_body(
+    rows: Sequence[Mapping[str, Any]] | None,
+    input: str | os.PathLike[str] | None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/jobs``: only the fields given (the daemon validates)."""
+    body: dict[str, Any] = {k: v for k, v in fields.items() if v is not None}
+    if rows is not None:
+        body["rows"] = list(rows)
+    if input is not None:
+        body["input"] = os.fspath(input)
+    return body
+
+
+def error_message(raw: bytes, reason: str) -> str:
+    """The daemon's one-line ``{"error": ...}``, or the start of whatever came instead."""
+    try:
+        body = jsonx.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return str(body["error"])
+    text = raw.decode("utf-8", "replace").strip().splitlines()
+    return text[0][:200] if text else reason
+
+
+class NdjsonSplitter:
+    """Complete lines out of a byte stream cut anywhere; blank lines (keep-alives) skipped."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        # Search only the new bytes: a 20 MB row in 64 KB chunks stays linear.
+        start = len(self._buffer)
+        self._buffer += chunk
+        newline = self._buffer.find(b"\n", start)
+        lines: list[bytes] = []
+        begin = 0
+        while newline >= 0:
+            line = bytes(self._buffer[begin:newline]).strip()
+            if line:
+                lines.append(line)
+            begin = newline + 1
+            newline = self._buffer.find(b"\n", begin)
+        del self._buffer[:begin]
+        return lines
+
+    @property
+    def partial(self) -> bool:
+        """Whether bytes of an unfinished line are held (a stream cut mid-line)."""
+        return bool(self._buffer.strip())
+
+
+@dataclass
+class StreamPosition:
+    """Where a results stream stands: the last ``_ng_seq`` yielded, the final state once seen."""
+
+    last_seq: int = 0
+    final_state: JobState | None = None
+    #: Whether the daemon has answered 200 for this stream once.
+    connected: bool = False
+
+    def accept(self, line: bytes) -> dict[str, Any] | None:
+        """The row (or group) to yield, or None for a repeat or the end line."""
+        try:
+            item = jsonx.loads(line)
+        except ValueError:
+            raise ClientError(None, f"results line is not JSON: {line[:200]!r}") from None
+        if not isinstance(item, dict):
+            raise ClientError(None, f"results line is not an object: {line[:200]!r}")
+        seq = item.get("_ng_seq")
+        if seq is None:
+            if "end" not in item:
+                raise ClientError(None, f"results line without _ng_seq: {line[:200]!r}")
+            self.final_state = _end_state(item["end"])
+            return None
+        if not isinstance(seq, int):
+            raise ClientError(None, f"results line with a bad _ng_seq: {seq!r}")
+        if seq <= self.last_seq:
+            return None  # a peer that resent what we already yielded: never twice
+        self.last_seq = seq
+        return item
+
+
+def _end_state(end: Any) -> JobState:
+    """The final state an end line names: ``"done"``, or a status object holding it."""
+    state = end.get("state") if isinstance(end, dict) else end
+    try:
+        return JobState(str(state))
+    except ValueError:
+        raise ClientError(None, f"results end line with an unknown state: {end!r}") from None
