@@ -342,7 +342,6 @@ class Job:
         summary = self.summary()
         await asyncio.to_thread(self._write_last_run, summary)
         self.log.info("run_summary", **summary)
-        self.daemon.jobs.discard(self)
         await self._resources.aclose()
 
     def _final_state(self) -> JobState:

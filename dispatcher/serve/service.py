@@ -140,6 +140,10 @@ class ServedJob:
             job.fail(DispatcherError(f"job {self.job_id} failed: {exc!r}"))
         finally:
             await job.close()
+            # Its files are closed: the daemon's figures (remaining, the
+            # budget's end) are the running jobs'. A run's one job stays, so
+            # its last scrape shows what it left.
+            job.daemon.jobs.discard(job)
         error = job.fatal or job.daemon.fatal
         return job.state.state, str(error) if error else None
 
