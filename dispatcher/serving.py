@@ -18,7 +18,9 @@ def listen_address(value: str) -> tuple[str, int]:
     try:
         address = parse_listen(value)
     except ValueError as exc:
-        raise ConfigError(f"--listen {value!r}: {exc}") from None
+        # The parser is --metrics-listen's: a server takes no 'off'.
+        problem = str(exc).replace(" or 'off'", "").replace("metrics address", "address")
+        raise ConfigError(f"--listen {value!r}: {problem}") from None
     if address is None:
         raise ConfigError(f"--listen {value!r}: a server needs an address, e.g. 127.0.0.1:8000")
     return address

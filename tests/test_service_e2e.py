@@ -377,3 +377,15 @@ async def test_failed_attempts_run_again_in_a_next_hop_within_the_daemon(tmp_pat
     folder = tmp_path / "state" / "jobs" / "flaky"
     assert len(read_jsonl(folder / "rollouts_failures.jsonl")) == 3
     assert orjson.loads((folder / "rollouts_manifest.json").read_bytes())["hops"] == 2
+
+
+async def test_a_bad_listen_address_is_exit_2_naming_the_flag(tmp_path: Path) -> None:
+    proc = await spawn_cli(
+        "serve", "--listen", "nope", "--state-dir", str(tmp_path / "state"),
+        "--agent", "sim=http://127.0.0.1:9",
+    )  # fmt: skip
+    result = await proc.wait()
+    assert result.returncode == 2
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert line == "error: --listen 'nope': expected HOST:PORT for the address, got 'nope'"
+    assert not (tmp_path / "state").exists()
