@@ -35,7 +35,7 @@ from dispatcher.aio import cancel_and_wait
 from dispatcher.capture.finalize import clear_rollout_captures
 from dispatcher.config import RunSettings
 from dispatcher.contracts import LastRun, is_terminal
-from dispatcher.daemon import Daemon, peak_rss_mb
+from dispatcher.daemon import Daemon, LatencyView, peak_rss_mb
 from dispatcher.errors import DispatcherError, ExitCode
 from dispatcher.faults import LocalFault
 from dispatcher.finalizer import Finalizer
@@ -406,10 +406,13 @@ class Job:
             capture=capture or None,
         )
 
-    def _record_latency(self, outcome: Outcome, duration_s: float) -> None:
+    def _latency_views(self) -> tuple[LatencyView, ...]:
         # The daemon's live view is this tracker itself for ``dispatcher run``.
-        views = {id(self.tracker): self.tracker, id(self.daemon.latency): self.daemon.latency}
-        for view in views.values():
+        live = self.daemon.latency
+        return (self.tracker,) if live is self.tracker else (self.tracker, live)
+
+    def _record_latency(self, outcome: Outcome, duration_s: float) -> None:
+        for view in self._latency_views():
             if outcome is Outcome.SUCCESS:
                 view.record(duration_s)
             elif outcome.writes_failure_row:
@@ -425,9 +428,8 @@ class Job:
     def _record_not_started(self, outcome: Outcome) -> None:
         self.outcomes[outcome.value] += 1
         if outcome is Outcome.DRAINED:
-            self.tracker.record_drained()
-            if self.daemon.latency is not self.tracker:
-                self.daemon.latency.record_drained()
+            for view in self._latency_views():
+                view.record_drained()
             self.daemon.metrics.rollout_drained()
 
     # ---- figures ----------------------------------------------------------------------

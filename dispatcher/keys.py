@@ -25,6 +25,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
+import msgspec
+
 from dispatcher import jsonx
 
 TASK_INDEX: Final = "_ng_task_index"
@@ -77,6 +79,27 @@ def row_key(row: Mapping[str, Any] | None) -> int | None:
     if not (0 <= task <= MAX_TASK_INDEX and 0 <= rollout <= MAX_ROLLOUT_INDEX):
         return None
     return rollout_key(task, rollout)
+
+
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def split_row(data: bytes | msgspec.Raw) -> dict[str, msgspec.Raw] | None:
+    """A JSON object split at its top level, each value left as its bytes; None if
+    it is not one (a torn line). No value is decoded, so a row of megabytes costs
+    one scan, not its Python objects."""
+    try:
+        return _TOP_LEVEL.decode(data)
+    except msgspec.DecodeError:
+        return None
+
+
+def line_key(line: bytes) -> int | None:
+    """``row_key`` of one output line, decoding only its two indices."""
+    row = split_row(line)
+    if row is None or TASK_INDEX not in row or ROLLOUT_INDEX not in row:
+        return None
+    return row_key({key: jsonx.loads(bytes(row[key])) for key in (TASK_INDEX, ROLLOUT_INDEX)})
 
 
 def repeats_problem(repeats: int) -> str | None:

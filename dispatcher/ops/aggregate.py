@@ -25,6 +25,7 @@ import orjson
 import structlog
 
 from dispatcher.contracts import DISPATCH_KEY
+from dispatcher.keys import split_row
 from dispatcher.store import fsync_dir
 
 log = structlog.get_logger("dispatcher.aggregate")
@@ -52,8 +53,6 @@ def aggregate_metrics_path(output: Path) -> Path:
 MAX_VALUE_BYTES = 64 * 1024
 _RESPONSE_KEEP = ("usage", "incomplete_details")
 
-RowDecoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
-
 
 @dataclass
 class AgentRows:
@@ -77,20 +76,13 @@ def rows_by_agent(output: Path) -> dict[str, AgentRows]:
     grouped: dict[str, AgentRows] = {}
     with output.open("rb") as lines:
         for line in lines:
-            row = _split(line)
+            row = split_row(line)
             name = _agent_name(row) if row is not None else None
             if row is not None and name is not None:
                 entry = grouped.setdefault(name, AgentRows())
                 entry.rows.append(stripped(row))
                 entry.last_replica = _replica(row) or entry.last_replica
     return grouped
-
-
-def _split(line: bytes) -> dict[str, msgspec.Raw] | None:
-    try:
-        return RowDecoder.decode(line)
-    except msgspec.DecodeError:
-        return None  # a torn tail: resume repairs it, metrics skip it
 
 
 def _agent_name(row: Mapping[str, msgspec.Raw]) -> str | None:
@@ -142,9 +134,8 @@ def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
 def _response_kept(raw: msgspec.Raw | None) -> dict[str, Any] | None:
     if raw is None:
         return None
-    try:
-        response = RowDecoder.decode(raw)
-    except msgspec.DecodeError:
+    response = split_row(raw)
+    if response is None:
         return None  # not an object
     kept = {k: orjson.loads(bytes(response[k])) for k in _RESPONSE_KEEP if k in response}
     return kept or None

@@ -22,8 +22,7 @@ from typing import Any
 
 import orjson
 
-from dispatcher import jsonx
-from dispatcher.keys import materialized_key, row_key, task_of
+from dispatcher.keys import line_key, materialized_key, task_of
 from dispatcher.outcome import Outcome
 from dispatcher.state import RunState, repair_torn_tail
 from dispatcher.store import LineIndex
@@ -54,7 +53,7 @@ class Groups:
                 self.expected[task_of(materialized_key(line))] += 1
         with output.open("rb") as f:
             for seq, line in enumerate(f, start=1):
-                key = row_key(jsonx.loads(line))
+                key = line_key(line)
                 if key is not None:
                     self.rows[task_of(key)].append(seq)
                     self.final[task_of(key)] += 1

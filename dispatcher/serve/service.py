@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -331,7 +332,8 @@ class Service:
                  policy_version=spec.policy_version)  # fmt: skip
         return 201, served.status()
 
-    def _settings_for(self, spec: JobSpec) -> Any:
+    def _settings_for(self, spec: JobSpec) -> Callable[[Path], RunSettings]:
+        """The job's settings for a task file, with its output in the scratch folder."""
         return lambda tasks: spec.settings(self.base, tasks, self.registry.scratch / "x.jsonl")
 
     def _create(self, record: JobRecord) -> None:
