@@ -18,7 +18,6 @@ import os
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -108,9 +107,3 @@ class Groups:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def group_line(record: bytes) -> dict[str, Any]:
-    """A line of ``groups.jsonl``, parsed."""
-    data: dict[str, Any] = orjson.loads(record)
-    return data
