@@ -177,6 +177,18 @@ class BadResultsPeer:
         self.queries: list[dict[str, str]] = []
         self.holding = asyncio.Event()
         self.release = asyncio.Event()
+        self.consumed = 0
+        self._consumed_grew = asyncio.Event()
+
+    def saw(self, seq: int) -> None:
+        """The consumer yielded the row ``seq``."""
+        self.consumed = seq
+        self._consumed_grew.set()
+
+    async def until_consumed(self, seq: int) -> None:
+        while self.consumed < seq:
+            self._consumed_grew.clear()
+            await self._consumed_grew.wait()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -215,6 +227,8 @@ class BadResultsPeer:
         await self.write_slowly(response, stream_bytes(pending[:n]))
         if n < len(pending):
             await response.write(orjson.dumps(pending[n])[:9])
+        if n:
+            await self.until_consumed(pending[min(n, len(pending)) - 1]["_ng_seq"])
         if hold:
             self.holding.set()
             await self.release.wait()
@@ -246,16 +260,23 @@ async def bad_peer() -> AsyncIterator[Any]:
         await runner.cleanup()
 
 
-async def collect(client: AsyncClient, **kwargs: Any) -> tuple[list[int], JobState | None]:
+async def collect(
+    client: AsyncClient, peer: BadResultsPeer | None = None, **kwargs: Any
+) -> tuple[list[int], JobState | None]:
+    """The seqs a consumer of ``step-1`` gets, each reported to ``peer`` as yielded."""
     results = client.results("step-1", **kwargs)
-    seqs = [item["_ng_seq"] async for item in results]
+    seqs = []
+    async for item in results:
+        seqs.append(item["_ng_seq"])
+        if peer is not None:
+            peer.saw(item["_ng_seq"])
     return seqs, results.final_state
 
 
 async def test_a_stream_cut_mid_line_resumes_after_the_last_seq(bad_peer: Any) -> None:
     peer = BadResultsPeer(rows(10), plans=[3, 0, 4])
     async with AsyncClient(await bad_peer(peer), backoff=FAST) as client:
-        seqs, final = await collect(client, group=True)
+        seqs, final = await collect(client, peer, group=True)
     assert seqs == list(range(1, 11))
     assert final is JobState.DONE
     assert peer.afters == [0, 3, 3, 7]
@@ -265,17 +286,15 @@ async def test_a_stream_cut_mid_line_resumes_after_the_last_seq(bad_peer: Any) -
 async def test_resume_from_a_caller_given_seq(bad_peer: Any) -> None:
     peer = BadResultsPeer(rows(6), plans=[1])
     async with AsyncClient(await bad_peer(peer), backoff=FAST) as client:
-        results = client.results("step-1", after=2)
-        seqs = [item["_ng_seq"] async for item in results]
+        seqs, _ = await collect(client, peer, after=2)
     assert seqs == [3, 4, 5, 6]
-    assert results.last_seq == 6
     assert peer.afters == [2, 3]
 
 
 async def test_a_peer_that_resends_everything_yields_nothing_twice(bad_peer: Any) -> None:
     peer = BadResultsPeer(rows(5), plans=[2, "resend"])
     async with AsyncClient(await bad_peer(peer), backoff=FAST) as client:
-        seqs, final = await collect(client)
+        seqs, final = await collect(client, peer)
     assert seqs == [1, 2, 3, 4, 5]
     assert final is JobState.DONE
 
@@ -284,7 +303,7 @@ async def test_a_silent_stream_is_reconnected_after_the_idle_timeout(bad_peer: A
     peer = BadResultsPeer(rows(4), plans=["stall"])
     url = await bad_peer(peer)
     async with AsyncClient(url, backoff=FAST, stream_idle_timeout_s=0.2) as client:
-        seqs, final = await collect(client)
+        seqs, final = await collect(client, peer)
     peer.release.set()
     assert seqs == [1, 2, 3, 4]
     assert final is JobState.DONE
@@ -370,7 +389,7 @@ async def test_404_after_a_restart_is_retried_for_a_job_streamed_before() -> Non
     runner, url = await serve(app)
     try:
         async with AsyncClient(url, backoff=FAST) as client:
-            seqs, final = await collect(client)
+            seqs, final = await collect(client, first)
     finally:
         await runner.cleanup()
     assert seqs == [1, 2, 3, 4]
@@ -386,7 +405,7 @@ async def test_a_daemon_restart_on_the_same_port_is_survived() -> None:
     try:
         client = AsyncClient(f"http://127.0.0.1:{port}", backoff=FAST, retry_deadline_s=30)
         async with client:
-            consumer = asyncio.create_task(collect(client))
+            consumer = asyncio.create_task(collect(client, first))
             await first.holding.wait()
             first.release.set()  # the daemon dies: connection gone, port refuses
             await runner.cleanup()
@@ -406,10 +425,15 @@ async def test_the_blocking_client_resumes_the_same_way(bad_peer: Any) -> None:
     peer = BadResultsPeer(rows(8), plans=[2, 5])
     url = await bad_peer(peer)
 
+    loop = asyncio.get_running_loop()
+
     def consume() -> tuple[list[int], JobState | None, int]:
         with Client(url, backoff=FAST) as client:
             results = client.results("step-1")
-            seqs = [item["_ng_seq"] for item in results]
+            seqs = []
+            for item in results:
+                seqs.append(item["_ng_seq"])
+                loop.call_soon_threadsafe(peer.saw, item["_ng_seq"])
             return seqs, results.final_state, results.last_seq
 
     # The peer runs on this loop, so the blocking consumer gets a thread.
