@@ -43,9 +43,17 @@ SMOKE_CASES = ((2 * MB, 64, 64), (20 * MB, 16, 16))
 
 
 async def stream_to_file(
-    url: str, lines: list[bytes], out: Path, concurrency: int
+    url: str, lines: list[bytes], out: Path, concurrency: int, validate: bool = False
 ) -> dict[str, float]:
-    """The baseline: POST every task, append each answer's bytes and a newline to ``out``."""
+    """The baseline: POST every task, append each answer's bytes and a newline to ``out``.
+
+    With ``validate``, each answer is first checked to be one JSON object, by
+    the fastest validating parser we have (msgspec, values skipped): the
+    least any reader that refuses a corrupt row must spend.
+    """
+    import msgspec
+
+    check = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
     bodies = iter(lines)
     written = 0
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -61,6 +69,8 @@ async def stream_to_file(
                     ) as resp:
                         # Whole answers only: a row is never interleaved with another.
                         data = await resp.read()
+                    if validate:
+                        check(data)
                     f.write(data + b"\n")
                     written += len(data) + 1
 
@@ -96,10 +106,12 @@ def _peak_rss_mb() -> float:
     return 0.0
 
 
-def baseline(work: Path, tasks: Path, url: str, concurrency: int, tag: str) -> dict[str, float]:
+def baseline(
+    work: Path, tasks: Path, url: str, concurrency: int, tag: str, validate: bool = False
+) -> dict[str, float]:
     out = work / f"{tag}-baseline.jsonl"
     args = [sys.executable, __file__, "--baseline-child", url, str(tasks), str(out),
-            str(concurrency)]  # fmt: skip
+            str(concurrency), "validate" if validate else "bytes"]  # fmt: skip
     result = run_child(args, work / f"{tag}-baseline.log")
     if result.returncode != 0:
         raise SystemExit(f"baseline failed ({result.returncode}): {result.stderr[-2000:]!r}")
@@ -126,7 +138,7 @@ def daemon(
     ]  # fmt: skip
     result = run_child(args, work / f"{tag}.log")
     if result.returncode != 0:
-        raise SystemExit(f"dispatcher run failed ({result.returncode}): see {work / tag}.log")
+        raise SystemExit((work / (tag + ".log")).read_text()[-3000:])
     size = output.stat().st_size
     rows = sum(1 for _ in output.open("rb"))
     output.unlink()
@@ -366,12 +378,16 @@ def main() -> int:
     parser.add_argument("--write-compare", action="store_true", help="write(2) vs writev(2)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per case")
     parser.add_argument("--cases", default="2,20", help="row sizes in MB to run (2, 20; 0: none)")
-    parser.add_argument("--baseline-child", nargs=4, metavar=("URL", "TASKS", "OUT", "C"))
+    parser.add_argument(
+        "--baseline-child", nargs=5, metavar=("URL", "TASKS", "OUT", "C", "bytes|validate")
+    )
     opts = parser.parse_args()
     if opts.baseline_child:
-        url, tasks, out, concurrency = opts.baseline_child
+        url, tasks, out, concurrency, mode = opts.baseline_child
         lines = Path(tasks).read_bytes().splitlines()
-        figures = asyncio.run(stream_to_file(url, lines, Path(out), int(concurrency)))
+        figures = asyncio.run(
+            stream_to_file(url, lines, Path(out), int(concurrency), mode == "validate")
+        )
         Path(out).with_suffix(".json").write_bytes(orjson.dumps(figures))
         return 0
     cases = SMOKE_CASES if opts.smoke else CASES

@@ -5,6 +5,11 @@ Everything runs in its own process: two simulated agents (``slow`` with the
 given latency, ``fast`` with none), ``dispatcher serve``, and this script as
 the trainer. Printed:
 
+0. Baseline: a bare aiohttp client (its own process, no dispatcher) that
+   keeps ``--concurrency`` requests in flight against the slow agent for the
+   same number of rollouts. Its rollouts/s, the most it had in flight and its
+   own loop lag (the same 100 ms sampler as the daemon's) are what this
+   machine allows any asyncio client, before rows, files or streams.
 1. Load: one job of ``--tasks`` × ``--repeats`` rollouts at ``--concurrency``
    against the slow agent while a trainer streams its complete groups
    (``group=true&wait=true``). Figures: the most rollouts in flight the
@@ -32,6 +37,58 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server
+
+
+async def bare_client(url: str, rollouts: int, concurrency: int) -> dict[str, float]:
+    """The baseline: ``rollouts`` POST /run at ``concurrency``, answers read and dropped."""
+    body = orjson.dumps({"responses_create_params": {"input": "hi"}})
+    left = rollouts
+    in_flight = peak = 0
+    lags: list[float] = []
+    loop_free = asyncio.Event()
+
+    async def sample() -> None:
+        while not loop_free.is_set():
+            asked = time.perf_counter()
+            await asyncio.sleep(0.1)
+            lags.append(max(0.0, time.perf_counter() - asked - 0.1))
+
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+
+        async def worker() -> None:
+            nonlocal left, in_flight, peak
+            while left > 0:
+                left -= 1
+                in_flight += 1
+                peak = max(peak, in_flight)
+                async with http.post(f"{url}/run", data=body) as r:
+                    await r.read()
+                in_flight -= 1
+
+        sampler = asyncio.create_task(sample())
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+        loop_free.set()
+        await sampler
+    lags.sort()
+    return {
+        "rate": rollouts / seconds,
+        "peak": peak,
+        "lag_p99_s": lags[int(0.99 * (len(lags) - 1))],
+        "lag_max_s": lags[-1],
+    }
+
+
+def baseline_phase(url: str, rollouts: int, concurrency: int) -> None:
+    child = [sys.executable, __file__, "--baseline-child", url, str(rollouts), str(concurrency)]
+    out = subprocess.run(child, capture_output=True, check=True).stdout
+    fig = orjson.loads(out)
+    print(f"baseline: bare aiohttp client, {rollouts} rollouts at concurrency {concurrency}")
+    print(f"  {fig['rate']:.0f} rollouts/s, most in flight {fig['peak']}")
+    print(f"  event-loop lag: p99 {_ms(fig['lag_p99_s'])}, max {_ms(fig['lag_max_s'])}")
 
 
 def rss_mb(pid: int) -> float:
@@ -176,7 +233,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--small-jobs", type=int, default=1_000)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
+    parser.add_argument("--baseline-child", nargs=3, metavar=("URL", "ROLLOUTS", "C"))
     args = parser.parse_args()
+    if args.baseline_child:
+        url, rollouts, concurrency = args.baseline_child
+        fig = asyncio.run(bare_client(url, int(rollouts), int(concurrency)))
+        sys.stdout.buffer.write(orjson.dumps(fig))
+        return
     if args.smoke:
         args.concurrency, args.tasks, args.repeats, args.small_jobs = 200, 100, 4, 20
         args.latency_s = 0.2
@@ -186,6 +249,7 @@ def main() -> None:
             dispatcher_server("sim-agent", "--latency-s", str(args.latency_s)) as slow,
             dispatcher_server("sim-agent", "--latency-s", "0") as fast,
         ):
+            baseline_phase(slow, args.tasks * args.repeats, args.concurrency)
             daemon = Daemon(work, slow, fast, args.concurrency)
             try:
                 asyncio.run(load_phase(daemon, args.tasks, args.repeats))

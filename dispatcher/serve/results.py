@@ -13,6 +13,7 @@ durable; a job that is no longer running is read from its files.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -60,12 +61,13 @@ async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIt
             final = source.final_state()
             if next_seq <= len(index):
                 last = _chunk_end(index, next_seq)
-                if group:
-                    chunk = await asyncio.to_thread(
-                        _groups_chunk, groups, rows, source, next_seq, last
-                    )
-                else:
-                    chunk = await asyncio.to_thread(_rows_chunk, rows, index, next_seq, last)
+                read = (
+                    functools.partial(_groups_chunk, groups, rows, source)
+                    if group
+                    else functools.partial(_rows_chunk, rows, index)
+                )
+                size = _chunk_bytes(source, group, next_seq, last)
+                chunk = await _read(read, next_seq, last, size)
                 next_seq = last + 1
                 yield chunk
                 continue

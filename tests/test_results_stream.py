@@ -1,0 +1,75 @@
+"""The results stream's reads: small chunks on the loop, big ones in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from dispatcher.serve import results
+from dispatcher.store import LineIndex
+
+
+def job_files(tmp_path: Path, rows: list[dict[str, Any]]) -> results.Source:
+    """A finished job of ``rows``, one group per row."""
+    lines = [orjson.dumps(row) + b"\n" for row in rows]
+    output = tmp_path / "rows.jsonl"
+    output.write_bytes(b"".join(lines))
+    index = LineIndex()
+    index.add(0, [len(line) for line in lines])
+    groups = [orjson.dumps({"task_index": n, "rows": [n + 1], "failures": 0}) + b"\n"
+              for n in range(len(rows))]  # fmt: skip
+    groups_path = tmp_path / "groups.jsonl"
+    groups_path.write_bytes(b"".join(groups))
+    group_index = LineIndex()
+    group_index.add(0, [len(line) for line in groups])
+    return results.Source(
+        output, index, groups_path, group_index, lambda: "done", lambda task: None
+    )
+
+
+async def streamed(source: results.Source, group: bool) -> list[dict[str, Any]]:
+    chunks = [chunk async for chunk, _ in results.stream(source, 0, group, wait=True)]
+    return [orjson.loads(line) for line in b"".join(chunks).splitlines()]
+
+
+@pytest.fixture
+def thread_hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        hops.append(getattr(fn, "func", fn).__name__)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    return hops
+
+
+@pytest.mark.parametrize("group", [False, True])
+async def test_small_rows_are_read_on_the_loop(
+    tmp_path: Path, thread_hops: list[str], group: bool
+) -> None:
+    source = job_files(tmp_path, [{"reward": n} for n in range(100)])
+    items = await streamed(source, group)
+    assert thread_hops == []
+    assert items[-1] == {"end": "done"}
+    seqs = [item["_ng_seq"] for item in items[:-1]]
+    assert seqs == list(range(1, 101))
+
+
+@pytest.mark.parametrize("group", [False, True])
+async def test_big_rows_are_read_in_a_thread(
+    tmp_path: Path, thread_hops: list[str], group: bool
+) -> None:
+    big = "x" * (results.READ_ON_LOOP_BYTES + 1)
+    source = job_files(tmp_path, [{"text": big, "n": n} for n in range(3)])
+    items = await streamed(source, group)
+    assert thread_hops == ["_groups_chunk" if group else "_rows_chunk"]
+    rows = [item["rows"][0] if group else item for item in items[:-1]]
+    assert [(row["_ng_seq"], row["n"], row["text"] == big) for row in rows] == [
+        (1, 0, True), (2, 1, True), (3, 2, True)
+    ]  # fmt: skip
