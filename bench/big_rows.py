@@ -5,6 +5,8 @@ agent (its own process, ``sim-agent --row-bytes N``: the task echoed back
 plus a list of ``{token_id, logprob}`` objects):
   * a baseline: a bare aiohttp client (its own process) that streams each
     answer's bytes to a file, no parsing, at the same concurrency;
+  * the same baseline validating each answer (msgspec, values skipped)
+    before writing it: the floor for any reader that refuses corrupt rows;
   * ``dispatcher run`` end to end (materialize, dispatch, durable rows).
 Figures: rows/s and MB/s of the dispatch phase, the dispatcher's rate as a
 share of the baseline's, peak RSS of each process, and the daemon's own
@@ -138,7 +140,8 @@ def daemon(
     ]  # fmt: skip
     result = run_child(args, work / f"{tag}.log")
     if result.returncode != 0:
-        raise SystemExit((work / (tag + ".log")).read_text()[-3000:])
+        log_tail = (work / f"{tag}.log").read_text()[-3000:]
+        raise SystemExit(f"dispatcher run failed ({result.returncode}); its log ends:\n{log_tail}")
     size = output.stat().st_size
     rows = sum(1 for _ in output.open("rb"))
     output.unlink()
@@ -164,6 +167,10 @@ def run_case(work: Path, row_bytes: int, concurrency: int, rollouts: int, repeat
             # Interleaved, so the machine's other work weighs on each the same.
             this = {
                 "baseline (bytes to file)": baseline(work, tasks, url, concurrency, tag),
+                # What any reader that refuses a corrupt row must at least spend.
+                "  + validating each row": baseline(
+                    work, tasks, url, concurrency, tag, validate=True
+                ),
                 # The baseline does not fsync: compare like with like first.
                 "dispatcher --fsync never": daemon(work, tasks, url, concurrency, tag, "never"),
                 "  the same, thread worker": daemon(

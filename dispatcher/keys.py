@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
+import orjson
 
 from dispatcher import jsonx
 
@@ -94,8 +95,21 @@ def split_row(data: bytes | msgspec.Raw) -> dict[str, msgspec.Raw] | None:
         return None
 
 
+# Under this size a whole parse is faster than the split (a 241-byte row:
+# 1.7 us against 2.3; a 1.9 KB one: 9.3 us against 3.5).
+SPLIT_LINE_BYTES = 512
+
+
 def line_key(line: bytes) -> int | None:
-    """``row_key`` of one output line, decoding only its two indices."""
+    """``row_key`` of one output line; a long line has only its two indices decoded."""
+    if len(line) < SPLIT_LINE_BYTES:
+        # orjson reads an int past 64 bits as a float: only the indices
+        # matter here, and such an index is out of bounds either way.
+        try:
+            small = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return None
+        return row_key(small) if isinstance(small, dict) else None
     row = split_row(line)
     if row is None or TASK_INDEX not in row or ROLLOUT_INDEX not in row:
         return None

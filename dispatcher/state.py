@@ -28,8 +28,8 @@ from typing import Any, BinaryIO
 import orjson
 
 from dispatcher.contracts import FAILURE_CLASS, is_not_delivered, is_terminal
+from dispatcher.keys import line_key, row_key
 from dispatcher.keys import rollout_key as rollout_key  # tests import it here
-from dispatcher.keys import row_key
 
 _READ_CHUNK = 1 << 20
 
@@ -169,6 +169,19 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
         yield line_no, row
 
 
+def iter_line_keys(path: Path) -> Iterator[int | None]:
+    """``row_key`` of each non-blank line, None when unreadable; only the two
+    indices are decoded, so a row of megabytes costs one scan, not its objects."""
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            if line.strip():
+                yield line_key(line)
+
+
 @dataclass
 class RunState:
     """Successes and failed attempts found in a run's output files."""
@@ -217,8 +230,7 @@ class RunState:
 def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
     """Read successes and failures back (blocking: call it in a thread)."""
     state = RunState(max_attempts=max_attempts)
-    for _, row in iter_rows(paths.output):
-        key = row_key(row)
+    for key in iter_line_keys(paths.output):
         if key is None:
             state.unreadable_rows += 1
             continue

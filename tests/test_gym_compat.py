@@ -19,7 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.ops.aggregate import rows_by_agent
+from dispatcher.ops.aggregate import agents_in, body_chunks
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
 
@@ -191,7 +191,7 @@ async def test_a_gym_directory_is_left_as_found_when_the_run_cannot_start(
     assert not list((tmp_path / "out").glob("*.gym"))
 
 
-def test_aggregate_rows_leave_out_outsized_values_without_holding_the_rows(
+def test_aggregate_rows_leave_out_outsized_values_and_stream_without_holding_the_rows(
     tmp_path: Path,
 ) -> None:
     # A 2 MB per-token list in every row: only the small values travel.
@@ -209,12 +209,13 @@ def test_aggregate_rows_leave_out_outsized_values_without_holding_the_rows(
             }
             f.write(json.dumps(row).encode() + b"\n")
     tracemalloc.start()
-    grouped = rows_by_agent(output)
+    agents = agents_in(output)
+    chunks = [len(chunk) for chunk in body_chunks(output, "sim", chunk_bytes=100)]
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    entry = grouped["sim"]
-    assert entry.last_replica == "http://a"
-    sent = json.loads(entry.body())["verify_responses"]
+    assert agents == {"sim": "http://a"}
+    assert len(chunks) > 10  # sent as read, a few rows at a time
+    sent = json.loads(b"".join(body_chunks(output, "sim")))["verify_responses"]
     assert len(sent) == 20
     assert sent[3]["big_int"] == 2**70 + 3  # exact, copied as written
     assert "tokens" not in sent[0] and sent[0]["reward"] == 1.0

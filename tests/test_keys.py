@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from dispatcher.keys import (
     MAX_REPEATS,
     MAX_ROLLOUT_INDEX,
     MAX_TASK_INDEX,
+    SPLIT_LINE_BYTES,
     key_label,
+    line_key,
     rollout_key,
     row_key,
     task_of,
@@ -97,3 +100,12 @@ def test_a_task_index_beyond_the_key_is_an_input_error(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=rf"t.jsonl:1: {T} must be at most"):
         materialize(spec, tmp_path / "m.jsonl")
+
+
+@pytest.mark.parametrize("pad", [0, SPLIT_LINE_BYTES])
+def test_line_key_reads_short_and_long_lines_alike(pad: int) -> None:
+    row = {T: 7, "big": 2**70, "text": "x" * pad, R: 2}
+    line = json.dumps(row).encode() + b"\n"
+    assert line_key(line) == rollout_key(7, 2)
+    assert line_key(line[: len(line) // 2]) is None  # torn
+    assert line_key(b"[1, 2]\n") is None

@@ -7,15 +7,16 @@ which knows what its rewards mean) receives that agent's rows, stripped of the
 heavy keys (and any value over 64 KiB, such as per-token lists), and its
 answer becomes one entry of the file. An agent without the
 endpoint simply has no entry; the file is written only when some agent answered.
-The rows are read once, from the output file, after every row is durable.
+The rows are read from the output file after every row is durable, and each
+agent's body is streamed from it as it is sent, so memory does not grow with
+the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,35 +55,53 @@ MAX_VALUE_BYTES = 64 * 1024
 _RESPONSE_KEEP = ("usage", "incomplete_details")
 
 
-@dataclass
-class AgentRows:
-    """One agent's rows as /aggregate_metrics takes them (serialized, stripped),
-    and the replica of its last one."""
-
-    rows: list[bytes] = field(default_factory=list)
-    last_replica: str | None = None
-
-    def body(self) -> bytes:
-        return b'{"verify_responses":[' + b",".join(self.rows) + b"]}"
+# The body is sent in chunks of about this size, each read from the output
+# file as it is sent: a run's rows are never held whole.
+CHUNK_BYTES = 1 << 20
 
 
-def rows_by_agent(output: Path) -> dict[str, AgentRows]:
-    """Each agent's success rows, stripped (blocking: run it in a thread).
-
-    Rows are split at their top level without decoding the values; only the
-    kept, small values are copied, so memory follows the stripped rows, not
-    the output file.
-    """
-    grouped: dict[str, AgentRows] = {}
+def agents_in(output: Path) -> dict[str, str | None]:
+    """Each agent with success rows in ``output``, and the replica of its last
+    row (blocking: run it in a thread)."""
+    agents: dict[str, str | None] = {}
     with output.open("rb") as lines:
         for line in lines:
             row = split_row(line)
             name = _agent_name(row) if row is not None else None
             if row is not None and name is not None:
-                entry = grouped.setdefault(name, AgentRows())
-                entry.rows.append(stripped(row))
-                entry.last_replica = _replica(row) or entry.last_replica
-    return grouped
+                agents[name] = _replica(row) or agents.get(name)
+    return agents
+
+
+def body_chunks(
+    output: Path, agent: str, chunk_bytes: int = CHUNK_BYTES
+) -> Generator[bytes, None, None]:
+    """The ``/aggregate_metrics`` body of ``agent``'s rows, stripped, in chunks
+    (blocking). Rows are split at their top level without decoding the values;
+    only the kept, small values are copied, a chunk at a time."""
+    chunk = bytearray(b'{"verify_responses":[')
+    separator = b""
+    with output.open("rb") as lines:
+        for line in lines:
+            row = split_row(line)
+            if row is None or _agent_name(row) != agent:
+                continue
+            chunk += separator + stripped(row)
+            separator = b","
+            if len(chunk) >= chunk_bytes:
+                yield bytes(chunk)
+                chunk.clear()
+    chunk += b"]}"
+    yield bytes(chunk)
+
+
+async def _streamed_body(output: Path, agent: str) -> AsyncIterator[bytes]:
+    chunks = body_chunks(output, agent)
+    try:
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield chunk
+    finally:
+        chunks.close()
 
 
 def _agent_name(row: Mapping[str, msgspec.Raw]) -> str | None:
@@ -149,12 +168,13 @@ async def write_aggregate_metrics(
     connect_timeout_s: float = 2.0,
 ) -> Path | None:
     """Ask each agent for its metrics and write the file; None when no agent answered."""
-    grouped = await asyncio.to_thread(rows_by_agent, output)
+    last_replicas = await asyncio.to_thread(agents_in, output)
     entries: list[JsonObject] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        for name, found in sorted(grouped.items()):
-            entry = await _first_answer(session, name, agents.get(name) or (), found)
+        for name, last_replica in sorted(last_replicas.items()):
+            urls = _replicas_to_ask(agents.get(name) or (), last_replica)
+            entry = await _first_answer(session, name, urls, output)
             if entry is not None:
                 entries.append(entry)
     if not entries:
@@ -172,13 +192,13 @@ async def write_aggregate_metrics(
 
 
 async def _first_answer(
-    session: aiohttp.ClientSession, name: str, urls: Sequence[str], found: AgentRows
+    session: aiohttp.ClientSession, name: str, urls: Sequence[str], output: Path
 ) -> JsonObject | None:
     """The agent's metrics from the first replica that answers at all; an HTTP answer
     that is not metrics (404 from an agent that does not aggregate) ends the search."""
-    body = found.body()
-    for url in _replicas_to_ask(urls, found.last_replica):
+    for url in urls:
         try:
+            body = _streamed_body(output, name)
             status, answer = await _post(session, f"{url}/aggregate_metrics", body)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("aggregate_metrics_unavailable", agent=name, replica=url, error=repr(exc))
@@ -193,7 +213,9 @@ async def _first_answer(
     return None
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, bytes]:
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: AsyncIterator[bytes]
+) -> tuple[int, bytes]:
     headers = {"Content-Type": "application/json"}
     async with session.post(url, data=body, headers=headers) as response:
         return response.status, await response.read()
