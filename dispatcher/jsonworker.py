@@ -160,6 +160,9 @@ def main() -> None:
     # group: the dispatcher decides when to stop, and the child ends with its input.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Validating is bulk work; the loop's is latency: when both want the CPU,
+    # the loop goes first (fewer stalls over 20 ms at 20 MB rows, same rate).
+    os.nice(5)
     serve(sys.stdin.buffer, sys.stdout.buffer)
 
 

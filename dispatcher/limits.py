@@ -24,6 +24,10 @@ DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 600.0
 # What a failure keeps of a body that broke a limit: enough for its excerpt (A5).
 PARTIAL_KEEP_BYTES = 16 * 1024
+# A body at least this big is joined in a thread: CPython's bytes.join lets go
+# of the GIL while it copies 1 MiB or more, and on the loop the join of a
+# 20 MB body held it for ~13 ms (bench/big_rows.py).
+JOIN_OFF_LOOP_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +66,14 @@ async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> b
     except BodyLimitError:
         resp.close()
         raise
-    return b"".join(chunks)
+    if sum(map(len, chunks)) < JOIN_OFF_LOOP_BYTES:
+        return b"".join(chunks)
+    return await asyncio.to_thread(b"".join, chunks)
 
 
 async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[bytes]) -> None:
     size = 0
+    # Chunks as they arrived: ``iter_any`` would join those buffered meanwhile, on the loop.
     async for chunk in resp.content.iter_any():
         size += len(chunk)
         if size > max_bytes:
