@@ -25,7 +25,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from dispatcher.capture.records import CapturedCall, model_server_ref
-from dispatcher.trajectory import Gap, Invocation, ModelCallRef, Observed, ToolCall
+from dispatcher.trajectory import Observed
+from dispatcher.trajectory_schema import Gap, Invocation, ModelCallRef, ToolCall
 
 INVALID = "agent_observations_invalid"
 _RESOLVED_GAPS = {
