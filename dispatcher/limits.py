@@ -73,7 +73,6 @@ async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> b
 
 async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[bytes]) -> None:
     size = 0
-    # Chunks as they arrived: ``iter_any`` would join those buffered meanwhile, on the loop.
     async for chunk in resp.content.iter_any():
         size += len(chunk)
         if size > max_bytes:

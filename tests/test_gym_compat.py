@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.ops.aggregate import agents_in, body_chunks
+from dispatcher.ops.aggregate import spool_by_agent
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
 
@@ -208,14 +209,16 @@ def test_aggregate_rows_leave_out_outsized_values_and_stream_without_holding_the
                 "_ng_dispatch": {"replica": "http://a"},
             }
             f.write(json.dumps(row).encode() + b"\n")
-    tracemalloc.start()
-    agents = agents_in(output)
-    chunks = [len(chunk) for chunk in body_chunks(output, "sim", chunk_bytes=100)]
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert agents == {"sim": "http://a"}
-    assert len(chunks) > 10  # sent as read, a few rows at a time
-    sent = json.loads(b"".join(body_chunks(output, "sim")))["verify_responses"]
+    with contextlib.ExitStack() as spools:
+        tracemalloc.start()
+        grouped = spool_by_agent(output, spools)
+        chunks = [len(chunk) for chunk in grouped["sim"].body_chunks(chunk_bytes=100)]
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        entry = grouped["sim"]
+        sent = json.loads(b"".join(entry.body_chunks()))["verify_responses"]
+    assert (entry.rows, entry.last_replica) == (20, "http://a")
+    assert len(chunks) > 10  # sent from the spool a chunk at a time
     assert len(sent) == 20
     assert sent[3]["big_int"] == 2**70 + 3  # exact, copied as written
     assert "tokens" not in sent[0] and sent[0]["reward"] == 1.0

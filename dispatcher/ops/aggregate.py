@@ -7,18 +7,21 @@ which knows what its rewards mean) receives that agent's rows, stripped of the
 heavy keys (and any value over 64 KiB, such as per-token lists), and its
 answer becomes one entry of the file. An agent without the
 endpoint simply has no entry; the file is written only when some agent answered.
-The rows are read from the output file after every row is durable, and each
-agent's body is streamed from it as it is sent, so memory does not grow with
-the run.
+The rows are read once from the output file, after every row is durable;
+each agent's stripped rows are spooled to a temporary file beside it and
+streamed from there as the body is sent, so memory does not grow with the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+import tempfile
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import aiohttp
 import msgspec
@@ -55,53 +58,59 @@ MAX_VALUE_BYTES = 64 * 1024
 _RESPONSE_KEEP = ("usage", "incomplete_details")
 
 
-# The body is sent in chunks of about this size, each read from the output
-# file as it is sent: a run's rows are never held whole.
+# A spooled body is sent in chunks of this size.
 CHUNK_BYTES = 1 << 20
 
 
-def agents_in(output: Path) -> dict[str, str | None]:
-    """Each agent with success rows in ``output``, and the replica of its last
-    row (blocking: run it in a thread)."""
-    agents: dict[str, str | None] = {}
+@dataclass
+class AgentRows:
+    """One agent's rows as ``/aggregate_metrics`` takes them (stripped, comma
+    separated), spooled to an unnamed file, and the replica of its last row."""
+
+    spool: BinaryIO
+    rows: int = 0
+    last_replica: str | None = None
+
+    def add(self, row: Mapping[str, msgspec.Raw]) -> None:
+        self.spool.write((b"," if self.rows else b"") + stripped(row))
+        self.rows += 1
+        self.last_replica = _replica(row) or self.last_replica
+
+    def body_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The request body, a chunk at a time (blocking reads of the spool)."""
+        yield b'{"verify_responses":['
+        self.spool.seek(0)
+        while chunk := self.spool.read(chunk_bytes):
+            yield chunk
+        yield b"]}"
+
+
+def spool_by_agent(output: Path, spools: contextlib.ExitStack) -> dict[str, AgentRows]:
+    """Each agent's success rows, stripped, spooled beside ``output`` to files
+    that ``spools`` closes (blocking: run it in a thread).
+
+    One pass: rows are split at their top level without decoding the values,
+    and only the kept, small values are copied, so memory stays flat however
+    large the run.
+    """
+    agents: dict[str, AgentRows] = {}
     with output.open("rb") as lines:
         for line in lines:
             row = split_row(line)
             name = _agent_name(row) if row is not None else None
-            if row is not None and name is not None:
-                agents[name] = _replica(row) or agents.get(name)
+            if row is None or name is None:
+                continue
+            if name not in agents:
+                spool = tempfile.TemporaryFile(dir=output.parent)  # noqa: SIM115 (spools closes it)
+                spools.enter_context(spool)
+                agents[name] = AgentRows(spool)
+            agents[name].add(row)
     return agents
 
 
-def body_chunks(
-    output: Path, agent: str, chunk_bytes: int = CHUNK_BYTES
-) -> Generator[bytes, None, None]:
-    """The ``/aggregate_metrics`` body of ``agent``'s rows, stripped, in chunks
-    (blocking). Rows are split at their top level without decoding the values;
-    only the kept, small values are copied, a chunk at a time."""
-    chunk = bytearray(b'{"verify_responses":[')
-    separator = b""
-    with output.open("rb") as lines:
-        for line in lines:
-            row = split_row(line)
-            if row is None or _agent_name(row) != agent:
-                continue
-            chunk += separator + stripped(row)
-            separator = b","
-            if len(chunk) >= chunk_bytes:
-                yield bytes(chunk)
-                chunk.clear()
-    chunk += b"]}"
-    yield bytes(chunk)
-
-
-async def _streamed_body(output: Path, agent: str) -> AsyncIterator[bytes]:
-    chunks = body_chunks(output, agent)
-    try:
-        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-            yield chunk
-    finally:
-        chunks.close()
+async def _streamed(chunks: Iterator[bytes]) -> AsyncGenerator[bytes, None]:
+    while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+        yield chunk
 
 
 def _agent_name(row: Mapping[str, msgspec.Raw]) -> str | None:
@@ -168,15 +177,16 @@ async def write_aggregate_metrics(
     connect_timeout_s: float = 2.0,
 ) -> Path | None:
     """Ask each agent for its metrics and write the file; None when no agent answered."""
-    last_replicas = await asyncio.to_thread(agents_in, output)
     entries: list[JsonObject] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for name, last_replica in sorted(last_replicas.items()):
-            urls = _replicas_to_ask(agents.get(name) or (), last_replica)
-            entry = await _first_answer(session, name, urls, output)
-            if entry is not None:
-                entries.append(entry)
+    with contextlib.ExitStack() as spools:
+        grouped = await asyncio.to_thread(spool_by_agent, output, spools)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for name, found in sorted(grouped.items()):
+                urls = _replicas_to_ask(agents.get(name) or (), found.last_replica)
+                entry = await _first_answer(session, name, urls, found)
+                if entry is not None:
+                    entries.append(entry)
     if not entries:
         return None
     path = aggregate_metrics_path(output)
@@ -192,14 +202,14 @@ async def write_aggregate_metrics(
 
 
 async def _first_answer(
-    session: aiohttp.ClientSession, name: str, urls: Sequence[str], output: Path
+    session: aiohttp.ClientSession, name: str, urls: Sequence[str], found: AgentRows
 ) -> JsonObject | None:
     """The agent's metrics from the first replica that answers at all; an HTTP answer
     that is not metrics (404 from an agent that does not aggregate) ends the search."""
     for url in urls:
         try:
-            body = _streamed_body(output, name)
-            status, answer = await _post(session, f"{url}/aggregate_metrics", body)
+            async with contextlib.aclosing(_streamed(found.body_chunks())) as body:
+                status, answer = await _post(session, f"{url}/aggregate_metrics", body)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("aggregate_metrics_unavailable", agent=name, replica=url, error=repr(exc))
             continue
