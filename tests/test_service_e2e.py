@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import SimAgentFactory
-from tests.helpers import CliProcess, FakeAgent, read_jsonl, spawn_cli, wait_until
+from tests.helpers import CliProcess, FakeAgent, read_jsonl, run_cli, spawn_cli, wait_until
 from tests.prometheus_helpers import require_binary
 
 pytestmark = pytest.mark.timeout(180)
@@ -232,14 +232,31 @@ async def test_kill_9_mid_job_then_the_same_command_finishes_every_job_exactly_o
     await serve.submit(job_id="b", rows=rows(30), priority=1)
     await wait_until(lambda: _durable(tmp_path, "a") + _durable(tmp_path, "b") >= 10)
     assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL
+    # What the same command will resume, read from the files alone.
+    crashed = await run_cli("status", str(state), "--json")
+    assert crashed.returncode == 75, crashed.stderr
+    standing = orjson.loads(crashed.stdout)
+    assert standing["running"] is False
+    assert [(j["job_id"], j["state"]) for j in standing["jobs"]] == [
+        ("a", "unfinished"), ("b", "unfinished")
+    ]  # fmt: skip
 
     again = await Serve.start(state, url, "--concurrency", "8")
     try:
         streams = {j: await again.results(j, wait=True) for j in ("a", "b")}
         listing = await again.http.get(f"{again.url}/v1/jobs")
         jobs = {j["job_id"]: j for j in (await listing.json())["jobs"]}
+        live = await run_cli("status", str(state))
     finally:
         assert await again.stop() == 0
+    assert live.returncode == 0, live.stderr
+    assert "dispatcher serve running (pid" in live.stdout
+    table = [line.split() for line in live.stdout.splitlines()[2:]]
+    assert table == [
+        ["job", "state", "priority", "policy", "expected", "succeeded", "failed", "left"],
+        ["a", "done", "0", "-", "80", "80", "0", "0"],
+        ["b", "done", "1", "-", "30", "30", "0", "0"],
+    ]
     for job_id, expected in (("a", 80), ("b", 30)):
         assert streams[job_id][-1] == {"end": "done"}
         lines = row_lines(streams[job_id])

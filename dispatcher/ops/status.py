@@ -418,11 +418,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=(
             "Read a run's output files (without changing them) and report expected rollouts, "
             "successes, failures by class, what resume would run and why, coverage per agent "
-            "and whether a dispatcher holds the run lock. Exit 0 when every rollout is final, "
-            "75 when some are left to run."
+            "and whether a dispatcher holds the run lock. Given a `dispatcher serve` state "
+            "directory, the same for each of its jobs. Exit 0 when every rollout (every job) is "
+            "final, 75 when some are left to run."
         ),
     )
-    parser.add_argument("output", type=Path, metavar="OUTPUT", help="the run's --output X.jsonl")
+    parser.add_argument(
+        "output",
+        type=Path,
+        metavar="OUTPUT",
+        help="the run's --output X.jsonl, or a `dispatcher serve` --state-dir: its jobs",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--max-attempts",
@@ -434,6 +440,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from dispatcher.ops import serve_status  # it builds on this module
+
+    if serve_status.is_state_dir(args.output):
+        jobs = serve_status.collect_state_dir(args.output)
+        if args.json:
+            print(orjson.dumps(jobs.to_json(), option=orjson.OPT_INDENT_2).decode())
+        else:
+            print(serve_status.render_state_dir(jobs), end="")
+        return int(jobs.exit_code)
     status = collect_status(args.output, args.max_attempts)
     if args.json:
         print(orjson.dumps(status.to_json(), option=orjson.OPT_INDENT_2).decode())

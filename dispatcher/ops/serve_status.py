@@ -1,0 +1,129 @@
+"""``dispatcher status STATE_DIR``: the jobs of a ``dispatcher serve`` state directory.
+
+Read from the files alone, as ``status OUTPUT`` reads a run, so it answers
+whether the daemon is up or not (after a crash: what will the same command
+resume?). Each job is a run of its own (DESIGN A12), reported with the
+figures of ``status`` for its ``rollouts.jsonl``; a job the daemon accepted
+but never started has no files yet and shows none.
+
+A job's state is the final one its record holds (``done``, ``cancelled``,
+``failed``, ``incomplete``), else ``unfinished``: a daemon started on this
+directory resumes every job but the done and cancelled ones.
+
+Exit code: 0 when every job is settled (done or cancelled), 75 when some
+would be resumed, 2 when the directory is not a state directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.ops.runfiles import LockStatus, lock_status
+from dispatcher.ops.status import RunStatus, Standing, collect_status
+from dispatcher.ops.table import format_table
+from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry
+
+UNFINISHED = "unfinished"
+
+
+@dataclass
+class JobStanding:
+    """One job: its record and, once its files exist, its run's status."""
+
+    record: JobRecord
+    run: RunStatus | None
+
+    @property
+    def state(self) -> str:
+        return self.record.state or UNFINISHED
+
+    def to_json(self) -> dict[str, Any]:
+        spec = self.record.spec
+        return {
+            "job_id": self.record.job_id,
+            "state": self.state,
+            "error": self.record.error,
+            "priority": spec.priority,
+            "policy_version": spec.policy_version,
+            "submitted_at": self.record.submitted_at,
+            "run": self.run.to_json() if self.run is not None else None,
+        }
+
+
+@dataclass
+class StateDirStatus:
+    """Everything ``status STATE_DIR`` reports."""
+
+    state_dir: str
+    lock: LockStatus
+    policy_version: int
+    jobs: list[JobStanding]
+
+    @property
+    def exit_code(self) -> ExitCode:
+        settled = all(job.record.state in SETTLED_STATES for job in self.jobs)
+        return ExitCode.DONE if settled else ExitCode.RESUMABLE
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state_dir": self.state_dir,
+            "running": self.lock.held,
+            "lock": self.lock.to_json(),
+            "policy_version": self.policy_version,
+            "jobs": [job.to_json() for job in self.jobs],
+        }
+
+
+def is_state_dir(path: Path) -> bool:
+    return (path / "jobs").is_dir()
+
+
+def collect_state_dir(state_dir: Path) -> StateDirStatus:
+    """Read a state directory (read-only) into a ``StateDirStatus``."""
+    if not is_state_dir(state_dir):
+        raise ConfigError(f"no state directory at {state_dir}: it has no jobs/ folder")
+    registry = Registry(state_dir)
+    jobs = []
+    for record in registry.all():
+        output = registry.job_dir(record.job_id) / "rollouts.jsonl"
+        try:
+            run = collect_status(output)
+        except ConfigError:  # accepted, not started: nothing materialized yet
+            run = None
+        jobs.append(JobStanding(record, run))
+    return StateDirStatus(
+        state_dir=str(state_dir),
+        lock=lock_status(state_dir / "serve.lock"),
+        policy_version=registry.read_policy(),
+        jobs=jobs,
+    )
+
+
+def render_state_dir(status: StateDirStatus) -> str:
+    lock = status.lock
+    daemon = f"running (pid {lock.pid})" if lock.held else "not running"
+    lines = [
+        f"state directory {status.state_dir}: dispatcher serve {daemon}",
+        f"policy version {status.policy_version}; {len(status.jobs)} jobs",
+    ]
+    rows = []
+    for job in status.jobs:
+        spec = job.record.spec
+        figures: list[object] = ["-"] * 4
+        if job.run is not None:
+            total = job.run.total
+            succeeded = total.standings[Standing.SUCCEEDED]
+            figures = [total.expected, succeeded, total.final - succeeded, total.left_to_run]
+        policy = "-" if spec.policy_version is None else spec.policy_version
+        rows.append([job.record.job_id, job.state, spec.priority, policy, *figures])
+    if rows:
+        headers = ["job", "state", "priority", "policy", "expected", "succeeded",
+                   "failed", "left"]  # fmt: skip
+        lines.append(format_table(headers, rows))
+    unfinished = sum(1 for job in status.jobs if job.record.state not in SETTLED_STATES)
+    if unfinished:
+        lines.append(f"{unfinished} jobs not done or cancelled: `dispatcher serve` resumes them")
+    return "\n".join(lines) + "\n"
