@@ -44,7 +44,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/capture_overhead.py --calls 300 --stream-calls 100 --rows 200
 	$(BIN)/python bench/retries.py --smoke
 	$(BIN)/python bench/adaptive.py --smoke
-	$(BIN)/python bench/big_rows.py --smoke
+	$(BIN)/python bench/big_rows.py --smoke --repeat 1
 	$(BIN)/python bench/service.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
 
