@@ -203,6 +203,7 @@ def _service_mode(out: Path, urls: dict[str, str]) -> int:
         daemon.terminate()
         code = daemon.wait(timeout=60)
     print(f"dispatcher serve exit {code} after SIGTERM; jobs under {out / 'serve' / 'jobs'}")
+    _show(["status", str(out / "serve")])
     return code
 
 
