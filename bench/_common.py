@@ -1,7 +1,8 @@
-"""Shared pieces of the benchmarks: servers in their own process, child rusage."""
+"""Shared pieces of the benchmarks: servers in their own process, child rusage, loop lag."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
 import subprocess
@@ -91,3 +92,39 @@ def write_tasks(path: Path, count: int, agent: str = "sim") -> None:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+class LoopLag:
+    """How late a sleep of ``interval_s`` wakes up, sampled while the block runs
+    (``async with LoopLag() as lag``); the daemon's own sampler does the same."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self.lags: list[float] = []
+        self._done = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.create_task(self._sample())
+        await asyncio.sleep(0)  # sampling from here on
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # The last sample ends after the block: a stall at its very end counts.
+        self._done.set()
+        if self._task is not None:
+            await self._task
+
+    async def _sample(self) -> None:
+        while not self._done.is_set():
+            asked = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.lags.append(max(0.0, time.perf_counter() - asked - self.interval_s))
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.lags)
+        return ordered[int(q * (len(ordered) - 1))] if ordered else 0.0
+
+    @property
+    def max(self) -> float:
+        return max(self.lags, default=0.0)

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server, median, run_child, write_tasks
+from _common import LoopLag, dispatcher_server, median, run_child, write_tasks
 
 MB = 1_000_000
 # (row bytes, concurrency, rollouts); the issue's two cases.
@@ -76,28 +76,17 @@ async def stream_to_file(
                     f.write(data + b"\n")
                     written += len(data) + 1
 
-            lags: list[float] = []
-            sampler = asyncio.create_task(_sample_lag(lags))
-            started = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            seconds = time.perf_counter() - started
-            sampler.cancel()
-    lags.sort()
+            async with LoopLag() as lag:
+                started = time.perf_counter()
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+                seconds = time.perf_counter() - started
     return {
         "seconds": seconds,
         "bytes": written,
         "peak_rss_mb": _peak_rss_mb(),
-        "lag_p99_ms": lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0,
-        "lag_max_ms": lags[-1] * 1000 if lags else 0.0,
+        "lag_p99_ms": lag.quantile(0.99) * 1000,
+        "lag_max_ms": lag.max * 1000,
     }
-
-
-async def _sample_lag(lags: list[float], interval_s: float = 0.1) -> None:
-    """The same sampler as the daemon's: how late a 100 ms sleep wakes up."""
-    while True:
-        asked = time.perf_counter()
-        await asyncio.sleep(interval_s)
-        lags.append(max(0.0, time.perf_counter() - asked - interval_s))
 
 
 def _peak_rss_mb() -> float:
@@ -226,23 +215,11 @@ def answer_to_line(raw: bytes) -> int:
 async def _offload(pool: concurrent.futures.Executor, bodies: list[bytes]) -> tuple[float, float]:
     """Wall time for the bodies in ``pool`` and the loop's largest stall meanwhile."""
     loop = asyncio.get_running_loop()
-    worst = 0.0
-    done = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal worst
-        while not done.is_set():
-            asked = time.perf_counter()
-            await asyncio.sleep(0.001)
-            worst = max(worst, time.perf_counter() - asked - 0.001)
-
-    tick = asyncio.create_task(ticker())
-    started = time.perf_counter()
-    await asyncio.gather(*(loop.run_in_executor(pool, answer_to_line, b) for b in bodies))
-    wall = time.perf_counter() - started
-    done.set()
-    await tick
-    return wall, worst
+    async with LoopLag(0.001) as lag:
+        started = time.perf_counter()
+        await asyncio.gather(*(loop.run_in_executor(pool, answer_to_line, b) for b in bodies))
+        wall = time.perf_counter() - started
+    return wall, lag.max
 
 
 def offload_compare(row_bytes: int, count: int) -> None:
@@ -282,22 +259,10 @@ def _capture_lines(calls: int, call_bytes: int) -> list[bytes]:
 
 async def _stall_while(work: Callable[[], Any]) -> float:
     """The largest stall a 1 ms ticker on the loop sees while ``work()`` is awaited."""
-    worst = 0.0
-    done = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal worst
-        while not done.is_set():
-            asked = time.perf_counter()
-            await asyncio.sleep(0.001)
-            worst = max(worst, time.perf_counter() - asked - 0.001)
-
-    tick = asyncio.create_task(ticker())
-    await asyncio.sleep(0.01)
-    await work()
-    done.set()
-    await tick
-    return worst
+    async with LoopLag(0.001) as lag:
+        await asyncio.sleep(0.01)
+        await work()
+    return lag.max
 
 
 def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> None:

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server
+from _common import LoopLag, dispatcher_server
 
 
 async def bare_client(url: str, rollouts: int, concurrency: int) -> dict[str, float]:
@@ -44,15 +44,6 @@ async def bare_client(url: str, rollouts: int, concurrency: int) -> dict[str, fl
     body = orjson.dumps({"responses_create_params": {"input": "hi"}})
     left = rollouts
     in_flight = peak = 0
-    lags: list[float] = []
-    loop_free = asyncio.Event()
-
-    async def sample() -> None:
-        while not loop_free.is_set():
-            asked = time.perf_counter()
-            await asyncio.sleep(0.1)
-            lags.append(max(0.0, time.perf_counter() - asked - 0.1))
-
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -67,18 +58,15 @@ async def bare_client(url: str, rollouts: int, concurrency: int) -> dict[str, fl
                     await r.read()
                 in_flight -= 1
 
-        sampler = asyncio.create_task(sample())
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - started
-        loop_free.set()
-        await sampler
-    lags.sort()
+        async with LoopLag() as lag:
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            seconds = time.perf_counter() - started
     return {
         "rate": rollouts / seconds,
         "peak": peak,
-        "lag_p99_s": lags[int(0.99 * (len(lags) - 1))],
-        "lag_max_s": lags[-1],
+        "lag_p99_s": lag.quantile(0.99),
+        "lag_max_s": lag.max,
     }
 
 
