@@ -56,7 +56,7 @@ async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> b
     deadline = asyncio.timeout(limits.read_timeout_s)
     try:
         async with deadline:
-            await _read_into(resp, limits.max_bytes, chunks)
+            size = await _read_into(resp, limits.max_bytes, chunks)
     except TimeoutError:
         if not deadline.expired():
             raise  # another deadline's (the rollout timeout's), not ours
@@ -66,12 +66,13 @@ async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> b
     except BodyLimitError:
         resp.close()
         raise
-    if sum(map(len, chunks)) < JOIN_OFF_LOOP_BYTES:
+    if size < JOIN_OFF_LOOP_BYTES:
         return b"".join(chunks)
     return await asyncio.to_thread(b"".join, chunks)
 
 
-async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[bytes]) -> None:
+async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[bytes]) -> int:
+    """Append the body's chunks to ``chunks``; returns its size."""
     size = 0
     async for chunk in resp.content.iter_any():
         size += len(chunk)
@@ -79,6 +80,7 @@ async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[
             chunks.append(chunk)
             raise BodyLimitError("ResponseTooLarge", _too_large(max_bytes), _prefix(chunks))
         chunks.append(chunk)
+    return size
 
 
 def _prefix(chunks: list[bytes]) -> bytes:
