@@ -25,6 +25,7 @@ import orjson
 
 from dispatcher import jsonx
 from dispatcher.agents import Classified, classify_object, classify_response
+from dispatcher.keys import split_row
 from dispatcher.rows import RESERVED_SUCCESS_KEYS
 
 # Keys the dispatcher reads or overwrites are decoded (rows.py compares the
@@ -33,7 +34,6 @@ OWN_PREFIX = "_ng_"
 # A surrogate escape is valid to the splitter but a lone one is not to orjson,
 # which reads the output on resume: such bodies take the full parse.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
-_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -95,9 +95,8 @@ def split_body(raw: bytes) -> Split | None:
     """Validate ``raw`` and find its top-level values; None when only the full parse will do."""
     if not _splittable(raw):
         return None
-    try:
-        top = _TOP_LEVEL.decode(raw)
-    except msgspec.DecodeError:
+    top = split_row(raw)
+    if top is None:
         return None
     spans = _spans(raw, top)
     if spans is None:

@@ -145,22 +145,27 @@ def _parses_as_object(data: bytes) -> bool:
         return False
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
-    """Yield ``(line_no, raw, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
+def _nonblank_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(line_no, raw)`` per non-blank line, streaming; nothing for a missing file."""
     try:
         f = path.open("rb")
     except FileNotFoundError:
         return
     with f:
         for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                yield line_no, line, None
-                continue
-            yield line_no, line, row if isinstance(row, dict) else None
+            if line.strip():
+                yield line_no, line
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
+    """Yield ``(line_no, raw, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
+    for line_no, line in _nonblank_lines(path):
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            yield line_no, line, None
+            continue
+        yield line_no, line, row if isinstance(row, dict) else None
 
 
 def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
@@ -172,14 +177,8 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
 def iter_line_keys(path: Path) -> Iterator[int | None]:
     """``row_key`` of each non-blank line, None when unreadable; only the two
     indices are decoded, so a row of megabytes costs one scan, not its objects."""
-    try:
-        f = path.open("rb")
-    except FileNotFoundError:
-        return
-    with f:
-        for line in f:
-            if line.strip():
-                yield line_key(line)
+    for _, line in _nonblank_lines(path):
+        yield line_key(line)
 
 
 @dataclass
