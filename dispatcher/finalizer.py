@@ -23,7 +23,7 @@ from dispatcher.capture.finalize import CaptureSummary, attach_agent_trajectory,
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.config import RunSettings
-from dispatcher.contracts import FAILURE_TERMINAL
+from dispatcher.contracts import FAILURE_TERMINAL, NOT_DELIVERED
 from dispatcher.offload import off_loop
 from dispatcher.rowbytes import WireResult, row_line
 from dispatcher.rows import build_row
@@ -119,7 +119,11 @@ class Finalizer:
 
 def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
     """What ``Job.record`` reads of a row, so the row itself need not be kept."""
-    return {FAILURE_TERMINAL: row.get(FAILURE_TERMINAL)}
+    return {key: row[key] for key in _FACT_KEYS if key in row}
+
+
+# What the one finality rule (``state.final_after_failure``) reads of a failure row.
+_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED)
 
 
 def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:

@@ -48,7 +48,7 @@ from dispatcher.ops.aggregate import write_aggregate_metrics
 from dispatcher.outcome import Outcome
 from dispatcher.prepare import PreparedRun, prepare_run
 from dispatcher.scheduler import Slots
-from dispatcher.state import RunState
+from dispatcher.state import RunState, final_after_failure
 from dispatcher.store import LineIndex, RowWriter, write_manifest
 from dispatcher.tasks import Rollout, new_capture_token
 from dispatcher.telemetry.discovery import sd_file_for, target_labels
@@ -423,7 +423,7 @@ class Job:
             return True
         if not outcome.writes_failure_row or row is None:
             return False
-        return is_terminal(row) or rollout.attempt_index + 1 >= self.settings.max_attempts
+        return final_after_failure(row, rollout.attempt_index, self.settings.max_attempts)
 
     def _record_not_started(self, outcome: Outcome) -> None:
         self.outcomes[outcome.value] += 1

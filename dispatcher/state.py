@@ -181,6 +181,33 @@ def iter_line_keys(path: Path) -> Iterator[int | None]:
         yield line_key(line)
 
 
+def spends_attempt(failure_row: dict[str, Any]) -> bool:
+    """Whether a failure row counts toward ``max_attempts``: a not-delivered one
+    never does, on any attempt (DESIGN A11)."""
+    return not is_not_delivered(failure_row)
+
+
+def is_final(*, succeeded: bool, terminal: bool, counted_failures: int, max_attempts: int) -> bool:
+    """The one finality rule (DESIGN A5, A11), for the live run, resume, ``status``,
+    ``report``, ``merge`` and service mode alike: a (task, rollout) is final when it
+    has a success, a terminal failure, or ``max_attempts`` counted failures."""
+    return succeeded or terminal or counted_failures >= max_attempts
+
+
+def final_after_failure(
+    failure_row: dict[str, Any], earlier_failures: int, max_attempts: int
+) -> bool:
+    """Whether a rollout whose ``earlier_failures`` counted attempts came before is
+    final once ``failure_row`` is written (the live run's view of the same rule)."""
+    counted = spends_attempt(failure_row)
+    return is_final(
+        succeeded=False,
+        terminal=counted and is_terminal(failure_row),
+        counted_failures=earlier_failures + counted,
+        max_attempts=max_attempts,
+    )
+
+
 @dataclass
 class RunState:
     """Successes and failed attempts found in a run's output files."""
@@ -194,17 +221,18 @@ class RunState:
     not_delivered: int = 0
 
     def is_final(self, key: int) -> bool:
-        return (
-            key in self.successes
-            or key in self.terminal
-            or self.failed_attempts[key] >= self.max_attempts
+        return is_final(
+            succeeded=key in self.successes,
+            terminal=key in self.terminal,
+            counted_failures=self.failed_attempts[key],
+            max_attempts=self.max_attempts,
         )
 
     def add_failure(self, key: int, row: dict[str, Any]) -> str:
         """Count one failure row (one spent attempt unless not delivered); returns its class."""
         failure_class = str(row.get(FAILURE_CLASS))
         self.failure_classes[failure_class] += 1
-        if is_not_delivered(row):
+        if not spends_attempt(row):
             self.not_delivered += 1
             return failure_class
         self.failed_attempts[key] += 1
@@ -218,11 +246,11 @@ class RunState:
 
     @property
     def exhausted(self) -> int:
-        """Unfinished rollouts whose failures reached the attempt cap."""
+        """Rollouts final only because their failures reached the attempt cap."""
         return sum(
             1
-            for key, n in self.failed_attempts.items()
-            if n >= self.max_attempts and key not in self.successes and key not in self.terminal
+            for key in self.failed_attempts
+            if self.is_final(key) and key not in self.successes and key not in self.terminal
         )
 
 

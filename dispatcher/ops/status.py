@@ -67,10 +67,9 @@ def standing(state: RunState, key: int) -> Standing:
         return Standing.SUCCEEDED
     if key in state.terminal:
         return Standing.TERMINAL
-    failed = state.failed_attempts[key]
-    if failed >= state.max_attempts:
+    if state.is_final(key):
         return Standing.ATTEMPTS_USED_UP
-    return Standing.RETRYABLE if failed else Standing.NO_ROW
+    return Standing.RETRYABLE if state.failed_attempts[key] else Standing.NO_ROW
 
 
 @dataclass
