@@ -27,7 +27,6 @@ import aiohttp
 import structlog
 
 from dispatcher.agents import AgentClient, DeliveryPolicy
-from dispatcher.aio import cancel_and_wait
 from dispatcher.backoff import BackoffPolicy
 from dispatcher.bytebudget import ByteBudget
 from dispatcher.concurrency import AimdPolicy
@@ -187,11 +186,9 @@ class Daemon:
         declare_run_gauges(
             self.metrics.registry, self.settings.rollout_timeout_s, self._agents.in_flight
         )
-        await self.lag.start()
-        self._stack.push_async_callback(self.lag.stop)
+        self._spawn(self.lag.run(), "loop-lag")
         progress_line = ProgressLine(enabled=self.settings.log_format == "console" or None)
-        await progress_line.start(status)
-        self._stack.push_async_callback(progress_line.stop)
+        self._spawn(progress_line.run(status), "progress-line")
         self._spawn(self._tick(status), "ticker")
 
     def begin_dispatch(self) -> None:
@@ -206,8 +203,17 @@ class Daemon:
             self._spawn(self.load.adapt(), "adapt")
 
     def _spawn(self, coro: Any, name: str) -> None:
+        """Run a background task the daemon owns: cancelled and awaited at close; if it
+        dies before, the daemon fails at once (exit 1, naming it), never silently."""
         task = asyncio.create_task(coro, name=name)
-        self._stack.push_async_callback(cancel_and_wait, task)
+        task.add_done_callback(self._task_ended)
+        self._stack.push_async_callback(_stop_task, task)
+
+    def _task_ended(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        log.error("background_task_died", task=task.get_name(), exc_info=exc)
+        self.fail(DispatcherError(f"the daemon's {task.get_name()} task died: {exc!r}"))
 
     async def close(self) -> None:
         """Stop what ``listen`` and ``start`` started, in reverse order."""
@@ -446,6 +452,12 @@ def delivery_policy(settings: RunSettings) -> DeliveryPolicy:
         max_starts_per_s=settings.max_starts_per_s,
         aimd=AimdPolicy(maximum=settings.concurrency_max) if settings.adaptive else None,
     )
+
+
+async def _stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel and await a daemon task; a crash was already reported by ``_task_ended``."""
+    task.cancel()
+    await asyncio.wait({task})
 
 
 def _open_fds() -> int:

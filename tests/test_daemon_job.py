@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from dispatcher import daemon as daemon_module
-from dispatcher.errors import OutputWriteError
+from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.lifecycle import JobState, Lifecycle, Phase
 from dispatcher.state import OutputPaths
 from dispatcher.store import LineIndex, RowWriter, RunLock
 from tests.conftest import SimAgentFactory
-from tests.helpers import in_process_run, read_jsonl
+from tests.helpers import FakeAgent, in_process_run, read_jsonl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,3 +109,27 @@ async def test_durable_rows_get_their_line_numbers_and_the_index_finds_them(
     # A torn tail is never indexed.
     path.write_bytes(data + b'{"torn')
     assert len(LineIndex.scan(path)) == 7
+
+
+async def test_a_daemon_task_that_dies_ends_the_run_at_once_naming_it(tmp_path: Path) -> None:
+    agent = FakeAgent(gated=True)
+    await agent.start()
+    dispatcher = in_process_run(tmp_path, agent.url, 3, progress_interval_s=0.01)
+    calls = 0
+    status = dispatcher.status
+
+    def broken_status() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls > 1 and agent.holding:
+            raise RuntimeError("a bug in the progress figures")
+        return status()
+
+    dispatcher.status = broken_status  # type: ignore[method-assign]
+    try:
+        # The agent holds every rollout: only the dead ticker can end this run.
+        with pytest.raises(DispatcherError, match=r"ticker task died.*a bug in the progress"):
+            await asyncio.wait_for(dispatcher.run(), 20)
+    finally:
+        await agent.close()
+    assert read_jsonl(tmp_path / "x.jsonl") == []

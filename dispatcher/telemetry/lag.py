@@ -31,8 +31,9 @@ class LoopLagMonitor:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Sample in a task of its own until ``stop`` (for owners without a task group)."""
         if self._task is None:
-            self._task = asyncio.create_task(self._sample(), name="loop-lag-monitor")
+            self._task = asyncio.create_task(self.run(), name="loop-lag-monitor")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -60,7 +61,8 @@ class LoopLagMonitor:
         if self._max_s is None or lag_s > self._max_s:
             self._max_s = lag_s
 
-    async def _sample(self) -> None:
+    async def run(self) -> None:
+        """Sample until cancelled: the body of the owner's task."""
         interval_s = self._interval_s
         while True:
             # perf_counter, not loop.time(): uvloop's clock ticks in whole

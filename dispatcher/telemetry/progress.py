@@ -296,14 +296,20 @@ class ProgressLine:
     async def start(self, status: Callable[[], Mapping[str, Any]], interval_s: float = 1.0) -> None:
         """Redraw from `status()` every `interval_s` until `stop()`."""
         if self.enabled and self._task is None:
-            self._task = asyncio.create_task(self._refresh(status, interval_s), name="progress")
+            self._task = asyncio.create_task(self.run(status, interval_s), name="progress")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
         self.clear()
 
-    async def _refresh(self, status: Callable[[], Mapping[str, Any]], interval_s: float) -> None:
-        while True:
-            self.show(status())
-            await asyncio.sleep(interval_s)
+    async def run(self, status: Callable[[], Mapping[str, Any]], interval_s: float = 1.0) -> None:
+        """Redraw until cancelled (then clear the line): the body of the owner's task."""
+        if not self.enabled:
+            return
+        try:
+            while True:
+                self.show(status())
+                await asyncio.sleep(interval_s)
+        finally:
+            self.clear()
