@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import fcntl
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -177,9 +176,6 @@ class RowWriter:
         self._error: OutputWriteError | None = None
         self._closing = False
         self.rows_written = 0
-        # Held for the duration of each batch's writes; an immediate exit takes it
-        # first so it never leaves half a batch behind.
-        self.io_lock = threading.Lock()
 
     @property
     def error(self) -> OutputWriteError | None:
@@ -326,14 +322,13 @@ class RowWriter:
     def _write_all(self, lines: list[bytes]) -> None:
         assert self._fd is not None
         size = sum(len(line) for line in lines)
-        with self.io_lock:
-            for chunk in _chunks(lines):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(self._fd, view) :]
-            if self._policy != "never":
-                os.fsync(self._fd)
-            self._size += size
+        for chunk in _chunks(lines):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        if self._policy != "never":
+            os.fsync(self._fd)
+        self._size += size
 
     def _fail(self, exc: OSError) -> OutputWriteError:
         # Cut back to the last whole batch so the file still parses.
