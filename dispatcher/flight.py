@@ -54,14 +54,21 @@ class Flight:
         try:
             attempt = await self._at_agent(started)
         finally:
-            self.at_agent = False
-            self._slots.release()
+            self.leave_agent()
         if attempt is None:
             return
         try:
             await self._commit(attempt, version_start)
         finally:
             job.daemon.commit_queue.leave(attempt.body_bytes)
+
+    def leave_agent(self) -> None:
+        """Free the slots and leave the job's in-flight count, once: also for a task
+        cancelled before it ever ran, whose ``finally`` never runs."""
+        if self.at_agent:
+            self.at_agent = False
+            self._slots.release()
+            self.job.left_agent(self.rollout)
 
     async def _at_agent(self, started: float) -> Attempt | None:
         """The agent's answer, with a place in the commit queue; None when requeued."""

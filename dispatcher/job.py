@@ -89,6 +89,9 @@ class Job:
         self.prepared: PreparedRun | None = None
         self.finalizer = Finalizer(settings, daemon.metrics)
         self.flights: set[Flight] = set()
+        # Rollouts at agents (admitted, not answered): the one count of them,
+        # moved with the in-flight gauge in ``_launch`` and ``left_agent``.
+        self._at_agents = 0
         self.writers: tuple[RowWriter, ...] = ()
         self._shard_filter = shard_filter
         self._rank = rank
@@ -235,6 +238,7 @@ class Job:
 
     def _launch(self, rollout: Rollout, slots: Slots) -> None:
         flight = Flight(rollout, slots, self)
+        self._at_agents += 1
         self.daemon.metrics.rollout_started(rollout.agent)
         self.flights.add(flight)
         self._idle.clear()
@@ -242,6 +246,7 @@ class Job:
         task.add_done_callback(lambda t: self._landed(flight, t))
 
     def _landed(self, flight: Flight, task: asyncio.Task[None]) -> None:
+        flight.leave_agent()
         self.flights.discard(flight)
         if not self.flights:
             self._idle.set()
@@ -305,8 +310,13 @@ class Job:
             self._requeued.append(rollout)
             self._wake_producer.set()
 
+    def left_agent(self, rollout: Rollout) -> None:
+        """A flight's agent answered (or it was cancelled or put back): its slots are free."""
+        self._at_agents -= 1
+        self.daemon.metrics.rollout_left_agent(rollout.agent)
+
     def at_agents(self) -> int:
-        return sum(1 for flight in self.flights if flight.at_agent)
+        return self._at_agents
 
     async def settle(self, grace_s: float, reason: str) -> None:
         """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row)."""
@@ -450,7 +460,7 @@ class Job:
         return self._final_this_run
 
     def committing(self) -> int:
-        return sum(1 for flight in self.flights if not flight.at_agent)
+        return len(self.flights) - self._at_agents
 
     def progress(self) -> dict[str, Any]:
         expected = self.expected()

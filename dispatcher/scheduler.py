@@ -145,7 +145,6 @@ class RolloutPool:
         self.agent_slots = agent_slots or {}
         self.budget = budget
         self._drain_margin = drain_margin
-        self.at_agents = 0
 
     async def admit(self, agent: str, rank: tuple[int, ...] = ()) -> Slots | None:
         """Wait for the slots, then hand them over, or drain (None): no time is left."""
@@ -159,25 +158,10 @@ class RolloutPool:
                 if agent_slot is not None:
                     agent_slot.release()
                 raise
-        slots = _CountedSlots(self, self.slots, agent_slot)
+        slots = Slots(self.slots, agent_slot)
         # Decided after the slot is won: the wait itself may have used up the budget.
         # (Without a budget nothing drains: the margin, a quantile, is not computed.)
         if self.budget.budget_s is not None and self.budget.should_drain(self._drain_margin()):
             slots.release()
             return None
         return slots
-
-
-class _CountedSlots(Slots):
-    __slots__ = ("_pool",)
-
-    def __init__(self, pool: RolloutPool, pool_slot: Limiter | None, agent_slot: Limiter | None):
-        super().__init__(pool_slot, agent_slot)
-        self._pool: RolloutPool | None = pool
-        pool.at_agents += 1
-
-    def release(self) -> None:
-        super().release()
-        if self._pool is not None:
-            self._pool.at_agents -= 1
-            self._pool = None

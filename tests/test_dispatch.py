@@ -538,7 +538,7 @@ async def test_the_drain_is_decided_after_the_slot_is_won() -> None:
     assert await waiting is None  # drained
     # A drained rollout gives its slot back at once.
     assert await pool.admit("sim") is None
-    assert pool.at_agents == 0
+    assert pool.slots is not None and pool.slots.in_use == 0
 
 
 async def test_a_learned_margin_drains_once_known() -> None:
@@ -551,7 +551,7 @@ async def test_a_learned_margin_drains_once_known() -> None:
     assert await pool.admit("sim") is None
     margin[0] = 2.5
     assert await pool.admit("sim") is not None
-    assert pool.at_agents == 2
+    assert pool.slots is not None and pool.slots.in_use == 2
 
 
 async def test_a_free_slot_goes_to_the_best_rank_then_the_first_comer() -> None:

@@ -60,6 +60,7 @@ def record_run(metrics: Metrics, rollouts: int) -> None:
     for i in range(rollouts):
         agent = f"agent-{i % 2}"
         metrics.rollout_started(agent)
+        metrics.rollout_left_agent(agent)
         metrics.rollout_finished(agent, outcomes[i % len(outcomes)], 1.0 + i)
     metrics.rollout_drained()
     metrics.declare_replicas({"agent-0": ["http://10.0.0.1:8000"]})
@@ -111,6 +112,8 @@ def test_rollout_counts_durations_and_in_flight() -> None:
     metrics.rollout_started("a")
     assert value(metrics, "dispatcher_rollouts_in_flight", agent="a") == 2
 
+    metrics.rollout_left_agent("a")
+    metrics.rollout_left_agent("a")
     metrics.rollout_finished("a", Outcome.SUCCESS, 30.0)
     metrics.rollout_finished("a", "timeout_exceeded", 7200.0)
 

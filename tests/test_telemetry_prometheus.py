@@ -66,6 +66,7 @@ async def test_prometheus_sees_every_recorded_rollout(
     for i in range(rollouts):
         agent = f"agent-{i % 3}"
         metrics.rollout_started(agent)
+        metrics.rollout_left_agent(agent)
         metrics.rollout_finished(agent, outcomes[i % len(outcomes)], 0.5 + i)
     metrics.update(
         quantiles={0.5: 18.5, 0.75: 27.5, 0.95: 34.7},
@@ -91,6 +92,7 @@ async def test_every_dashboard_query_is_valid_promql_on_real_series(
 ) -> None:
     metrics, prom = scraped
     metrics.rollout_started("a")
+    metrics.rollout_left_agent("a")
     metrics.rollout_finished("a", Outcome.SUCCESS, 1.0)
     await prom.wait_for_value("sum(dispatcher_rollouts_total)", 1)
 

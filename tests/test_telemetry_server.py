@@ -112,6 +112,7 @@ async def test_promtool_finds_a_scrape_clean(server: tuple[Metrics, str]) -> Non
     metrics.declare_agents(["a", "b"])
     for i in range(20):
         metrics.rollout_started("a")
+        metrics.rollout_left_agent("a")
         metrics.rollout_finished("a", "success" if i % 3 else "agent_run_error", 10.0 * i)
     metrics.rollout_drained()
     metrics.capture_waited(0.2, ["model_call_capture_no_records"])

@@ -196,9 +196,10 @@ class Metrics:
     """All the daemon's metrics, updated by its jobs on their completion path (``Job.record``).
 
     Pairing contract: every `rollout_started` is followed by exactly one
-    `rollout_finished` (any outcome, cancelled and kill-shaped included), so
-    the in-flight gauge returns to zero. A drained rollout never started and is
-    only counted by `rollout_drained`.
+    `rollout_left_agent` (when its agent answered, or it was cancelled or put
+    back), so the in-flight gauge returns to zero, and by one `rollout_finished`
+    (any outcome, cancelled and kill-shaped included). A drained rollout never
+    started and is only counted by `rollout_drained`.
 
     `rate_outcomes` are the outcomes the rollouts-per-hour rate counts
     (successes: the rows a trainer gets); `clock` is injectable for tests;
@@ -237,7 +238,7 @@ class Metrics:
         )
         self._in_flight = Gauge(
             "dispatcher_rollouts_in_flight",
-            "Rollouts sent to an agent and not finished yet.",
+            "Rollouts at agents: admitted and not answered yet (commits not included).",
             ("agent",),
             registry=registry,
         )
@@ -335,6 +336,9 @@ class Metrics:
     def rollout_started(self, agent: str) -> None:
         self._in_flight_child(agent).inc()
 
+    def rollout_left_agent(self, agent: str) -> None:
+        self._in_flight_child(agent).dec()
+
     def rollout_finished(self, agent: str, outcome: str, duration_s: float) -> None:
         """Count one finished attempt; O(1), called once per rollout."""
         children = self._finished_children.get((agent, outcome))
@@ -344,7 +348,6 @@ class Metrics:
         total.inc()
         if duration_s >= 0:  # also false for NaN, which would poison the _sum
             duration.observe(duration_s)
-        self._in_flight_child(agent).dec()
         if outcome in self._rate_outcomes:
             self._rate.add()
 
