@@ -205,7 +205,7 @@ def _big_answer(row_bytes: int) -> bytes:
 
 def answer_to_line(raw: bytes) -> int:
     """The work handed to a worker: split, merge our keys, serialize; returns the line's size."""
-    from dispatcher.rowbytes import classify_big, row_line
+    from dispatcher.rows.wire import classify_big, row_line
 
     _, result, _ = classify_big(200, raw)
     assert result is not None
@@ -267,11 +267,11 @@ async def _stall_while(work: Callable[[], Any]) -> float:
 
 def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> None:
     """A rollout with many big captured calls: its merge on the loop and in the worker."""
-    from dispatcher import finalizer
     from dispatcher.capture.finalize import attach_capture
     from dispatcher.capture.store import capture_path
-    from dispatcher.offload import off_loop
-    from dispatcher.rowbytes import row_line
+    from dispatcher.rows import finalize as finalizer
+    from dispatcher.rows.offload import off_loop
+    from dispatcher.rows.wire import row_line
 
     capture_path(work, "0-0").write_bytes(b"".join(_capture_lines(calls, call_bytes)))
 
@@ -302,7 +302,9 @@ def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> N
 
 def daemon_child(argv: list[str]) -> int:
     """``dispatcher ARGV``, without the end-of-run aggregate step unless asked for."""
-    from dispatcher import cli, job, offload
+    from dispatcher import cli
+    from dispatcher.rows import offload
+    from dispatcher.run import job
 
     mode, worker, *rest = argv
     offload.WORKER_KIND = worker

@@ -26,8 +26,8 @@ from typing import Protocol
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median
 
-from dispatcher.latency import DispatchLatencyTracker
-from dispatcher.latency_window import LatencyWindow
+from dispatcher.latency.tracker import DispatchLatencyTracker
+from dispatcher.latency.window import LatencyWindow
 
 QUANTILE_READS = 2_000
 

@@ -28,7 +28,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server, median, run_child, write_tasks
 
-from dispatcher.backoff import BackoffPolicy
+from dispatcher.delivery.retry import BackoffPolicy
 
 
 def run(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from typing import Any
 
 
@@ -41,3 +42,20 @@ class Wakeup:
         if self._waiting:
             self._event.set()
             self._event = asyncio.Event()
+
+
+def tune_gc() -> None:
+    """Make the cyclic GC rare: its pauses, not our code, were the loop's longest stalls.
+
+    A thousand rollouts in flight keep ~100k young container objects alive;
+    with the default threshold (700 net allocations) the collector runs
+    hundreds of times a second and its generation-1/2 passes stall the loop
+    for 5-25 ms. Nearly everything a rollout allocates is freed by reference
+    counting: collecting young objects every 20,000 net allocations (a pass
+    then takes a few ms) and the old generation far more rarely loses nothing
+    but pauses. Objects alive after imports and setup are frozen out of every
+    pass.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)

@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from dispatcher.config import load_settings
-from dispatcher.service import Dispatcher
-from dispatcher.serving import start_site
+from dispatcher.run.one_job import Dispatcher
+from dispatcher.settings.config import load_settings
+from dispatcher.telemetry.http_app import start_site
 
 
 async def wait_until(

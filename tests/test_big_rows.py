@@ -20,17 +20,19 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher import finalizer, offload, store
-from dispatcher.agents import classify_response
-from dispatcher.bytebudget import ByteBudget
+from dispatcher.admission.bytebudget import ByteBudget
 from dispatcher.capture.finalize import attach_capture
+from dispatcher.delivery.client import classify_response
+from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import ExitCode
-from dispatcher.faults import LocalFault
-from dispatcher.jsonworker import WorkerProcess
+from dispatcher.files import writer as store
+from dispatcher.files.resume import OutputPaths
 from dispatcher.outcome import Outcome
-from dispatcher.rowbytes import Split, WireResult, classify_big, row_line, split_body, wire_result
+from dispatcher.rows import finalize as finalizer
+from dispatcher.rows import offload
+from dispatcher.rows.jsonworker import WorkerProcess
+from dispatcher.rows.wire import Split, WireResult, classify_big, row_line, split_body, wire_result
 from dispatcher.sim.agent import TOKENS_KEY, token_logprobs_json
-from dispatcher.state import OutputPaths
 from tests.helpers import FakeAgent, in_process_run, read_jsonl, run_args, run_cli
 from tests.test_capture_finalize import USAGE, chat_answer, exchange_line, write_lines
 from tests.test_delivery_faults import agent_url, no_signal_handlers

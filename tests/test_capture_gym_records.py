@@ -18,7 +18,7 @@ from dispatcher.capture.finalize import attach_capture
 from dispatcher.capture.records import parse_record
 from dispatcher.capture.store import capture_path
 from dispatcher.sim.model_client import agent_trajectory
-from dispatcher.trajectory_schema import TrajectoryRecord
+from dispatcher.trajectory.schema import TrajectoryRecord
 
 SERVER = {"type": "responses_api_models", "name": "policy_model"}
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from dispatcher.capture.finalize import attach_capture
 from dispatcher.capture.proxy import build_proxy_app
 from dispatcher.capture.store import capture_path
-from dispatcher.trajectory_schema import TrajectoryRecord
+from dispatcher.trajectory.schema import TrajectoryRecord
 from tests.conftest import SimAgentFactory
 from tests.helpers import read_jsonl, run_args, run_cli, serve, write_tasks
 

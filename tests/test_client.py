@@ -17,7 +17,6 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.backoff import BackoffPolicy
 from dispatcher.client import (
     AsyncClient,
     Client,
@@ -31,7 +30,8 @@ from dispatcher.client import (
     results_query,
     submit_body,
 )
-from dispatcher.serving import start_site
+from dispatcher.delivery.retry import BackoffPolicy
+from dispatcher.telemetry.http_app import start_site
 from tests.helpers import serve
 
 FAST = BackoffPolicy(base_s=0.01, cap_s=0.05)

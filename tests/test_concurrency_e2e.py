@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dispatcher.state import OutputPaths
+from dispatcher.files.resume import OutputPaths
 from tests.conftest import SimAgentFactory
 from tests.helpers import log_events, read_jsonl, run_args, run_cli, write_tasks
 

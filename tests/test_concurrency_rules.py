@@ -6,8 +6,8 @@ import asyncio
 import itertools
 import time
 
-from dispatcher.concurrency import AimdController, AimdPolicy, StartRateLimiter
-from dispatcher.replicas import BreakerPolicy, ReplicaSet
+from dispatcher.delivery.adaptive import AimdController, AimdPolicy, StartRateLimiter
+from dispatcher.delivery.replicas import BreakerPolicy, ReplicaSet
 
 POLICY = AimdPolicy(initial=8, minimum=1, maximum=100, interval_s=1.0, min_samples=3)
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from dispatcher.cli import build_parser, run_flag_values
-from dispatcher.config import RunSettings, load_settings, parse_agent_flags
+from dispatcher.cli import build_parser
 from dispatcher.errors import ConfigError
+from dispatcher.settings.config import RunSettings, load_settings, parse_agent_flags
+from dispatcher.settings.flags import run_flag_values
 from tests.helpers import run_cli
 
 BASE = {"input": "tasks.jsonl", "output": "out/x.jsonl", "agents": {"sim": ["http://h:1"]}}

@@ -8,19 +8,19 @@ from typing import Any
 import orjson
 import pytest
 
-from dispatcher.agents import Failure
-from dispatcher.config import load_settings
-from dispatcher.contracts import (
+from dispatcher.delivery.client import Failure
+from dispatcher.errors import ConfigError
+from dispatcher.files.contracts import (
     FAILURE_KEYS,
     HISTORY_HOPS,
     NOT_DELIVERED,
     LastRun,
     RunManifest,
 )
-from dispatcher.errors import ConfigError
+from dispatcher.files.writer import read_manifest, write_json_atomic, write_manifest
 from dispatcher.ops.runfiles import read_manifest as read_for_status
-from dispatcher.prepare import prepare_run
-from dispatcher.store import read_manifest, write_json_atomic, write_manifest
+from dispatcher.run.prepare import prepare_run
+from dispatcher.settings.config import load_settings
 from tests.helpers import write_tasks
 
 # What a run writes (prepare, then the service at the end of a hop), plus keys

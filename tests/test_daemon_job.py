@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from dispatcher import daemon as daemon_module
 from dispatcher.errors import DispatcherError, OutputWriteError
+from dispatcher.files.resume import OutputPaths
+from dispatcher.files.writer import LineIndex, RowWriter, RunLock
 from dispatcher.lifecycle import JobState, Lifecycle, Phase
-from dispatcher.state import OutputPaths
-from dispatcher.store import LineIndex, RowWriter, RunLock
+from dispatcher.run import daemon as daemon_module
 from tests.conftest import SimAgentFactory
 from tests.helpers import FakeAgent, in_process_run, read_jsonl
 

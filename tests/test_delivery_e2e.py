@@ -23,9 +23,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.serving import start_site
+from dispatcher.files.resume import OutputPaths, load_run_state, row_key
 from dispatcher.sim.agent import STATS_KEY, SimAgentConfig, build_sim_agent_app
-from dispatcher.state import OutputPaths, load_run_state, row_key
+from dispatcher.telemetry.http_app import start_site
 from tests.helpers import (
     free_port,
     log_events,

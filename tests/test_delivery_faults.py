@@ -18,10 +18,12 @@ from typing import Any
 
 import pytest
 
-from dispatcher import agents, daemon, finalizer
+from dispatcher.delivery import client as agents
+from dispatcher.delivery.faults import FaultPersisted
 from dispatcher.errors import ExitCode
-from dispatcher.faults import FaultPersisted
-from dispatcher.state import OutputPaths
+from dispatcher.files.resume import OutputPaths
+from dispatcher.rows import finalize as finalizer
+from dispatcher.run import daemon
 from tests.helpers import in_process_run, read_jsonl
 
 

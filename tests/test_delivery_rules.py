@@ -9,11 +9,11 @@ import random
 import aiohttp
 import pytest
 
-from dispatcher.backoff import BackoffPolicy, parse_retry_after
-from dispatcher.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault
-from dispatcher.replicas import Breaker, BreakerPolicy, BreakerState, ReplicaSet
-from dispatcher.scheduler import Limiter
-from dispatcher.state import RunState
+from dispatcher.admission.pool import Limiter
+from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault
+from dispatcher.delivery.replicas import Breaker, BreakerPolicy, BreakerState, ReplicaSet
+from dispatcher.delivery.retry import BackoffPolicy, parse_retry_after
+from dispatcher.files.resume import RunState
 
 
 class FakeClock:

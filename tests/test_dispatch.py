@@ -16,9 +16,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.agents import body_excerpt
-from dispatcher.scheduler import Budget, RolloutPool
-from dispatcher.tasks import Rollout
+from dispatcher.admission.pool import Budget, RolloutPool
+from dispatcher.delivery.client import body_excerpt
+from dispatcher.tasks.materialize import Rollout
 from tests.conftest import SimAgentFactory
 from tests.helpers import (
     CliResult,

@@ -20,7 +20,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.ops.aggregate import spool_by_agent
+from dispatcher.run.aggregate import spool_by_agent
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
 

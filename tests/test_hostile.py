@@ -24,10 +24,10 @@ import pytest
 from aiohttp import web
 
 from dispatcher.capture.proxy import build_proxy_app
-from dispatcher.limits import ProxyLimits
+from dispatcher.delivery.limits import ProxyLimits
 from dispatcher.sim.model import SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import call_model
-from dispatcher.tasks import MaterializeSpec, materialize, rollout_id_for
+from dispatcher.tasks.materialize import MaterializeSpec, materialize, rollout_id_for
 from tests.helpers import (
     CliResult,
     FakeAgent,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.config import load_settings
 from dispatcher.errors import ConfigError
-from dispatcher.keys import (
+from dispatcher.settings.config import load_settings
+from dispatcher.tasks.keys import (
     MAX_REPEATS,
     MAX_ROLLOUT_INDEX,
     MAX_TASK_INDEX,
@@ -20,7 +20,7 @@ from dispatcher.keys import (
     row_key,
     task_of,
 )
-from dispatcher.tasks import MaterializeSpec, materialize
+from dispatcher.tasks.materialize import MaterializeSpec, materialize
 from tests.helpers import run_cli, write_tasks
 
 T, R = "_ng_task_index", "_ng_rollout_index"

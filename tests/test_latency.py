@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher.latency import DispatchLatencyTracker
+from dispatcher.latency.tracker import DispatchLatencyTracker
 
 
 def tracker_with(*durations: float) -> DispatchLatencyTracker:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from dispatcher.daemon import LatencyView
-from dispatcher.latency import DispatchLatencyTracker
-from dispatcher.latency_window import LatencyWindow, LogBuckets
+from dispatcher.latency.tracker import DispatchLatencyTracker
+from dispatcher.latency.window import LatencyWindow, LogBuckets
+from dispatcher.run.daemon import LatencyView
 
 ALPHA = 0.01
 # Float rounding at a bucket's edge may land a value one bucket over.

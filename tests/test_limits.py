@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dispatcher.limits import JOIN_OFF_LOOP_BYTES, ResponseLimits, read_capped
+from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, ResponseLimits, read_capped
 from tests.helpers import serve
 
 

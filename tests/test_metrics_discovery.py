@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from dispatcher.config import load_settings
 from dispatcher.errors import ConfigError
+from dispatcher.settings.config import load_settings
 from dispatcher.telemetry.discovery import MetricsEndpoint, resolve_listen, sd_file_for
 from dispatcher.telemetry.run_gauges import declare_run_gauges
 from tests.helpers import CliProcess, serve, spawn_cli, wait_until, write_tasks

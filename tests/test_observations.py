@@ -10,8 +10,8 @@ import orjson
 from dispatcher.capture.finalize import attach_agent_trajectory, attach_capture
 from dispatcher.capture.records import parse_record
 from dispatcher.capture.store import capture_path
-from dispatcher.observations import observed_from
-from dispatcher.trajectory_schema import TrajectoryRecord
+from dispatcher.trajectory.observations import observed_from
+from dispatcher.trajectory.schema import TrajectoryRecord
 
 SERVER = {"type": "responses_api_models", "name": "policy_model"}
 

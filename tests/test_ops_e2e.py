@@ -21,7 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.state import OutputPaths
+from dispatcher.files.resume import OutputPaths
 from tests.conftest import SimAgentFactory
 from tests.helpers import (
     CliResult,

@@ -13,10 +13,10 @@ import orjson
 import pytest
 
 from dispatcher.errors import ConfigError
+from dispatcher.files.resume import OutputPaths
 from dispatcher.ops import merge as merge_cmd
 from dispatcher.ops.merge import merge_shards
-from dispatcher.ops.shard import Shard
-from dispatcher.state import OutputPaths
+from dispatcher.settings.shard import Shard
 
 TASKS = 7
 REPEATS = 3

@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 import pytest
 
+from dispatcher.files.resume import OutputPaths
 from dispatcher.ops import report as report_cmd
 from dispatcher.ops.report import build_report, pass_at_k, quantile, render_report
-from dispatcher.state import OutputPaths
 
 T0 = 1_700_000_000.0
 TIMEOUT_S = 10.0

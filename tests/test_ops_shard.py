@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from dispatcher.errors import ConfigError
-from dispatcher.ops.shard import (
+from dispatcher.files.resume import OutputPaths
+from dispatcher.settings.shard import (
     Shard,
     parse_shard,
     resolve_shard,
     shard_from_env,
     shard_of_output,
 )
-from dispatcher.state import OutputPaths
 
 
 @pytest.mark.parametrize(

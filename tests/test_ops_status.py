@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from dispatcher.errors import ConfigError
-from dispatcher.ops import status as status_cmd
+from dispatcher.files.resume import OutputPaths, Tail, tail_state
+from dispatcher.ops import status_command as status_cmd
 from dispatcher.ops.runfiles import lock_status
 from dispatcher.ops.status import collect_status, render_status
-from dispatcher.state import OutputPaths, Tail, tail_state
 
 
 def mat(task: int, rollout: int, agent: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dispatcher.errors import ConfigError
-from dispatcher.ops.walltime import resolve_budget_auto, squeue_end_time
+from dispatcher.settings.walltime import resolve_budget_auto, squeue_end_time
 
 NOW = 1_700_000_000.0
 

@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
+from dispatcher.files.writer import LineIndex
 from dispatcher.serve import results
-from dispatcher.store import LineIndex
 
 
 def job_files(tmp_path: Path, rows: list[dict[str, Any]]) -> results.Source:

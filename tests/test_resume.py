@@ -20,8 +20,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.keys import materialized_key
-from dispatcher.state import rollout_key
+from dispatcher.files.resume import rollout_key
+from dispatcher.tasks.keys import materialized_key
 from tests.helpers import (
     audit_outputs,
     count_lines,

@@ -21,7 +21,7 @@ from dispatcher.sim.model import (
     config_from_args,
 )
 from dispatcher.sim.model_client import DIALECT_PATHS, agent_trajectory, request_body
-from dispatcher.trajectory_schema import TrajectoryRecord
+from dispatcher.trajectory.schema import TrajectoryRecord
 
 DIALECTS = tuple(DIALECT_PATHS)
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from dispatcher.errors import ConfigError
-from dispatcher.tasks import (
+from dispatcher.tasks.materialize import (
     MaterializeResult,
     MaterializeSpec,
     Rollout,

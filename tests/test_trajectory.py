@@ -8,8 +8,8 @@ import pytest
 
 from dispatcher.capture.records import CapturedCall, ToolCallRef
 from dispatcher.capture.tokens import TokenCounts
-from dispatcher.trajectory import build_trajectory, compute_perf, trajectory_task_id
-from dispatcher.trajectory_schema import TrajectoryRecord
+from dispatcher.trajectory.build import build_trajectory, compute_perf, trajectory_task_id
+from dispatcher.trajectory.schema import TrajectoryRecord
 
 DEFAULT_TOKENS = TokenCounts(prompt=100, completion=10, cached=20, total=110)
 GYM_REF = {"type": "responses_api_models", "name": "policy_model"}

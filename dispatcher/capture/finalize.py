@@ -24,9 +24,9 @@ from typing import Any
 from dispatcher.capture.records import CapturedCall, parse_record, token_fields
 from dispatcher.capture.store import capture_path, clear_rollouts, has_claims, incomplete_path
 from dispatcher.capture.tokens import TokenCounts
-from dispatcher.contracts import FAILURE_CLASS
-from dispatcher.observations import observed_from
-from dispatcher.trajectory import build_trajectory, compute_perf, gap, trajectory_task_id
+from dispatcher.files.contracts import FAILURE_CLASS
+from dispatcher.trajectory.build import build_trajectory, compute_perf, gap, trajectory_task_id
+from dispatcher.trajectory.observations import observed_from
 
 JsonObject = dict[str, Any]
 

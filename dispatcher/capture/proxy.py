@@ -37,11 +37,11 @@ from yarl import URL
 
 from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange, encode_record
 from dispatcher.capture.store import BeforeWrite, CaptureStore
+from dispatcher.delivery.limits import ProxyLimits, RecordBudget
 from dispatcher.errors import ConfigError
-from dispatcher.keys import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN, is_valid_rollout_id
-from dispatcher.limits import ProxyLimits, RecordBudget
-from dispatcher.ops.args import positive_int
-from dispatcher.serving import serve_until_signal
+from dispatcher.settings.args import positive_int
+from dispatcher.tasks.keys import MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN, is_valid_rollout_id
+from dispatcher.telemetry.http_app import serve_until_signal
 from dispatcher.urls import redact_url
 
 log = structlog.get_logger(__name__)

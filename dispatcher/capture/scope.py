@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dispatcher.capture.store import capture_path, claims_path, incomplete_path
-from dispatcher.tasks import Rollout
+from dispatcher.tasks.materialize import Rollout
 
 
 def capture_key(capture_dir: Path, rollout: Rollout) -> str:

@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from dispatcher.keys import is_valid_rollout_id
+from dispatcher.tasks.keys import is_valid_rollout_id
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,6 @@ from typing import Any, Self, TypeVar
 import aiohttp
 
 from dispatcher import jsonx
-from dispatcher.backoff import BackoffPolicy
 from dispatcher.client.wire import (
     ClientError,
     JobStatus,
@@ -25,6 +24,7 @@ from dispatcher.client.wire import (
     results_query,
     submit_body,
 )
+from dispatcher.delivery.retry import BackoffPolicy
 from dispatcher.lifecycle import JobState
 
 T = TypeVar("T")

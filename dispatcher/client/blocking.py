@@ -10,7 +10,6 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from dispatcher.backoff import BackoffPolicy
 from dispatcher.client.aio import (
     DEFAULT_BACKOFF,
     DEFAULT_RETRY_DEADLINE_S,
@@ -19,6 +18,7 @@ from dispatcher.client.aio import (
     Results,
 )
 from dispatcher.client.wire import JobStatus
+from dispatcher.delivery.retry import BackoffPolicy
 from dispatcher.lifecycle import JobState
 
 T = TypeVar("T")

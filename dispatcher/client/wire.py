@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from dispatcher import contracts, jsonx
+from dispatcher import jsonx
+from dispatcher.files import contracts
 from dispatcher.lifecycle import JobState
 
 
@@ -23,7 +24,7 @@ class ClientError(Exception):
 
 
 class JobStatus(contracts.JobStatus):
-    """A job's status (``dispatcher.contracts.JobStatus``); a bad one is a ``ClientError``."""
+    """A job's status (``dispatcher.files.contracts.JobStatus``); a bad one is a ``ClientError``."""
 
     @classmethod
     def from_json(cls, body: Any) -> JobStatus:

@@ -11,7 +11,8 @@ import argparse
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``status``, ``report`` and ``merge`` subcommands (each sets ``handler``)."""
-    from dispatcher.ops import merge, report, status
+    from dispatcher.ops import merge, report
+    from dispatcher.ops import status_command as status
 
     for command in (status, report, merge):
         command.add_parser(subparsers)

@@ -12,7 +12,7 @@ set is the concatenation of the shards' ``X.jsonl``, ``X_failures.jsonl`` and
 - missing (exit 75, the merged set is still written with everything
   present): a rollout without a final outcome (success, terminal failure, or
   ``--max-attempts`` failed attempts; the resume contract of
-  ``dispatcher.state``), a shard that has not materialized its inputs, or a
+  ``dispatcher.files.resume``), a shard that has not materialized its inputs, or a
   shard number absent from the inputs. Rerun those shards' commands, which
   resume them, then merge again: merging is repeatable and replaces the
   merged files.
@@ -41,13 +41,13 @@ from typing import IO, Any
 import orjson
 
 from dispatcher.errors import ConfigError, ExitCode
-from dispatcher.keys import key_label, row_key, task_of
-from dispatcher.ops.args import positive_int
+from dispatcher.files.resume import OutputPaths, RunState, iter_lines
 from dispatcher.ops.runfiles import lock_status, read_manifest
-from dispatcher.ops.shard import Shard, shard_of_output
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for
 from dispatcher.ops.table import format_table
-from dispatcher.state import OutputPaths, RunState, iter_lines
+from dispatcher.settings.args import positive_int
+from dispatcher.settings.shard import Shard, shard_of_output
+from dispatcher.tasks.keys import key_label, row_key, task_of
 
 SAMPLE = 20
 

@@ -35,15 +35,15 @@ from typing import Any
 
 import orjson
 
-from dispatcher.contracts import DISPATCH_KEY as DISPATCH
-from dispatcher.keys import row_key, task_of
-from dispatcher.ops import delivery
-from dispatcher.ops.args import positive_float, positive_int
+from dispatcher.files import delivery_history as delivery
+from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
+from dispatcher.files.resume import OutputPaths, RunState, iter_rows
 from dispatcher.ops.runfiles import agent_name, read_manifest, require_run
 from dispatcher.ops.status import Standing, max_attempts_for, standing
 from dispatcher.ops.table import format_table, utc_time
 from dispatcher.outcome import Outcome
-from dispatcher.state import OutputPaths, RunState, iter_rows
+from dispatcher.settings.args import positive_float, positive_int
+from dispatcher.tasks.keys import row_key, task_of
 
 LIMIT_FRACTION = 0.99
 START_GROUPS = 10

@@ -2,7 +2,7 @@
 
 Nothing here writes, repairs or creates a file: ``status`` and ``report`` may
 run beside a live dispatcher or on a copy of a killed run. A torn last line
-(see ``dispatcher.state.repair_torn_tail``) is reported, never fixed.
+(see ``dispatcher.files.resume.repair_torn_tail``) is reported, never fixed.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import orjson
 
-from dispatcher.contracts import RunManifest
 from dispatcher.errors import ConfigError
-from dispatcher.keys import AGENT_REF
-from dispatcher.state import OutputPaths
+from dispatcher.files.contracts import RunManifest
+from dispatcher.files.resume import OutputPaths
+from dispatcher.tasks.keys import AGENT_REF
 
 NO_AGENT = "<none>"
 # Slack for file-system timestamps (coarse or set by a file server's clock)

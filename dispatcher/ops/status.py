@@ -1,7 +1,7 @@
 """``dispatcher status OUTPUT``: where a run stands, read from its files alone.
 
 Every materialized row is one expected rollout (DESIGN A1). Its standing
-follows the resume contract of ``dispatcher.state``: succeeded, failed for
+follows the resume contract of ``dispatcher.files.resume``: succeeded, failed for
 good (a terminal failure, or as many failed attempts as ``max_attempts``),
 or left to run: *retryable* (it failed, attempts remain) or *no row* (no
 trace in any file).
@@ -19,20 +19,16 @@ same meaning as the run's own exit code), 2 when OUTPUT names no run.
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from dispatcher.contracts import RunManifest
 from dispatcher.errors import ExitCode
-from dispatcher.keys import row_key
-from dispatcher.ops import delivery
-from dispatcher.ops.args import positive_int
+from dispatcher.files import delivery_history as delivery
+from dispatcher.files.contracts import RunManifest
+from dispatcher.files.resume import OutputPaths, RunState, Tail, iter_rows, tail_state
 from dispatcher.ops.runfiles import (
     LastRun,
     LockStatus,
@@ -43,7 +39,7 @@ from dispatcher.ops.runfiles import (
     require_run,
 )
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
-from dispatcher.state import OutputPaths, RunState, Tail, iter_rows, tail_state
+from dispatcher.tasks.keys import row_key
 
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -405,52 +401,3 @@ def _render_files(status: RunStatus) -> str:
 def _render_anomalies(status: RunStatus) -> str:
     found = [f"{name.replace('_', ' ')}: {n}" for name, n in status.anomalies.items() if n]
     return "\nwarnings\n" + "\n".join(f"  {line}" for line in found) if found else ""
-
-
-# -- CLI ----------------------------------------------------------------------------------
-
-
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "status",
-        help="where a run stands: expected, succeeded, failed, left to run",
-        description=(
-            "Read a run's output files (without changing them) and report expected rollouts, "
-            "successes, failures by class, what resume would run and why, coverage per agent "
-            "and whether a dispatcher holds the run lock. Given a `dispatcher serve` state "
-            "directory, the same for each of its jobs. Exit 0 when every rollout (every job) is "
-            "final, 75 when some are left to run."
-        ),
-    )
-    parser.add_argument(
-        "output",
-        type=Path,
-        metavar="OUTPUT",
-        help="the run's --output X.jsonl, or a `dispatcher serve` --state-dir: its jobs",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--max-attempts",
-        type=positive_int,
-        default=None,
-        help=f"attempt cap of the run (default: the manifest's, else {DEFAULT_MAX_ATTEMPTS})",
-    )
-    parser.set_defaults(handler=run_status)
-
-
-def run_status(args: argparse.Namespace) -> int:
-    from dispatcher.ops import serve_status  # it builds on this module
-
-    if serve_status.is_state_dir(args.output):
-        jobs = serve_status.collect_state_dir(args.output)
-        if args.json:
-            print(orjson.dumps(jobs.to_json(), option=orjson.OPT_INDENT_2).decode())
-        else:
-            print(serve_status.render_state_dir(jobs), end="")
-        return int(jobs.exit_code)
-    status = collect_status(args.output, args.max_attempts)
-    if args.json:
-        print(orjson.dumps(status.to_json(), option=orjson.OPT_INDENT_2).decode())
-    else:
-        print(render_status(status), end="")
-    return int(status.exit_code)

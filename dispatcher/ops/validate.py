@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from dispatcher.config import RunSettings
-from dispatcher.contracts import RunManifest
 from dispatcher.errors import ConfigError, ExitCode
-from dispatcher.keys import AGENT_REF
+from dispatcher.files.contracts import RunManifest
+from dispatcher.files.resume import OutputPaths, RunState, load_run_state
 from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.table import format_table
-from dispatcher.prepare import task_settings
-from dispatcher.state import OutputPaths, RunState, load_run_state
-from dispatcher.tasks import (
+from dispatcher.run.prepare import task_settings
+from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.keys import AGENT_REF
+from dispatcher.tasks.materialize import (
     Materializer,
     MaterializeResult,
     MaterializeSpec,
@@ -185,7 +185,7 @@ async def _probe(session: aiohttp.ClientSession, url: str) -> str | None:
 
 async def validate(args: argparse.Namespace) -> int:
     """The ``validate`` command: print what ``run`` would do; exit 0 or 2."""
-    from dispatcher.cli import budget_seconds, run_settings
+    from dispatcher.settings.flags import budget_seconds, run_settings
 
     settings, shard = run_settings(args)
     report = Report()
@@ -209,7 +209,7 @@ async def validate(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from dispatcher.cli import add_run_arguments
+    from dispatcher.settings.flags import add_run_arguments
 
     parser = subparsers.add_parser(
         "validate",

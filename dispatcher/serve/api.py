@@ -20,8 +20,8 @@ import orjson
 import structlog
 from aiohttp import web
 
+from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
-from dispatcher.serve.service import BadJob, Conflict, Service
 from dispatcher.telemetry.server import Routes, json_response
 
 log = structlog.get_logger("dispatcher.serve")

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import structlog
 
-from dispatcher.config import RunSettings, load_settings
-from dispatcher.daemon import Daemon, PolicyClock
 from dispatcher.errors import ConfigError, ExitCode
-from dispatcher.latency_window import LatencyWindow
+from dispatcher.latency.window import LatencyWindow
+from dispatcher.run.daemon import Daemon, PolicyClock
 from dispatcher.serve import api
+from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import Registry
-from dispatcher.serve.service import Service
-from dispatcher.serving import listen_address
+from dispatcher.settings.config import RunSettings, load_settings
+from dispatcher.telemetry.http_app import listen_address
 from dispatcher.telemetry.logs import configure_logging
 
 log = structlog.get_logger("dispatcher.serve")
@@ -37,7 +37,7 @@ _NOT_SERVE_FLAGS = frozenset(
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from dispatcher.cli import add_run_arguments
+    from dispatcher.settings.flags import add_run_arguments
 
     parser = subparsers.add_parser(
         "serve",
@@ -62,7 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 async def serve_command(args: argparse.Namespace) -> int:
-    from dispatcher.cli import budget_seconds, run_flag_values, tune_gc
+    from dispatcher.aio import tune_gc
+    from dispatcher.settings.flags import budget_seconds, run_flag_values
 
     listen_address(args.listen)  # a bad address is named as --listen
     state_dir = Path(args.state_dir)

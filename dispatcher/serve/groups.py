@@ -21,11 +21,11 @@ from pathlib import Path
 
 import orjson
 
-from dispatcher.keys import line_key, materialized_key, task_of
+from dispatcher.files.resume import RunState, repair_torn_tail
+from dispatcher.files.writer import LineIndex
 from dispatcher.outcome import Outcome
-from dispatcher.state import RunState, repair_torn_tail
-from dispatcher.store import LineIndex
-from dispatcher.tasks import Rollout
+from dispatcher.tasks.keys import line_key, materialized_key, task_of
+from dispatcher.tasks.materialize import Rollout
 
 
 class Groups:

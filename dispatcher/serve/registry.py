@@ -26,8 +26,8 @@ from typing import Any
 import orjson
 
 from dispatcher.errors import ConfigError
+from dispatcher.files.writer import RunLock, write_json_atomic
 from dispatcher.serve.spec import JobSpec
-from dispatcher.store import RunLock, write_json_atomic
 
 # Final for good: a restart leaves these jobs alone.
 SETTLED_STATES = ("done", "cancelled")

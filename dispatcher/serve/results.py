@@ -21,7 +21,7 @@ from pathlib import Path
 
 import orjson
 
-from dispatcher.store import LineIndex
+from dispatcher.files.writer import LineIndex
 
 # Lines read per chunk: big enough to amortize the thread hop, small enough
 # that a stream of multi-megabyte rows holds a bounded amount of memory.

@@ -19,10 +19,10 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dispatcher.config import RunSettings
 from dispatcher.errors import ConfigError
-from dispatcher.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
-from dispatcher.tasks import MaterializeSpec, materialize
+from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
+from dispatcher.tasks.materialize import MaterializeSpec, materialize
 
 
 class BadJob(Exception):

@@ -30,10 +30,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from dispatcher.contracts import NO_PERSIST
-from dispatcher.keys import ATTEMPT_INDEX, TASK_INDEX, rollout_id_for
-from dispatcher.serving import serve_until_signal
+from dispatcher.files.contracts import NO_PERSIST
 from dispatcher.sim.model_client import agent_trajectory, call_model
+from dispatcher.tasks.keys import ATTEMPT_INDEX, TASK_INDEX, rollout_id_for
+from dispatcher.telemetry.http_app import serve_until_signal
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    from dispatcher.cli import tune_gc
+    from dispatcher.aio import tune_gc
 
     # Thousands of requests held open (latency) are thousands of live objects:
     # the default GC thresholds would pause the simulated agent for 100+ ms.

@@ -30,8 +30,8 @@ import orjson
 from aiohttp import web
 
 from dispatcher.errors import ConfigError
-from dispatcher.serving import serve_until_signal
 from dispatcher.sim.model_client import DIALECT_PATHS, ModelCallError, call_model
+from dispatcher.telemetry.http_app import serve_until_signal
 
 __all__ = [
     "ModelCallError",

@@ -18,10 +18,10 @@ import pytest
 from dispatcher.capture.proxy import build_proxy_app
 from dispatcher.capture.records import CapturedCall, ToolCallRef, parse_record
 from dispatcher.capture.tokens import TokenCounts
-from dispatcher.observations import observed_from
 from dispatcher.sim.model import SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import DIALECT_PATHS, agent_trajectory, request_body
-from dispatcher.trajectory import build_trajectory
+from dispatcher.trajectory.build import build_trajectory
+from dispatcher.trajectory.observations import observed_from
 from tests.helpers import serve
 
 _TRAJECTORIES = """

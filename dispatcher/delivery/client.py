@@ -1,0 +1,595 @@
+"""HTTP client to agent servers (DESIGN A3, A5, A11): delivery, replicas, failure classes.
+
+An attempt is one rollout's ``POST {replica}/run`` until an agent answers.
+An answer is *delivered*; no answer, or 429/502/503/504, is *not delivered*
+(the rollout most likely never ran) and is retried here, within the run, on
+another healthy replica where there is one, with full-jitter backoff that
+honours ``Retry-After``, until the delivery deadline. Not-delivered tries
+spend nothing; only a rollout whose deadline ran out becomes a failure,
+marked ``_ng_failure_not_delivered`` so resume does not count it.
+
+Whatever happens becomes an ``Attempt`` value; nothing here raises for an
+agent's misbehaviour. The dispatcher's own faults (EMFILE, MemoryError, ...)
+raise ``LocalFault`` instead: they are not the agent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+
+from dispatcher import jsonx
+from dispatcher.aio import Wakeup
+from dispatcher.delivery.adaptive import AimdController, AimdPolicy, StartRateLimiter
+from dispatcher.delivery.faults import LocalFault, as_local_fault
+from dispatcher.delivery.limits import BodyLimitError, ResponseLimits, read_capped
+from dispatcher.delivery.replicas import BreakerPolicy, Replica, ReplicaSet
+from dispatcher.delivery.retry import BackoffPolicy, parse_retry_after
+from dispatcher.files.contracts import (
+    FAILURE_CLASS,
+    FAILURE_HTTP_STATUS,
+    FAILURE_MESSAGE,
+    FAILURE_RESPONSE_BODY,
+    FAILURE_TERMINAL,
+    FAILURE_TYPE,
+    NO_PERSIST,
+    NOT_DELIVERED,
+    FailureKeys,
+    is_terminal,
+)
+from dispatcher.outcome import Outcome
+
+# Statuses after which the rollout most likely never ran (A5).
+REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
+RATE_LIMITED = "http_429"
+BODY_EXCERPT_BYTES = 8000
+BODY_EXCERPT_CHARS = 2000
+# No timeout configured: skip building a timeout scope for every call.
+_NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why an attempt failed, as the failure row's ``_ng_failure_*`` keys."""
+
+    failure_class: str
+    type: str
+    message: str
+    http_status: int | None = None
+    response_body: str | None = None
+    terminal: bool = False
+    # A11: the delivery deadline ran out; resume does not count it as an attempt.
+    not_delivered: bool = False
+
+    def as_row_keys(self) -> FailureKeys:
+        keys: FailureKeys = {
+            FAILURE_CLASS: self.failure_class,
+            FAILURE_TYPE: self.type,
+            FAILURE_MESSAGE: self.message,
+            FAILURE_HTTP_STATUS: self.http_status,
+            FAILURE_RESPONSE_BODY: self.response_body,
+            FAILURE_TERMINAL: self.terminal,
+        }
+        if self.not_delivered:
+            keys[NOT_DELIVERED] = True
+        return keys
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What one rollout's delivery to an agent came to."""
+
+    outcome: Outcome
+    replica: str
+    started_at: float
+    duration_s: float
+    result: dict[str, Any] | None = None
+    failure: Failure | None = None
+    retries: int = 0
+    # Size of the answer's body: what its row will cost in the commit queue.
+    body_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NotDelivered:
+    """One try that reached no agent: why, and what the replica asked for."""
+
+    reason: str
+    failure: Failure
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class DeliveryPolicy:
+    """Deadlines and retry rules of one run's agent calls (settings, in seconds)."""
+
+    deadline_s: float = 600.0
+    rollout_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = None
+    limits: ResponseLimits = field(default_factory=ResponseLimits)
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+    # Load (``concurrency.py``): hard caps and the adaptive controllers' rules.
+    replica_cap: int | None = None
+    max_starts_per_s: float | None = None
+    aimd: AimdPolicy | None = None
+    # How answers are classed; None: on the loop (``classify_on_loop``).
+    classify: Classifier | None = None
+
+
+class DeliveryObserver(Protocol):
+    """Told about retries and replica health (``load.AgentLoad`` makes metrics and logs of them)."""
+
+    def retrying(
+        self, replica: Replica, rollout_id: str, reason: str, delay_s: float, retry: int
+    ) -> None: ...
+
+    def replica_changed(self, replica: Replica, opened: bool) -> None: ...
+
+
+Try = tuple[Attempt | None, NotDelivered | None]
+
+
+class AgentClient:
+    """Delivers rollouts to agents, routing each to the healthiest least-loaded replica."""
+
+    def __init__(
+        self,
+        agents: dict[str, list[str]],
+        session: aiohttp.ClientSession,
+        policy: DeliveryPolicy,
+        observer: DeliveryObserver,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._session = session
+        self._policy = policy
+        self._observer = observer
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.replica_sets = {
+            name: ReplicaSet(
+                name,
+                urls,
+                policy.breaker,
+                clock,
+                cap=policy.replica_cap,
+                controller=self._controller_factory(),
+            )
+            for name, urls in agents.items()
+        }
+        # Fired when a breaker closes, so rollouts waiting for a replica go at
+        # once; and when a try ends or a limit changes, for those waiting for room.
+        self._recovered = {name: Wakeup() for name in agents}
+        self._room = {name: Wakeup() for name in agents}
+        self._starts = (
+            StartRateLimiter(policy.max_starts_per_s, clock)
+            if policy.max_starts_per_s is not None
+            else None
+        )
+
+    def _controller_factory(self) -> Callable[[], AimdController] | None:
+        aimd = self._policy.aimd
+        if aimd is None:
+            return None
+        timeout_s = self._policy.rollout_timeout_s
+        return lambda: AimdController(aimd, self._clock, timeout_s)
+
+    def tick_controllers(self) -> list[str]:
+        """Let each replica's controller apply its rules; the agents whose limit changed."""
+        changed = []
+        for name, replicas in self.replica_sets.items():
+            ticked = [r.controller.tick() for r in replicas.replicas if r.controller is not None]
+            if any(ticked):
+                changed.append(name)
+                self._room[name].fire()
+        return changed
+
+    def in_flight(self) -> dict[str, dict[str, int]]:
+        return {
+            name: {r.url: r.in_flight for r in rs.replicas}
+            for name, rs in self.replica_sets.items()
+        }
+
+    def replicas_view(self) -> dict[str, dict[str, dict[str, object]]]:
+        return {
+            name: {r.url: r.view() for r in rs.replicas} for name, rs in self.replica_sets.items()
+        }
+
+    def down_for_s(self, agent: str) -> float | None:
+        return self.replica_sets[agent].down_for_s()
+
+    async def run(self, agent: str, body: dict[str, Any], rollout_id: str) -> Attempt:
+        """Deliver one rollout; retries not-delivered tries until the delivery deadline."""
+        replicas = self.replica_sets[agent]
+        deadline = _Deadline(self._clock() + self._policy.deadline_s)
+        last: Replica | None = None
+        retry = 0
+        while True:
+            replica = await self._ready_replica(replicas, last, deadline)
+            if replica is None:
+                return self._deadline_attempt(replicas, last, retry)
+            attempt, missed = await self._try(replica, body)
+            if attempt is not None:
+                return _with_retries(attempt, retry)
+            assert missed is not None
+            delay_s = self._retry_delay(replicas, replica, retry, missed)
+            # A retry that would start past the deadline is not made.
+            if self._clock() + delay_s >= deadline.at:
+                return self._deadline_attempt(replicas, replica, retry, missed)
+            self._observer.retrying(replica, rollout_id, missed.reason, delay_s, retry)
+            if missed.retry_after_s is not None:
+                await asyncio.sleep(delay_s)  # the agent said when: not a moment earlier
+            else:
+                await self._sleep(agent, delay_s)
+            last, retry = replica, retry + 1
+
+    async def _ready_replica(
+        self, replicas: ReplicaSet, last: Replica | None, deadline: _Deadline
+    ) -> Replica | None:
+        """The replica to send to now, after any wait for one; None past the deadline."""
+        while True:
+            replica = replicas.pick(avoid=last)
+            if replica is None:
+                if replicas.at_cap():
+                    # Waiting for room under a cap is not time spent delivering.
+                    deadline.at += await self._wait_for_room(replicas.agent)
+                elif not await self._wait_for_replica(replicas.agent, deadline.at):
+                    return None
+                continue
+            if await self._paced(replica, deadline):
+                return replica
+
+    async def _paced(self, replica: Replica, deadline: _Deadline) -> bool:
+        """Keep to ``--max-starts-per-s``; False when the replica is no longer free after."""
+        if self._starts is None:
+            return True
+        paced_s = await self._starts.acquire()
+        if paced_s <= 0:
+            return True
+        deadline.at += paced_s
+        # Others may have filled it, or taken its probe, meanwhile.
+        return replica.breaker.admits() and replica.has_room()
+
+    def _retry_delay(
+        self, replicas: ReplicaSet, failed: Replica, retry: int, missed: NotDelivered
+    ) -> float:
+        # Another replica that admits a request now takes the retry at once:
+        # a dead replica must not slow the rollouts it bounced.
+        other = replicas.pick(avoid=failed)
+        if other is not None and other is not failed:
+            return 0.0
+        return self._policy.backoff.delay_s(retry, self._rng, missed.retry_after_s)
+
+    async def _wait_for_replica(self, agent: str, deadline: float) -> bool:
+        """Wait until a breaker may admit a probe or one closes; False past the deadline."""
+        left_s = deadline - self._clock()
+        if left_s <= 0:
+            return False
+        wait_s = self.replica_sets[agent].next_admission_in_s()
+        if wait_s <= 0:
+            # A probe is out: its answer closes the breaker (and wakes us), or
+            # reopens it; look again after the breaker's shortest backoff.
+            wait_s = self._policy.breaker.open_s
+        await self._sleep(agent, min(left_s, wait_s))
+        return True
+
+    async def _wait_for_room(self, agent: str) -> float:
+        """Wait until a try of this agent ends (or a limit changes); the seconds waited."""
+        started = self._clock()
+        await self._room[agent].wait(self._policy.breaker.open_s)
+        return self._clock() - started
+
+    async def _sleep(self, agent: str, delay_s: float) -> None:
+        if delay_s > 0:
+            await self._recovered[agent].wait(delay_s)
+
+    async def _try(self, replica: Replica, body: dict[str, Any]) -> Try:
+        breaker = replica.breaker
+        replica.stats.probes += breaker.on_send()
+        replica.in_flight += 1
+        replica.stats.sent += 1
+        if replica.controller is not None:
+            replica.controller.on_in_flight(replica.in_flight)
+        started_at, t0 = time.time(), time.perf_counter()
+        try:
+            status, raw, missed, failure = await self._post(replica, body)
+        except BaseException:
+            breaker.on_abandoned()
+            raise
+        finally:
+            replica.in_flight -= 1
+            self._room[replica.agent].fire()
+        if missed is not None:
+            self._not_delivered(replica, missed)
+            return None, missed
+        self._delivered(replica)
+        duration_s = time.perf_counter() - t0
+        if failure is not None:
+            outcome = Outcome(failure.failure_class)
+            attempt = Attempt(outcome, replica.url, started_at, duration_s, None, failure)
+        else:
+            classify = self._policy.classify or classify_on_loop
+            outcome, result, failure = await classify(status, raw)
+            attempt = Attempt(
+                outcome, replica.url, started_at, duration_s, result, failure, body_bytes=len(raw)
+            )
+        _tell_controller(replica, attempt)
+        return attempt, None
+
+    def _delivered(self, replica: Replica) -> None:
+        replica.stats.delivered += 1
+        if replica.breaker.on_delivered():
+            self._observer.replica_changed(replica, opened=False)
+            self._recovered[replica.agent].fire()
+
+    def _not_delivered(self, replica: Replica, missed: NotDelivered) -> None:
+        replica.stats.not_delivered += 1
+        if replica.controller is not None and _is_congestion(missed):
+            replica.controller.on_congestion()
+        if missed.reason == RATE_LIMITED:
+            # A 429 comes from a live replica asking for time: its Retry-After
+            # (or the backoff) paces the retry; ejecting it would starve a
+            # lone replica for the breaker's whole backoff.
+            replica.breaker.on_abandoned()
+            return
+        if replica.breaker.on_not_delivered():
+            replica.stats.opened += 1
+            self._observer.replica_changed(replica, opened=True)
+
+    async def _post(
+        self, replica: Replica, body: dict[str, Any]
+    ) -> tuple[int, bytes, NotDelivered | None, Failure | None]:
+        """One HTTP exchange: (status, body, not delivered, failure of a delivered one)."""
+        policy = self._policy
+        rollout_scope = _timeout(policy.rollout_timeout_s)
+        try:
+            async with rollout_scope:
+                resp = await self._send(replica, body)
+                try:
+                    raw, failure = await _read_body(resp, policy.limits)
+                finally:
+                    resp.release()
+        except _NotDeliveredError as exc:
+            return 0, b"", exc.missed, None
+        except TimeoutError as exc:
+            message = f"no answer from {replica.url} within {policy.rollout_timeout_s} s"
+            return 0, b"", None, _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
+        except (aiohttp.ClientError, OSError) as exc:
+            _raise_if_local(exc)
+            message = f"reading the answer of {replica.url} failed: {exc}"
+            return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
+        if resp.status in REQUEST_FAILED_STATUSES:
+            return resp.status, raw, _refused(replica, resp, raw), None
+        return resp.status, raw, None, failure
+
+    async def _send(self, replica: Replica, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST and wait for the status line; every way of getting none is not delivered."""
+        first_byte_s = self._policy.first_byte_timeout_s
+        try:
+            async with _timeout(first_byte_s):
+                return await self._session.post(
+                    replica.run_url,
+                    data=jsonx.dumps(body),
+                    headers={"Content-Type": "application/json"},
+                    # A redirect would re-send the task to a host nobody configured.
+                    allow_redirects=False,
+                )
+        # aiohttp's connect timeout is also a TimeoutError: test it first.
+        except aiohttp.ServerTimeoutError as exc:
+            raise _NotDeliveredError(_no_answer(replica, "connect_timeout", exc)) from exc
+        # The rollout timeout expiring meanwhile arrives as a CancelledError
+        # (not caught here) and becomes a TimeoutError in ``_post``.
+        except TimeoutError as exc:
+            missed = _no_answer(replica, "first_byte_timeout", exc, f"after {first_byte_s} s")
+            raise _NotDeliveredError(missed) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            _raise_if_local(exc)
+            raise _NotDeliveredError(_no_answer(replica, "no_answer", exc)) from exc
+
+    def _deadline_attempt(
+        self,
+        replicas: ReplicaSet,
+        replica: Replica | None,
+        retry: int,
+        missed: NotDelivered | None = None,
+    ) -> Attempt:
+        deadline_s = self._policy.deadline_s
+        why = f" (last: {missed.failure.message})" if missed is not None else ""
+        failure = Failure(
+            Outcome.AGENT_REQUEST_FAILED.value,
+            "DeliveryDeadlineExceeded",
+            f"not delivered to agent {replicas.agent!r} within {deadline_s} s; "
+            f"replicas: {', '.join(replicas.urls())}{why}",
+            http_status=missed.failure.http_status if missed else None,
+            response_body=missed.failure.response_body if missed else None,
+            not_delivered=True,
+        )
+        url = replica.url if replica is not None else replicas.urls()[0]
+        return Attempt(
+            Outcome.AGENT_REQUEST_FAILED, url, time.time(), 0.0, None, failure, retries=retry
+        )
+
+
+@dataclass
+class _Deadline:
+    """A rollout's delivery deadline; waits for room or pacing push it back."""
+
+    at: float
+
+
+def _is_congestion(missed: NotDelivered) -> bool:
+    """An agent past its capacity says so with 429, or 503 with a Retry-After."""
+    return missed.reason == RATE_LIMITED or (
+        missed.reason == "http_503" and missed.retry_after_s is not None
+    )
+
+
+# Answers whose latency is the agent's work; an instant error says nothing about load.
+_TIMED_OUTCOMES = frozenset({Outcome.SUCCESS, Outcome.AGENT_REPORTED_FAILURE})
+
+
+def _tell_controller(replica: Replica, attempt: Attempt) -> None:
+    controller = replica.controller
+    if controller is None:
+        return
+    if attempt.outcome in _TIMED_OUTCOMES:
+        controller.on_answer(attempt.duration_s)
+    elif attempt.outcome is Outcome.TIMEOUT_EXCEEDED:
+        controller.on_congestion()
+
+
+class _NotDeliveredError(Exception):
+    def __init__(self, missed: NotDelivered) -> None:
+        super().__init__(missed.reason)
+        self.missed = missed
+
+
+def _timeout(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
+    return _NO_TIMEOUT if seconds is None else asyncio.timeout(seconds)
+
+
+def _raise_if_local(exc: BaseException) -> None:
+    fault = as_local_fault(exc)
+    if fault is not None:
+        raise fault from exc
+
+
+def _no_answer(
+    replica: Replica, reason: str, exc: BaseException, detail: str | None = None
+) -> NotDelivered:
+    message = f"no answer from {replica.url}: {detail or exc or type(exc).__name__}"
+    return NotDelivered(reason, _failure(Outcome.AGENT_REQUEST_FAILED, exc, message))
+
+
+def _refused(replica: Replica, resp: aiohttp.ClientResponse, raw: bytes) -> NotDelivered:
+    failure = Failure(
+        Outcome.AGENT_REQUEST_FAILED.value,
+        "ClientResponseError",
+        f"agent answered HTTP {resp.status}",
+        http_status=resp.status,
+        response_body=body_excerpt(raw),
+    )
+    retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time())
+    return NotDelivered(f"http_{resp.status}", failure, retry_after)
+
+
+def _with_retries(attempt: Attempt, retries: int) -> Attempt:
+    if retries == 0:
+        return attempt
+    return replace(attempt, retries=retries)
+
+
+def _failure(outcome: Outcome, exc: BaseException, message: str) -> Failure:
+    return Failure(outcome.value, type(exc).__name__, message)
+
+
+async def _read_body(
+    resp: aiohttp.ClientResponse, limits: ResponseLimits
+) -> tuple[bytes, Failure | None]:
+    """The answer's body within the limits; a 2xx that breaks one is an ``agent_run_error``.
+
+    An error status keeps its own class, judged on the part of the body read.
+    """
+    try:
+        return await read_capped(resp, limits), None
+    except BodyLimitError as exc:
+        if not 200 <= resp.status < 300:
+            return exc.partial, None
+        failure = Failure(
+            Outcome.AGENT_RUN_ERROR.value,
+            exc.kind,
+            str(exc),
+            http_status=resp.status,
+            response_body=body_excerpt(exc.partial),
+        )
+        return exc.partial, failure
+
+
+Classified = tuple[Outcome, dict[str, Any] | None, Failure | None]
+_REDIRECT_NOTE = " (redirects are not followed)"
+
+
+Classifier = Callable[[int, bytes], Awaitable[Classified]]
+
+
+async def classify_on_loop(status: int, raw: bytes) -> Classified:
+    """``classify_response`` in place; running out of memory there is our fault (A11)."""
+    try:
+        return classify_response(status, raw)
+    except MemoryError as exc:
+        raise LocalFault("MemoryError", "out of memory reading an answer") from exc
+
+
+def classify_response(status: int, raw: bytes) -> Classified:
+    """Class an HTTP answer (A3, A5): a result, an agent-reported failure, or ours."""
+    if not 200 <= status < 300:
+        failure_class = (
+            Outcome.AGENT_REQUEST_FAILED
+            if status in REQUEST_FAILED_STATUSES
+            else Outcome.AGENT_RUN_ERROR
+        )
+        failure = Failure(
+            failure_class.value,
+            "ClientResponseError",
+            f"agent answered HTTP {status}{_REDIRECT_NOTE if 300 <= status < 400 else ''}",
+            http_status=status,
+            response_body=body_excerpt(raw),
+        )
+        return failure_class, None, failure
+    try:
+        result = jsonx.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return _protocol_violation(status, raw, type(exc).__name__, f"body is not JSON: {exc}")
+    return classify_object(status, raw, result)
+
+
+def classify_object(status: int, raw: bytes, result: Any) -> Classified:
+    """Class a 2xx answer's parsed body (``raw`` only for a failure's excerpt)."""
+    if not isinstance(result, dict):
+        kind = type(result).__name__
+        return _protocol_violation(
+            status, raw, "TypeError", f"body is a JSON {kind}, not an object"
+        )
+    if result.get(NO_PERSIST) is True:
+        return Outcome.KILL_SHAPED, result, None
+    # A null class is no failure: agents built on pydantic models send the key
+    # on every result, and NeMo Gym's collector routes those rows as successes.
+    if result.get(FAILURE_CLASS) is not None:
+        return Outcome.AGENT_REPORTED_FAILURE, result, None
+    return Outcome.SUCCESS, result, None
+
+
+def _protocol_violation(
+    status: int, raw: bytes, type_name: str, message: str
+) -> tuple[Outcome, None, Failure]:
+    failure = Failure(
+        Outcome.PROTOCOL_VIOLATION.value,
+        type_name,
+        message,
+        http_status=status,
+        response_body=body_excerpt(raw),
+        terminal=True,
+    )
+    return Outcome.PROTOCOL_VIOLATION, None, failure
+
+
+def body_excerpt(raw: bytes) -> str:
+    """At most 2000 characters decoded from at most the first 8000 bytes, ``…`` if longer."""
+    text = raw[:BODY_EXCERPT_BYTES].decode("utf-8", errors="replace")
+    if len(raw) > BODY_EXCERPT_BYTES or len(text) > BODY_EXCERPT_CHARS:
+        return text[:BODY_EXCERPT_CHARS] + "…"
+    return text
+
+
+def agent_reported_terminal(result: dict[str, Any]) -> bool:
+    return is_terminal(result)

@@ -1,0 +1,271 @@
+"""What the output files say about a run: the resume contract, in one place.
+
+A rollout is done iff its row is in ``X.jsonl``. The failures sidecar says how
+many attempts each unfinished (task, rollout) has spent. Nothing else is
+state: no database, no checkpoint, so a kill -9 at any instant leaves files
+this module can read back (a torn last line is repaired first, see
+``repair_torn_tail``).
+
+A (task, rollout) is *final* when it has a success, a terminal failure, or
+``max_attempts`` counted failures. Otherwise it runs again with
+``_ng_attempt_index`` = its number of earlier failed attempts. Drained,
+cancelled and kill-shaped rollouts wrote no row anywhere, so they run again
+without spending an attempt; a rollout that never reached an agent before its
+delivery deadline wrote a row marked ``_ng_failure_not_delivered``, which is
+listed but spends no attempt either (DESIGN A11).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from dispatcher.files.contracts import FAILURE_CLASS, is_not_delivered, is_terminal
+from dispatcher.tasks.keys import line_key, row_key
+from dispatcher.tasks.keys import rollout_key as rollout_key  # tests import it here
+
+_READ_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class OutputPaths:
+    """The file set of one run, named after its ``--output X.jsonl`` (DESIGN A4)."""
+
+    output: Path
+    failures: Path
+    materialized: Path
+    manifest: Path
+    lock: Path
+
+    @classmethod
+    def for_output(cls, output: Path) -> OutputPaths:
+        stem = output.with_suffix("")
+        return cls(
+            output=output,
+            failures=Path(f"{stem}_failures.jsonl"),
+            materialized=Path(f"{stem}_materialized_inputs.jsonl"),
+            manifest=Path(f"{stem}_manifest.json"),
+            lock=Path(f"{stem}_run.lock"),
+        )
+
+    def all(self) -> tuple[Path, ...]:
+        return (self.output, self.failures, self.materialized, self.manifest, self.lock)
+
+
+class Tail(StrEnum):
+    """How a JSONL file ends."""
+
+    ABSENT = "absent"
+    OK = "ok"
+    UNTERMINATED = "unterminated"  # a whole row without its newline: resume keeps it
+    TORN = "torn"  # an unparseable last line: resume drops it
+
+
+class TailRepair(StrEnum):
+    NONE = "none"
+    TERMINATED = "terminated"
+    DROPPED = "dropped"
+
+
+def _inspect_tail(f: BinaryIO) -> tuple[Tail, int]:
+    """How the open file ends, and where its last line starts."""
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+        return Tail.OK, 0
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+        return Tail.OK, size
+    start = _last_line_start(f, size)
+    f.seek(start)
+    return (Tail.UNTERMINATED if _parses_as_object(f.read()) else Tail.TORN), start
+
+
+def tail_state(path: Path) -> Tail:
+    """How ``path`` ends, read-only (``dispatcher status``)."""
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return Tail.ABSENT
+    with f:
+        return _inspect_tail(f)[0]
+
+
+def repair_torn_tail(path: Path) -> TailRepair:
+    """Make ``path`` end on a whole line before anything is appended to it.
+
+    A hard kill can cut the last row. A tail that parses is a complete row
+    missing only its newline, so it is terminated; one that does not parse is
+    dropped (it was never acknowledged).
+    """
+    try:
+        f = path.open("rb+")
+    except FileNotFoundError:
+        return TailRepair.NONE
+    with f:
+        tail, start = _inspect_tail(f)
+        if tail is Tail.OK:
+            return TailRepair.NONE
+        if tail is Tail.UNTERMINATED:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+            repair = TailRepair.TERMINATED
+        else:
+            f.truncate(start)
+            repair = TailRepair.DROPPED
+        f.flush()
+        os.fsync(f.fileno())
+    return repair
+
+
+def _last_line_start(f: BinaryIO, size: int) -> int:
+    """Offset just after the last newline before the final byte (0 if none)."""
+    pos = size - 1
+    while pos > 0:
+        step = min(_READ_CHUNK, pos)
+        f.seek(pos - step)
+        chunk = f.read(step)
+        idx = chunk.rfind(b"\n")
+        if idx >= 0:
+            return pos - step + idx + 1
+        pos -= step
+    return 0
+
+
+def _parses_as_object(data: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(data), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _nonblank_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(line_no, raw)`` per non-blank line, streaming; nothing for a missing file."""
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                yield line_no, line
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
+    """Yield ``(line_no, raw, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
+    for line_no, line in _nonblank_lines(path):
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            yield line_no, line, None
+            continue
+        yield line_no, line, row if isinstance(row, dict) else None
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """Yield ``(line_no, row)`` for each non-blank line; ``row`` is None when unparseable."""
+    for line_no, _, row in iter_lines(path):
+        yield line_no, row
+
+
+def iter_line_keys(path: Path) -> Iterator[int | None]:
+    """``row_key`` of each non-blank line, None when unreadable; only the two
+    indices are decoded, so a row of megabytes costs one scan, not its objects."""
+    for _, line in _nonblank_lines(path):
+        yield line_key(line)
+
+
+def spends_attempt(failure_row: dict[str, Any]) -> bool:
+    """Whether a failure row counts toward ``max_attempts``: a not-delivered one
+    never does, on any attempt (DESIGN A11)."""
+    return not is_not_delivered(failure_row)
+
+
+def is_final(*, succeeded: bool, terminal: bool, counted_failures: int, max_attempts: int) -> bool:
+    """The one finality rule (DESIGN A5, A11), for the live run, resume, ``status``,
+    ``report``, ``merge`` and service mode alike: a (task, rollout) is final when it
+    has a success, a terminal failure, or ``max_attempts`` counted failures."""
+    return succeeded or terminal or counted_failures >= max_attempts
+
+
+def final_after_failure(
+    failure_row: dict[str, Any], earlier_failures: int, max_attempts: int
+) -> bool:
+    """Whether a rollout whose ``earlier_failures`` counted attempts came before is
+    final once ``failure_row`` is written (the live run's view of the same rule)."""
+    counted = spends_attempt(failure_row)
+    return is_final(
+        succeeded=False,
+        terminal=counted and is_terminal(failure_row),
+        counted_failures=earlier_failures + counted,
+        max_attempts=max_attempts,
+    )
+
+
+@dataclass
+class RunState:
+    """Successes and failed attempts found in a run's output files."""
+
+    max_attempts: int
+    successes: set[int] = field(default_factory=set)
+    failed_attempts: Counter[int] = field(default_factory=Counter)
+    terminal: set[int] = field(default_factory=set)
+    failure_classes: Counter[str] = field(default_factory=Counter)
+    unreadable_rows: int = 0
+    not_delivered: int = 0
+
+    def is_final(self, key: int) -> bool:
+        return is_final(
+            succeeded=key in self.successes,
+            terminal=key in self.terminal,
+            counted_failures=self.failed_attempts[key],
+            max_attempts=self.max_attempts,
+        )
+
+    def add_failure(self, key: int, row: dict[str, Any]) -> str:
+        """Count one failure row (one spent attempt unless not delivered); returns its class."""
+        failure_class = str(row.get(FAILURE_CLASS))
+        self.failure_classes[failure_class] += 1
+        if not spends_attempt(row):
+            self.not_delivered += 1
+            return failure_class
+        self.failed_attempts[key] += 1
+        if is_terminal(row):
+            self.terminal.add(key)
+        return failure_class
+
+    def attempt_index(self, key: int) -> int:
+        """The next attempt's index: the number of earlier failed attempts."""
+        return self.failed_attempts.get(key, 0)
+
+    @property
+    def exhausted(self) -> int:
+        """Rollouts final only because their failures reached the attempt cap."""
+        return sum(
+            1
+            for key in self.failed_attempts
+            if self.is_final(key) and key not in self.successes and key not in self.terminal
+        )
+
+
+def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
+    """Read successes and failures back (blocking: call it in a thread)."""
+    state = RunState(max_attempts=max_attempts)
+    for key in iter_line_keys(paths.output):
+        if key is None:
+            state.unreadable_rows += 1
+            continue
+        state.successes.add(key)
+    for _, row in iter_rows(paths.failures):
+        key = row_key(row)
+        if row is None or key is None:
+            state.unreadable_rows += 1
+            continue
+        state.add_failure(key, row)
+    return state

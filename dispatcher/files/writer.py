@@ -1,0 +1,454 @@
+"""Output files (DESIGN A4): the run lock, the manifest and the durable row writer.
+
+Rows are appended whole by ``write(2)`` on an ``O_APPEND`` descriptor, a batch
+at a time, and the rollout counts as done only once its batch is written (and fsynced, by
+policy). A write that fails truncates the file back to its last good size, so
+what is on disk always parses; the writer then refuses further rows.
+
+Before each batch the writer checks that the file under its name is still the
+one it opened, at the size it left it: a file deleted, replaced or truncated
+under a running dispatcher would otherwise take rows into a deleted inode (a
+run that "succeeds" with its output gone) or leave a torn line in the middle
+of the file for good. That stops the run (exit 1) naming the file.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+from pydantic import ValidationError
+
+from dispatcher import jsonx
+from dispatcher.aio import Wakeup
+from dispatcher.errors import ConfigError, OutputWriteError
+from dispatcher.files.contracts import RunManifest
+from dispatcher.files.resume import OutputPaths
+from dispatcher.settings.config import FsyncPolicy
+
+log = structlog.get_logger(__name__)
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``X_run.lock`` for the whole run; it dies with the process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self.created = False
+
+    def acquire(self) -> None:
+        self.created = not self.path.exists()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot create the run lock: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_pid(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"{self.path}: another dispatcher{holder} is already running on this output"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self, *, remove: bool = False) -> None:
+        if self._fd is None:
+            return
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode().strip()
+    except OSError:
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    """Write, fsync, rename, fsync the directory: readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: Path) -> RunManifest | None:
+    """The manifest a run resumes from (None when absent); a bad one is a ``ConfigError``."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: manifest is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: manifest is not a JSON object")
+    try:
+        return RunManifest.parse(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"][:2])
+        raise ConfigError(
+            f"{path}: manifest key {key!r}: {first['msg']}; rerun with --fresh to start over"
+        ) from None
+
+
+def write_manifest(path: Path, manifest: RunManifest) -> None:
+    write_json_atomic(path, manifest.to_json())
+
+
+def move_aside(paths: OutputPaths) -> Path | None:
+    """``--fresh``: move an earlier run's files into a dated folder; never delete them."""
+    existing = [p for p in paths.all() if p.exists() and p != paths.lock]
+    if not existing:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder = paths.output.with_name(f"{paths.output.stem}_previous_{stamp}")
+    suffix = 1
+    while folder.exists():
+        suffix += 1
+        folder = folder.with_name(f"{paths.output.stem}_previous_{stamp}_{suffix}")
+    folder.mkdir()
+    for path in existing:
+        os.replace(path, folder / path.name)
+    fsync_dir(paths.output.parent)
+    return folder
+
+
+class RowWriter:
+    """Appends JSON rows to one file with group commit.
+
+    ``append`` returns once the row is on disk by the fsync policy:
+    ``always`` fsyncs each batch as soon as the previous one is done,
+    ``batch`` gathers rows for up to ``interval_s`` or ``max_rows`` first,
+    ``never`` writes without fsync. Writes and fsyncs run in a thread.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        policy: FsyncPolicy,
+        *,
+        interval_s: float = 0.05,
+        max_rows: int = 256,
+        on_error: Callable[[OutputWriteError], None] | None = None,
+        index: LineIndex | None = None,
+    ) -> None:
+        self.path = path
+        self._policy = policy
+        self._interval_s = interval_s if policy == "batch" else 0.0
+        self._max_rows = max_rows
+        self._on_error = on_error
+        self.index = index
+        self._fd: int | None = None
+        self._size = 0
+        self._pending: list[tuple[bytes, asyncio.Future[int | None]]] = []
+        self._wakeup = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self._error: OutputWriteError | None = None
+        self._closing = False
+        self.rows_written = 0
+
+    @property
+    def error(self) -> OutputWriteError | None:
+        return self._error
+
+    def open(self) -> None:
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputWriteError(f"{self.path}: cannot open for writing: {exc.strerror}") from exc
+        self._size = os.fstat(self._fd).st_size
+        self._flusher = asyncio.create_task(self._flush_loop(), name=f"writer:{self.path.name}")
+
+    async def append(self, row: Mapping[str, Any]) -> None:
+        """Queue one row and wait until it is durable; raises ``OutputWriteError``."""
+        await self.append_line(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+
+    async def append_line(self, line: bytes) -> int | None:
+        """``append`` for a row already serialized: one JSON object and its newline.
+
+        Returns the row's line number (from 1) when the writer keeps a
+        ``LineIndex``, else None.
+        """
+        if self._error is not None:
+            raise self._error
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((line, future))
+        self._wakeup.set()
+        return await future
+
+    async def close(self) -> None:
+        """Write what is queued, then close."""
+        self._closing = True
+        self._wakeup.set()
+        if self._flusher is not None:
+            await self._flusher
+            self._flusher = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    async def _flush_loop(self) -> None:
+        """Write batches until closed; if it dies, every waiting row fails with it.
+
+        A flusher that died silently would leave each ``append`` waiting for
+        ever: the run would hang instead of failing.
+        """
+        try:
+            await self._flush_batches()
+        except Exception as exc:
+            self._error = OutputWriteError(f"{self.path}: the row writer failed: {exc!r}")
+            log.error("row_writer_failed", path=str(self.path), exc_info=exc)
+            batch = self._take_batch()
+            _settle([f for _, f in batch], self._error, 0)
+            if self._on_error is not None:
+                self._on_error(self._error)
+
+    async def _flush_batches(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            if self._interval_s and not self._closing:
+                await self._gather_window()
+            self._wakeup.clear()
+            batch = self._take_batch()
+            if batch:
+                try:
+                    await asyncio.to_thread(self._commit, batch)
+                except BaseException:
+                    self._pending = batch + self._pending  # failed by _flush_loop
+                    raise
+            if self._closing and not self._pending:
+                return
+
+    async def _gather_window(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self._interval_s
+        while len(self._pending) < self._max_rows and not self._closing:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+
+    def _take_batch(self) -> list[tuple[bytes, asyncio.Future[int | None]]]:
+        batch, self._pending = self._pending, []
+        return batch
+
+    def _commit(self, batch: list[tuple[bytes, asyncio.Future[int | None]]]) -> None:
+        """Write one batch (in a thread) and settle its futures on the loop."""
+        lines = [line for line, _ in batch]
+        error: OutputWriteError | None = None
+        start = self._size
+        try:
+            self._check_unchanged()
+            self._write_all(lines)
+        except _ChangedUnderUs as exc:
+            error = self._refuse(str(exc))
+        except OSError as exc:
+            error = self._fail(exc)
+        loop = batch[0][1].get_loop()
+        loop.call_soon_threadsafe(self._written, batch, start, error)
+        if error is None:
+            self.rows_written += len(batch)
+
+    def _written(
+        self,
+        batch: list[tuple[bytes, asyncio.Future[int | None]]],
+        start: int,
+        error: OutputWriteError | None,
+    ) -> None:
+        """On the loop: index the batch's lines (durable now), then wake their rows."""
+        first_seq = 0
+        if error is None and self.index is not None:
+            first_seq = self.index.add(start, [len(line) for line, _ in batch])
+        _settle([f for _, f in batch], error, first_seq)
+
+    def _check_unchanged(self) -> None:
+        """Raise ``_ChangedUnderUs`` unless our name still leads to our file, at our size."""
+        assert self._fd is not None
+        ours = os.fstat(self._fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            raise _ChangedUnderUs("was deleted while the run was writing it") from None
+        if not os.path.samestat(ours, named):
+            raise _ChangedUnderUs("was replaced by another file while the run was writing it")
+        if ours.st_size < self._size:
+            raise _ChangedUnderUs(
+                f"was truncated while the run was writing it ({ours.st_size} bytes, "
+                f"expected {self._size})"
+            )
+        if ours.st_size > self._size:
+            raise _ChangedUnderUs(
+                f"was written by someone else while the run was writing it "
+                f"({ours.st_size} bytes, expected {self._size})"
+            )
+
+    def _refuse(self, problem: str) -> OutputWriteError:
+        # Not ours to repair: no truncation, and nothing more is appended.
+        self._error = OutputWriteError(f"{self.path} {problem}; the run stops")
+        log.error("output_changed_under_run", path=str(self.path), problem=problem)
+        return self._error
+
+    def _write_all(self, lines: list[bytes]) -> None:
+        assert self._fd is not None
+        size = sum(len(line) for line in lines)
+        for chunk in _chunks(lines):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        if self._policy != "never":
+            os.fsync(self._fd)
+        self._size += size
+
+    def _fail(self, exc: OSError) -> OutputWriteError:
+        # Cut back to the last whole batch so the file still parses.
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+        self._error = OutputWriteError(f"{self.path}: write failed: {exc.strerror or exc}")
+        log.error("output_write_failed", path=str(self.path), error=str(exc))
+        return self._error
+
+
+# Rows smaller than this are joined into one write; a bigger one is written as
+# it is, not copied into a joined batch first. (writev(2) of the batch was
+# measured no cheaper than a write(2) per big row: bench/big_rows.py --write-compare.)
+JOIN_BYTES = 1 << 20
+
+
+def _chunks(lines: list[bytes]) -> Iterator[bytes]:
+    """A batch as few writes, without copying its big rows once more."""
+    small: list[bytes] = []
+    size = 0
+    for line in lines:
+        if len(line) >= JOIN_BYTES:
+            if small:
+                yield b"".join(small)
+                small, size = [], 0
+            yield line
+            continue
+        small.append(line)
+        size += len(line)
+        if size >= JOIN_BYTES:
+            yield b"".join(small)
+            small, size = [], 0
+    if small:
+        yield b"".join(small)
+
+
+class _ChangedUnderUs(Exception):
+    """The output file is not the one the writer opened, or not at its size."""
+
+
+# Rows acknowledged per loop iteration: each wakes a commit that logs and
+# counts its rollout, and a whole batch at once would stall the loop.
+SETTLE_CHUNK = 32
+
+
+def _settle(
+    futures: list[asyncio.Future[int | None]], error: BaseException | None, first_seq: int
+) -> None:
+    """Wake each row's commit with its line number (``first_seq`` on; 0: not indexed)."""
+    for i, future in enumerate(futures[:SETTLE_CHUNK]):
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(first_seq + i if first_seq else None)
+    if len(futures) > SETTLE_CHUNK:
+        rest = futures[SETTLE_CHUNK:]
+        next_seq = first_seq + SETTLE_CHUNK if first_seq else 0
+        asyncio.get_running_loop().call_soon(_settle, rest, error, next_seq)
+
+
+class LineIndex:
+    """Where each line of an output file starts, so rows can be read by line number.
+
+    Service mode's results stream reads a job's rows from its file by their
+    ``_ng_seq`` (line number, from 1). The writer adds each batch once it is
+    durable and fires ``grew``; readers wait on it.
+    """
+
+    def __init__(self) -> None:
+        self.starts = array.array("Q")
+        # When each line added by a writer became durable (monotonic); lines
+        # read back from an earlier hop have none.
+        self.durable_at = array.array("d")
+        self.end = 0
+        self.grew = Wakeup()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def add(self, start: int, lengths: list[int]) -> int:
+        """Index lines of ``lengths`` bytes written from ``start``; the first one's number."""
+        first_seq = len(self.starts) + 1
+        offset = start
+        now = time.monotonic()
+        for length in lengths:
+            self.starts.append(offset)
+            self.durable_at.append(now)
+            offset += length
+        self.end = offset
+        self.grew.fire()
+        return first_seq
+
+    def durable_since(self, seq: int) -> float | None:
+        """Monotonic time line ``seq`` became durable, when this process wrote it."""
+        missing = len(self.starts) - len(self.durable_at)
+        return self.durable_at[seq - 1 - missing] if seq > missing else None
+
+    def span(self, first_seq: int, last_seq: int) -> tuple[int, int]:
+        """Byte offsets ``[start, end)`` of lines ``first_seq``..``last_seq``."""
+        start = self.starts[first_seq - 1]
+        end = self.starts[last_seq] if last_seq < len(self.starts) else self.end
+        return start, end
+
+    @classmethod
+    def scan(cls, path: Path) -> LineIndex:
+        """An index of a file's whole lines (blocking). A torn tail is never indexed."""
+        index = cls()
+        index.load(path)
+        return index
+
+    def load(self, path: Path) -> None:
+        """Index the whole lines a file holds now (blocking; before anything is added)."""
+        offset = 0
+        with contextlib.suppress(FileNotFoundError), path.open("rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                self.starts.append(offset)
+                offset += len(line)
+        self.end = offset

@@ -1,0 +1,144 @@
+"""Turn an attempt into the row written for it (DESIGN A4, A5).
+
+Pure, except for one warning when an agent's result tries to set keys that
+are the dispatcher's own: those are dropped (the dispatcher's values win),
+listed in ``_ng_dispatch.reserved_keys_dropped`` and logged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from dispatcher.delivery.client import Attempt
+from dispatcher.files.contracts import (
+    DISPATCH_KEY,
+    FAILURE_HTTP_STATUS,
+    FAILURE_MESSAGE,
+    FAILURE_RESPONSE_BODY,
+    FAILURE_TERMINAL,
+    FAILURE_TYPE,
+    NOT_DELIVERED,
+)
+from dispatcher.outcome import Outcome
+from dispatcher.tasks.keys import (
+    AGENT_REF,
+    ATTEMPT_INDEX,
+    CAPTURE_ID,
+    ROLLOUT_ID,
+    ROLLOUT_INDEX,
+    TASK_INDEX,
+)
+from dispatcher.tasks.materialize import Rollout
+
+log = structlog.get_logger(__name__)
+
+# What the dispatcher writes into every row it builds from an agent's result:
+# identity, its stamp and the capture attachments. An agent cannot set them.
+# (``ng_trajectory`` is the agent's to send, A7.)
+RESERVED_RESULT_KEYS = frozenset(
+    {
+        TASK_INDEX,
+        ROLLOUT_INDEX,
+        ATTEMPT_INDEX,
+        ROLLOUT_ID,
+        AGENT_REF,
+        CAPTURE_ID,
+        DISPATCH_KEY,
+        "ng_model_call_capture",
+        "ng_perf",
+        # Whether a rollout reached an agent is the dispatcher's verdict (A11);
+        # an agent claiming otherwise would make resume never count its failure.
+        NOT_DELIVERED,
+    }
+)
+# A success is never terminal: ``_ng_failure_terminal`` in one would read as a
+# final failure to anything that scans rows for it.
+RESERVED_SUCCESS_KEYS = RESERVED_RESULT_KEYS | {FAILURE_TERMINAL}
+
+
+def identity_keys(rollout: Rollout) -> dict[str, Any]:
+    keys: dict[str, Any] = {
+        TASK_INDEX: rollout.task_index,
+        ROLLOUT_INDEX: rollout.rollout_index,
+        AGENT_REF: rollout.body[AGENT_REF],
+    }
+    if rollout.attempt_index > 0:
+        keys[ATTEMPT_INDEX] = rollout.attempt_index
+    if ROLLOUT_ID in rollout.body:
+        keys[ROLLOUT_ID] = rollout.body[ROLLOUT_ID]
+    return keys
+
+
+def dispatch_stamp(
+    rollout: Rollout, attempt: Attempt, dropped: list[str] | None = None
+) -> dict[str, Any]:
+    """How the dispatcher saw the attempt; ``dispatcher report`` reads it."""
+    stamp: dict[str, Any] = {
+        "rollout_id": rollout.rollout_id,
+        "replica": attempt.replica,
+        "started_at": round(attempt.started_at, 6),
+        "duration_s": round(attempt.duration_s, 6),
+    }
+    if dropped:
+        stamp["reserved_keys_dropped"] = dropped
+    return stamp
+
+
+def build_row(rollout: Rollout, attempt: Attempt) -> dict[str, Any] | None:
+    """The row to append for this attempt, or None when it writes nothing."""
+    if attempt.outcome is Outcome.SUCCESS:
+        assert attempt.result is not None
+        return _result_row(rollout, attempt, attempt.result, RESERVED_SUCCESS_KEYS)
+    if attempt.outcome is Outcome.AGENT_REPORTED_FAILURE:
+        assert attempt.result is not None
+        return _agent_reported_row(rollout, attempt, attempt.result)
+    if attempt.failure is not None:
+        return {
+            **identity_keys(rollout),
+            **attempt.failure.as_row_keys(),
+            DISPATCH_KEY: dispatch_stamp(rollout, attempt),
+        }
+    return None
+
+
+def _result_row(
+    rollout: Rollout, attempt: Attempt, result: dict[str, Any], reserved: frozenset[str]
+) -> dict[str, Any]:
+    identity = identity_keys(rollout)
+    kept = {k: v for k, v in result.items() if k not in reserved}
+    dropped = _forged_keys(result, reserved, {**identity, CAPTURE_ID: rollout.capture_id})
+    if dropped:
+        log.warning("agent_result_reserved_keys", rollout_id=rollout.rollout_id, keys=dropped)
+    return {**kept, **identity, DISPATCH_KEY: dispatch_stamp(rollout, attempt, dropped)}
+
+
+def _forged_keys(
+    result: dict[str, Any], reserved: frozenset[str], ours: dict[str, Any]
+) -> list[str]:
+    # An echo of the dispatcher's own value (or a null) is no attempt to set it.
+    return sorted(
+        key
+        for key in reserved.intersection(result)
+        if result[key] is not None and result[key] != ours.get(key)
+    )
+
+
+def _agent_reported_row(
+    rollout: Rollout, attempt: Attempt, result: dict[str, Any]
+) -> dict[str, Any]:
+    row = _result_row(rollout, attempt, result, RESERVED_RESULT_KEYS)
+    for key, value in _AGENT_REPORTED_DEFAULTS.items():
+        row.setdefault(key, value)
+    return row
+
+
+# The failure keys an agent may leave out of a failure it reports (A5).
+_AGENT_REPORTED_DEFAULTS: dict[str, Any] = {
+    FAILURE_TYPE: "AgentReportedFailure",
+    FAILURE_MESSAGE: "",
+    FAILURE_HTTP_STATUS: None,
+    FAILURE_RESPONSE_BODY: None,
+    FAILURE_TERMINAL: False,
+}

@@ -1,0 +1,164 @@
+"""Finalizing a rollout's row (DESIGN A6, A7): quiescence, capture merge, trajectory, one line.
+
+``Finalizer.finalize`` turns an attempt into the bytes appended to an output
+file. With a capture directory it waits until the rollout's model-call
+captures are durable (the wait stays on the event loop), merges them into the
+row with token and latency figures, and serializes it; a big merge runs
+whole in the worker thread (``offload.py``). Without one, the agent's own
+trajectory is normalized as NeMo Gym's collector does. A rollout's ``Flight``
+calls it once per answer and writes the line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+from dispatcher.capture.finalize import CaptureSummary, attach_agent_trajectory, attach_capture
+from dispatcher.capture.scope import capture_key
+from dispatcher.capture.store import capture_path, has_claims
+from dispatcher.delivery.client import Attempt
+from dispatcher.files.contracts import FAILURE_TERMINAL, NOT_DELIVERED
+from dispatcher.rows.build import build_row
+from dispatcher.rows.offload import off_loop
+from dispatcher.rows.wire import WireResult, row_line
+from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.materialize import Rollout
+from dispatcher.telemetry.metrics import Metrics
+
+
+class Finalizer:
+    """Builds each attempt's output line; records capture waits and gaps in the metrics."""
+
+    def __init__(self, settings: RunSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+
+    async def finalize(
+        self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None = None
+    ) -> tuple[bytes | None, dict[str, Any] | None, dict[str, Any]]:
+        """The line to append for this attempt (capture attached), what ``Job.record``
+        reads of its row, and the capture's figures. ``extra`` keys are added
+        to the row (the policy versions of service mode).
+
+        A big row is merged and serialized in a worker and then held only as
+        its line: the dict it came from is dropped here.
+        """
+        row = build_row(rollout, attempt)
+        if row is None:
+            return None, None, {}
+        if extra:
+            row.update(extra)
+        big = attempt.body_bytes > self.settings.offload_bytes
+        if self.settings.capture_dir is not None:
+            line, capture = await self._attach_capture(rollout, attempt, row, big)
+        elif big:
+            line, capture = await off_loop(_plain_line, rollout, attempt, row), {}
+        else:
+            line, capture = _plain_line(rollout, attempt, row), {}
+        if isinstance(attempt.result, WireResult):
+            # Its kept values are slices of the agent's body: let the body go,
+            # so only the line waits for the commit (1x, not 2x, its size).
+            attempt.result.clear()
+        return line, row_facts(row), capture
+
+    async def _attach_capture(
+        self, rollout: Rollout, attempt: Attempt, row: dict[str, Any], big: bool
+    ) -> tuple[bytes, dict[str, Any]]:
+        """Attach the captured calls and serialize; a big merge runs in a worker thread.
+
+        The quiescence wait stays here, on the loop: a worker must not sleep
+        through a poll. The merge of many big calls and its serialization go to
+        the worker, whole, with what is left of the wait limit.
+        """
+        capture_dir = self.settings.capture_dir
+        assert capture_dir is not None
+        capture_id = await asyncio.to_thread(capture_key, capture_dir, rollout)
+        waited_s, capture_bytes = await self._wait_quiet(capture_id)
+        merge = functools.partial(
+            attach_capture,
+            row,
+            capture_dir=capture_dir,
+            rollout_id=rollout.rollout_id,
+            capture_id=capture_id,
+            task_id=rollout.task_index,
+            agent_result=_readable(attempt.result),
+            total_latency_ms=attempt.duration_s * 1000.0,
+            poll_s=self.settings.capture_poll_s,
+            limit_s=max(0.0, self.settings.capture_wait_limit_s - waited_s),
+            include_payloads=self.settings.capture_include_payloads,
+        )
+        if big or capture_bytes > self.settings.offload_bytes:
+            line, summary = await off_loop(_merge_in_worker, merge, row)
+        else:
+            summary = await merge()
+            line = row_line(row)
+        wait_s = waited_s + summary.wait_s
+        self.metrics.capture_waited(wait_s, summary.gaps)
+        return line, {"calls": summary.num_calls, "gaps": summary.gaps, "wait_s": wait_s}
+
+    async def _wait_quiet(self, rollout_id: str) -> tuple[float, int]:
+        """Poll until no capture write of the rollout is claimed (or the limit);
+        returns the seconds waited and the size of its capture file."""
+        capture_dir = self.settings.capture_dir
+        assert capture_dir is not None
+        started = time.perf_counter()
+        deadline = started + self.settings.capture_wait_limit_s
+        while True:
+            claimed, size = await asyncio.to_thread(_capture_state, capture_dir, rollout_id)
+            if not claimed or time.perf_counter() >= deadline:
+                return time.perf_counter() - started, size
+            await asyncio.sleep(
+                min(self.settings.capture_poll_s, max(0.0, deadline - time.perf_counter()))
+            )
+
+
+def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``Job.record`` reads of a row, so the row itself need not be kept."""
+    return {key: row[key] for key in _FACT_KEYS if key in row}
+
+
+# What the one finality rule (``state.final_after_failure``) reads of a failure row.
+_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED)
+
+
+def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:
+    """The agent's result as plain values for the capture merge (decoded on demand)."""
+    return result.decoded() if isinstance(result, WireResult) else result
+
+
+def _plain_line(rollout: Rollout, attempt: Attempt, row: dict[str, Any]) -> bytes:
+    """A row without capture: the agent's own trajectory normalized as Gym's collector
+    does (its model calls then read as unobserved), then serialized."""
+    attach_agent_trajectory(
+        row,
+        rollout_id=rollout.rollout_id,
+        task_id=rollout.task_index,
+        agent_result=_readable(attempt.result),
+    )
+    return row_line(row)
+
+
+def _merge_in_worker(
+    merge: Callable[[], Coroutine[Any, Any, CaptureSummary]], row: dict[str, Any]
+) -> tuple[bytes, CaptureSummary]:
+    """Run the capture merge on a loop of this worker thread, then serialize the row."""
+    summary = asyncio.run(merge())
+    return row_line(row), summary
+
+
+def _capture_state(capture_dir: Path, rollout_id: str) -> tuple[bool, int]:
+    """Whether a capture write of the rollout is claimed, and its capture file's size."""
+    try:
+        size = capture_path(capture_dir, rollout_id).stat().st_size
+    except OSError:
+        size = 0
+    try:
+        return has_claims(capture_dir, rollout_id), size
+    except OSError:
+        # attach_capture reads what is there and names the error as a gap.
+        return False, size

@@ -1,0 +1,109 @@
+"""Big JSON off the event loop: a worker process validates, one worker thread joins.
+
+Measured with ``bench/big_rows.py`` (its end-to-end runs with either worker,
+and ``--offload-compare``): a thread that validates a big body holds
+the GIL for each of the parser's C calls, and the loop waits for them; the
+child process (``jsonworker.py``) holds no lock of ours. What crosses to it is
+the body, written to a pipe with the GIL released; what comes back is where
+each top-level value lies. The row is then joined from slices of the body the
+loop already holds, in one worker thread: ``bytes.join`` lets go of the GIL
+while it copies.
+
+One thread and one process: the machine's other core serves the agents'
+sockets and the loop, and one core validates over 500 MB/s, more than the
+agents deliver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+from dispatcher.delivery.client import Classified, classify_object, classify_on_loop
+from dispatcher.delivery.faults import LocalFault, as_local_fault
+from dispatcher.rows.jsonworker import WorkerProcess
+from dispatcher.rows.wire import Split, classify_big, wire_result
+
+WORKERS = 1
+# "process" (the default, see above) or "thread": where a big body is validated.
+WORKER_KINDS = ("process", "thread")
+WORKER_KIND = "process"
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_executor: ThreadPoolExecutor | None = None
+# The thread that feeds the worker process waits on it: not the joining thread.
+_feeder: ThreadPoolExecutor | None = None
+_process = WorkerProcess()
+# The child ends with its input; closing it first spares a warning at exit.
+atexit.register(_process.close)
+
+
+def worker_process() -> WorkerProcess:
+    """The worker process big bodies go to (started by its first call)."""
+    return _process
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="big-json")
+    return _executor
+
+
+def _feeding_pool() -> ThreadPoolExecutor:
+    global _feeder
+    if _feeder is None:
+        _feeder = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="big-json-feed")
+    return _feeder
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run ``fn`` in a worker thread; our own faults there come back as ``LocalFault``.
+
+    Whatever the worker raises is the dispatcher's (the agent's faults are
+    values, not exceptions): A11 puts the rollout back instead of writing a
+    failure row, and a fault that persists ends the run.
+    """
+    return await _run_in(_pool(), functools.partial(fn, *args, **kwargs))
+
+
+async def _run_in(pool: ThreadPoolExecutor, call: Callable[[], T]) -> T:
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, call)
+    except Exception as exc:
+        fault = as_local_fault(exc)
+        raise fault or LocalFault("bug", f"a worker raised {exc!r}") from exc
+
+
+def classify_in_process(status: int, raw: bytes) -> Classified:
+    """``classify_big`` with the validation in the worker process (blocking: a thread calls it)."""
+    answer = _process.split(raw)
+    if isinstance(answer, Split):
+        return classify_object(status, raw, wire_result(raw, answer))
+    return answer
+
+
+class AnswerClassifier:
+    """Classes answers (``agents.classify_response``), a 2xx body over ``offload_bytes``
+    in a worker (``worker``: one of ``WORKER_KINDS``)."""
+
+    def __init__(self, offload_bytes: int, worker: str | None = None) -> None:
+        self.offload_bytes = offload_bytes
+        self.worker = worker or WORKER_KIND
+        if self.worker not in WORKER_KINDS:
+            raise ValueError(f"worker must be one of {WORKER_KINDS}, got {self.worker!r}")
+
+    async def __call__(self, status: int, raw: bytes) -> Classified:
+        # A small body parses faster than a hop to a worker and back; an error
+        # status only reads an excerpt of its body.
+        if len(raw) <= self.offload_bytes or not 200 <= status < 300:
+            return await classify_on_loop(status, raw)
+        if self.worker == "thread":
+            return await off_loop(classify_big, status, raw)
+        return await _run_in(_feeding_pool(), functools.partial(classify_in_process, status, raw))

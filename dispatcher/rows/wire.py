@@ -1,0 +1,216 @@
+"""Big answers kept as the bytes that will be written (DESIGN A3, A4).
+
+A row of megabytes (token ids and logprobs of a long trajectory) costs about
+six times its size as Python objects, and parsing it holds the loop for tens
+of milliseconds. The dispatcher only reads its own keys (``_ng_*``) of an
+answer, so a big answer is split at its top level instead: the whole body is
+validated, the dispatcher's keys are decoded, and every other value stays a
+slice of the agent's body (``msgspec.Raw``, no copy) that is written out
+unchanged.
+
+Content is what a parse and merge would give (``{**result, **ours}``, same
+keys, same order), and numbers keep the agent's exact text: a big int or a
+long float is never rounded through a Python float.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import orjson
+
+from dispatcher import jsonx
+from dispatcher.delivery.client import Classified, classify_object, classify_response
+from dispatcher.rows.build import RESERVED_SUCCESS_KEYS
+from dispatcher.tasks.keys import split_row
+
+# Keys the dispatcher reads or overwrites are decoded (rows.py compares the
+# reserved ones with its own values); everything else is bytes.
+OWN_PREFIX = "_ng_"
+# A surrogate escape is valid to the splitter but a lone one is not to orjson,
+# which reads the output on resume: such bodies take the full parse.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
+_ENCODER = msgspec.json.Encoder()
+
+
+class WireResult(dict[str, Any]):
+    """An agent's result split at its top level.
+
+    Values of the dispatcher's own keys are decoded; the others are
+    ``msgspec.Raw`` slices of the body, which ``row_line`` writes back byte
+    for byte. ``decoded`` gives plain values to a reader that needs them.
+    """
+
+    def decoded(self) -> Mapping[str, Any]:
+        """A read-only view that decodes a kept value only when it is read."""
+        return DecodedView(self)
+
+
+class DecodedView(Mapping[str, Any]):
+    """``WireResult`` as plain JSON values, each decoded when it is read."""
+
+    def __init__(self, result: WireResult) -> None:
+        self._result = result
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._result[key]
+        return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._result)
+
+    def __len__(self) -> int:
+        return len(self._result)
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Where each top-level value of a body lies (``key, start, end``, in order),
+    and the dispatcher's own keys decoded: small, so a worker process can send it back."""
+
+    spans: list[tuple[str, int, int]]
+    own: dict[str, Any]
+
+
+def classify_big(status: int, raw: bytes) -> Classified:
+    """``classify_response`` for a big 2xx body, without parsing its values.
+
+    Runs in a worker. Falls back to the full parse when the body holds
+    something the splitter alone cannot vouch for (see ``split_body``).
+    """
+    if not 200 <= status < 300:
+        return classify_response(status, raw)
+    split = split_body(raw)
+    if split is None:
+        # The full parse names the fault the same way for every body size.
+        return classify_response(status, raw)
+    return classify_object(status, raw, wire_result(raw, split))
+
+
+def split_body(raw: bytes) -> Split | None:
+    """Validate ``raw`` and find its top-level values; None when only the full parse will do."""
+    if not _splittable(raw):
+        return None
+    top = split_row(raw)
+    if top is None:
+        return None
+    spans = _spans(raw, top)
+    if spans is None:
+        return None
+    own = {key: msgspec.json.decode(value) for key, value in top.items() if _is_own(key)}
+    return Split(spans, own)
+
+
+def wire_result(raw: bytes, split: Split) -> WireResult:
+    """The result a split stands for: kept values are slices of ``raw`` (no copy)."""
+    view = memoryview(raw)
+    result = WireResult()
+    for key, start, end in split.spans:
+        result[key] = split.own[key] if key in split.own else msgspec.Raw(view[start:end])
+    return result
+
+
+def _is_own(key: str) -> bool:
+    return key.startswith(OWN_PREFIX) or key in RESERVED_SUCCESS_KEYS
+
+
+_WHITESPACE = b" \t\n\r"
+
+
+def _spans(raw: bytes, top: dict[str, msgspec.Raw]) -> list[tuple[str, int, int]] | None:
+    """Each value's place in ``raw``, walking the top level token by token.
+
+    None unless the walk meets every decoded value exactly where it lies and
+    nothing else: a repeated key (which the decoded dict folds) fails it.
+    """
+    pos = _token(raw, 0, b"{")
+    spans: list[tuple[str, int, int]] = []
+    for key, value in top.items():
+        if spans:
+            pos = _token(raw, pos, b",")
+        pos = _value_start(raw, pos)
+        if pos < 0 or not raw.startswith(value, pos):
+            return None
+        spans.append((key, pos, pos + len(value)))
+        pos += len(value)
+    end = _token(raw, pos, b"}")
+    return spans if end >= 0 and _skip(raw, end) == len(raw) else None
+
+
+def _value_start(raw: bytes, pos: int) -> int:
+    """Where the value after the key at ``pos`` and its colon begins, or -1."""
+    key_end = _string_end(raw, _skip(raw, pos)) if pos >= 0 else -1
+    colon_end = _token(raw, key_end, b":")
+    return _skip(raw, colon_end) if colon_end >= 0 else -1
+
+
+def _skip(raw: bytes, pos: int) -> int:
+    while pos < len(raw) and raw[pos] in _WHITESPACE:
+        pos += 1
+    return pos
+
+
+def _token(raw: bytes, pos: int, token: bytes) -> int:
+    """The position after ``token`` (whitespace before it skipped), or -1."""
+    if pos < 0:
+        return -1
+    pos = _skip(raw, pos)
+    return pos + 1 if raw.startswith(token, pos) else -1
+
+
+def _string_end(raw: bytes, pos: int) -> int:
+    """The position after the JSON string that starts at ``pos``, or -1."""
+    if not raw.startswith(b'"', pos):
+        return -1
+    quote = pos
+    while (quote := raw.find(b'"', quote + 1)) >= 0:
+        text = raw[pos + 1 : quote]
+        escapes = len(text) - len(text.rstrip(b"\\"))
+        if escapes % 2 == 0:
+            return quote + 1
+    return -1
+
+
+def _splittable(raw: bytes) -> bool:
+    """True when splitting ``raw`` at its top level is exactly as strict as orjson.
+
+    The splitter does not check UTF-8 inside strings, nor surrogate escapes,
+    and kept values are written as they came: a newline between tokens would
+    break the JSON-lines file.
+    """
+    if b"\n" in raw or b"\r" in raw:
+        return False
+    # A one-byte search runs at memchr speed; most big bodies hold no escape.
+    escape = raw.find(b"\\")
+    if escape != -1 and _SURROGATE_ESCAPE.search(raw, escape) is not None:
+        return False
+    if not raw.isascii():
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def row_line(row: Mapping[str, Any]) -> bytes:
+    """The line appended for ``row``: one JSON object and its newline."""
+    if any(isinstance(value, msgspec.Raw) for value in row.values()):
+        return _joined_line(row)
+    return jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def _joined_line(row: Mapping[str, Any]) -> bytes:
+    """A row with kept values: they are copied into the line as they are, by one
+    ``bytes.join``, which lets go of the GIL while it copies a big line."""
+    parts: list[bytes | msgspec.Raw] = []
+    sep = b"{"
+    for key, value in row.items():
+        parts.append(sep + _ENCODER.encode(key) + b":")
+        parts.append(value if isinstance(value, msgspec.Raw) else _ENCODER.encode(value))
+        sep = b","
+    parts.append(b"}\n" if parts else b"{}\n")
+    return b"".join(parts)

@@ -1,0 +1,253 @@
+"""``X_aggregate_metrics.json``: the per-agent metrics NeMo Gym's collector writes at the end
+of a run, and which ``gym eval compare`` reads.
+
+As in Gym, the numbers come from the agents themselves: each agent's
+``POST /aggregate_metrics`` (Gym's agents forward it to their resources server,
+which knows what its rewards mean) receives that agent's rows, stripped of the
+heavy keys (and any value over 64 KiB, such as per-token lists), and its
+answer becomes one entry of the file. An agent without the
+endpoint simply has no entry; the file is written only when some agent answered.
+The rows are read once from the output file, after every row is durable;
+each agent's stripped rows are spooled to a temporary file beside it and
+streamed from there as the body is sent, so memory does not grow with the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import aiohttp
+import msgspec
+import orjson
+import structlog
+
+from dispatcher.files.contracts import DISPATCH_KEY
+from dispatcher.files.writer import fsync_dir
+from dispatcher.tasks.keys import split_row
+
+log = structlog.get_logger("dispatcher.aggregate")
+
+JsonObject = dict[str, Any]
+
+SUFFIX = "_aggregate_metrics.json"
+# What Gym's collector leaves out before sending rows to /aggregate_metrics.
+_HEAVY_KEYS = (
+    "response",
+    "responses_create_params",
+    "ng_agent_observations",
+    "ng_model_call_capture",
+    "ng_trajectory",
+)
+
+
+def aggregate_metrics_path(output: Path) -> Path:
+    """``runs/x.jsonl`` → ``runs/x_aggregate_metrics.json`` (Gym's name for it)."""
+    return output.with_name(output.stem + SUFFIX)
+
+
+# A kept value bigger than this (a per-token list, say) is left out: metrics
+# are computed from scalars, and a run of megabyte rows must not be held whole.
+MAX_VALUE_BYTES = 64 * 1024
+_RESPONSE_KEEP = ("usage", "incomplete_details")
+
+
+# A spooled body is sent in chunks of this size.
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass
+class AgentRows:
+    """One agent's rows as ``/aggregate_metrics`` takes them (stripped, comma
+    separated), spooled to an unnamed file, and the replica of its last row."""
+
+    spool: BinaryIO
+    rows: int = 0
+    last_replica: str | None = None
+
+    def add(self, row: Mapping[str, msgspec.Raw]) -> None:
+        self.spool.write((b"," if self.rows else b"") + stripped(row))
+        self.rows += 1
+        self.last_replica = _replica(row) or self.last_replica
+
+    def body_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The request body, a chunk at a time (blocking reads of the spool)."""
+        yield b'{"verify_responses":['
+        self.spool.seek(0)
+        while chunk := self.spool.read(chunk_bytes):
+            yield chunk
+        yield b"]}"
+
+
+def spool_by_agent(output: Path, spools: contextlib.ExitStack) -> dict[str, AgentRows]:
+    """Each agent's success rows, stripped, spooled beside ``output`` to files
+    that ``spools`` closes (blocking: run it in a thread).
+
+    One pass: rows are split at their top level without decoding the values,
+    and only the kept, small values are copied, so memory stays flat however
+    large the run.
+    """
+    agents: dict[str, AgentRows] = {}
+    with output.open("rb") as lines:
+        for line in lines:
+            row = split_row(line)
+            name = _agent_name(row) if row is not None else None
+            if row is None or name is None:
+                continue
+            if name not in agents:
+                spool = tempfile.TemporaryFile(dir=output.parent)  # noqa: SIM115 (spools closes it)
+                spools.enter_context(spool)
+                agents[name] = AgentRows(spool)
+            agents[name].add(row)
+    return agents
+
+
+async def _streamed(chunks: Iterator[bytes]) -> AsyncGenerator[bytes, None]:
+    while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+        yield chunk
+
+
+def _agent_name(row: Mapping[str, msgspec.Raw]) -> str | None:
+    agent = _small_object(row.get("agent_ref"))
+    name = agent.get("name") if agent else None
+    return name if isinstance(name, str) else None
+
+
+def _replica(row: Mapping[str, msgspec.Raw]) -> str | None:
+    stamp = _small_object(row.get(DISPATCH_KEY))
+    replica = stamp.get("replica") if stamp else None
+    return replica if isinstance(replica, str) else None
+
+
+def _small_object(raw: msgspec.Raw | None) -> dict[str, Any] | None:
+    if raw is None or len(raw) > MAX_VALUE_BYTES:
+        return None
+    value = orjson.loads(bytes(raw))
+    return value if isinstance(value, dict) else None
+
+
+def _replicas_to_ask(urls: Sequence[str], last: str | None) -> list[str]:
+    # The replica that answered last is alive; a dead or silent one is asked only after it.
+    return sorted(urls, key=lambda url: url != last)
+
+
+def _parsed(answer: bytes) -> JsonObject | None:
+    try:
+        value = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
+    """A row without payloads (keeping the response's usage and incomplete_details)
+    and without outsized values, serialized."""
+    parts = [
+        orjson.dumps(key) + b":" + bytes(raw)
+        for key, raw in row.items()
+        if key not in _HEAVY_KEYS and len(raw) <= MAX_VALUE_BYTES
+    ]
+    response = _response_kept(row.get("response"))
+    if response:
+        parts.append(b'"response":' + orjson.dumps(response))
+    return b"{" + b",".join(parts) + b"}"
+
+
+def _response_kept(raw: msgspec.Raw | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    response = split_row(raw)
+    if response is None:
+        return None  # not an object
+    kept = {k: orjson.loads(bytes(response[k])) for k in _RESPONSE_KEEP if k in response}
+    return kept or None
+
+
+async def write_aggregate_metrics(
+    output: Path,
+    agents: Mapping[str, Sequence[str]],
+    *,
+    timeout_s: float = 30.0,
+    connect_timeout_s: float = 2.0,
+) -> Path | None:
+    """Ask each agent for its metrics and write the file; None when no agent answered."""
+    entries: list[JsonObject] = []
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+    with contextlib.ExitStack() as spools:
+        grouped = await asyncio.to_thread(spool_by_agent, output, spools)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for name, found in sorted(grouped.items()):
+                urls = _replicas_to_ask(agents.get(name) or (), found.last_replica)
+                entry = await _first_answer(session, name, urls, found)
+                if entry is not None:
+                    entries.append(entry)
+    if not entries:
+        return None
+    path = aggregate_metrics_path(output)
+    await asyncio.to_thread(
+        _write_atomically, path, orjson.dumps(entries, option=orjson.OPT_INDENT_2)
+    )
+    log.info(
+        "aggregate_metrics_written",
+        path=str(path),
+        agents=[e["agent_ref"]["name"] for e in entries],
+    )
+    return path
+
+
+async def _first_answer(
+    session: aiohttp.ClientSession, name: str, urls: Sequence[str], found: AgentRows
+) -> JsonObject | None:
+    """The agent's metrics from the first replica that answers at all; an HTTP answer
+    that is not metrics (404 from an agent that does not aggregate) ends the search."""
+    for url in urls:
+        try:
+            async with contextlib.aclosing(_streamed(found.body_chunks())) as body:
+                status, answer = await _post(session, f"{url}/aggregate_metrics", body)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("aggregate_metrics_unavailable", agent=name, replica=url, error=repr(exc))
+            continue
+        metrics = _parsed(answer) if status < 300 else None
+        if metrics is not None:
+            return _entry(name, metrics)
+        # 404/405: an agent that does not aggregate (not a Gym agent); nothing is wrong.
+        level = log.info if status in (404, 405) else log.warning
+        level("aggregate_metrics_unavailable", agent=name, http_status=status)
+        return None
+    return None
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: AsyncIterator[bytes]
+) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    async with session.post(url, data=body, headers=headers) as response:
+        return response.status, await response.read()
+
+
+def _entry(name: str, metrics: Mapping[str, Any]) -> JsonObject:
+    """One agent's entry, in the shape of the entries Gym's collector writes."""
+    entry: JsonObject = {"agent_ref": {"name": name}}
+    for key in ("agent_metrics", "key_metrics"):
+        entry[key] = metrics.get(key) or {}
+    for key in ("group_level_metrics", "repeat_level_metrics"):
+        entry[key] = metrics.get(key) or []
+    if metrics.get("perf_summary") is not None:
+        entry["perf_summary"] = metrics["perf_summary"]
+    return entry
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    with temporary.open("wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    fsync_dir(path.parent)

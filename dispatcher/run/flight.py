@@ -1,0 +1,157 @@
+"""One rollout's whole life: its slots, the agent call, the commit; its outcome as a value.
+
+A ``Flight`` is made when the pool admits a rollout and runs as one task
+whose result is a ``Landing``, which its job alone records:
+
+1. at the agent: it holds its ``Slots`` while ``AgentClient.run`` delivers the
+   body (retrying what was not delivered); only here can it be cancelled
+   (shutdown, the budget's end, a cancelled job), and then it writes nothing:
+   the job sees the task cancelled and counts the rollout as cancelled;
+2. it enters the commit queue (slots and bytes: backpressure when the disk
+   stalls or rows are huge) and frees its agent slots;
+3. committing: the ``Finalizer`` builds its line and ``write`` appends it.
+   The commit is shielded: a cancel that arrives meanwhile waits for it to
+   end, so a written row is always counted.
+
+A fault of our own at any step puts the rollout back (a ``Landing`` with a
+``fault``) instead of writing a row. The flight knows its job only through
+``FlightParts``: the parts it uses, never the job itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from dispatcher.admission.pool import Slots
+from dispatcher.delivery.client import AgentClient, Attempt
+from dispatcher.delivery.faults import LocalFault, as_local_fault
+from dispatcher.errors import DispatcherError, OutputWriteError
+from dispatcher.outcome import Outcome
+from dispatcher.rows.finalize import Finalizer
+from dispatcher.tasks.materialize import Rollout
+
+log = structlog.get_logger("dispatcher.run")
+
+# Keys every row carries in service mode (DESIGN A12).
+POLICY_VERSION_START = "_ng_policy_version_start"
+POLICY_VERSION_END = "_ng_policy_version_end"
+
+
+class CommitQueue(Protocol):
+    async def enter(self, body_bytes: int) -> None: ...
+    def leave(self, body_bytes: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FlightParts:
+    """What a flight uses: the job's and the daemon's parts, passed down, never called up."""
+
+    agents: AgentClient
+    commit_queue: CommitQueue
+    finalizer: Finalizer
+    # Appends an attempt's line to its file; the output's line number for a success.
+    write: Callable[[Outcome, bytes | None], Awaitable[int | None]]
+    policy_version: Callable[[], int | None]
+    # Told once, when the rollout's agent slots are freed.
+    left_agent: Callable[[Rollout], None]
+
+
+@dataclass(slots=True)
+class Landing:
+    """How a flight ended: an outcome to record, a rollout to put back, or a failed commit."""
+
+    outcome: Outcome
+    duration_s: float
+    attempt: Attempt | None = None
+    # What the finality rule reads of the row (``Finalizer.finalize``).
+    row: dict[str, Any] | None = None
+    capture: dict[str, Any] | None = None
+    seq: int | None = None
+    # Our own fault (A11): the rollout goes back to the queue, nothing is written.
+    fault: LocalFault | None = None
+    # The commit could not be written: the job fails with this error.
+    error: DispatcherError | None = None
+
+
+class Flight:
+    """Owns one admitted rollout from its slots to its ``Landing``."""
+
+    __slots__ = ("_parts", "_slots", "at_agent", "rollout", "started", "task")
+
+    def __init__(self, rollout: Rollout, slots: Slots, parts: FlightParts) -> None:
+        self.rollout = rollout
+        self._parts = parts
+        self._slots = slots
+        self.at_agent = True
+        self.started = time.perf_counter()
+        self.task: asyncio.Task[Landing] | None = None
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    async def fly(self) -> Landing:
+        version_start = self._parts.policy_version()
+        try:
+            attempt = await self._at_agent()
+        except LocalFault as fault:
+            return Landing(Outcome.REQUEUED, self.elapsed_s(), fault=fault)
+        finally:
+            self.leave_agent()
+        commit = asyncio.ensure_future(self._commit(attempt, version_start))
+        try:
+            return await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # The row may be on its way to disk: it must be counted, not lost.
+            return await commit
+        finally:
+            self._parts.commit_queue.leave(attempt.body_bytes)
+
+    def leave_agent(self) -> None:
+        """Free the slots and leave the job's in-flight count, once: also for a task
+        cancelled before it ever ran, whose ``finally`` never runs."""
+        if self.at_agent:
+            self.at_agent = False
+            self._slots.release()
+            self._parts.left_agent(self.rollout)
+
+    async def _at_agent(self) -> Attempt:
+        """The agent's answer, with a place in the commit queue."""
+        rollout, parts = self.rollout, self._parts
+        attempt = await parts.agents.run(rollout.agent, rollout.body, rollout.rollout_id)
+        # Backpressure: past the queue's bounds the rollout keeps its agent
+        # slots, so no new rollout starts until rows are written.
+        await parts.commit_queue.enter(attempt.body_bytes)
+        return attempt
+
+    async def _commit(self, attempt: Attempt, version_start: int | None) -> Landing:
+        rollout, parts = self.rollout, self._parts
+        try:
+            line, row, capture = await parts.finalizer.finalize(
+                rollout, attempt, _policy_keys(version_start, parts.policy_version())
+            )
+        except Exception as exc:
+            # A bug of ours (or our memory) while handling an answer: not the
+            # agent's failure, so no row; the rollout runs again.
+            fault = as_local_fault(exc) or LocalFault("bug", f"handling an answer raised {exc!r}")
+            log.error("answer_handling_failed", rollout_id=rollout.rollout_id, exc_info=exc)
+            return Landing(Outcome.REQUEUED, attempt.duration_s, attempt, fault=fault)
+        try:
+            seq = await parts.write(attempt.outcome, line)
+        except OutputWriteError as exc:
+            return Landing(Outcome.CANCELLED, attempt.duration_s, error=exc)
+        except Exception as exc:
+            error = DispatcherError(f"committing {rollout.rollout_id} failed: {exc!r}")
+            return Landing(Outcome.CANCELLED, attempt.duration_s, error=error)
+        return Landing(attempt.outcome, attempt.duration_s, attempt, row, capture, seq)
+
+
+def _policy_keys(start: int | None, end: int | None) -> dict[str, Any]:
+    if start is None or end is None:
+        return {}
+    return {POLICY_VERSION_START: start, POLICY_VERSION_END: end}

@@ -1,0 +1,593 @@
+"""One job: one output's files and state, driven on a ``Daemon`` (DESIGN A4, A5, A9).
+
+``Job`` owns everything of a single run: the lock and the prepared files, the
+row writers, the exact latency tracker, the outcome counts, the rollouts our
+own faults put back, and its ``Flight``s. Reading order:
+
+- ``open``: lock, materialize, load what is done (``prepare.py``), open the
+  writers; a failure half-way releases what was taken (an exit stack);
+- ``dispatch``: the producer admits pending rollouts through the daemon's
+  pool, each into a ``Flight`` (``flight.py``), until all settle or a stop;
+- ``close``: in-flight rollouts get the grace, then are cancelled (no row:
+  they run on resume); commits are awaited, writers closed, the hop recorded
+  in the manifest, the lock released.
+
+Outcomes are counted in ``record`` and nowhere else. Crash-only: the output
+files are the only state; a kill -9 anywhere loses nothing acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import structlog
+
+from dispatcher import jsonx
+from dispatcher.admission.pool import Slots
+from dispatcher.aio import cancel_and_wait
+from dispatcher.capture.finalize import clear_rollout_captures
+from dispatcher.delivery.client import Attempt
+from dispatcher.delivery.faults import LocalFault
+from dispatcher.errors import DispatcherError, ExitCode
+from dispatcher.files import delivery_history as delivery
+from dispatcher.files.contracts import LastRun, is_terminal
+from dispatcher.files.resume import RunState, final_after_failure
+from dispatcher.files.writer import LineIndex, RowWriter, write_manifest
+from dispatcher.latency.tracker import DispatchLatencyTracker
+from dispatcher.lifecycle import JobState, Lifecycle
+from dispatcher.outcome import Outcome
+from dispatcher.rows.finalize import Finalizer
+from dispatcher.run.aggregate import write_aggregate_metrics
+from dispatcher.run.daemon import Daemon, LatencyView, peak_rss_mb
+from dispatcher.run.flight import Flight, FlightParts, Landing
+from dispatcher.run.prepare import PreparedRun, prepare_run
+from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.keys import materialized_key
+from dispatcher.tasks.materialize import Rollout, new_capture_token
+from dispatcher.telemetry.discovery import sd_file_for, target_labels
+from dispatcher.telemetry.progress import estimate_eta_s
+
+log = structlog.get_logger("dispatcher.run")
+
+READ_BATCH_ROWS = 512
+START_BURST = 8
+
+# Called with (rollout, outcome, seq) for each final outcome: service mode's
+# results stream and group bookkeeping.
+FinalHook = Callable[[Rollout, Outcome, "int | None"], None]
+
+
+class Job:
+    """Owns one run's files and state; see the module docstring."""
+
+    def __init__(
+        self,
+        daemon: Daemon,
+        settings: RunSettings,
+        *,
+        shard_filter: Callable[[int], bool] | None = None,
+        tracker: DispatchLatencyTracker | None = None,
+        rank: Callable[[], tuple[int, ...]] = tuple,
+        on_final: FinalHook | None = None,
+        publish_endpoint: bool = True,
+        output_index: LineIndex | None = None,
+        gate: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.daemon = daemon
+        self.settings = settings
+        self.tracker = tracker or DispatchLatencyTracker()
+        self.outcomes: Counter[str] = Counter()
+        self.state = Lifecycle(JobState.QUEUED)
+        self.fatal: DispatcherError | None = None
+        self.prepared: PreparedRun | None = None
+        self.finalizer = Finalizer(settings, daemon.metrics)
+        self.flights: set[Flight] = set()
+        # Rollouts at agents (admitted, not answered): the one count of them,
+        # moved with the in-flight gauge in ``_launch`` and ``_left_agent``.
+        self._at_agents = 0
+        self._parts: FlightParts | None = None
+        self.writers: tuple[RowWriter, ...] = ()
+        self._shard_filter = shard_filter
+        self._rank = rank
+        self._on_final = on_final
+        self._publish_endpoint = publish_endpoint
+        self._gate = gate
+        # Service mode reads rows back by line number (the results stream).
+        self.output_index = output_index
+        self._stop = asyncio.Event()
+        self._cancel_reason: str | None = None
+        self._final_this_run = 0
+        self._requeued: deque[Rollout] = deque()
+        self._wake_producer = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._resources = contextlib.AsyncExitStack()
+        self._dispatch_ended: float | None = None
+        # One per hop: scopes each attempt's model-call capture (capture/scope.py).
+        self._capture_token = new_capture_token() if settings.capture_dir is not None else None
+        # Bound once: the module-level proxy would rebuild a logger per call.
+        self.log = log.bind()
+
+    # ---- open --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Take the lock, prepare the files and open the writers (or release all)."""
+        async with contextlib.AsyncExitStack() as stack:
+            self.prepared = prepared = await asyncio.to_thread(
+                prepare_run, self.settings, self._shard_filter
+            )
+            stack.callback(prepared.lock.release)
+            if self._publish_endpoint:
+                await asyncio.to_thread(self._publish_metrics_endpoint, prepared)
+            if self.output_index is not None and not len(self.output_index):
+                # Once per process: a later hop's index already holds every line.
+                await asyncio.to_thread(self.output_index.load, prepared.paths.output)
+            output = self._writer(prepared.paths.output, self.output_index)
+            failures = self._writer(prepared.paths.failures, None)
+            for writer in (output, failures):
+                writer.open()
+                stack.push_async_callback(writer.close)
+            self.writers = (output, failures)
+            self._resources = stack.pop_all()
+        self.daemon.jobs.add(self)
+
+    def started_event(self) -> dict[str, Any]:
+        """The fields of ``run_started``."""
+        prepared = self.prepared
+        assert prepared is not None
+        return {
+            "run_id": prepared.record.run_id,
+            "hop": prepared.record.hops,
+            "resumed": prepared.resumed,
+            "expected": prepared.materialized.rollouts,
+            "already_final": prepared.already_final,
+            "output": str(prepared.paths.output),
+        }
+
+    def _publish_metrics_endpoint(self, prepared: PreparedRun) -> None:
+        """Record the endpoint in the manifest and the Prometheus target file (blocking)."""
+        endpoint = self.daemon.metrics_endpoint
+        if endpoint is None:
+            return
+        prepared.record = prepared.record.with_metrics_url(endpoint.url)
+        write_manifest(prepared.paths.manifest, prepared.record)
+        output = prepared.paths.output
+        labels = target_labels(prepared.record.to_json(), output, self.settings.shard)
+        endpoint.publish(sd_file_for(output, self.settings.metrics_sd_dir), labels)
+
+    def _writer(self, path: Path, index: LineIndex | None) -> RowWriter:
+        return RowWriter(
+            path,
+            self.settings.fsync,
+            interval_s=self.settings.fsync_batch_interval_s,
+            max_rows=self.settings.fsync_batch_rows,
+            on_error=self.fail,
+            index=index,
+        )
+
+    # ---- dispatch ------------------------------------------------------------------
+
+    async def dispatch(self) -> None:
+        """Start every pending rollout (or drain it) and wait for all to settle, or a stop."""
+        self.state.advance(JobState.RUNNING)
+        producer = asyncio.create_task(self._produce(), name="producer")
+        budget_end = asyncio.create_task(self._settle_at_budget_end(), name="budget-end")
+        try:
+            await self._until_stopped(producer)
+            if producer.done() and not producer.cancelled() and producer.exception() is None:
+                idle = asyncio.create_task(self._idle.wait(), name="wait-idle")
+                await self._until_stopped(idle)
+                await cancel_and_wait(idle)
+        finally:
+            await cancel_and_wait(producer)
+            await cancel_and_wait(budget_end)
+            self._dispatch_ended = time.monotonic()
+
+    async def _settle_at_budget_end(self) -> None:
+        await self.daemon.budget_spent.wait()
+        await self.settle(self.settings.shutdown_grace_s, "dispatch budget exhausted")
+
+    def stopping(self) -> bool:
+        return self._stop.is_set() or self.daemon.stop_requested.is_set()
+
+    def cancel(self, reason: str) -> None:
+        """Stop starting rollouts; ``close`` cancels those at agents without grace."""
+        self._cancel_reason = reason
+        self._stop.set()
+
+    def fail(self, error: DispatcherError) -> None:
+        if self.fatal is None:
+            self.fatal = error
+            self.log.error("run_failed", error=str(error))
+        self._stop.set()
+
+    async def _until_stopped(self, task: asyncio.Task[Any]) -> None:
+        stops = {
+            asyncio.create_task(self._stop.wait()),
+            asyncio.create_task(self.daemon.stop_requested.wait()),
+        }
+        try:
+            await asyncio.wait({task, *stops}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for stop in stops:
+                await cancel_and_wait(stop)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+    async def _produce(self) -> None:
+        started = 0
+        async for rollout in self._to_start():
+            if self.stopping():
+                return
+            if self.daemon.load.is_down(rollout.agent):
+                self._record_not_started(Outcome.AGENT_DOWN)
+                continue
+            if self._gate is not None:
+                await self._gate()
+            slots = await self.daemon.pool.admit(rollout.agent, self._rank())
+            if slots is None:
+                self._record_not_started(Outcome.DRAINED)
+                continue
+            self._launch(rollout, slots)
+            started += 1
+            if started % START_BURST == 0:
+                # Starting hundreds of rollouts in one loop iteration (at
+                # startup, or when many slots free at once) would stall every
+                # other rollout's I/O: yield between small bursts.
+                await asyncio.sleep(0)
+
+    def _launch(self, rollout: Rollout, slots: Slots) -> None:
+        flight = Flight(rollout, slots, self._flight_parts())
+        self._at_agents += 1
+        self.daemon.metrics.rollout_started(rollout.agent)
+        self.flights.add(flight)
+        self._idle.clear()
+        flight.task = task = asyncio.create_task(flight.fly(), name=f"rollout:{rollout.rollout_id}")
+        task.add_done_callback(lambda t: self._landed(flight, t))
+
+    def _flight_parts(self) -> FlightParts:
+        if self._parts is None:
+            daemon = self.daemon
+            self._parts = FlightParts(
+                agents=daemon.agents,
+                commit_queue=daemon.commit_queue,
+                finalizer=self.finalizer,
+                write=self._write,
+                policy_version=daemon.policy_version,
+                left_agent=self._left_agent,
+            )
+        return self._parts
+
+    def _landed(self, flight: Flight, task: asyncio.Task[Landing]) -> None:
+        """A flight ended: record its landing (the one place a rollout's end is handled)."""
+        flight.leave_agent()
+        self.flights.discard(flight)
+        if not self.flights:
+            self._idle.set()
+            self._wake_producer.set()
+        rollout = flight.rollout
+        if task.cancelled():
+            # Cancelled at its agent: it wrote nothing and runs again on resume.
+            self.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
+            return
+        error = task.exception()
+        if error is not None:
+            self.log.error("rollout_task_crashed", task=task.get_name(), exc_info=error)
+            self.fail(DispatcherError(f"rollout {rollout.rollout_id} crashed: {error!r}"))
+            self.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
+            return
+        self._land(rollout, task.result())
+
+    def _land(self, rollout: Rollout, landing: Landing) -> None:
+        if landing.error is not None:
+            self.fail(landing.error)
+            self.record(rollout, Outcome.CANCELLED, landing.duration_s)
+        elif landing.fault is not None:
+            self.requeue(rollout, landing.fault, landing.duration_s)
+        else:
+            self.daemon.handled_answer()
+            self.record(
+                rollout,
+                landing.outcome,
+                landing.duration_s,
+                landing.attempt,
+                landing.row,
+                landing.capture,
+                landing.seq,
+            )
+
+    async def _to_start(self) -> AsyncIterator[Rollout]:
+        """The task file's pending rollouts, with requeued ones first; ends when all settle."""
+        async for rollout in self._pending_rollouts():
+            while self._requeued:
+                yield await self._take_requeued()
+            yield rollout
+        # The file is read: what remains is what our own faults put back.
+        while True:
+            while self._requeued:
+                yield await self._take_requeued()
+            if not self.flights:
+                return
+            self._wake_producer.clear()
+            await self._wake_producer.wait()
+
+    async def _take_requeued(self) -> Rollout:
+        rollout = self._requeued.popleft()
+        # Whatever the faulted try left in the capture dir is not this attempt's.
+        await self._clear_captures([rollout])
+        return rollout
+
+    async def _pending_rollouts(self) -> AsyncIterator[Rollout]:
+        """Rollouts still to run, in input order, read in batches off the event loop."""
+        assert self.prepared is not None
+        state = self.prepared.state
+        with self.prepared.paths.materialized.open("rb") as f:
+            while True:
+                batch = await asyncio.to_thread(_read_batch, f, state, self._capture_token)
+                if batch is None:
+                    return
+                await self._clear_captures(batch)
+                for rollout in batch:
+                    yield rollout
+
+    async def _clear_captures(self, batch: list[Rollout]) -> None:
+        if self.settings.capture_dir is None or not batch:
+            return
+        await clear_rollout_captures(self.settings.capture_dir, [r.rollout_id for r in batch])
+
+    # ---- the parts flights use -----------------------------------------------------
+
+    async def _write(self, outcome: Outcome, line: bytes | None) -> int | None:
+        """Append an attempt's line to its file; the output's line number for a success."""
+        if line is None:
+            return None
+        output, failures = self.writers
+        writer = output if outcome is Outcome.SUCCESS else failures
+        return await writer.append_line(line)
+
+    def requeue(self, rollout: Rollout, fault: LocalFault, duration_s: float) -> None:
+        """Put a rollout back after our own fault: no row, no attempt spent, a smaller pool."""
+        self.record(rollout, Outcome.REQUEUED, duration_s)
+        if self.daemon.local_fault(fault, rollout.rollout_id):
+            self._requeued.append(rollout)
+            self._wake_producer.set()
+
+    def _left_agent(self, rollout: Rollout) -> None:
+        """A flight's agent answered (or it was cancelled or put back): its slots are free."""
+        self._at_agents -= 1
+        self.daemon.metrics.rollout_left_agent(rollout.agent)
+
+    def at_agents(self) -> int:
+        return self._at_agents
+
+    async def settle(self, grace_s: float, reason: str) -> None:
+        """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row)."""
+        deadline = time.monotonic() + grace_s
+        while self.at_agents() and time.monotonic() < deadline:
+            flights = {f.task for f in self.flights if f.at_agent and f.task is not None}
+            await asyncio.wait(flights, timeout=deadline - time.monotonic())
+        tasks = {f.task for f in self.flights if f.at_agent and f.task is not None}
+        if not tasks:
+            return
+        for task in tasks:
+            task.cancel(reason)
+        await asyncio.wait(tasks)
+        self.log.warning("rollouts_cancelled", count=len(tasks), reason=reason)
+
+    # ---- close -----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Settle the flights, close the files, record the hop, release the lock."""
+        # After a fatal error nothing more can be written, and a cancelled job
+        # wants nothing more: no grace.
+        if self.fatal is not None or self.daemon.fatal is not None or self._cancel_reason:
+            await self.settle(0.0, self._cancel_reason or "the run failed")
+        else:
+            await self.settle(self.settings.shutdown_grace_s, "shutdown grace period ended")
+        # Commits under way are never cancelled: wait for them.
+        if self.flights:
+            await asyncio.wait({f.task for f in self.flights if f.task is not None})
+        for writer in self.writers:
+            await writer.close()
+        await self._write_aggregate_metrics()
+        self.state.advance(self._final_state())
+        summary = self.summary()
+        await asyncio.to_thread(self._write_last_run, summary)
+        self.log.info("run_summary", **summary)
+        await self._resources.aclose()
+
+    def _final_state(self) -> JobState:
+        if self.fatal is not None or self.daemon.fatal is not None:
+            return JobState.FAILED
+        if self._cancel_reason is not None:
+            return JobState.CANCELLED
+        return JobState.DONE if self.remaining() == 0 else JobState.INCOMPLETE
+
+    async def _write_aggregate_metrics(self) -> None:
+        # Gym's end-of-run file, once every rollout has its final row (a hop that
+        # leaves work for a rerun would only write numbers the next hop replaces).
+        if self.fatal is None and self.prepared is not None and self.remaining() == 0:
+            await write_aggregate_metrics(self.prepared.paths.output, self.settings.agents)
+
+    def exit_code(self) -> ExitCode:
+        """The hop's exit code; raises the error that failed it."""
+        error = self.fatal or self.daemon.fatal
+        if error is not None:
+            raise error
+        return self._final_exit_code()
+
+    def _final_exit_code(self) -> ExitCode:
+        return ExitCode.RESUMABLE if self.remaining() > 0 else ExitCode.DONE
+
+    # ---- the one place outcomes are counted ----------------------------------------
+
+    def record(
+        self,
+        rollout: Rollout,
+        outcome: Outcome,
+        duration_s: float,
+        attempt: Attempt | None = None,
+        row: dict[str, Any] | None = None,
+        capture: dict[str, Any] | None = None,
+        seq: int | None = None,
+    ) -> None:
+        self.outcomes[outcome.value] += 1
+        self._record_latency(outcome, duration_s)
+        final = self._is_final(rollout, outcome, row)
+        if final:
+            self._final_this_run += 1
+            if self._on_final is not None:
+                self._on_final(rollout, outcome, seq)
+        self.daemon.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
+        failure = attempt.failure if attempt is not None else None
+        self.log.log(
+            _log_level(outcome, row),
+            "rollout_finished",
+            rollout_id=rollout.rollout_id,
+            task_index=rollout.task_index,
+            rollout_index=rollout.rollout_index,
+            attempt=rollout.attempt_index,
+            agent=rollout.agent,
+            replica=attempt.replica if attempt else None,
+            outcome=outcome.value,
+            final=final,
+            duration_s=round(duration_s, 4),
+            retries=attempt.retries if attempt else 0,
+            http_status=failure.http_status if failure else None,
+            failure_message=failure.message if failure else None,
+            capture=capture or None,
+        )
+
+    def _latency_views(self) -> tuple[LatencyView, ...]:
+        # The daemon's live view is this tracker itself for ``dispatcher run``.
+        live = self.daemon.latency
+        return (self.tracker,) if live is self.tracker else (self.tracker, live)
+
+    def _record_latency(self, outcome: Outcome, duration_s: float) -> None:
+        for view in self._latency_views():
+            if outcome is Outcome.SUCCESS:
+                view.record(duration_s)
+            elif outcome.writes_failure_row:
+                view.record_failure(duration_s)
+
+    def _is_final(self, rollout: Rollout, outcome: Outcome, row: dict[str, Any] | None) -> bool:
+        if outcome is Outcome.SUCCESS:
+            return True
+        if not outcome.writes_failure_row or row is None:
+            return False
+        return final_after_failure(row, rollout.attempt_index, self.settings.max_attempts)
+
+    def _record_not_started(self, outcome: Outcome) -> None:
+        self.outcomes[outcome.value] += 1
+        if outcome is Outcome.DRAINED:
+            for view in self._latency_views():
+                view.record_drained()
+            self.daemon.metrics.rollout_drained()
+
+    # ---- figures ----------------------------------------------------------------------
+
+    def expected(self) -> int | None:
+        return self.prepared.materialized.rollouts if self.prepared is not None else None
+
+    def remaining(self) -> int:
+        prepared = self.prepared
+        if prepared is None:
+            return 0
+        final = prepared.already_final + self._final_this_run
+        return max(0, prepared.materialized.rollouts - final)
+
+    @property
+    def final_this_run(self) -> int:
+        """Rollouts this hop made final."""
+        return self._final_this_run
+
+    def committing(self) -> int:
+        return len(self.flights) - self._at_agents
+
+    def progress(self) -> dict[str, Any]:
+        expected = self.expected()
+        remaining = self.remaining()
+        return {
+            "expected": expected,
+            "done": (expected or 0) - remaining,
+            "remaining": remaining,
+            "in_flight": self.at_agents(),
+            "committing": self.committing(),
+        }
+
+    def eta_s(self, rollouts_per_hour: float) -> float | None:
+        return estimate_eta_s(self.remaining(), rollouts_per_hour)
+
+    def summary(self) -> dict[str, Any]:
+        daemon = self.daemon
+        dispatch_s = daemon.dispatch_seconds(self._dispatch_ended)
+        successes = self.outcomes.get(Outcome.SUCCESS.value, 0)
+        summary = {
+            "outcomes": dict(self.outcomes),
+            "remaining": self.remaining(),
+            "rollouts_per_hour": successes / dispatch_s * 3600.0 if dispatch_s > 0 else 0.0,
+            "latency_s": {
+                f"p{int(q * 100)}": self.tracker.quantile(q) for q in (0.5, 0.75, 0.95, 0.99)
+            },
+            "elapsed_s": round(daemon.elapsed_s(), 3),
+            "dispatch_s": round(dispatch_s, 3),
+            "event_loop_lag_p99_s": daemon.lag.p99_s(),
+            "event_loop_lag_max_s": daemon.lag.max_s(),
+            "peak_rss_mb": peak_rss_mb(),
+            **daemon.delivery_figures(),
+            **self.tracker.summary(),
+        }
+        if self.remaining() > 0:
+            summary["resume"] = "rerun the same command to run the remaining rollouts"
+        return summary
+
+    def _write_last_run(self, summary: dict[str, Any]) -> None:
+        assert self.prepared is not None
+        finished_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        error = self.fatal or self.daemon.fatal
+        last_run = LastRun(
+            finished_at=finished_at,
+            exit_code=int(error.exit_code if error else self._final_exit_code()),
+            # What `dispatcher status` needs to say why rollouts wrote no row.
+            drained=self.outcomes.get(Outcome.DRAINED.value, 0),
+            cancelled=self.outcomes.get(Outcome.CANCELLED.value, 0),
+            kill_shaped=self.outcomes.get(Outcome.KILL_SHAPED.value, 0),
+            summary=summary,
+        )
+        entry = delivery.history_entry(self.daemon.delivery_figures(), finished_at)
+        record = self.prepared.record.ended_hop(last_run, entry)
+        write_manifest(self.prepared.paths.manifest, record)
+
+
+def _log_level(outcome: Outcome, row: dict[str, Any] | None) -> int:
+    """Failures at warning, terminal ones at error; everything else at info."""
+    if not outcome.writes_failure_row:
+        return logging.INFO
+    return logging.ERROR if row is not None and is_terminal(row) else logging.WARNING
+
+
+def _read_batch(
+    f: BinaryIO, state: RunState, capture_token: str | None = None
+) -> list[Rollout] | None:
+    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end."""
+    batch: list[Rollout] = []
+    for _ in range(READ_BATCH_ROWS * 8):
+        line = f.readline()
+        if not line:
+            return batch or None
+        # Most rows are final on a late resume: find their key without parsing them.
+        key = materialized_key(line)
+        if state.is_final(key):
+            continue
+        row = jsonx.loads(line)
+        batch.append(Rollout.from_materialized(row, state.attempt_index(key), capture_token))
+        if len(batch) >= READ_BATCH_ROWS:
+            break
+    return batch

@@ -1,0 +1,472 @@
+"""Task file → materialized rollouts (DESIGN A1, A2).
+
+The task file may be far larger than memory, so it is streamed twice at most:
+once to validate and materialize into ``X_materialized_inputs.jsonl`` (before
+anything is dispatched, so a bad line stops the run with nothing sent), and
+the dispatcher then streams that file. Memory stays flat: the only per-task
+state is a compact open-addressing table of row digests (12 bytes a slot),
+needed because identical input rows share one task index.
+
+How a rollout is named and keyed (ids, the integer key, their bounds) is
+``keys.py``'s; this module applies it to each row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import orjson
+import structlog
+
+from dispatcher import jsonx
+from dispatcher.errors import ConfigError
+from dispatcher.files.contracts import DISPATCH_KEY, FAILURE_KEYS, NO_PERSIST
+from dispatcher.tasks.keys import (
+    AGENT_REF,
+    ATTEMPT_INDEX,
+    CAPTURE_ID,
+    MAX_ROLLOUT_INDEX,
+    ROLLOUT_ID,
+    ROLLOUT_INDEX,
+    TASK_INDEX,
+    own_rollout_id_problem,
+    rollout_id_for,
+    rollout_key,
+    task_index_problem,
+)
+
+if TYPE_CHECKING:
+    from dispatcher.settings.config import RunSettings
+
+log = structlog.get_logger(__name__)
+
+RESPONSES_CREATE_PARAMS = "responses_create_params"
+DEFAULT_REPEATS_KEY = "_default"
+# Keys the dispatcher itself sets in bodies or rows, or reads from agent
+# results. A task row carrying one would forge an outcome (an agent that
+# echoes its input would report ``_ng_no_persist`` forever, or a terminal
+# failure), so it is an input error. A task row may carry its own
+# ``_ng_task_index`` and ``_ng_rollout_id`` (A1, A2); ``_ng_rollout_index``
+# is always reassigned.
+RESERVED_INPUT_KEYS = FAILURE_KEYS | {ATTEMPT_INDEX, NO_PERSIST, DISPATCH_KEY, CAPTURE_ID}
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """One attempt to run: what is POSTed to the agent and how it is named.
+
+    ``capture_id`` scopes model-call capture to this attempt of this hop. The
+    rollout id (A2) is the same on every hop, so an agent request of a killed
+    hop that is still calling the model would otherwise add its calls to the
+    rerun's row. With a capture token (one per hop), the body carries
+    ``_ng_capture_id = "<rollout_id>.<token>"``; agents call the model under
+    that id, and the row reads only that id's captures.
+    """
+
+    task_index: int
+    rollout_index: int
+    attempt_index: int
+    rollout_id: str
+    agent: str
+    body: dict[str, Any]
+    capture_id: str | None = None
+
+    @property
+    def key(self) -> int:
+        return rollout_key(self.task_index, self.rollout_index)
+
+    @classmethod
+    def from_materialized(
+        cls, row: dict[str, Any], attempt_index: int, capture_token: str | None = None
+    ) -> Rollout:
+        body = dict(row)
+        if attempt_index > 0:
+            body[ATTEMPT_INDEX] = attempt_index
+        rollout_id = rollout_id_for(row, attempt_index)
+        capture_id = None if capture_token is None else f"{rollout_id}.{capture_token}"
+        if capture_id is not None:
+            body[CAPTURE_ID] = capture_id
+        return cls(
+            task_index=row[TASK_INDEX],
+            rollout_index=row[ROLLOUT_INDEX],
+            attempt_index=attempt_index,
+            rollout_id=rollout_id,
+            agent=row[AGENT_REF]["name"],
+            body=body,
+            capture_id=capture_id,
+        )
+
+
+def new_capture_token() -> str:
+    """A fresh per-hop token: 8 hex digits (``keys.CAPTURE_TOKEN_LEN`` with its dot)."""
+    return os.urandom(4).hex()
+
+
+@dataclass(frozen=True)
+class MaterializeSpec:
+    """The task-affecting settings: everything that changes what a rollout is."""
+
+    input_path: Path
+    agents: frozenset[str]
+    default_agent: str | None
+    num_repeats: int | Mapping[str, int]
+    limit: int | None
+    overrides: Mapping[str, Any]
+    skip_invalid_rows: bool
+    shard_filter: Callable[[int], bool] | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: RunSettings, shard_filter: Callable[[int], bool] | None
+    ) -> MaterializeSpec:
+        return cls(
+            input_path=settings.input,
+            agents=frozenset(settings.agents),
+            default_agent=settings.default_agent,
+            num_repeats=settings.num_repeats,
+            limit=settings.limit,
+            overrides=settings.responses_create_params,
+            skip_invalid_rows=settings.skip_invalid_rows,
+            shard_filter=shard_filter,
+        )
+
+
+@dataclass(frozen=True)
+class MaterializeResult:
+    input_rows: int
+    tasks: int
+    rollouts: int
+    rollouts_by_agent: dict[str, int]
+    input_digest: str
+    materialized_digest: str
+
+
+class _DigestTable:
+    """Map a row's 64-bit digest to its task index in 12 bytes a slot.
+
+    A dict of Python ints costs ~100 bytes an entry; this keeps a 1M-row task
+    file within ~16 MB. It is sized up front from an estimate of the row count,
+    since growing would briefly hold the old and the new arrays at once.
+    """
+
+    _MAX_LOAD = 0.75
+
+    def __init__(self, expected_rows: int = 0) -> None:
+        self._allocate(max(4096, int(expected_rows / self._MAX_LOAD) + 1))
+        self._size = 0
+
+    def _allocate(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._keys = array("Q", bytes(8 * capacity))
+        self._values = array("I", bytes(4 * capacity))
+
+    def get_or_add(self, digest: int, value: int) -> int:
+        digest = digest or 1  # 0 marks an empty slot
+        slot = self._find(digest)
+        if self._keys[slot] == digest:
+            return self._values[slot]
+        self._keys[slot] = digest
+        self._values[slot] = value
+        self._size += 1
+        if self._size > self._MAX_LOAD * self._capacity:
+            self._grow()
+        return value
+
+    def _find(self, digest: int) -> int:
+        capacity, keys = self._capacity, self._keys
+        slot = digest % capacity
+        while keys[slot] != 0 and keys[slot] != digest:
+            slot = slot + 1 if slot + 1 < capacity else 0
+        return slot
+
+    def _grow(self) -> None:
+        old_keys, old_values = self._keys, self._values
+        self._allocate(self._capacity * 2)
+        for digest, value in zip(old_keys, old_values, strict=True):
+            if digest:
+                slot = self._find(digest)
+                self._keys[slot] = digest
+                self._values[slot] = value
+
+
+def estimate_rows(path: Path, limit: int | None, sample_bytes: int = 1 << 20) -> int:
+    """Rows in a task file, from its size and the mean length of its first lines."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            sample = f.read(sample_bytes)
+    except OSError:
+        return 0
+    lines = max(1, sample.count(b"\n"))
+    estimate = size * lines // max(1, len(sample)) + 1
+    return estimate if limit is None else min(limit, estimate)
+
+
+class _RolloutCounters:
+    """Next rollout index per task: dense for assigned indices, a dict for the row's own."""
+
+    def __init__(self) -> None:
+        self._dense = array("I")
+        self._sparse: dict[int, int] = {}
+
+    def new_task(self, task_index: int) -> None:
+        if task_index == len(self._dense):
+            self._dense.append(self._sparse.pop(task_index, 0))
+
+    def take(self, task_index: int, count: int) -> int:
+        if 0 <= task_index < len(self._dense):
+            first = self._dense[task_index]
+            self._dense[task_index] = first + count
+        else:
+            first = self._sparse.get(task_index, 0)
+            self._sparse[task_index] = first + count
+        return first
+
+
+class Materializer:
+    """Validates input rows and expands each into its repeats, laid out aabbcc."""
+
+    def __init__(self, spec: MaterializeSpec) -> None:
+        self._spec = spec
+        self._digests = _DigestTable(estimate_rows(spec.input_path, spec.limit))
+        self._counters = _RolloutCounters()
+        self._own_ids: _DigestTable | None = None
+        self._next_task = 0
+        self.tasks = 0
+
+    def expand(self, raw: bytes, row: dict[str, Any], where: str) -> Iterator[dict[str, Any]]:
+        """The materialized rows for one input row, made one at a time as they are consumed.
+
+        Validation happens before this returns; the rows are lazy so that a
+        task with many repeats never sits in memory whole. Empty when the
+        task is in another shard.
+        """
+        _check_reserved_keys(row, where)
+        agent = self._resolve_agent(row, where)
+        self._merge_overrides(row, where)
+        task_index = self._task_index(raw, row, where)
+        repeats = self._repeats_for(agent, where)
+        if ROLLOUT_ID in row:
+            _check_own_rollout_id(row[ROLLOUT_ID], repeats, where)
+            self._check_unique_id(row[ROLLOUT_ID], where)
+        if self._spec.shard_filter is not None and not self._spec.shard_filter(task_index):
+            return iter(())
+        first = self._counters.take(task_index, repeats)
+        if first + repeats - 1 > MAX_ROLLOUT_INDEX:
+            raise ConfigError(
+                f"{where}: task {task_index} would get more than {MAX_ROLLOUT_INDEX + 1:,} "
+                "rollouts (identical rows share one task, and their repeats add up)"
+            )
+        return _repeats(row, task_index, first, repeats)
+
+    def _check_unique_id(self, rollout_id: str, where: str) -> None:
+        # Two rows with one id would share capture files and rows: refuse.
+        if self._own_ids is None:
+            self._own_ids = _DigestTable()
+        digest = int.from_bytes(hashlib.blake2b(rollout_id.encode(), digest_size=8).digest())
+        line = int(where.rpartition(":")[2])
+        first = self._own_ids.get_or_add(digest, line)
+        if first != line:
+            raise ConfigError(
+                f"{where}: {ROLLOUT_ID} {rollout_id!r} is already the id of the row on line "
+                f"{first}; rollout ids must be unique"
+            )
+
+    def _resolve_agent(self, row: dict[str, Any], where: str) -> str:
+        ref = row.get(AGENT_REF)
+        if ref is None and self._spec.default_agent is not None:
+            ref = row[AGENT_REF] = {"name": self._spec.default_agent}
+        if ref is None:
+            raise ConfigError(f"{where}: row has no agent_ref and no default agent is set")
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if not isinstance(name, str):
+            raise ConfigError(f'{where}: agent_ref must be an object like {{"name": "..."}}')
+        if name not in self._spec.agents:
+            known = ", ".join(sorted(self._spec.agents)) or "none"
+            raise ConfigError(f"{where}: agent {name!r} is not configured (configured: {known})")
+        return name
+
+    def _merge_overrides(self, row: dict[str, Any], where: str) -> None:
+        params = row.get(RESPONSES_CREATE_PARAMS)
+        if params is not None and not isinstance(params, dict):
+            raise ConfigError(f"{where}: {RESPONSES_CREATE_PARAMS} must be an object")
+        if self._spec.overrides:
+            row[RESPONSES_CREATE_PARAMS] = {**(params or {}), **self._spec.overrides}
+
+    def _task_index(self, raw: bytes, row: dict[str, Any], where: str) -> int:
+        own = row.get(TASK_INDEX)
+        if own is not None:
+            problem = task_index_problem(own)
+            if problem is not None:
+                raise ConfigError(f"{where}: {problem}")
+            self.tasks += 1
+            return int(own)
+        digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+        index = self._digests.get_or_add(digest, self._next_task)
+        if index == self._next_task:
+            self._counters.new_task(index)
+            self._next_task += 1
+            self.tasks += 1
+        return index
+
+    def _repeats_for(self, agent: str, where: str) -> int:
+        repeats = self._spec.num_repeats
+        if isinstance(repeats, int):
+            return repeats
+        if agent in repeats:
+            return repeats[agent]
+        if DEFAULT_REPEATS_KEY in repeats:
+            return repeats[DEFAULT_REPEATS_KEY]
+        raise ConfigError(
+            f"{where}: num_repeats has no entry for agent {agent!r} and no {DEFAULT_REPEATS_KEY!r}"
+        )
+
+
+def _repeats(
+    row: dict[str, Any], task_index: int, first: int, repeats: int
+) -> Iterator[dict[str, Any]]:
+    for rollout_index in range(first, first + repeats):
+        copy = dict(row)
+        copy[TASK_INDEX] = task_index
+        copy[ROLLOUT_INDEX] = rollout_index
+        yield copy
+
+
+def _check_reserved_keys(row: dict[str, Any], where: str) -> None:
+    reserved = RESERVED_INPUT_KEYS.intersection(row)
+    if reserved:
+        raise ConfigError(
+            f"{where}: task rows must not carry the dispatcher's own keys "
+            f"({', '.join(sorted(reserved))})"
+        )
+
+
+def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
+    problem = own_rollout_id_problem(value)
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
+    if repeats != 1:
+        raise ConfigError(
+            f"{where}: a row with its own {ROLLOUT_ID} cannot be repeated ({repeats} repeats)"
+        )
+
+
+def iter_input_rows(
+    path: Path, limit: int | None, skip_invalid: bool, hasher: Any
+) -> Iterator[tuple[str, bytes, dict[str, Any]]]:
+    """Yield ``(where, raw, row)`` per task line, streaming; ``hasher`` sees every byte read."""
+    taken = 0
+    with _open_input(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if limit is not None and taken >= limit:
+                return
+            hasher.update(line)
+            raw = line.strip()
+            if not raw:
+                continue
+            where = f"{path}:{line_no}"
+            row = _parse_row(raw, where, skip_invalid)
+            if row is None:
+                continue
+            taken += 1
+            yield where, raw, row
+
+
+def _open_input(path: Path) -> BinaryIO:
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: input file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read input: {exc.strerror}") from None
+
+
+def _parse_row(raw: bytes, where: str, skip_invalid: bool) -> dict[str, Any] | None:
+    try:
+        row = jsonx.loads(raw)
+        problem = None if isinstance(row, dict) else "line is not a JSON object"
+    except orjson.JSONDecodeError as exc:
+        problem = f"line is not valid JSON ({exc})"
+    if problem is None:
+        return row  # type: ignore[no-any-return]
+    if skip_invalid:
+        log.warning("input_row_skipped", where=where, reason=problem)
+        return None
+    raise ConfigError(f"{where}: {problem}")
+
+
+def input_digest(spec: MaterializeSpec) -> str:
+    """The ``input_digest`` that ``materialize`` records, without materializing."""
+    if spec.limit is None:
+        # Every line is read, so the digest is the whole file's: no need to parse it.
+        whole = file_digest(spec.input_path)
+        if whole is not None:
+            return whole
+    hasher = hashlib.sha256()
+    for _ in iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, hasher):
+        pass
+    return hasher.hexdigest()
+
+
+def file_digest(path: Path) -> str | None:
+    """sha256 of a file (a materialized file's ``materialized_digest``); None if missing."""
+    hasher = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                hasher.update(chunk)
+    except FileNotFoundError:
+        return None
+    return hasher.hexdigest()
+
+
+def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:
+    """Stream the task file into ``destination`` (blocking: run it in a thread).
+
+    The caller writes to a temporary name and renames it into place, so a bad
+    line leaves no materialized file behind.
+    """
+    materializer = Materializer(spec)
+    input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
+    input_rows = rollouts = 0
+    by_agent: dict[str, int] = {}
+    rows = iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, input_hash)
+    with destination.open("wb") as out:
+        for where, raw, row in rows:
+            input_rows += 1
+            written = 0
+            for data, count in _encoded_batches(materializer.expand(raw, row, where)):
+                output_hash.update(data)
+                out.write(data)
+                written += count
+            if written:
+                rollouts += written
+                agent = row[AGENT_REF]["name"]
+                by_agent[agent] = by_agent.get(agent, 0) + written
+        out.flush()
+        os.fsync(out.fileno())
+    return MaterializeResult(
+        input_rows=input_rows,
+        tasks=materializer.tasks,
+        rollouts=rollouts,
+        rollouts_by_agent=by_agent,
+        input_digest=input_hash.hexdigest(),
+        materialized_digest=output_hash.hexdigest(),
+    )
+
+
+_WRITE_BATCH_ROWS = 1024
+
+
+def _encoded_batches(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[bytes, int]]:
+    """Lines of up to ``_WRITE_BATCH_ROWS`` rows at a time, with their count."""
+    it = iter(rows)
+    while batch := list(itertools.islice(it, _WRITE_BATCH_ROWS)):
+        yield b"".join(jsonx.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in batch), len(batch)
