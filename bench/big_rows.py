@@ -267,9 +267,9 @@ async def _stall_while(work: Callable[[], Any]) -> float:
 
 def capture_compare(work: Path, calls: int = 50, call_bytes: int = 200_000) -> None:
     """A rollout with many big captured calls: its merge on the loop and in the worker."""
-    from dispatcher.capture.finalize import attach_capture
     from dispatcher.capture.store import capture_path
     from dispatcher.rows import finalize as finalizer
+    from dispatcher.rows.capture import attach_capture
     from dispatcher.rows.offload import off_loop
     from dispatcher.rows.wire import row_line
 

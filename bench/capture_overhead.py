@@ -30,7 +30,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server
 
-from dispatcher.capture.finalize import attach_capture
+from dispatcher.rows.capture import attach_capture
 from dispatcher.sim.model_client import call_model, request_body
 
 

@@ -21,7 +21,6 @@ import pytest
 from aiohttp import web
 
 from dispatcher.admission.bytebudget import ByteBudget
-from dispatcher.capture.finalize import attach_capture
 from dispatcher.delivery.client import classify_response
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import ExitCode
@@ -30,6 +29,7 @@ from dispatcher.files.resume import OutputPaths
 from dispatcher.outcome import Outcome
 from dispatcher.rows import finalize as finalizer
 from dispatcher.rows import offload
+from dispatcher.rows.capture import attach_capture
 from dispatcher.rows.jsonworker import WorkerProcess
 from dispatcher.rows.wire import Split, WireResult, classify_big, row_line, split_body, wire_result
 from dispatcher.sim.agent import TOKENS_KEY, token_logprobs_json

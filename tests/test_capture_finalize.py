@@ -8,7 +8,6 @@ from typing import Any
 import orjson
 import pytest
 
-from dispatcher.capture.finalize import attach_capture, clear_rollout_captures
 from dispatcher.capture.records import Exchange, encode_record
 from dispatcher.capture.store import (
     append_line,
@@ -19,6 +18,7 @@ from dispatcher.capture.store import (
     incomplete_path,
     release_claim,
 )
+from dispatcher.rows.capture import attach_capture, clear_rollout_captures
 
 
 def exchange_line(

@@ -14,9 +14,9 @@ from typing import Any
 
 import orjson
 
-from dispatcher.capture.finalize import attach_capture
 from dispatcher.capture.records import parse_record
 from dispatcher.capture.store import capture_path
+from dispatcher.rows.capture import attach_capture
 from dispatcher.sim.model_client import agent_trajectory
 from dispatcher.trajectory.schema import TrajectoryRecord
 

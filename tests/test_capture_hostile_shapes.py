@@ -16,9 +16,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.capture.finalize import attach_capture
 from dispatcher.capture.proxy import build_proxy_app
 from dispatcher.capture.store import capture_path
+from dispatcher.rows.capture import attach_capture
 from dispatcher.trajectory.schema import TrajectoryRecord
 from tests.conftest import SimAgentFactory
 from tests.helpers import read_jsonl, run_args, run_cli, serve, write_tasks

@@ -16,9 +16,9 @@ import structlog.testing
 from aiohttp import web
 from yarl import URL
 
-from dispatcher.capture.finalize import attach_capture
 from dispatcher.capture.proxy import STORE_KEY, build_proxy_app
 from dispatcher.capture.store import capture_path, claims_path
+from dispatcher.rows.capture import attach_capture
 from dispatcher.sim.agent import SimAgentConfig, build_sim_agent_app
 from dispatcher.sim.model import STATS_KEY, SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import ModelCallError, call_model, request_body

@@ -7,9 +7,9 @@ from typing import Any
 
 import orjson
 
-from dispatcher.capture.finalize import attach_agent_trajectory, attach_capture
 from dispatcher.capture.records import parse_record
 from dispatcher.capture.store import capture_path
+from dispatcher.rows.capture import attach_agent_trajectory, attach_capture
 from dispatcher.trajectory.observations import observed_from
 from dispatcher.trajectory.schema import TrajectoryRecord
 

@@ -23,7 +23,7 @@ millions of rows are scanned on resume, so they stay dicts with a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Final, NotRequired, TypedDict
+from typing import Annotated, Any, Final
 
 from pydantic import (
     BaseModel,
@@ -36,6 +36,39 @@ from pydantic import (
 )
 
 from dispatcher.lifecycle import JobState
+from dispatcher.tasks.keys import (
+    DISPATCH_KEY as DISPATCH_KEY,
+)
+from dispatcher.tasks.keys import (  # the row-key names, re-exported
+    FAILURE_CLASS as FAILURE_CLASS,
+)
+from dispatcher.tasks.keys import (
+    FAILURE_HTTP_STATUS as FAILURE_HTTP_STATUS,
+)
+from dispatcher.tasks.keys import (
+    FAILURE_KEYS as FAILURE_KEYS,
+)
+from dispatcher.tasks.keys import (
+    FAILURE_MESSAGE as FAILURE_MESSAGE,
+)
+from dispatcher.tasks.keys import (
+    FAILURE_RESPONSE_BODY as FAILURE_RESPONSE_BODY,
+)
+from dispatcher.tasks.keys import (
+    FAILURE_TERMINAL as FAILURE_TERMINAL,
+)
+from dispatcher.tasks.keys import (
+    FAILURE_TYPE as FAILURE_TYPE,
+)
+from dispatcher.tasks.keys import (
+    NO_PERSIST as NO_PERSIST,
+)
+from dispatcher.tasks.keys import (
+    NOT_DELIVERED as NOT_DELIVERED,
+)
+from dispatcher.tasks.keys import (
+    FailureKeys as FailureKeys,
+)
 
 # -- a job's status (A12) -----------------------------------------------------------
 
@@ -97,32 +130,6 @@ class JobStatus:
 
 
 # -- failure rows (A5) and agent results (A3) -----------------------------------
-
-FAILURE_CLASS: Final = "_ng_failure_class"
-FAILURE_TYPE: Final = "_ng_failure_type"
-FAILURE_MESSAGE: Final = "_ng_failure_message"
-FAILURE_HTTP_STATUS: Final = "_ng_failure_http_status"
-FAILURE_RESPONSE_BODY: Final = "_ng_failure_response_body"
-FAILURE_TERMINAL: Final = "_ng_failure_terminal"
-# A11: a rollout whose delivery deadline ran out; its row spends no attempt.
-NOT_DELIVERED: Final = "_ng_failure_not_delivered"
-# A3: an agent's "write nothing" (a kill-shaped interruption).
-NO_PERSIST: Final = "_ng_no_persist"
-# How the dispatcher saw an attempt (replica, timing), on every row it writes.
-DISPATCH_KEY: Final = "_ng_dispatch"
-
-
-class FailureKeys(TypedDict):
-    _ng_failure_class: str
-    _ng_failure_type: str
-    _ng_failure_message: str
-    _ng_failure_http_status: int | None
-    _ng_failure_response_body: str | None
-    _ng_failure_terminal: bool
-    _ng_failure_not_delivered: NotRequired[bool]
-
-
-FAILURE_KEYS: Final = frozenset(FailureKeys.__annotations__)
 
 
 def is_terminal(row: dict[str, Any]) -> bool:

@@ -11,9 +11,8 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from dispatcher.files.contracts import RunManifest
-from dispatcher.ops.table import format_table
 
-_REPLICA_FIGURES = ("sent", "delivered", "not_delivered", "probes", "opened")
+REPLICA_FIGURES = ("sent", "delivered", "not_delivered", "probes", "opened")
 
 
 def history_entry(figures: dict[str, Any], finished_at: str) -> dict[str, Any]:
@@ -41,7 +40,7 @@ def summarize(manifest: RunManifest | None) -> dict[str, Any]:
                 view = _dict(view)
                 key = (agent, url)
                 replicas[key].update(
-                    {k: view[k] for k in _REPLICA_FIGURES if type(view.get(k)) is int}
+                    {k: view[k] for k in REPLICA_FIGURES if type(view.get(k)) is int}
                 )
                 last_state[key] = str(view.get("state", "-"))
     return {
@@ -54,32 +53,6 @@ def summarize(manifest: RunManifest | None) -> dict[str, Any]:
         "local_faults": sum(_int(h.get("local_faults")) for h in hops),
         "agents_down_last_hop": hops[-1].get("agents_down", []) if hops else [],
     }
-
-
-def render(summary: dict[str, Any]) -> str:
-    """The delivery section of the human report ("" when no hop recorded one)."""
-    if not summary["hops"]:
-        return ""
-    lines = [f"\ndelivery over {summary['hops']} hop(s)"]
-    retry_rows = [
-        (agent, reason, n)
-        for agent, reasons in summary["retries"].items()
-        for reason, n in sorted(reasons.items())
-    ]
-    if retry_rows:
-        lines.append(format_table(("agent", "retried because", "tries"), retry_rows))
-    headers = ("agent", "replica", *(_REPLICA_FIGURES), "last state")
-    rows = [
-        (r["agent"], r["replica"], *(r.get(k, 0) for k in _REPLICA_FIGURES), r["last_state"])
-        for r in summary["replicas"]
-    ]
-    lines.append(format_table(headers, rows))
-    if summary["local_faults"]:
-        lines.append(f"  the dispatcher's own faults (requeued): {summary['local_faults']}")
-    if summary["agents_down_last_hop"]:
-        down = ", ".join(summary["agents_down_last_hop"])
-        lines.append(f"  agents down at the end of the last hop: {down}")
-    return "\n".join(lines)
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import structlog
@@ -33,7 +33,9 @@ from dispatcher.aio import Wakeup
 from dispatcher.errors import ConfigError, OutputWriteError
 from dispatcher.files.contracts import RunManifest
 from dispatcher.files.resume import OutputPaths
-from dispatcher.settings.config import FsyncPolicy
+
+# How durable a row is before it counts as written (``--fsync``).
+FsyncPolicy = Literal["always", "batch", "never"]
 
 log = structlog.get_logger(__name__)
 

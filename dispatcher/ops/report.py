@@ -38,7 +38,7 @@ import orjson
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
 from dispatcher.files.resume import OutputPaths, RunState, iter_rows
-from dispatcher.ops.runfiles import agent_name, read_manifest, require_run
+from dispatcher.ops.runfiles import agent_name, read_manifest, render_delivery, require_run
 from dispatcher.ops.status import Standing, max_attempts_for, standing
 from dispatcher.ops.table import format_table, utc_time
 from dispatcher.outcome import Outcome
@@ -319,7 +319,7 @@ def render_report(report: dict[str, Any]) -> str:
         _render_starts(report["starts"]),
         _render_rewards(report["rewards"]),
         _render_pass_at_k(report["pass_at_k"]),
-        delivery.render(report["delivery"]).lstrip("\n"),
+        render_delivery(report["delivery"]).lstrip("\n"),
     ]
     return "\n\n".join(s for s in sections if s) + "\n"
 

@@ -19,7 +19,9 @@ import orjson
 
 from dispatcher.errors import ConfigError
 from dispatcher.files.contracts import RunManifest
+from dispatcher.files.delivery_history import REPLICA_FIGURES
 from dispatcher.files.resume import OutputPaths
+from dispatcher.ops.table import format_table
 from dispatcher.tasks.keys import AGENT_REF
 
 NO_AGENT = "<none>"
@@ -163,3 +165,29 @@ def _timestamp(value: str | float | None) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return when.timestamp()
+
+
+def render_delivery(summary: dict[str, Any]) -> str:
+    """The delivery section of the human report ("" when no hop recorded one)."""
+    if not summary["hops"]:
+        return ""
+    lines = [f"\ndelivery over {summary['hops']} hop(s)"]
+    retry_rows = [
+        (agent, reason, n)
+        for agent, reasons in summary["retries"].items()
+        for reason, n in sorted(reasons.items())
+    ]
+    if retry_rows:
+        lines.append(format_table(("agent", "retried because", "tries"), retry_rows))
+    headers = ("agent", "replica", *(REPLICA_FIGURES), "last state")
+    rows = [
+        (r["agent"], r["replica"], *(r.get(k, 0) for k in REPLICA_FIGURES), r["last_state"])
+        for r in summary["replicas"]
+    ]
+    lines.append(format_table(headers, rows))
+    if summary["local_faults"]:
+        lines.append(f"  the dispatcher's own faults (requeued): {summary['local_faults']}")
+    if summary["agents_down_last_hop"]:
+        down = ", ".join(summary["agents_down_last_hop"])
+        lines.append(f"  agents down at the end of the last hop: {down}")
+    return "\n".join(lines)

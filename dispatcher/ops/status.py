@@ -36,6 +36,7 @@ from dispatcher.ops.runfiles import (
     last_run,
     lock_status,
     read_manifest,
+    render_delivery,
     require_run,
 )
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
@@ -288,7 +289,7 @@ def render_status(status: RunStatus) -> str:
         _render_why(status, total),
         _render_failures(total),
         _render_agents(status),
-        delivery.render(status.delivery) if status.delivery else "",
+        render_delivery(status.delivery) if status.delivery else "",
         _render_files(status),
         _render_anomalies(status),
     ]

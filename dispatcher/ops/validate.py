@@ -32,7 +32,6 @@ from dispatcher.tasks.keys import AGENT_REF
 from dispatcher.tasks.materialize import (
     Materializer,
     MaterializeResult,
-    MaterializeSpec,
     _encoded_batches,
     iter_input_rows,
 )
@@ -64,7 +63,7 @@ class Report:
 
 def count_rollouts(settings: RunSettings, shard_filter: ShardFilter) -> MaterializeResult:
     """What materializing would give, digests included, without writing anything (blocking)."""
-    spec = MaterializeSpec.from_settings(settings, shard_filter)
+    spec = settings.materialize_spec(shard_filter)
     materializer = Materializer(spec)
     input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
     input_rows = rollouts = 0

@@ -18,12 +18,12 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from dispatcher.capture.finalize import CaptureSummary, attach_agent_trajectory, attach_capture
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.delivery.client import Attempt
 from dispatcher.files.contracts import FAILURE_TERMINAL, NOT_DELIVERED
 from dispatcher.rows.build import build_row
+from dispatcher.rows.capture import CaptureSummary, attach_agent_trajectory, attach_capture
 from dispatcher.rows.offload import off_loop
 from dispatcher.rows.wire import WireResult, row_line
 from dispatcher.settings.config import RunSettings

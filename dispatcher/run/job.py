@@ -32,7 +32,6 @@ import structlog
 from dispatcher import jsonx
 from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
-from dispatcher.capture.finalize import clear_rollout_captures
 from dispatcher.delivery.client import Attempt
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import DispatcherError, ExitCode
@@ -43,6 +42,7 @@ from dispatcher.files.writer import LineIndex, RowWriter, write_manifest
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.lifecycle import JobState, Lifecycle
 from dispatcher.outcome import Outcome
+from dispatcher.rows.capture import clear_rollout_captures
 from dispatcher.rows.finalize import Finalizer
 from dispatcher.run.aggregate import write_aggregate_metrics
 from dispatcher.run.daemon import Daemon, LatencyView, peak_rss_mb

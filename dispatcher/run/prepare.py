@@ -223,7 +223,7 @@ def _materialize_checked(
     previous: RunManifest | None,
     shard_filter: Callable[[int], bool] | None,
 ) -> MaterializeResult:
-    spec = MaterializeSpec.from_settings(settings, shard_filter)
+    spec = settings.materialize_spec(shard_filter)
     _remove_stale_temporaries(paths)
     if previous is not None:
         recorded = _reusable_materialization(spec, settings, paths, previous)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dispatcher.errors import ConfigError
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
-from dispatcher.tasks.materialize import MaterializeSpec, materialize
+from dispatcher.tasks.materialize import materialize
 
 
 class BadJob(Exception):
@@ -125,7 +125,7 @@ def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch:
             tasks = _readable_input(spec.input)
         try:
             job_settings = settings(tasks)
-            materialize(MaterializeSpec.from_settings(job_settings, None), Path(folder) / "m.jsonl")
+            materialize(job_settings.materialize_spec(None), Path(folder) / "m.jsonl")
         except ConfigError as exc:
             raise BadJob(_rows_named(str(exc), tasks)) from None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -25,11 +25,12 @@ from pydantic import (
 
 from dispatcher.delivery.limits import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S
 from dispatcher.errors import ConfigError
+from dispatcher.files.writer import FsyncPolicy
 from dispatcher.tasks.keys import repeats_problem
+from dispatcher.tasks.materialize import MaterializeSpec
 from dispatcher.urls import agent_url_problem, redact_url
 
 ENV_PREFIX = "DISPATCHER_"
-FsyncPolicy = Literal["always", "batch", "never"]
 LogFormat = Literal["json", "console"]
 
 
@@ -153,6 +154,19 @@ class RunSettings(BaseModel):
         if self.concurrency == "auto":
             return self.concurrency_max
         return self.concurrency
+
+    def materialize_spec(self, shard_filter: Callable[[int], bool] | None) -> MaterializeSpec:
+        """The task-affecting settings: what materialization reads of these."""
+        return MaterializeSpec(
+            input_path=self.input,
+            agents=frozenset(self.agents),
+            default_agent=self.default_agent,
+            num_repeats=self.num_repeats,
+            limit=self.limit,
+            overrides=self.responses_create_params,
+            skip_invalid_rows=self.skip_invalid_rows,
+            shard_filter=shard_filter,
+        )
 
     @field_validator("num_repeats")
     @classmethod

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, NotRequired, TypedDict
 
 import msgspec
 import orjson
@@ -184,3 +184,32 @@ def materialized_key(line: bytes) -> int:
         row = jsonx.loads(line)
         return rollout_key(row[TASK_INDEX], row[ROLLOUT_INDEX])
     return rollout_key(int(match[1]), int(match[2]))
+
+
+# -- the keys of output and failure rows, and of agents' results ------------------
+
+FAILURE_CLASS: Final = "_ng_failure_class"
+FAILURE_TYPE: Final = "_ng_failure_type"
+FAILURE_MESSAGE: Final = "_ng_failure_message"
+FAILURE_HTTP_STATUS: Final = "_ng_failure_http_status"
+FAILURE_RESPONSE_BODY: Final = "_ng_failure_response_body"
+FAILURE_TERMINAL: Final = "_ng_failure_terminal"
+# A11: a rollout whose delivery deadline ran out; its row spends no attempt.
+NOT_DELIVERED: Final = "_ng_failure_not_delivered"
+# A3: an agent's "write nothing" (a kill-shaped interruption).
+NO_PERSIST: Final = "_ng_no_persist"
+# How the dispatcher saw an attempt (replica, timing), on every row it writes.
+DISPATCH_KEY: Final = "_ng_dispatch"
+
+
+class FailureKeys(TypedDict):
+    _ng_failure_class: str
+    _ng_failure_type: str
+    _ng_failure_message: str
+    _ng_failure_http_status: int | None
+    _ng_failure_response_body: str | None
+    _ng_failure_terminal: bool
+    _ng_failure_not_delivered: NotRequired[bool]
+
+
+FAILURE_KEYS: Final = frozenset(FailureKeys.__annotations__)

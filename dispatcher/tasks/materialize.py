@@ -20,19 +20,21 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import orjson
 import structlog
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
-from dispatcher.files.contracts import DISPATCH_KEY, FAILURE_KEYS, NO_PERSIST
 from dispatcher.tasks.keys import (
     AGENT_REF,
     ATTEMPT_INDEX,
     CAPTURE_ID,
+    DISPATCH_KEY,
+    FAILURE_KEYS,
     MAX_ROLLOUT_INDEX,
+    NO_PERSIST,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     TASK_INDEX,
@@ -41,9 +43,6 @@ from dispatcher.tasks.keys import (
     rollout_key,
     task_index_problem,
 )
-
-if TYPE_CHECKING:
-    from dispatcher.settings.config import RunSettings
 
 log = structlog.get_logger(__name__)
 
@@ -121,21 +120,6 @@ class MaterializeSpec:
     overrides: Mapping[str, Any]
     skip_invalid_rows: bool
     shard_filter: Callable[[int], bool] | None = None
-
-    @classmethod
-    def from_settings(
-        cls, settings: RunSettings, shard_filter: Callable[[int], bool] | None
-    ) -> MaterializeSpec:
-        return cls(
-            input_path=settings.input,
-            agents=frozenset(settings.agents),
-            default_agent=settings.default_agent,
-            num_repeats=settings.num_repeats,
-            limit=settings.limit,
-            overrides=settings.responses_create_params,
-            skip_invalid_rows=settings.skip_invalid_rows,
-            shard_filter=shard_filter,
-        )
 
 
 @dataclass(frozen=True)
