@@ -1,16 +1,19 @@
 """One job: one output's files and state, driven on a ``Daemon`` (DESIGN A4, A5, A9).
 
 ``Job`` owns everything of a single run: the lock and the prepared files, the
-row writers, the exact latency tracker, the outcome counts, the rollouts our
-own faults put back, and its ``Flight``s. Reading order:
+row writers, the exact latency tracker, the outcome counts, the rollouts left
+to start (``pending.py``) and its ``Flight``s. Reading order:
 
 - ``open``: lock, materialize, load what is done (``prepare.py``), open the
   writers; a failure half-way releases what was taken (an exit stack);
 - ``dispatch``: the producer admits pending rollouts through the daemon's
   pool, each into a ``Flight`` (``flight.py``), until all settle or a stop;
+  when the daemon says the budget is spent, rollouts at agents get the grace;
+- ``_landed``: a flight's ``Landing`` (its outcome, a fault of ours, or a
+  failed commit) is recorded, here and nowhere else;
 - ``close``: in-flight rollouts get the grace, then are cancelled (no row:
   they run on resume); commits are awaited, writers closed, the hop recorded
-  in the manifest, the lock released.
+  in the manifest (``reporting.py``), the lock released.
 
 Outcomes are counted in ``record`` and nowhere else. Crash-only: the output
 files are the only state; a kill -9 anywhere loses nothing acknowledged.
@@ -20,43 +23,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import structlog
 
-from dispatcher import jsonx
 from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.client import Attempt
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import DispatcherError, ExitCode
-from dispatcher.files import delivery_history as delivery
-from dispatcher.files.contracts import LastRun, is_terminal
-from dispatcher.files.resume import RunState, final_after_failure
+from dispatcher.files.resume import final_after_failure
 from dispatcher.files.writer import LineIndex, RowWriter, write_manifest
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.lifecycle import JobState, Lifecycle
 from dispatcher.outcome import Outcome
-from dispatcher.rows.capture import clear_rollout_captures
 from dispatcher.rows.finalize import Finalizer
 from dispatcher.run.aggregate import write_aggregate_metrics
-from dispatcher.run.daemon import Daemon, LatencyView, peak_rss_mb
+from dispatcher.run.daemon import Daemon, LatencyView
 from dispatcher.run.flight import Flight, FlightParts, Landing
+from dispatcher.run.pending import Pending
 from dispatcher.run.prepare import PreparedRun, prepare_run
+from dispatcher.run.reporting import hop_summary, log_rollout_finished, write_last_run
 from dispatcher.settings.config import RunSettings
-from dispatcher.tasks.keys import materialized_key
 from dispatcher.tasks.materialize import Rollout, new_capture_token
 from dispatcher.telemetry.discovery import sd_file_for, target_labels
 from dispatcher.telemetry.progress import estimate_eta_s
 
 log = structlog.get_logger("dispatcher.run")
 
-READ_BATCH_ROWS = 512
 START_BURST = 8
 
 # Called with (rollout, outcome, seq) for each final outcome: service mode's
@@ -104,8 +102,7 @@ class Job:
         self._stop = asyncio.Event()
         self._cancel_reason: str | None = None
         self._final_this_run = 0
-        self._requeued: deque[Rollout] = deque()
-        self._wake_producer = asyncio.Event()
+        self._pending: Pending | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._resources = contextlib.AsyncExitStack()
@@ -223,7 +220,7 @@ class Job:
 
     async def _produce(self) -> None:
         started = 0
-        async for rollout in self._to_start():
+        async for rollout in self._pending_rollouts().each(lambda: bool(self.flights)):
             if self.stopping():
                 return
             if self.daemon.load.is_down(rollout.agent):
@@ -242,6 +239,17 @@ class Job:
                 # startup, or when many slots free at once) would stall every
                 # other rollout's I/O: yield between small bursts.
                 await asyncio.sleep(0)
+
+    def _pending_rollouts(self) -> Pending:
+        if self._pending is None:
+            assert self.prepared is not None
+            self._pending = Pending(
+                self.prepared.paths.materialized,
+                self.prepared.state,
+                self.settings.capture_dir,
+                self._capture_token,
+            )
+        return self._pending
 
     def _launch(self, rollout: Rollout, slots: Slots) -> None:
         flight = Flight(rollout, slots, self._flight_parts())
@@ -271,7 +279,7 @@ class Job:
         self.flights.discard(flight)
         if not self.flights:
             self._idle.set()
-            self._wake_producer.set()
+            self._pending_rollouts().wake()
         rollout = flight.rollout
         if task.cancelled():
             # Cancelled at its agent: it wrote nothing and runs again on resume.
@@ -303,45 +311,6 @@ class Job:
                 landing.seq,
             )
 
-    async def _to_start(self) -> AsyncIterator[Rollout]:
-        """The task file's pending rollouts, with requeued ones first; ends when all settle."""
-        async for rollout in self._pending_rollouts():
-            while self._requeued:
-                yield await self._take_requeued()
-            yield rollout
-        # The file is read: what remains is what our own faults put back.
-        while True:
-            while self._requeued:
-                yield await self._take_requeued()
-            if not self.flights:
-                return
-            self._wake_producer.clear()
-            await self._wake_producer.wait()
-
-    async def _take_requeued(self) -> Rollout:
-        rollout = self._requeued.popleft()
-        # Whatever the faulted try left in the capture dir is not this attempt's.
-        await self._clear_captures([rollout])
-        return rollout
-
-    async def _pending_rollouts(self) -> AsyncIterator[Rollout]:
-        """Rollouts still to run, in input order, read in batches off the event loop."""
-        assert self.prepared is not None
-        state = self.prepared.state
-        with self.prepared.paths.materialized.open("rb") as f:
-            while True:
-                batch = await asyncio.to_thread(_read_batch, f, state, self._capture_token)
-                if batch is None:
-                    return
-                await self._clear_captures(batch)
-                for rollout in batch:
-                    yield rollout
-
-    async def _clear_captures(self, batch: list[Rollout]) -> None:
-        if self.settings.capture_dir is None or not batch:
-            return
-        await clear_rollout_captures(self.settings.capture_dir, [r.rollout_id for r in batch])
-
     # ---- the parts flights use -----------------------------------------------------
 
     async def _write(self, outcome: Outcome, line: bytes | None) -> int | None:
@@ -356,8 +325,7 @@ class Job:
         """Put a rollout back after our own fault: no row, no attempt spent, a smaller pool."""
         self.record(rollout, Outcome.REQUEUED, duration_s)
         if self.daemon.local_fault(fault, rollout.rollout_id):
-            self._requeued.append(rollout)
-            self._wake_producer.set()
+            self._pending_rollouts().put_back(rollout)
 
     def _left_agent(self, rollout: Rollout) -> None:
         """A flight's agent answered (or it was cancelled or put back): its slots are free."""
@@ -446,24 +414,7 @@ class Job:
             if self._on_final is not None:
                 self._on_final(rollout, outcome, seq)
         self.daemon.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
-        failure = attempt.failure if attempt is not None else None
-        self.log.log(
-            _log_level(outcome, row),
-            "rollout_finished",
-            rollout_id=rollout.rollout_id,
-            task_index=rollout.task_index,
-            rollout_index=rollout.rollout_index,
-            attempt=rollout.attempt_index,
-            agent=rollout.agent,
-            replica=attempt.replica if attempt else None,
-            outcome=outcome.value,
-            final=final,
-            duration_s=round(duration_s, 4),
-            retries=attempt.retries if attempt else 0,
-            http_status=failure.http_status if failure else None,
-            failure_message=failure.message if failure else None,
-            capture=capture or None,
-        )
+        log_rollout_finished(self.log, rollout, outcome, final, duration_s, attempt, row, capture)
 
     def _latency_views(self) -> tuple[LatencyView, ...]:
         # The daemon's live view is this tracker itself for ``dispatcher run``.
@@ -526,68 +477,13 @@ class Job:
         return estimate_eta_s(self.remaining(), rollouts_per_hour)
 
     def summary(self) -> dict[str, Any]:
-        daemon = self.daemon
-        dispatch_s = daemon.dispatch_seconds(self._dispatch_ended)
-        successes = self.outcomes.get(Outcome.SUCCESS.value, 0)
-        summary = {
-            "outcomes": dict(self.outcomes),
-            "remaining": self.remaining(),
-            "rollouts_per_hour": successes / dispatch_s * 3600.0 if dispatch_s > 0 else 0.0,
-            "latency_s": {
-                f"p{int(q * 100)}": self.tracker.quantile(q) for q in (0.5, 0.75, 0.95, 0.99)
-            },
-            "elapsed_s": round(daemon.elapsed_s(), 3),
-            "dispatch_s": round(dispatch_s, 3),
-            "event_loop_lag_p99_s": daemon.lag.p99_s(),
-            "event_loop_lag_max_s": daemon.lag.max_s(),
-            "peak_rss_mb": peak_rss_mb(),
-            **daemon.delivery_figures(),
-            **self.tracker.summary(),
-        }
-        if self.remaining() > 0:
-            summary["resume"] = "rerun the same command to run the remaining rollouts"
-        return summary
+        return hop_summary(
+            self.daemon, self.tracker, self.outcomes, self.remaining(), self._dispatch_ended
+        )
 
     def _write_last_run(self, summary: dict[str, Any]) -> None:
         assert self.prepared is not None
-        finished_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         error = self.fatal or self.daemon.fatal
-        last_run = LastRun(
-            finished_at=finished_at,
-            exit_code=int(error.exit_code if error else self._final_exit_code()),
-            # What `dispatcher status` needs to say why rollouts wrote no row.
-            drained=self.outcomes.get(Outcome.DRAINED.value, 0),
-            cancelled=self.outcomes.get(Outcome.CANCELLED.value, 0),
-            kill_shaped=self.outcomes.get(Outcome.KILL_SHAPED.value, 0),
-            summary=summary,
-        )
-        entry = delivery.history_entry(self.daemon.delivery_figures(), finished_at)
-        record = self.prepared.record.ended_hop(last_run, entry)
-        write_manifest(self.prepared.paths.manifest, record)
-
-
-def _log_level(outcome: Outcome, row: dict[str, Any] | None) -> int:
-    """Failures at warning, terminal ones at error; everything else at info."""
-    if not outcome.writes_failure_row:
-        return logging.INFO
-    return logging.ERROR if row is not None and is_terminal(row) else logging.WARNING
-
-
-def _read_batch(
-    f: BinaryIO, state: RunState, capture_token: str | None = None
-) -> list[Rollout] | None:
-    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end."""
-    batch: list[Rollout] = []
-    for _ in range(READ_BATCH_ROWS * 8):
-        line = f.readline()
-        if not line:
-            return batch or None
-        # Most rows are final on a late resume: find their key without parsing them.
-        key = materialized_key(line)
-        if state.is_final(key):
-            continue
-        row = jsonx.loads(line)
-        batch.append(Rollout.from_materialized(row, state.attempt_index(key), capture_token))
-        if len(batch) >= READ_BATCH_ROWS:
-            break
-    return batch
+        exit_code = int(error.exit_code if error else self._final_exit_code())
+        figures = self.daemon.delivery_figures()
+        write_last_run(self.prepared, summary, self.outcomes, exit_code, figures)

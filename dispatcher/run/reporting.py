@@ -1,0 +1,115 @@
+"""What a job tells: a ``rollout_finished`` event per attempt, and per hop its
+``run_summary`` and the manifest's ``last_run``.
+
+Functions of the figures a ``Job`` hands over; ``Job.record`` logs the first,
+``Job.close`` logs the summary and writes ``last_run`` (``dispatcher status``
+reads it to say why rollouts wrote no row).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from dispatcher.delivery.client import Attempt
+from dispatcher.files import delivery_history as delivery
+from dispatcher.files.contracts import LastRun, is_terminal
+from dispatcher.files.resume import OutputPaths
+from dispatcher.files.writer import write_manifest
+from dispatcher.latency.tracker import DispatchLatencyTracker
+from dispatcher.outcome import Outcome
+from dispatcher.run.daemon import Daemon, peak_rss_mb
+from dispatcher.run.prepare import PreparedRun
+from dispatcher.tasks.materialize import Rollout
+
+SUMMARY_QUANTILES = (0.5, 0.75, 0.95, 0.99)
+
+
+def log_rollout_finished(
+    log: Any,
+    rollout: Rollout,
+    outcome: Outcome,
+    final: bool,
+    duration_s: float,
+    attempt: Attempt | None,
+    row: dict[str, Any] | None,
+    capture: dict[str, Any] | None,
+) -> None:
+    """One event per attempt: failures at warning, terminal ones at error, others at info."""
+    failure = attempt.failure if attempt is not None else None
+    log.log(
+        _level(outcome, row),
+        "rollout_finished",
+        rollout_id=rollout.rollout_id,
+        task_index=rollout.task_index,
+        rollout_index=rollout.rollout_index,
+        attempt=rollout.attempt_index,
+        agent=rollout.agent,
+        replica=attempt.replica if attempt else None,
+        outcome=outcome.value,
+        final=final,
+        duration_s=round(duration_s, 4),
+        retries=attempt.retries if attempt else 0,
+        http_status=failure.http_status if failure else None,
+        failure_message=failure.message if failure else None,
+        capture=capture or None,
+    )
+
+
+def _level(outcome: Outcome, row: dict[str, Any] | None) -> int:
+    if not outcome.writes_failure_row:
+        return logging.INFO
+    return logging.ERROR if row is not None and is_terminal(row) else logging.WARNING
+
+
+def hop_summary(
+    daemon: Daemon,
+    tracker: DispatchLatencyTracker,
+    outcomes: Counter[str],
+    remaining: int,
+    dispatch_ended: float | None,
+) -> dict[str, Any]:
+    """The hop's ``run_summary`` event: outcomes, rate, latency, delivery, the loop."""
+    dispatch_s = daemon.dispatch_seconds(dispatch_ended)
+    successes = outcomes.get(Outcome.SUCCESS.value, 0)
+    summary = {
+        "outcomes": dict(outcomes),
+        "remaining": remaining,
+        "rollouts_per_hour": successes / dispatch_s * 3600.0 if dispatch_s > 0 else 0.0,
+        "latency_s": {f"p{int(q * 100)}": tracker.quantile(q) for q in SUMMARY_QUANTILES},
+        "elapsed_s": round(daemon.elapsed_s(), 3),
+        "dispatch_s": round(dispatch_s, 3),
+        "event_loop_lag_p99_s": daemon.lag.p99_s(),
+        "event_loop_lag_max_s": daemon.lag.max_s(),
+        "peak_rss_mb": peak_rss_mb(),
+        **daemon.delivery_figures(),
+        **tracker.summary(),
+    }
+    if remaining > 0:
+        summary["resume"] = "rerun the same command to run the remaining rollouts"
+    return summary
+
+
+def write_last_run(
+    prepared: PreparedRun,
+    summary: dict[str, Any],
+    outcomes: Counter[str],
+    exit_code: int,
+    delivery_figures: dict[str, Any],
+) -> None:
+    """Record the hop in the manifest (blocking: call it in a thread)."""
+    finished_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    last_run = LastRun(
+        finished_at=finished_at,
+        exit_code=exit_code,
+        # What `dispatcher status` needs to say why rollouts wrote no row.
+        drained=outcomes.get(Outcome.DRAINED.value, 0),
+        cancelled=outcomes.get(Outcome.CANCELLED.value, 0),
+        kill_shaped=outcomes.get(Outcome.KILL_SHAPED.value, 0),
+        summary=summary,
+    )
+    entry = delivery.history_entry(delivery_figures, finished_at)
+    paths: OutputPaths = prepared.paths
+    write_manifest(paths.manifest, prepared.record.ended_hop(last_run, entry))
