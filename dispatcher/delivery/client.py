@@ -117,7 +117,7 @@ class DeliveryPolicy:
     limits: ResponseLimits = field(default_factory=ResponseLimits)
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
-    # Load (``concurrency.py``): hard caps and the adaptive controllers' rules.
+    # Load (``adaptive.py``): hard caps and the adaptive controllers' rules.
     replica_cap: int | None = None
     max_starts_per_s: float | None = None
     aimd: AimdPolicy | None = None

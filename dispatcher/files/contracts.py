@@ -7,7 +7,7 @@
 - ``LastRun``: the manifest's ``last_run``, what ``dispatcher status`` needs
   to say why rollouts wrote no row.
 - ``JobStatus``: a job's status in service mode (``GET /v1/jobs/<id>``),
-  built by ``serve/service.py`` and read by ``dispatcher.client``.
+  built by ``serve/jobs.py`` and read by ``dispatcher.client``.
 - The failure-row keys (``_ng_failure_*``) and the other outcome keys an
   agent's result may carry (``_ng_no_persist``); ``FailureKeys`` types them.
 

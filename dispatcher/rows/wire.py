@@ -28,7 +28,7 @@ from dispatcher.delivery.client import Classified, classify_object, classify_res
 from dispatcher.rows.build import RESERVED_SUCCESS_KEYS
 from dispatcher.tasks.keys import split_row
 
-# Keys the dispatcher reads or overwrites are decoded (rows.py compares the
+# Keys the dispatcher reads or overwrites are decoded (build.py compares the
 # reserved ones with its own values); everything else is bytes.
 OWN_PREFIX = "_ng_"
 # A surrogate escape is valid to the splitter but a lone one is not to orjson,

@@ -5,7 +5,7 @@ mode, the jobs API), the signal handlers, the HTTP session to the agents, the
 agents' health and limits, the slot pool, the commit queue, the budget, the
 live latency view, the metrics and the loop-lag monitor. Jobs (``job.py``)
 own their files and state and borrow these parts. ``dispatcher run`` is one
-job on a daemon of its own (``service.py``); ``dispatcher serve`` runs any
+job on a daemon of its own (``one_job.py``); ``dispatcher serve`` runs any
 number (``serve/``).
 
 Startup is an exit stack: whatever started is stopped again, in reverse

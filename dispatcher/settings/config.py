@@ -52,7 +52,7 @@ class RunSettings(BaseModel):
     shard: str | None = None
 
     concurrency: int | Literal["auto"] | None = Field(default=64)
-    # Load caps (``concurrency.py``); hard, never exceeded, in every mode.
+    # Load caps (``delivery/adaptive.py``); hard, never exceeded, in every mode.
     concurrency_min: int = Field(default=1, ge=1)
     concurrency_max: int = Field(default=1024, ge=1)
     agent_concurrency: dict[str, int] = Field(default_factory=dict)

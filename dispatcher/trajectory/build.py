@@ -6,7 +6,7 @@ readers (its ``TrajectoryRecord`` model, ``gym eval health-check``) accept our r
 conversations referencing their model calls, ``turns`` are assistant responses,
 ``model_calls`` carry ``response_metadata`` and ``token_stats``, and ``gaps``
 name what could not be observed. The schema forbids unknown keys; the models
-(``trajectory_schema.py``) mirror it, and whatever we emit is built from them.
+(``schema.py``) mirror it, and whatever we emit is built from them.
 
 An agent may send its own ``ng_trajectory``: when valid it is kept, identity
 re-stamped (a mismatch is a gap), and the captured calls are merged into its

@@ -2,7 +2,7 @@
 
 Gym's schema forbids unknown keys, so every ``ng_trajectory`` we emit is built
 from these models and a row never carries a key Gym's readers would refuse.
-``trajectory.py`` builds records from them; ``observations.py`` reads an
+``build.py`` builds records from them; ``observations.py`` reads an
 agent's own observations into them.
 """
 
