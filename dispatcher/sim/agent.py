@@ -1,6 +1,7 @@
 """A simulated agent server speaking the agent protocol (``POST /run``).
 
-Latency is fixed or lognormal; each request can fail as HTTP 500, HTTP 503,
+Latency is fixed or lognormal (heavy-tailed: ``--latency-dist
+lognormal:MEDIAN_S,SIGMA``); each request can fail as HTTP 500, HTTP 503,
 a hang, a malformed body or a kill-shaped answer, with the given
 probabilities (drawn per request from a generator seeded by ``--seed``); the
 first ``--rate-limit-first`` requests are refused with HTTP 429 and a
@@ -9,7 +10,10 @@ rollouts in flight, latency grows with the cube of the overload (so
 throughput falls) and past 1.25·C it answers 429; ``--capacity-then`` and
 ``--capacity-change-after-s`` change C mid-run.
 Latency and reward are drawn from the rollout's identity, so they are the
-same on every resume.
+same on every resume. A reward is 1.0 with probability ``--reward-p``, the
+same for every task, or with ``--reward-p task`` a probability of each
+task's own (uniform in [0, 1], drawn from the task index): some tasks are
+always solved, some never, most in between, as a group filter sees them.
 ``GET /stats`` reports the requests seen and the most ever in flight at once.
 """
 
@@ -46,7 +50,8 @@ class SimAgentConfig:
     hang: float = 0.0
     malformed: float = 0.0
     kill_shaped: float = 0.0
-    reward_p: float = 0.5
+    # A probability, or None: each task has a probability of its own.
+    reward_p: float | None = 0.5
     seed: int = 0
     model_url: str | None = None
     model_calls: int = 0
@@ -126,6 +131,13 @@ def _latency(config: SimAgentConfig, rng: random.Random) -> float:
     return config.latency_s
 
 
+def _reward_p(config: SimAgentConfig, row: dict[str, Any]) -> float:
+    if config.reward_p is not None:
+        return config.reward_p
+    identity = f"{config.seed}:task:{row.get('_ng_task_index')}".encode()
+    return random.Random(hashlib.blake2b(identity, digest_size=8).digest()).random()
+
+
 def _result(
     row: dict[str, Any], reward_p: float, rng: random.Random, calls: list[Any]
 ) -> dict[str, Any]:
@@ -176,7 +188,7 @@ async def _answer(
     if failure == "kill_shaped":
         return _json({NO_PERSIST: True, "reason": "simulated preemption"})
     calls = await _call_model(request, config, row)
-    result = _result(row, config.reward_p, rng, calls)
+    result = _result(row, _reward_p(config, row), rng, calls)
     if config.agent_trajectory and calls:
         result["ng_trajectory"] = agent_trajectory(
             task_id=row[TASK_INDEX],
@@ -276,16 +288,56 @@ async def _client_session(app: web.Application) -> Any:
     await app[SESSION_KEY].close()
 
 
+def latency_dist(text: str) -> dict[str, Any]:
+    """``fixed:S`` or ``lognormal:MEDIAN_S,SIGMA`` as config fields (an argparse type)."""
+    kind, _, numbers = text.partition(":")
+    try:
+        values = [float(n) for n in numbers.split(",")] if numbers else []
+    except ValueError:
+        values = []
+    if kind == "fixed" and len(values) == 1 and values[0] >= 0:
+        return {"latency": "fixed", "latency_s": values[0]}
+    if kind == "lognormal" and len(values) == 2 and values[0] > 0 and values[1] >= 0:
+        return {"latency": "lognormal", "latency_s": values[0], "latency_sigma": values[1]}
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected fixed:SECONDS or lognormal:MEDIAN_S,SIGMA (e.g. lognormal:0.25,1)"
+    )
+
+
+def reward_p(text: str) -> float | None:
+    """A probability in [0, 1], or ``task`` (None: a probability per task)."""
+    if text == "task":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a probability in [0, 1], or 'task'")
+    return value
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("sim-agent", help="run a simulated agent server")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--latency", choices=("fixed", "lognormal"), default="fixed")
     p.add_argument("--latency-s", type=float, default=0.0, help="fixed latency or lognormal median")
     p.add_argument("--latency-sigma", type=float, default=0.5)
+    p.add_argument(
+        "--latency-dist",
+        type=latency_dist,
+        metavar="fixed:S|lognormal:MEDIAN_S,SIGMA",
+        help="the latency in one flag (heavy-tailed: lognormal with sigma 1 or more)",
+    )
     for name in _FAILURES:
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, type=float, default=0.0, help=f"probability of {name}")
-    p.add_argument("--reward-p", type=float, default=0.5, help="probability of reward 1.0")
+    p.add_argument(
+        "--reward-p",
+        type=reward_p,
+        default=0.5,
+        help="probability of reward 1.0, or 'task': a probability per task, uniform in [0, 1]",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--rate-limit-first", type=int, default=0, help="answer the first N requests with 429"
@@ -320,5 +372,8 @@ async def _main(args: argparse.Namespace) -> int:
     # the default GC thresholds would pause the simulated agent for 100+ ms.
     tune_gc()
     fields = SimAgentConfig.__dataclass_fields__
-    config = SimAgentConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if args.latency_dist is not None:
+        values.update(args.latency_dist)
+    config = SimAgentConfig(**values)
     return await serve_until_signal(build_sim_agent_app(config), args.listen, "sim-agent")
