@@ -99,12 +99,15 @@ async def test_a_served_job_whose_rollouts_were_never_delivered_is_not_done(
     await agent.start()
     state = tmp_path / "state"
     serve = await Serve.start(state, agent.url, "--delivery-deadline-s", "0", "--max-attempts", "1")
+    code = None
     try:
         await serve.submit(job_id="j", rows=rows(3))
         await _wait_for(lambda: agent.seen >= 6)
         status = await serve.job("j")
         code = await serve.stop(signal.SIGTERM)
     finally:
+        if code is None:
+            await serve.stop(signal.SIGKILL)
         await agent.close()
 
     assert status["state"] != "done", status
