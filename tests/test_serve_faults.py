@@ -291,6 +291,7 @@ async def test_jobs_with_corrupt_files_are_failed_with_one_line_while_the_others
         assert standing[job_id]["state"] == "failed"
         assert reason in standing[job_id]["error"]
         assert f"{job_id}: " in text.stdout
+    assert "jobs whose job.json cannot be read" in text.stdout
     for output in (again.proc.stderr, [files.stderr.encode(), text.stderr.encode()]):
         assert b"Traceback" not in b"".join(output)
     events = [e["event"] for e in again.proc.events()]
@@ -442,6 +443,8 @@ async def test_a_full_disk_fails_the_job_with_the_reason_and_a_restart_resumes_i
     assert policy_now == (200, {"version": 0})
     assert healthy_again == (200, {"status": "ok"})
     assert policy_after == (200, {"version": 1})
+    # Named in one line each, never a traceback.
+    assert b"Traceback" not in b"".join(serve.proc.stderr)
 
     again = await Serve.start(state, gated_agent.url)
     try:

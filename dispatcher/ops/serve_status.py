@@ -153,9 +153,15 @@ def render_state_dir(status: StateDirStatus) -> str:
                    "failed", "left"]  # fmt: skip
         lines.append(format_table(headers, rows))
     lines.extend(f"{job.job_id}: {job.error}" for job in status.jobs if job.state == "failed")
-    unfinished = sum(1 for job in status.jobs if not job.settled)
+    unreadable = sum(1 for job in status.jobs if isinstance(job.record, Unreadable))
+    unfinished = sum(1 for job in status.jobs if not job.settled) - unreadable
     if unfinished:
         lines.append(f"{unfinished} jobs not done or cancelled: `dispatcher serve` resumes them")
+    if unreadable:
+        lines.append(
+            f"{unreadable} jobs whose job.json cannot be read: fix it, or move the job's "
+            "folder aside to submit it again"
+        )
     return "\n".join(lines) + "\n"
 
 

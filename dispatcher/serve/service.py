@@ -117,11 +117,19 @@ class ServedJob:
             # first to hear of it.
             log_crash("job_task_crashed", exc, job_id=self.job_id)
             state, error = JobState.FAILED, self._crash_reason(exc)
-            if self.job is not None:
-                self.service.daemon.jobs.discard(self.job)
+            self._release(self.job)
         if self.groups is not None:
             await self.groups.close()
         await self._settle(state, error)
+
+    def _release(self, job: Job | None) -> None:
+        """What a hop that crashed half-way through its close still holds: its place
+        among the daemon's jobs and its files' lock (releasing twice is harmless)."""
+        if job is None:
+            return
+        self.service.daemon.jobs.discard(job)
+        if job.prepared is not None:
+            job.prepared.lock.release()
 
     def _crash_reason(self, exc: Exception) -> str:
         """The first error of the job (a row writer's, say), else the crash itself."""
