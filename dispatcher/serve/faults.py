@@ -55,6 +55,8 @@ class StateDirHealth:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.error: str | None = None
+        # Probes share one file: two at once would race for its temporary name.
+        self._probing = asyncio.Lock()
 
     def failed(self, error: str) -> None:
         if self.error is None:
@@ -68,11 +70,12 @@ class StateDirHealth:
 
     async def check(self) -> str | None:
         """The fault, after one probe write (a fault that cleared reports None)."""
-        if self.error is None:
+        async with self._probing:
+            if self.error is None:
+                return None
+            try:
+                await asyncio.to_thread(self.registry.probe)
+            except OSError:
+                return self.error
+            self.wrote()
             return None
-        try:
-            await asyncio.to_thread(self.registry.probe)
-        except OSError:
-            return self.error
-        self.wrote()
-        return None
