@@ -352,7 +352,7 @@ async def test_bad_job_bodies_are_400_naming_the_field_and_create_nothing(
         assert await serve.stop() == 0
 
 
-async def test_a_job_folder_that_exists_without_its_record_is_a_conflict(
+async def test_a_job_folder_that_exists_without_its_record_is_a_failed_job_and_a_conflict(
     tmp_path: Path, sim_agent: SimAgentFactory
 ) -> None:
     url, _ = await sim_agent()
@@ -361,12 +361,18 @@ async def test_a_job_folder_that_exists_without_its_record_is_a_conflict(
     (state / "jobs" / "taken" / "rollouts.jsonl").write_bytes(b'{"other": 1}\n')
     serve = await Serve.start(state, url)
     try:
+        status = await serve.job("taken")
         async with serve.http.post(
             f"{serve.url}/v1/jobs", data=orjson.dumps({"job_id": "taken", "rows": rows(1)})
         ) as r:
             assert r.status == 409
+            conflict = (await r.json())["error"]
     finally:
-        assert await serve.stop() == 0
+        # The job is failed, not settled: the daemon says so with its exit code.
+        assert await serve.stop() == 75
+    assert status["state"] == "failed" and status["final"] is True
+    assert "job.json: missing" in status["error"]
+    assert str(state / "jobs" / "taken") in conflict and "move" in conflict
     assert (state / "jobs" / "taken" / "rollouts.jsonl").read_bytes() == b'{"other": 1}\n'
 
 

@@ -8,7 +8,9 @@ but never started has no files yet and shows none.
 
 A job's state is the final one its record holds (``done``, ``cancelled``,
 ``failed``, ``incomplete``), else ``unfinished``: a daemon started on this
-directory resumes every job but the done and cancelled ones.
+directory resumes every job but the done and cancelled ones. A job whose
+record cannot be read is ``failed`` with the reason (the daemon lists it the
+same way and never runs it). Its counts are its files': every pass of it.
 
 Exit code: 0 when every job is settled (done or cancelled), 75 when some
 would be resumed, 2 when the directory is not a state directory.
@@ -24,7 +26,7 @@ from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.ops.runfiles import LockStatus, lock_status
 from dispatcher.ops.status import RunStatus, Standing, collect_status
 from dispatcher.ops.table import format_table
-from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry
+from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, Unreadable
 
 UNFINISHED = "unfinished"
 
@@ -33,24 +35,51 @@ UNFINISHED = "unfinished"
 class JobStanding:
     """One job: its record and, once its files exist, its run's status."""
 
-    record: JobRecord
+    record: JobRecord | Unreadable
     run: RunStatus | None
 
     @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    @property
     def state(self) -> str:
+        if isinstance(self.record, Unreadable):
+            return "failed"
         return self.record.state or UNFINISHED
 
+    @property
+    def settled(self) -> bool:
+        return isinstance(self.record, JobRecord) and self.record.state in SETTLED_STATES
+
+    @property
+    def error(self) -> str | None:
+        return self.record.reason if isinstance(self.record, Unreadable) else self.record.error
+
     def to_json(self) -> dict[str, Any]:
-        spec = self.record.spec
+        record = self.record
+        spec = record.spec if isinstance(record, JobRecord) else None
         return {
-            "job_id": self.record.job_id,
+            "job_id": self.job_id,
             "state": self.state,
-            "error": self.record.error,
-            "priority": spec.priority,
-            "policy_version": spec.policy_version,
-            "submitted_at": self.record.submitted_at,
+            "error": self.error,
+            "priority": spec.priority if spec is not None else None,
+            "policy_version": spec.policy_version if spec is not None else None,
+            "submitted_at": record.submitted_at if isinstance(record, JobRecord) else None,
+            "outcomes": self.outcomes(),
             "run": self.run.to_json() if self.run is not None else None,
         }
+
+    def outcomes(self) -> dict[str, int]:
+        """Successes and failed attempts by class over all the job's passes (as
+        ``GET /v1/jobs/ID`` counts them)."""
+        if self.run is None:
+            return {}
+        total = self.run.total
+        outcomes = dict(total.failures_by_class)
+        if total.standings[Standing.SUCCEEDED]:
+            outcomes["success"] = total.standings[Standing.SUCCEEDED]
+        return outcomes
 
 
 @dataclass
@@ -64,7 +93,7 @@ class StateDirStatus:
 
     @property
     def exit_code(self) -> ExitCode:
-        settled = all(job.record.state in SETTLED_STATES for job in self.jobs)
+        settled = all(job.settled for job in self.jobs)
         return ExitCode.DONE if settled else ExitCode.RESUMABLE
 
     def to_json(self) -> dict[str, Any]:
@@ -93,6 +122,8 @@ def collect_state_dir(state_dir: Path) -> StateDirStatus:
             run = collect_status(output)
         except ConfigError:  # accepted, not started: nothing materialized yet
             run = None
+        except OSError:  # the job's files are damaged: its state says why
+            run = None
         jobs.append(JobStanding(record, run))
     return StateDirStatus(
         state_dir=str(state_dir),
@@ -111,19 +142,32 @@ def render_state_dir(status: StateDirStatus) -> str:
     ]
     rows = []
     for job in status.jobs:
-        spec = job.record.spec
         figures: list[object] = ["-"] * 4
         if job.run is not None:
             total = job.run.total
             succeeded = total.standings[Standing.SUCCEEDED]
             figures = [total.expected, succeeded, total.final - succeeded, total.left_to_run]
-        policy = "-" if spec.policy_version is None else spec.policy_version
-        rows.append([job.record.job_id, job.state, spec.priority, policy, *figures])
+        rows.append([job.job_id, job.state, *_spec_figures(job.record), *figures])
     if rows:
         headers = ["job", "state", "priority", "policy", "expected", "succeeded",
                    "failed", "left"]  # fmt: skip
         lines.append(format_table(headers, rows))
-    unfinished = sum(1 for job in status.jobs if job.record.state not in SETTLED_STATES)
+    lines.extend(f"{job.job_id}: {job.error}" for job in status.jobs if job.state == "failed")
+    unreadable = sum(1 for job in status.jobs if isinstance(job.record, Unreadable))
+    unfinished = sum(1 for job in status.jobs if not job.settled) - unreadable
     if unfinished:
         lines.append(f"{unfinished} jobs not done or cancelled: `dispatcher serve` resumes them")
+    if unreadable:
+        lines.append(
+            f"{unreadable} jobs whose job.json cannot be read: fix it, or move the job's "
+            "folder aside to submit it again"
+        )
     return "\n".join(lines) + "\n"
+
+
+def _spec_figures(record: JobRecord | Unreadable) -> list[object]:
+    """Priority and policy version, "-" where there is none to tell."""
+    if isinstance(record, Unreadable):
+        return ["-", "-"]
+    spec = record.spec
+    return [spec.priority, "-" if spec.policy_version is None else spec.policy_version]

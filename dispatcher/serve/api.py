@@ -8,11 +8,15 @@
     POST   /v1/policy                    {"version": V}: the trainer's policy version
     GET    /v1/policy                    the current version
 
-Every error is a JSON object with one line under ``error``.
+Every error is a JSON object with one line under ``error``: an unexpected
+exception in a handler too (a 500, or a 507 when the disk refused a write),
+logged once at error with its traceback. ``/healthz`` answers 503 with the
+reason while the state directory cannot be written.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +25,7 @@ import structlog
 from aiohttp import web
 
 from dispatcher.serve.jobs import BadJob, Conflict, Service
+from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.results import stream
 from dispatcher.telemetry.server import Routes, json_response
 
@@ -35,17 +40,12 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 def routes(service: Service) -> Routes:
     """The routes of the jobs API, bound to ``service``."""
     handlers = _Handlers(service)
-
-    @web.middleware
-    async def until_resumed(request: web.Request, handler: Handler) -> web.StreamResponse:
-        # The listener is up before the registry is read: until every job is
-        # known again, an answer about jobs could be a wrong 404 or 409.
-        if request.path.startswith("/v1/") and not service.resumed:
-            return error(503, "starting: the job registry is being read; retry")
-        return await handler(request)
+    middlewares = _Middlewares(service)
 
     def add(app: web.Application) -> None:
-        app.middlewares.append(until_resumed)
+        app.middlewares.extend(
+            (middlewares.json_errors, middlewares.state_dir_health, middlewares.until_resumed)
+        )
         app.router.add_post("/v1/jobs", handlers.submit)
         app.router.add_get("/v1/jobs", handlers.list_jobs)
         app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
@@ -55,6 +55,47 @@ def routes(service: Service) -> Routes:
         app.router.add_get("/v1/policy", handlers.get_policy)
 
     return add
+
+
+class _Middlewares:
+    """What every request goes through, outermost first."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    @web.middleware
+    async def json_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            # aiohttp's own refusals (404, 405, 413) are text: say them in JSON.
+            if exc.status < 400 or not request.path.startswith("/v1/"):
+                raise
+            return error(exc.status, exc.reason)
+        except Exception as exc:
+            self.service.disk_fault(exc)
+            status = 507 if is_disk_fault(exc) else 500
+            log_crash("api_error", exc, method=request.method, path=request.path, status=status)
+            return error(status, one_line(exc))
+
+    @web.middleware
+    async def state_dir_health(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # A daemon whose state directory cannot be written is not healthy: every
+        # job it runs would fail. The fault clears once a write works again.
+        if request.path == "/healthz":
+            fault = await self.service.health.check()
+            if fault is not None:
+                body = {"status": "state_dir_unwritable", "error": fault}
+                return json_response(body, status=503)
+        return await handler(request)
+
+    @web.middleware
+    async def until_resumed(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # The listener is up before the registry is read: until every job is
+        # known again, an answer about jobs could be a wrong 404 or 409.
+        if request.path.startswith("/v1/") and not self.service.resumed:
+            return error(503, "starting: the job registry is being read; retry")
+        return await handler(request)
 
 
 def error(status: int, message: str) -> web.Response:
@@ -99,12 +140,20 @@ class _Handlers:
             wait = _bool_param(request, "wait")
         except ValueError as exc:
             return error(400, str(exc))
+        source = await served.source()
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         await response.prepare(request)
-        source = await served.source()
-        async for chunk, born in stream(source, after, group, wait):
-            await response.write(chunk)
-            self.service.delivered(born, group)
+        try:
+            async for chunk, born in stream(source, after, group, wait):
+                await response.write(chunk)
+                self.service.delivered(born, group)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            # The status line is sent: the stream is cut without its end line,
+            # which a client takes as a cut connection and resumes with after=.
+            log.error("results_stream_failed", job_id=served.job_id, exc_info=exc)
+            return response
         await response.write_eof()
         return response
 

@@ -9,7 +9,10 @@ there, so ``after=`` resumes a group stream as exactly as a row stream.
 
 The file is derived data: on open, groups that completed before a kill -9
 but whose line was lost are appended again (in task order), so the order is
-fixed once written and never changes.
+fixed once written and never changes. A damaged line (torn, garbage, not a
+group) is never a reason to fail the job: the file is cut before it and the
+rest rebuilt from the rows (the output, the failures sidecar and the
+materialized inputs); the lines before it keep their numbers.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
+import structlog
 
 from dispatcher.files.resume import RunState, repair_torn_tail
 from dispatcher.files.writer import LineIndex
@@ -27,12 +33,16 @@ from dispatcher.outcome import Outcome
 from dispatcher.tasks.keys import line_key, materialized_key, task_of
 from dispatcher.tasks.materialize import Rollout
 
+log = structlog.get_logger("dispatcher.serve")
+
 
 class Groups:
     """Counts final rollouts per task and logs each task once all its repeats are final."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_error: Callable[[OSError], None] | None = None) -> None:
         self.path = path
+        # A group line that cannot be written: the owner stops the job, naming it.
+        self._on_error = on_error
         self.expected: Counter[int] = Counter()
         self.final: Counter[int] = Counter()
         self.failures: Counter[int] = Counter()
@@ -61,18 +71,43 @@ class Groups:
                 self.failures[task_of(key)] += 1
                 self.final[task_of(key)] += 1
         repair_torn_tail(self.path)
+        self._read_logged()
         self.index.load(self.path)
+        return sorted(t for t in self.expected if self._complete(t) and t not in self.logged)
+
+    def _read_logged(self) -> None:
+        """The groups already logged; the file is cut at its first damaged line."""
+        good = 0
         with self.path.open("ab+") as f:
             f.seek(0)
-            for line in f:
-                self.logged.add(orjson.loads(line)["task_index"])
-        return sorted(t for t in self.expected if self._complete(t) and t not in self.logged)
+            for line_no, line in enumerate(f, start=1):
+                task = self._group_task(line)
+                if task is None:
+                    log.warning("groups_rebuilt", path=str(self.path), damaged_line=line_no)
+                    f.truncate(good)
+                    return
+                self.logged.add(task)
+                good += len(line)
+
+    def _group_task(self, line: bytes) -> int | None:
+        """The task of a group line that is whole and sound; None for a damaged one."""
+        try:
+            group: Any = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(group, dict) or not line.endswith(b"\n"):
+            return None
+        task = group.get("task_index")
+        if type(task) is not int or task in self.logged or not self._complete(task):
+            return None
+        return task
 
     async def open(self, missing: list[int]) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = os.fstat(self._fd).st_size
         for task in missing:
-            self._log(task)
+            if self._fd is not None:
+                self._log(task)
 
     def on_final(self, rollout: Rollout, outcome: Outcome, seq: int | None) -> None:
         """Count one final rollout (``Job``'s hook); log its group when it completes it."""
@@ -82,7 +117,7 @@ class Groups:
             self.rows[task].append(seq)
         else:
             self.failures[task] += 1
-        if self._complete(task) and task not in self.logged:
+        if self._complete(task) and task not in self.logged and self._fd is not None:
             self.completed_at[task] = time.monotonic()
             self._log(task)
 
@@ -94,14 +129,30 @@ class Groups:
         cache, never fsynced (the file is derived data, rebuilt from the rows on open),
         so a waiting stream sees the group without a thread hop."""
         assert self._fd is not None
-        self.logged.add(task)
         line = orjson.dumps(
             {"task_index": task, "rows": sorted(self.rows[task]), "failures": self.failures[task]},
             option=orjson.OPT_APPEND_NEWLINE,
         )
-        os.write(self._fd, line)
+        try:
+            written = os.write(self._fd, line)
+        except OSError as exc:
+            self._refuse(exc)
+            return
+        if written != len(line):
+            self._refuse(OSError(0, f"short write ({written} of {len(line)} bytes)"))
+            return
+        self.logged.add(task)
         self.index.add(self._size, [len(line)])
         self._size += len(line)
+
+    def _refuse(self, exc: OSError) -> None:
+        """Cut what a failed write left and write no more: the next open rebuilds the rest."""
+        assert self._fd is not None
+        os.ftruncate(self._fd, self._size)
+        os.close(self._fd)
+        self._fd = None
+        if self._on_error is not None:
+            self._on_error(exc)
 
     async def close(self) -> None:
         if self._fd is not None:

@@ -12,6 +12,14 @@ for staleness (DESIGN A12).
 
 A finished job keeps only its final status in memory: a daemon that lives
 for days and runs thousands of jobs stays the same size.
+
+Failure policy of a job's task: whatever it raises (a file it cannot write,
+a bug) makes the job ``failed`` with a one-line reason, final, and ends its
+streams with ``{"end": "failed", "error": ...}``; the daemon and the other
+jobs go on. A failed job is not settled: the same ``dispatcher serve``
+command resumes it from its files, exactly (the disk full, say, once space
+is back). A job whose record cannot be read is a ``BrokenJob``: listed as
+failed with the reason, never run.
 """
 
 from __future__ import annotations
@@ -26,15 +34,17 @@ from typing import Any
 import structlog
 
 from dispatcher.aio import cancel_and_wait
-from dispatcher.errors import ConfigError, DispatcherError, ExitCode
+from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
 from dispatcher.files.contracts import JobStatus
+from dispatcher.files.resume import RunState
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.run.daemon import Daemon, peak_rss_mb
 from dispatcher.run.job import Job
+from dispatcher.serve.faults import StateDirHealth, is_disk_fault, log_crash, one_line
 from dispatcher.serve.groups import Groups
 from dispatcher.serve.metrics import declare_service_metrics
-from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, now_iso
+from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, Unreadable, now_iso
 from dispatcher.serve.results import Source
 from dispatcher.serve.spec import BadJob, JobSpec, check_tasks, write_rows
 from dispatcher.settings.config import RunSettings
@@ -67,8 +77,11 @@ class ServedJob:
         self.finished = False
         self.final_status: dict[str, Any] | None = None
         self.task: asyncio.Task[None] | None = None
-        self.groups: Groups | None = Groups(self.groups_path)
+        self.groups: Groups | None = Groups(self.groups_path, on_error=self._groups_failed)
         self.output_index = LineIndex()
+        # Outcomes of the job's earlier hops (and, after a restart, of its files):
+        # its status counts every pass, not only the hop running now.
+        self.earlier_outcomes: Counter[str] = Counter()
         self.job: Job | None = self._new_job()
         self._cancelled = asyncio.Event()
 
@@ -94,15 +107,46 @@ class ServedJob:
         self.task = asyncio.create_task(self._run(), name=f"job:{self.job_id}")
 
     async def _run(self) -> None:
+        """The job's task: its hops, then its final state, whatever happens."""
+        structlog.contextvars.bind_contextvars(job_id=self.job_id)
+        try:
+            state, error = await self._hops()
+        except Exception as exc:
+            # The failure policy of a job's task: the job fails, with the reason.
+            # Nothing else awaits this task but shutdown, which must not be the
+            # first to hear of it.
+            log_crash("job_task_crashed", exc, job_id=self.job_id)
+            state, error = JobState.FAILED, self._crash_reason(exc)
+            self._release(self.job)
+        if self.groups is not None:
+            await self.groups.close()
+        await self._settle(state, error)
+
+    def _release(self, job: Job | None) -> None:
+        """What a hop that crashed half-way through its close still holds: its place
+        among the daemon's jobs and its files' lock (releasing twice is harmless)."""
+        if job is None:
+            return
+        self.service.daemon.jobs.discard(job)
+        if job.prepared is not None:
+            job.prepared.lock.release()
+
+    def _crash_reason(self, exc: Exception) -> str:
+        """The first error of the job (a row writer's, say), else the crash itself."""
+        if self.job is not None and self.job.fatal is not None:
+            self.service.disk_fault(self.job.fatal)
+            return str(self.job.fatal)
+        self.service.disk_fault(exc)
+        return one_line(exc)
+
+    async def _hops(self) -> tuple[JobState, str | None]:
         """Hops until the job is final: failed attempts with attempts left (and
         rollouts of an agent that was down) run again in a next hop, as
         ``dispatcher run``'s job script would rerun it, after a pause when a
         hop made no progress."""
-        structlog.contextvars.bind_contextvars(job_id=self.job_id)
         hop = idle_hops = 0
         while True:
-            job = self.job if hop == 0 and self.job is not None else self._new_job()
-            self.job = job
+            job = self.job if hop == 0 and self.job is not None else self._next_job()
             state, error = await self._hop(job, first=hop == 0)
             if state is not JobState.INCOMPLETE or self._stopping():
                 break
@@ -113,21 +157,28 @@ class ServedJob:
             hop += 1
         if self._cancelled.is_set() and state is JobState.INCOMPLETE:
             state = JobState.CANCELLED
-        assert self.groups is not None
-        await self.groups.close()
-        await self._settle(state, error)
+        return state, error
+
+    def _next_job(self) -> Job:
+        """The next hop's ``Job``; the last hop's outcomes join the earlier ones."""
+        if self.job is not None:
+            self.earlier_outcomes.update(self.job.outcomes)
+        self.job = self._new_job()
+        return self.job
 
     async def _hop(self, job: Job, *, first: bool) -> tuple[JobState, str | None]:
         """Open, dispatch and close one hop; its final state and error."""
         try:
             await job.open()
         except DispatcherError as exc:
+            self.service.disk_fault(exc)
             return JobState.FAILED, str(exc)
         prepared = job.prepared
         assert prepared is not None and self.groups is not None
         structlog.contextvars.bind_contextvars(run_id=prepared.record.run_id)
         try:
             if first:
+                self.earlier_outcomes.update(file_outcomes(prepared.state))
                 missing = await asyncio.to_thread(
                     self.groups.load,
                     prepared.paths.materialized,
@@ -138,7 +189,8 @@ class ServedJob:
             log.info("job_started", job_id=self.job_id, **job.started_event())
             await job.dispatch()
         except Exception as exc:
-            job.fail(DispatcherError(f"job {self.job_id} failed: {exc!r}"))
+            log_crash("job_hop_crashed", exc, job_id=self.job_id)
+            job.fail(DispatcherError(f"job {self.job_id} failed: {one_line(exc)}"))
         finally:
             await job.close()
             # Its files are closed: the daemon's figures (remaining, the
@@ -146,7 +198,15 @@ class ServedJob:
             # its last scrape shows what it left.
             job.daemon.jobs.discard(job)
         error = job.fatal or job.daemon.fatal
+        if job.fatal is not None:
+            self.service.disk_fault(job.fatal)
         return job.state.state, str(error) if error else None
+
+    def _groups_failed(self, exc: OSError) -> None:
+        """``groups.jsonl`` could not be written: the job stops, naming it."""
+        error = OutputWriteError(f"{self.groups_path}: write failed: {exc.strerror or exc}")
+        if self.job is not None:
+            self.job.fail(error)
 
     def _stopping(self) -> bool:
         return self._cancelled.is_set() or self.service.daemon.stop_requested.is_set()
@@ -164,17 +224,33 @@ class ServedJob:
         return bool(done)
 
     async def _settle(self, state: JobState, error: str | None) -> None:
-        """Record the final state, keep only the final status, wake the streams."""
+        """Record the final state, keep only the final status, wake the streams.
+
+        A record that cannot be saved fails the job (its file still says it is
+        unfinished, so a restart resumes it), and the streams end all the same."""
+        if state is JobState.FAILED and error is None:
+            error = "failed without a recorded reason"
         self.record.state, self.record.error = state.value, error
-        await asyncio.to_thread(self.service.registry.save, self.record)
+        if self.job is not None:
+            self.record.outcomes = dict(self.earlier_outcomes + self.job.outcomes)
+        try:
+            await self.service.write(self.service.registry.save, self.record)
+        except OSError as exc:
+            log_crash("job_record_not_saved", exc, job_id=self.job_id)
+            reason = f"job.json not saved: {one_line(exc)}"
+            error = reason if state is not JobState.FAILED else f"{error}; {reason}"
+            state = JobState.FAILED
+            self.record.state, self.record.error = state.value, error
         self.finished = True
-        self.final_status = self.status()
-        log.info("job_finished", job_id=self.job_id, state=state.value, error=error)
-        self.output_index.grew.fire()
-        if self.groups is not None:
-            self.groups.index.grew.fire()
-        self.job = None
-        self.groups = None
+        try:
+            self.final_status = self.status()
+        finally:
+            log.info("job_finished", job_id=self.job_id, state=state.value, error=error)
+            self.output_index.grew.fire()
+            if self.groups is not None:
+                self.groups.index.grew.fire()
+            self.job = None
+            self.groups = None
 
     async def _gate(self) -> None:
         """Admission pacing: wait while this job's policy version is more than K ahead."""
@@ -212,9 +288,10 @@ class ServedJob:
             if state is JobState.RUNNING and self.paced:
                 state = JobState.PACED
         if job is not None:
-            known.update(
-                job.progress(), outcomes=dict(job.outcomes), eta_s=job.eta_s(self._rate(job))
-            )
+            outcomes = self.earlier_outcomes + job.outcomes
+            known.update(job.progress(), outcomes=dict(outcomes), eta_s=job.eta_s(self._rate(job)))
+        elif record.outcomes is not None:
+            known["outcomes"] = record.outcomes
         if self.groups is not None:
             known["groups_complete"] = len(self.groups.index)
         return JobStatus(
@@ -248,19 +325,70 @@ class ServedJob:
                 groups.index,
                 self._end,
                 groups.completed_at.get,
+                self._end_error,
             )
         rows = await asyncio.to_thread(LineIndex.scan, self.output)
         group_index = await asyncio.to_thread(LineIndex.scan, self.groups_path)
-        return Source(self.output, rows, self.groups_path, group_index, self._end, _unknown)
+        return Source(
+            self.output, rows, self.groups_path, group_index, self._end, _unknown, self._end_error
+        )
 
     def _end(self) -> str | None:
-        if not self.finished or self.final_status is None:
-            return None
-        return str(self.final_status["state"])
+        return self.record.state if self.finished else None
+
+    def _end_error(self) -> str | None:
+        return self.record.error if self.finished else None
 
 
 def _unknown(task: int) -> float | None:
     return None
+
+
+class BrokenJob:
+    """A job whose record cannot be read: failed with the reason, never run.
+
+    Its id stays taken while its folder is there (a submit of it is a 409
+    naming the folder); once the operator moves the folder aside, the id can
+    be submitted again."""
+
+    def __init__(self, broken: Unreadable) -> None:
+        self.broken = broken
+        self.folder = broken.folder
+        self.output = broken.folder / "rollouts.jsonl"
+        self.groups_path = broken.folder / "groups.jsonl"
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.broken.job_id
+
+    def status(self) -> dict[str, Any]:
+        return JobStatus(
+            job_id=self.job_id,
+            state=JobState.FAILED,
+            final=True,
+            output=str(self.output),
+            error=self.broken.reason,
+        ).to_json()
+
+    def cancel(self) -> None:
+        """Nothing of it runs."""
+
+    async def source(self) -> Source:
+        rows = await asyncio.to_thread(LineIndex.scan, self.output)
+        group_index = await asyncio.to_thread(LineIndex.scan, self.groups_path)
+        return Source(
+            self.output, rows, self.groups_path, group_index,
+            lambda: JobState.FAILED.value, _unknown, lambda: self.broken.reason,
+        )  # fmt: skip
+
+
+def file_outcomes(state: RunState) -> Counter[str]:
+    """A job's outcomes as its files tell them: successes and failed attempts by class."""
+    outcomes = Counter(state.failure_classes)
+    if state.successes:
+        outcomes["success"] = len(state.successes)
+    return outcomes
 
 
 class Service:
@@ -277,7 +405,8 @@ class Service:
         self.base = base
         self.registry = registry
         self.max_off_policy_steps = max_off_policy_steps
-        self.jobs: dict[str, ServedJob] = {}
+        self.jobs: dict[str, ServedJob | BrokenJob] = {}
+        self.health = StateDirHealth(registry)
         # False until the registry is read (the API answers 503 until then).
         self.resumed = False
         self._next_seq = 1
@@ -290,10 +419,16 @@ class Service:
         # One submission at a time: two racing bodies for one job_id must
         # not both create it.
         self._submitting = asyncio.Lock()
+        # One policy update at a time: the versions are saved in the order set.
+        self._setting_policy = asyncio.Lock()
 
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done or cancelled)."""
         for record in await asyncio.to_thread(self.registry.all):
+            if isinstance(record, Unreadable):
+                self.jobs[record.job_id] = BrokenJob(record)
+                log.error("job_unreadable", job_id=record.job_id, error=record.reason)
+                continue
             self._next_seq = max(self._next_seq, record.submitted_seq + 1)
             served = ServedJob(self, record)
             self.jobs[record.job_id] = served
@@ -302,7 +437,7 @@ class Service:
                 served.job = served.groups = None
                 served.final_status = served.status()
                 continue
-            record.state = record.error = None
+            record.state = record.error = record.outcomes = None
             served.start()
             log.info("job_resumed", job_id=record.job_id)
         self.resumed = True
@@ -313,17 +448,17 @@ class Service:
         spec = JobSpec.parse(body, self.base.agents)
         async with self._submitting:
             existing = self.jobs.get(spec.job_id) if spec.job_id is not None else None
-            if existing is not None:
+            if isinstance(existing, BrokenJob):
+                existing = self._still_broken(existing)
+            if isinstance(existing, ServedJob):
                 if existing.record.digest != spec.digest():
                     raise Conflict(f"job_id: {spec.job_id!r} exists with a different body")
                 return 200, existing.status()
             spec = spec.with_id()
             assert spec.job_id is not None
-            await asyncio.to_thread(
-                check_tasks, spec, self._settings_for(spec), self.registry.scratch
-            )
+            await self.write(check_tasks, spec, self._settings_for(spec), self.registry.scratch)
             record = JobRecord(spec, spec.digest(), self._next_seq, now_iso())
-            await asyncio.to_thread(self._create, record)
+            await self.write(self._create, record)
             self._next_seq += 1
             served = ServedJob(self, record)
             self.jobs[spec.job_id] = served
@@ -331,6 +466,32 @@ class Service:
         log.info("job_submitted", job_id=spec.job_id, priority=spec.priority,
                  policy_version=spec.policy_version)  # fmt: skip
         return 201, served.status()
+
+    def _still_broken(self, broken: BrokenJob) -> BrokenJob | None:
+        """A broken job's id is a 409 while its folder is there; gone, it is free."""
+        if broken.folder.exists():
+            raise Conflict(
+                f"job_id: {broken.job_id!r} is a failed job whose record cannot be read "
+                f"({broken.broken.reason}); move {broken.folder} aside to submit it again"
+            )
+        del self.jobs[broken.job_id]
+        return None
+
+    async def write(self, write: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking write to the state directory in a thread, and keep its
+        health: a write that fails faults it (``/healthz``), one that works clears it."""
+        try:
+            result = await asyncio.to_thread(write, *args)
+        except OSError as exc:
+            self.disk_fault(exc)
+            raise
+        self.health.wrote()
+        return result
+
+    def disk_fault(self, exc: BaseException) -> None:
+        """Note ``exc`` against the state directory when it is a write the disk refused."""
+        if is_disk_fault(exc):
+            self.health.failed(one_line(exc) if isinstance(exc, OSError) else str(exc))
 
     def _settings_for(self, spec: JobSpec) -> Callable[[Path], RunSettings]:
         """The job's settings for a task file, with its output in the scratch folder."""
@@ -375,10 +536,13 @@ class Service:
         }
 
     async def set_policy(self, version: int) -> None:
+        """Save the version, then move to it: a version counts (releases a paced
+        job) only once it is durable, so a restart never goes back on it."""
         policy = self.daemon.policy
         assert policy is not None
-        policy.set(version)
-        await asyncio.to_thread(self.registry.save_policy, version)
+        async with self._setting_policy:
+            await self.write(self.registry.save_policy, version)
+            policy.set(version)
         log.info("policy_version_set", version=version)
 
     async def close(self) -> None:
@@ -390,7 +554,11 @@ class Service:
     def exit_code(self) -> ExitCode:
         if self.daemon.fatal is not None:
             raise self.daemon.fatal
-        unsettled = [j for j in self.jobs.values() if j.record.state not in SETTLED_STATES]
+        unsettled = [
+            j
+            for j in self.jobs.values()
+            if isinstance(j, BrokenJob) or j.record.state not in SETTLED_STATES
+        ]
         return ExitCode.RESUMABLE if unsettled else ExitCode.DONE
 
     # ---- the daemon's view -------------------------------------------------------------
@@ -400,7 +568,7 @@ class Service:
 
     def status(self) -> dict[str, Any]:
         daemon = self.daemon
-        running = [j.job for j in self.jobs.values() if j.job is not None]
+        running = [j.job for j in self.jobs.values() if isinstance(j, ServedJob) and j.job]
         progress = Counter[str]()
         for job in running:
             progress.update({k: v or 0 for k, v in job.progress().items()})
@@ -432,4 +600,4 @@ class Service:
         }
 
 
-__all__ = ["BadJob", "Conflict", "ServedJob", "Service"]
+__all__ = ["BadJob", "BrokenJob", "Conflict", "ServedJob", "Service"]

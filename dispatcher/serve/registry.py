@@ -12,11 +12,16 @@ Layout (crash-only, like a run's files):
 ``job.json`` is written (atomically) before the job's first file, so a job
 whose record exists is a job the daemon accepted; after a kill -9 every
 record not marked done or cancelled is resumed.
+
+Damage is named, never a crash: a ``policy.json`` that cannot be read is a
+``ConfigError`` (exit 2) naming it; a job folder whose record cannot be read
+(not JSON, the wrong shape, a bad spec, or no ``job.json`` beside other
+files) is an ``Unreadable`` job, listed as failed with a one-line reason
+while the other jobs go on; a stray file in ``jobs/`` is left alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -24,10 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
+from pydantic import ValidationError
 
 from dispatcher.errors import ConfigError
 from dispatcher.files.writer import RunLock, write_json_atomic
-from dispatcher.serve.spec import JobSpec
+from dispatcher.serve.spec import JobSpec, first_error
+
+log = structlog.get_logger("dispatcher.serve")
 
 # Final for good: a restart leaves these jobs alone.
 SETTLED_STATES = ("done", "cancelled")
@@ -43,6 +52,8 @@ class JobRecord:
     submitted_at: str
     state: str | None = None
     error: str | None = None
+    # Once final: the job's outcomes over all its passes, for its status after a restart.
+    outcomes: dict[str, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -59,20 +70,60 @@ class JobRecord:
             "submitted_at": self.submitted_at,
             "state": self.state,
             "error": self.error,
+            "outcomes": self.outcomes,
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> JobRecord:
-        known = {"spec", "digest", "submitted_seq", "submitted_at", "state", "error"}
+    def from_json(cls, data: Any) -> JobRecord:
+        """The record ``job.json`` holds; ``BadRecord`` naming what is wrong."""
+        if not isinstance(data, dict):
+            raise BadRecord(f"not a JSON object but {type(data).__name__}")
+        try:
+            spec = JobSpec.model_validate(data.get("spec"))
+        except ValidationError as exc:
+            raise BadRecord(f"spec: {first_error(exc)}") from None
+        if spec.job_id is None:
+            raise BadRecord("spec: no job_id")
+        fields: dict[str, Any] = {name: data.get(name) for name in _RECORD_TYPES}
+        for name, (kinds, what) in _RECORD_TYPES.items():
+            if type(fields[name]) not in kinds:
+                raise BadRecord(f"{name}: must be {what}, got {_short(fields[name])}")
+        known = {"spec", *_RECORD_TYPES}
         return cls(
-            spec=JobSpec.model_validate(data["spec"]),
-            digest=data["digest"],
-            submitted_seq=data["submitted_seq"],
-            submitted_at=data["submitted_at"],
-            state=data.get("state"),
-            error=data.get("error"),
+            spec=spec,
+            **fields,
             extra={k: v for k, v in data.items() if k not in known},
         )
+
+
+# The record's fields besides its spec: the types a field may have (``type`` is
+# matched exactly, so a bool is not an int), and how to say it.
+_RECORD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "digest": ((str,), "a string"),
+    "submitted_seq": ((int,), "an integer"),
+    "submitted_at": ((str,), "a string"),
+    "state": ((str, type(None)), "a string or null"),
+    "error": ((str, type(None)), "a string or null"),
+    "outcomes": ((dict, type(None)), "an object or null"),
+}
+
+
+class BadRecord(Exception):
+    """A ``job.json`` that cannot be read: the one-line reason."""
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A job folder whose record cannot be read: listed as a failed job, never run."""
+
+    job_id: str
+    folder: Path
+    reason: str
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Registry:
@@ -108,15 +159,29 @@ class Registry:
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
 
-    def read(self, job_id: str) -> JobRecord | None:
-        """The job's record; None when there is none."""
-        path = self.job_dir(job_id) / "job.json"
+    def read(self, folder: Path) -> JobRecord | Unreadable | None:
+        """The record of a job's folder; ``Unreadable`` naming the damage; None for an
+        empty folder (a submission a kill cut before its record was written)."""
+        path = folder / "job.json"
         try:
-            return JobRecord.from_json(orjson.loads(path.read_bytes()))
+            data = orjson.loads(path.read_bytes())
         except FileNotFoundError:
-            return None
-        except (orjson.JSONDecodeError, KeyError, ValueError) as exc:
-            raise ConfigError(f"{path}: not a job record ({exc})") from None
+            if not _holds_files(folder):
+                return None
+            reason = f"{path}: missing (the folder holds other files)"
+            return Unreadable(folder.name, folder, reason)
+        except orjson.JSONDecodeError as exc:
+            return Unreadable(folder.name, folder, f"{path}: not valid JSON ({exc})")
+        except OSError as exc:
+            return Unreadable(folder.name, folder, f"{path}: cannot be read: {exc.strerror}")
+        try:
+            record = JobRecord.from_json(data)
+        except BadRecord as exc:
+            return Unreadable(folder.name, folder, f"{path}: not a job record: {exc}")
+        if record.job_id != folder.name:
+            reason = f"{path}: not a job record: its job_id is {record.job_id!r}"
+            return Unreadable(folder.name, folder, reason)
+        return record
 
     def create(self, record: JobRecord) -> Path:
         """Make the job's folder with its record in it; a folder already there is refused."""
@@ -124,7 +189,12 @@ class Registry:
         try:
             folder.mkdir()
         except FileExistsError:
-            raise ConfigError(f"{folder}: exists without this job's record") from None
+            # An empty folder is a submission a kill cut before its record: reused.
+            if not folder.is_dir() or _holds_files(folder):
+                raise ConfigError(
+                    f"{folder}: exists without this job's record; move it aside to submit "
+                    "this job_id again"
+                ) from None
         try:
             write_json_atomic(folder / "job.json", record.to_json())
         except BaseException:
@@ -135,23 +205,57 @@ class Registry:
     def save(self, record: JobRecord) -> None:
         write_json_atomic(self.job_dir(record.job_id) / "job.json", record.to_json())
 
-    def all(self) -> list[JobRecord]:
-        """Every job's record, in submission order."""
-        records = []
+    def all(self) -> list[JobRecord | Unreadable]:
+        """Every job: the records in submission order, then the unreadable ones.
+        Stray files and empty folders are left out (and logged)."""
+        records: list[JobRecord] = []
+        unreadable: list[Unreadable] = []
         for folder in sorted(self.jobs_dir.iterdir()):
-            record = self.read(folder.name)
-            if record is not None:
+            if not folder.is_dir():
+                log.warning("state_dir_stray_file", path=str(folder), action="ignored")
+                continue
+            record = self.read(folder)
+            if isinstance(record, JobRecord):
                 records.append(record)
-        return sorted(records, key=lambda r: r.submitted_seq)
+            elif record is not None:
+                unreadable.append(record)
+            else:
+                log.warning("state_dir_empty_job_folder", path=str(folder), action="ignored")
+        return [*sorted(records, key=lambda r: r.submitted_seq), *unreadable]
 
     def read_policy(self) -> int:
-        with contextlib.suppress(FileNotFoundError, orjson.JSONDecodeError, KeyError, TypeError):
-            return int(orjson.loads((self.root / "policy.json").read_bytes())["version"])
-        return 0
+        """The policy version last set; 0 without ``policy.json``; a ``ConfigError``
+        (exit 2) naming the file when it cannot be read: never a silent 0, which
+        would hold every paced job back."""
+        path = self.root / "policy.json"
+        fix = "fix or remove it to start at version 0"
+        try:
+            data = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            return 0
+        except orjson.JSONDecodeError:
+            raise ConfigError(f"{path}: not valid JSON; {fix}") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot be read: {exc.strerror}; {fix}") from None
+        version = data.get("version") if isinstance(data, dict) else None
+        if type(version) is not int or version < 0:
+            shown = _short(version) if isinstance(data, dict) else _short(data)
+            raise ConfigError(f'{path}: "version" must be an integer >= 0, got {shown}; {fix}')
+        return version
 
     def save_policy(self, version: int) -> None:
         write_json_atomic(self.root / "policy.json", {"version": version})
 
+    def probe(self) -> None:
+        """Write a small file to the state directory: raises while it cannot be written."""
+        self.scratch.mkdir(exist_ok=True)
+        write_json_atomic(self.scratch / "probe.json", {"at": now_iso()})
+
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _holds_files(folder: Path) -> bool:
+    """Whether a job folder holds anything but an interrupted ``job.json`` write."""
+    return any(entry.name != ".job.json.tmp" for entry in folder.iterdir())

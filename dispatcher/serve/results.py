@@ -44,6 +44,8 @@ class Source:
     final_state: Callable[[], str | None]
     # When a task's group completed in this process (monotonic), if it did.
     group_completed_at: Callable[[int], float | None]
+    # Why the job failed, once final: the end line carries it.
+    final_error: Callable[[], str | None] = lambda: None
 
 
 # A chunk of the stream, and when each of its lines became durable (for the
@@ -73,11 +75,18 @@ async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIt
                 continue
             if final is not None:
                 if wait:
-                    yield orjson.dumps({"end": final}, option=orjson.OPT_APPEND_NEWLINE), []
+                    yield _end_line(final, source.final_error()), []
                 return
             if not wait:
                 return
             await index.grew.wait(IDLE_CHECK_S)
+
+
+def _end_line(state: str, error: str | None) -> bytes:
+    end: dict[str, str] = {"end": state}
+    if error is not None:
+        end["error"] = error
+    return orjson.dumps(end, option=orjson.OPT_APPEND_NEWLINE)
 
 
 async def _read(read: Callable[[int, int], Chunk], first: int, last: int, size: int) -> Chunk:

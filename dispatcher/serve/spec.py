@@ -65,7 +65,7 @@ class JobSpec(BaseModel):
         try:
             spec = cls.model_validate(data)
         except ValidationError as exc:
-            raise BadJob(_first_error(exc)) from None
+            raise BadJob(first_error(exc)) from None
         if spec.default_agent is not None and spec.default_agent not in agents:
             known = ", ".join(sorted(agents))
             raise BadJob(f"default_agent: unknown agent {spec.default_agent!r} (known: {known})")
@@ -94,12 +94,14 @@ class JobSpec(BaseModel):
         return RunSettings.model_validate(values)
 
 
-def _first_error(exc: ValidationError) -> str:
+def first_error(exc: ValidationError) -> str:
+    """The first problem pydantic found, on one line, naming the field."""
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"]) or "body"
     if error["type"] == "extra_forbidden":
         return f"{where}: not a job field"
-    return f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+    message = " ".join(str(error["msg"]).removeprefix("Value error, ").split())
+    return f"{where}: {message}"
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
