@@ -35,7 +35,7 @@ from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.client import Attempt
 from dispatcher.delivery.faults import LocalFault
-from dispatcher.errors import DispatcherError, ExitCode
+from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
 from dispatcher.files.resume import final_after_failure
 from dispatcher.files.writer import LineIndex, RowWriter, write_manifest
 from dispatcher.latency.tracker import DispatchLatencyTracker
@@ -362,14 +362,26 @@ class Job:
         # Commits under way are never cancelled: wait for them.
         if self.flights:
             await asyncio.wait({f.task for f in self.flights if f.task is not None})
-        for writer in self.writers:
-            await writer.close()
-        await self._write_aggregate_metrics()
-        self.state.advance(self._final_state())
+        try:
+            for writer in self.writers:
+                await writer.close()
+            await self._record_hop()
+        finally:
+            # The lock and the files are given back even when the disk is full.
+            await self._resources.aclose()
+
+    async def _record_hop(self) -> None:
+        """Gym's aggregate file, the hop's state, the manifest's ``last_run``, the summary."""
         summary = self.summary()
-        await asyncio.to_thread(self._write_last_run, summary)
+        try:
+            await self._write_aggregate_metrics()
+            await asyncio.to_thread(self._write_last_run, summary)
+        except OSError as exc:
+            # The rows are whole (each was durable before it counted); only the
+            # hop's record is missing, which the next hop writes again.
+            self.fail(OutputWriteError(f"recording the end of the hop failed: {exc}"))
+        self.state.advance(self._final_state())
         self.log.info("run_summary", **summary)
-        await self._resources.aclose()
 
     def _final_state(self) -> JobState:
         if self.fatal is not None or self.daemon.fatal is not None:

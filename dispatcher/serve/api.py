@@ -24,8 +24,8 @@ import orjson
 import structlog
 from aiohttp import web
 
-from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
+from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
 from dispatcher.telemetry.server import Routes, json_response
 

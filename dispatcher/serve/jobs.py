@@ -230,7 +230,7 @@ class ServedJob:
         unfinished, so a restart resumes it), and the streams end all the same."""
         if state is JobState.FAILED and error is None:
             error = "failed without a recorded reason"
-        self.record.state, self.record.error = state.value, error
+        self.record.state, self.record.error = state, error
         if self.job is not None:
             self.record.outcomes = dict(self.earlier_outcomes + self.job.outcomes)
         try:
@@ -240,7 +240,7 @@ class ServedJob:
             reason = f"job.json not saved: {one_line(exc)}"
             error = reason if state is not JobState.FAILED else f"{error}; {reason}"
             state = JobState.FAILED
-            self.record.state, self.record.error = state.value, error
+            self.record.state, self.record.error = state, error
         self.finished = True
         try:
             self.final_status = self.status()
@@ -282,7 +282,7 @@ class ServedJob:
         spec, record = self.record.spec, self.record
         known: dict[str, Any] = {}
         job = self.job
-        state = JobState(record.state) if record.state else JobState.QUEUED
+        state = record.state or JobState.QUEUED
         if job is not None and not self.finished:
             state = job.state.state
             if state is JobState.RUNNING and self.paced:

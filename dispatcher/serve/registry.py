@@ -34,12 +34,13 @@ from pydantic import ValidationError
 
 from dispatcher.errors import ConfigError
 from dispatcher.files.writer import RunLock, write_json_atomic
+from dispatcher.lifecycle import JobState
 from dispatcher.serve.spec import JobSpec, first_error
 
 log = structlog.get_logger("dispatcher.serve")
 
 # Final for good: a restart leaves these jobs alone.
-SETTLED_STATES = ("done", "cancelled")
+SETTLED_STATES = frozenset({JobState.DONE, JobState.CANCELLED})
 
 
 @dataclass
@@ -50,7 +51,7 @@ class JobRecord:
     digest: str
     submitted_seq: int
     submitted_at: str
-    state: str | None = None
+    state: JobState | None = None
     error: str | None = None
     # Once final: the job's outcomes over all its passes, for its status after a restart.
     outcomes: dict[str, int] | None = None
@@ -88,6 +89,12 @@ class JobRecord:
         for name, (kinds, what) in _RECORD_TYPES.items():
             if type(fields[name]) not in kinds:
                 raise BadRecord(f"{name}: must be {what}, got {_short(fields[name])}")
+        if fields["state"] is not None:
+            try:
+                fields["state"] = JobState(fields["state"])
+            except ValueError:
+                states = ", ".join(s.value for s in JobState)
+                raise BadRecord(f"state: {_short(fields['state'])} is none of {states}") from None
         known = {"spec", *_RECORD_TYPES}
         return cls(
             spec=spec,
