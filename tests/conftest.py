@@ -7,6 +7,7 @@ import pytest
 
 from dispatcher.sim.agent import STATS_KEY, SimAgentConfig, SimAgentStats, build_sim_agent_app
 from tests.helpers import serve
+from tests.prometheus_helpers import require_binary
 
 SimAgentFactory = Callable[..., Coroutine[Any, Any, tuple[str, SimAgentStats]]]
 
@@ -25,3 +26,18 @@ async def sim_agent() -> AsyncIterator[SimAgentFactory]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+# A test that needs a Prometheus tool asks for it as a fixture, so that it skips
+# before it starts anything: a skip raised inside a `try` whose `finally` asserts
+# on a daemon it started turns into that assertion's failure.
+@pytest.fixture
+def promtool() -> str:
+    """Path of `promtool`; without it the test skips and says what to install."""
+    return require_binary("promtool")
+
+
+@pytest.fixture
+def prometheus() -> str:
+    """Path of `prometheus`; without it the test skips and says what to install."""
+    return require_binary("prometheus")
