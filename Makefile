@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Test workers: most tests wait on sockets and subprocesses, so more workers
+# than cores keep the CPUs busy. Tests that share a module's setup (packaging
+# builds, NeMo Gym stacks) stay on one worker (SERIAL_GROUPS, tests/conftest.py).
+TEST_WORKERS ?= 4
 
 .PHONY: demo test lint bench bench-smoke clean
 
@@ -19,7 +23,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check dispatcher tests bench scripts
 	$(BIN)/mypy dispatcher
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check dispatcher tests bench scripts

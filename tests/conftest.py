@@ -7,6 +7,7 @@ import pytest
 
 from dispatcher.sim.agent import STATS_KEY, SimAgentConfig, SimAgentStats, build_sim_agent_app
 from tests.helpers import serve
+from tests.prometheus_helpers import require_binary
 
 SimAgentFactory = Callable[..., Coroutine[Any, Any, tuple[str, SimAgentStats]]]
 
@@ -25,3 +26,47 @@ async def sim_agent() -> AsyncIterator[SimAgentFactory]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+# A test that needs a Prometheus tool asks for it as a fixture, so that it skips
+# before it starts anything: a skip raised inside a `try` whose `finally` asserts
+# on a daemon it started turns into that assertion's failure.
+@pytest.fixture
+def promtool() -> str:
+    """Path of `promtool`; without it the test skips and says what to install."""
+    return require_binary("promtool")
+
+
+@pytest.fixture
+def prometheus() -> str:
+    """Path of `prometheus`; without it the test skips and says what to install."""
+    return require_binary("prometheus")
+
+
+# `make test` runs `pytest -n N`: each test is scheduled on its own, but for these
+# (path prefix -> group), which share a module's or the session's setup and run on
+# one worker, in order: the packaging builds, and the NeMo Gym venv and stacks (two
+# stacks at once, each with its own Ray cluster, would compete for the CPUs).
+SERIAL_GROUPS = {"tests/gym/": "gym", "tests/test_packaging.py": "packaging"}
+
+
+def serial_group(nodeid: str) -> str:
+    """The scheduling unit of a test: its group, or the test alone."""
+    return next((g for p, g in SERIAL_GROUPS.items() if nodeid.startswith(p)), nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `-n N` (xdist's default `--dist load`): SERIAL_GROUPS, biggest first."""
+    if config.getvalue("dist") != "load":
+        return None  # an explicit --dist mode is taken as asked
+    # Not xdist's own groups (xdist_group marks, --dist loadgroup): xdist 3.8 renames
+    # node ids for them (item._nodeid), which pytest 9 no longer reads, so the marks
+    # are silently ignored.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return serial_group(nodeid)
+
+    return SerialGroups(config, log)

@@ -37,12 +37,24 @@ async def wait_until(
         await asyncio.sleep(step_s)
 
 
+# Sockets that keep free_port()'s ports for the life of this test process.
+_HELD_PORTS: list[socket.socket] = []
+
+
 def free_port() -> int:
-    """A port nothing listens on (bound and released), for an address that refuses."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A 127.0.0.1 port nothing listens on, for an address that refuses.
+
+    Its socket stays bound (never listening) until the process ends: under
+    `pytest -n` the kernel then hands the port to no other worker's bind of
+    port 0, while a server told to listen on it (SO_REUSEADDR, as asyncio's,
+    aiohttp's and Prometheus's listeners are) still can.
+    """
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    _HELD_PORTS.append(sock)
+    port: int = sock.getsockname()[1]
+    return port
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:

@@ -198,7 +198,7 @@ def final_rows(run: Daemon) -> int:
 
 
 async def test_prometheus_counts_the_rows_written_mid_run_and_at_the_end(
-    tmp_path: Path, gated_agent: AgentFactory
+    prometheus: str, tmp_path: Path, gated_agent: AgentFactory
 ) -> None:
     agent = await gated_agent()
     grace = ("--concurrency", "4", "--shutdown-grace-s", "60")

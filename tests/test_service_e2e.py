@@ -20,7 +20,6 @@ from aiohttp import web
 
 from tests.conftest import SimAgentFactory
 from tests.helpers import CliProcess, FakeAgent, read_jsonl, run_cli, spawn_cli, wait_until
-from tests.prometheus_helpers import require_binary
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -107,9 +106,8 @@ async def gated_agent() -> AsyncIterator[FakeAgent]:
     await agent.close()
 
 
-def lint_metrics(text: str) -> None:
+def lint_metrics(promtool: str, text: str) -> None:
     """``promtool check metrics`` finds nothing to say about the scrape."""
-    promtool = require_binary("promtool")
     lint = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
     )
@@ -268,7 +266,7 @@ async def test_kill_9_mid_job_then_the_same_command_finishes_every_job_exactly_o
 
 
 async def test_off_policy_pacing_starts_step_p_only_once_v_reaches_p_minus_k(
-    tmp_path: Path, sim_agent: SimAgentFactory
+    promtool: str, tmp_path: Path, sim_agent: SimAgentFactory
 ) -> None:
     url, stats = await sim_agent(latency_s=0.0)
     serve = await Serve.start(tmp_path / "state", url, "--max-off-policy-steps", "1")
@@ -285,7 +283,7 @@ async def test_off_policy_pacing_starts_step_p_only_once_v_reaches_p_minus_k(
         assert 'dispatcher_jobs{state="paced"} 2.0' in metrics
         assert 'dispatcher_jobs{state="done"} 2.0' in metrics
         assert "dispatcher_policy_version 0.0" in metrics
-        lint_metrics(metrics)
+        lint_metrics(promtool, metrics)
         await serve.set_policy(1)
         assert (await serve.results("step2", wait=True))[-1] == {"end": "done"}
         assert (await serve.job("step3"))["state"] == "paced"

@@ -23,7 +23,9 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".*", "$instance": ".*"}
 
 
 @pytest.fixture
-async def scraped(tmp_path: Path) -> AsyncIterator[tuple[Metrics, PrometheusServer]]:
+async def scraped(
+    prometheus: str, tmp_path: Path
+) -> AsyncIterator[tuple[Metrics, PrometheusServer]]:
     """A metrics server on a free port and a Prometheus scraping it every second."""
     metrics = Metrics()
     runner, port = await start_http_server(

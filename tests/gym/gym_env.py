@@ -10,6 +10,7 @@ wheel is fetched for 3.13.14 and installed with ``--ignore-requires-python``.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -67,9 +68,22 @@ def ready_venv() -> Path | None:
 
 
 def install(python: Path) -> Path:
-    """Build the venv (about 80 s on 2 cores); a finished one is reused as it is."""
+    """Build the venv (about 80 s on 2 cores); a finished one is reused as it is.
+
+    One build at a time: parallel test workers and other checkouts share the
+    cache, and a second build would delete the first one's half-built venv.
+    """
     if ready_venv() is not None:
         return venv_dir()
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with (cache_dir() / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if ready_venv() is not None:  # built by whoever held the lock
+            return venv_dir()
+        return _build(python)
+
+
+def _build(python: Path) -> Path:
     venv = venv_dir()
     if venv.exists():
         shutil.rmtree(venv)  # a half-built venv from an interrupted install
