@@ -53,4 +53,8 @@ def agent_url_problem(url: str) -> str | None:
         return "has a port outside 1-65535"
     if parsed.raw_query_string or parsed.raw_fragment:
         return "has a query or fragment (the dispatcher appends /run to the base URL)"
+    if parsed.path.rstrip("/").endswith("/run"):
+        # The README says agents serve POST /run: an easy slip, and every
+        # rollout would go to .../run/run and get a 404.
+        return "ends in /run: give the base URL, the dispatcher appends /run"
     return None

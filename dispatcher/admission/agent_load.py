@@ -3,9 +3,11 @@
 ``AgentLoad`` owns each agent's slot limiter (a fixed ``--agent-concurrency``
 cap, or with ``--concurrency auto`` the sum of the agent's healthy replicas'
 adaptive limits) and is the ``DeliveryObserver`` of ``agents.AgentClient``:
-retries, breakers opening and closing, agents down past the delivery
-deadline. Metrics and log events for all of these are updated here and
-nowhere else.
+retries, breakers opening and closing, agents none of whose replicas can be
+reached (named at once, and again when one comes back), agents down past the
+delivery deadline (their rollouts are not started). Metrics and log events
+for all of these are updated here and nowhere else. It also runs the
+``Prober`` that lets an agent marked down come back by itself.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 import structlog
 
 from dispatcher.admission.pool import Limiter
+from dispatcher.aio import Wakeup
 from dispatcher.delivery.client import AgentClient
+from dispatcher.delivery.probe import Prober
 from dispatcher.delivery.replicas import Replica
 from dispatcher.settings.config import RunSettings
 from dispatcher.telemetry.metrics import Metrics
@@ -37,9 +41,14 @@ class AgentLoad:
         self.metrics = metrics
         self.slots: dict[str, Limiter] = {}
         self.retries: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        # Agents none of whose replicas can be reached now (every breaker open).
         self.agents_down: set[str] = set()
+        # Fired when an agent comes back: a served job paused on it goes on.
+        self.agent_back = Wakeup()
         self._agents: AgentClient | None = None
         self._limit_logged_at: dict[str, float] = {}
+        # Agents whose rollouts this hop stopped starting (said once).
+        self._said_down: set[str] = set()
         self._log = log.bind()
 
     def attach(self, agents: AgentClient) -> None:
@@ -124,6 +133,8 @@ class AgentLoad:
     def retrying(
         self, replica: Replica, rollout_id: str, reason: str, delay_s: float, retry: int
     ) -> None:
+        # A plain str: the figures go to JSON, whose encoder takes no enum keys.
+        reason = str(reason)
         self.retries[replica.agent][reason] += 1
         self.metrics.retried(replica.agent, reason)
         self._log.warning(
@@ -143,6 +154,7 @@ class AgentLoad:
         self.apply_limit(replica.agent, f"replica {replica.url} {change}")
         if not opened:
             self._log.warning("replica_closed", agent=replica.agent, replica=replica.url)
+            self._agent_up(replica.agent)
             return
         self._log.warning(
             "replica_opened",
@@ -153,11 +165,47 @@ class AgentLoad:
         )
         assert self._agents is not None
         if self._agents.down_for_s(replica.agent) is not None:
-            self._log.error(
-                "agent_unavailable",
-                agent=replica.agent,
-                replicas=self._agents.replica_sets[replica.agent].urls(),
-            )
+            self._agent_unreachable(replica.agent)
+
+    def _agent_unreachable(self, agent: str) -> None:
+        """Every replica's breaker is open: say so at once, not after the delivery deadline."""
+        assert self._agents is not None
+        urls = self._agents.replica_sets[agent].urls()
+        self.agents_down.add(agent)
+        self.metrics.agent_up(agent, False)
+        self._log.error(
+            "agent_unavailable",
+            agent=agent,
+            replicas=urls,
+            message=f"agent {agent!r} unreachable: no replica answers ({', '.join(urls)})",
+        )
+
+    def _agent_up(self, agent: str) -> None:
+        if agent not in self.agents_down:
+            return
+        self.agents_down.discard(agent)
+        self._said_down.discard(agent)
+        self.metrics.agent_up(agent, True)
+        self._log.warning("agent_up", agent=agent)
+        self.agent_back.fire()
+
+    def replica_has_no_run(self, replica: Replica, status: int) -> None:
+        self._log.error(
+            "replica_has_no_run",
+            agent=replica.agent,
+            replica=replica.url,
+            http_status=status,
+            message=(
+                f"agent {replica.agent!r}: {replica.url} answers {status} to POST /run; "
+                "it gets no rollouts (give the base URL, the dispatcher appends /run)"
+            ),
+        )
+
+    async def probe(self) -> None:
+        """Probe the replicas whose breaker is open, for as long as the daemon lives."""
+        assert self._agents is not None
+        settings = self.settings
+        await Prober(self._agents, settings.connect_timeout_s, settings.breaker_open_s).run()
 
     def is_down(self, agent: str) -> bool:
         """Every replica down past the delivery deadline: start none of the agent's rollouts."""
@@ -165,9 +213,8 @@ class AgentLoad:
         down_s = self._agents.down_for_s(agent)
         if down_s is None or down_s < self.settings.delivery_deadline_s:
             return False
-        if agent not in self.agents_down:
-            self.agents_down.add(agent)
-            self.metrics.agent_up(agent, False)
+        if agent not in self._said_down:
+            self._said_down.add(agent)
             self._say_down(agent, down_s)
         return True
 

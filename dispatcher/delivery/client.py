@@ -1,7 +1,8 @@
 """HTTP client to agent servers (DESIGN A3, A5, A11): delivery, replicas, failure classes.
 
 An attempt is one rollout's ``POST {replica}/run`` until an agent answers.
-An answer is *delivered*; no answer, or 429/502/503/504, is *not delivered*
+An answer is *delivered*; no answer, 429/502/503/504, or a 409 that says
+``admission_closed`` (a NeMo Gym agent taking a checkpoint) is *not delivered*
 (the rollout most likely never ran) and is retried here, within the run, on
 another healthy replica where there is one, with full-jitter backoff that
 honours ``Retry-After``, until the delivery deadline. Not-delivered tries
@@ -10,7 +11,10 @@ marked ``_ng_failure_not_delivered`` so resume does not count it.
 
 Whatever happens becomes an ``Attempt`` value; nothing here raises for an
 agent's misbehaviour. The dispatcher's own faults (EMFILE, MemoryError, ...)
-raise ``LocalFault`` instead: they are not the agent's.
+raise ``LocalFault`` instead: they are not the agent's. A 404 or 405 to
+``POST /run`` is neither: that replica serves no ``/run`` (a wrong URL); it
+leaves routing, and when every replica of the agent does so ``run`` raises
+``AgentMisconfigured`` (exit 2), never a failure row.
 """
 
 from __future__ import annotations
@@ -31,8 +35,17 @@ from dispatcher.aio import Wakeup
 from dispatcher.delivery.adaptive import AimdController, AimdPolicy, StartRateLimiter
 from dispatcher.delivery.faults import LocalFault, as_local_fault
 from dispatcher.delivery.limits import BodyLimitError, ResponseLimits, read_capped
+from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.delivery.replicas import BreakerPolicy, Replica, ReplicaSet
 from dispatcher.delivery.retry import BackoffPolicy, parse_retry_after
+from dispatcher.delivery.statuses import (
+    BODY_EXCERPT_BYTES,
+    NO_RUN_STATUSES,
+    RATE_LIMITED,
+    RetryReason,
+    not_delivered_reason,
+)
+from dispatcher.errors import ConfigError
 from dispatcher.files.contracts import (
     FAILURE_CLASS,
     FAILURE_HTTP_STATUS,
@@ -47,13 +60,13 @@ from dispatcher.files.contracts import (
 )
 from dispatcher.outcome import Outcome
 
-# Statuses after which the rollout most likely never ran (A5).
-REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
-RATE_LIMITED = "http_429"
-BODY_EXCERPT_BYTES = 8000
 BODY_EXCERPT_CHARS = 2000
 # No timeout configured: skip building a timeout scope for every call.
 _NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+
+
+class AgentMisconfigured(ConfigError):
+    """Every replica of an agent answers 404/405 to ``POST /run``: its URLs are wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +109,15 @@ class Attempt:
     retries: int = 0
     # Size of the answer's body: what its row will cost in the commit queue.
     body_bytes: int = 0
+    # The replica answered 404/405 to ``POST /run``: it serves no ``/run``.
+    no_run: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class NotDelivered:
     """One try that reached no agent: why, and what the replica asked for."""
 
-    reason: str
+    reason: RetryReason
     failure: Failure
     retry_after_s: float | None = None
 
@@ -133,6 +148,8 @@ class DeliveryObserver(Protocol):
     ) -> None: ...
 
     def replica_changed(self, replica: Replica, opened: bool) -> None: ...
+
+    def replica_has_no_run(self, replica: Replica, status: int) -> None: ...
 
 
 Try = tuple[Attempt | None, NotDelivered | None]
@@ -208,6 +225,37 @@ class AgentClient:
     def down_for_s(self, agent: str) -> float | None:
         return self.replica_sets[agent].down_for_s()
 
+    def due_for_probe(self) -> list[Replica]:
+        """Open replicas whose backoff is over and whose half-open probe nobody took yet."""
+        return [
+            r
+            for replicas in self.replica_sets.values()
+            for r in replicas.open_replicas()
+            if r.routable()
+        ]
+
+    async def probe(self, replica: Replica, timeout_s: float) -> None:
+        """The half-open probe of an open replica (``probe.probe_run``); its answer
+        closes the breaker, no answer reopens it for longer."""
+        breaker = replica.breaker
+        replica.stats.probes += breaker.on_send()
+        try:
+            answer = await probe_run(self._session, replica.run_url, timeout_s)
+        except BaseException:
+            breaker.on_abandoned()
+            raise
+        if answer.result is ProbeResult.LOCAL_FAULT:
+            breaker.on_abandoned()
+            return
+        if answer.result in (ProbeResult.REACHABLE, ProbeResult.NO_RUN):
+            self._delivered(replica)
+            if answer.result is ProbeResult.NO_RUN and not replica.no_run:
+                replica.no_run = True
+                self._observer.replica_has_no_run(replica, answer.status or 0)
+            return
+        replica.stats.not_delivered += 1
+        breaker.on_not_delivered()
+
     async def run(self, agent: str, body: dict[str, Any], rollout_id: str) -> Attempt:
         """Deliver one rollout; retries not-delivered tries until the delivery deadline."""
         replicas = self.replica_sets[agent]
@@ -219,6 +267,10 @@ class AgentClient:
             if replica is None:
                 return self._deadline_attempt(replicas, last, retry)
             attempt, missed = await self._try(replica, body)
+            if attempt is not None and attempt.no_run:
+                self._no_run(replicas, replica, attempt)
+                last = replica
+                continue
             if attempt is not None:
                 return _with_retries(attempt, retry)
             assert missed is not None
@@ -238,6 +290,8 @@ class AgentClient:
     ) -> Replica | None:
         """The replica to send to now, after any wait for one; None past the deadline."""
         while True:
+            if replicas.all_no_run():
+                raise AgentMisconfigured(no_run_message(replicas.agent, replicas.urls()))
             replica = replicas.pick(avoid=last)
             if replica is None:
                 if replicas.at_cap():
@@ -258,7 +312,7 @@ class AgentClient:
             return True
         deadline.at += paced_s
         # Others may have filled it, or taken its probe, meanwhile.
-        return replica.breaker.admits() and replica.has_room()
+        return replica.routable() and replica.has_room()
 
     def _retry_delay(
         self, replicas: ReplicaSet, failed: Replica, retry: int, missed: NotDelivered
@@ -321,10 +375,26 @@ class AgentClient:
             classify = self._policy.classify or classify_on_loop
             outcome, result, failure = await classify(status, raw)
             attempt = Attempt(
-                outcome, replica.url, started_at, duration_s, result, failure, body_bytes=len(raw)
+                outcome,
+                replica.url,
+                started_at,
+                duration_s,
+                result,
+                failure,
+                body_bytes=len(raw),
+                no_run=status in NO_RUN_STATUSES,
             )
         _tell_controller(replica, attempt)
         return attempt, None
+
+    def _no_run(self, replicas: ReplicaSet, replica: Replica, attempt: Attempt) -> None:
+        """A replica without ``/run`` leaves routing; an agent left with none is misconfigured."""
+        status = attempt.failure.http_status if attempt.failure is not None else None
+        if not replica.no_run:
+            replica.no_run = True
+            self._observer.replica_has_no_run(replica, status or 0)
+        if all(r.no_run for r in replicas.replicas):
+            raise AgentMisconfigured(no_run_message(replicas.agent, replicas.urls()))
 
     def _delivered(self, replica: Replica) -> None:
         replica.stats.delivered += 1
@@ -368,8 +438,9 @@ class AgentClient:
             _raise_if_local(exc)
             message = f"reading the answer of {replica.url} failed: {exc}"
             return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
-        if resp.status in REQUEST_FAILED_STATUSES:
-            return resp.status, raw, _refused(replica, resp, raw), None
+        reason = not_delivered_reason(resp.status, raw)
+        if reason is not None:
+            return resp.status, raw, _refused(reason, resp, raw), None
         return resp.status, raw, None, failure
 
     async def _send(self, replica: Replica, body: dict[str, Any]) -> aiohttp.ClientResponse:
@@ -386,15 +457,18 @@ class AgentClient:
                 )
         # aiohttp's connect timeout is also a TimeoutError: test it first.
         except aiohttp.ServerTimeoutError as exc:
-            raise _NotDeliveredError(_no_answer(replica, "connect_timeout", exc)) from exc
+            missed = _no_answer(replica, RetryReason.CONNECT_TIMEOUT, exc)
+            raise _NotDeliveredError(missed) from exc
         # The rollout timeout expiring meanwhile arrives as a CancelledError
         # (not caught here) and becomes a TimeoutError in ``_post``.
         except TimeoutError as exc:
-            missed = _no_answer(replica, "first_byte_timeout", exc, f"after {first_byte_s} s")
+            missed = _no_answer(
+                replica, RetryReason.FIRST_BYTE_TIMEOUT, exc, f"after {first_byte_s} s"
+            )
             raise _NotDeliveredError(missed) from exc
         except (aiohttp.ClientError, OSError) as exc:
             _raise_if_local(exc)
-            raise _NotDeliveredError(_no_answer(replica, "no_answer", exc)) from exc
+            raise _NotDeliveredError(_no_answer(replica, RetryReason.NO_ANSWER, exc)) from exc
 
     def _deadline_attempt(
         self,
@@ -430,7 +504,7 @@ class _Deadline:
 def _is_congestion(missed: NotDelivered) -> bool:
     """An agent past its capacity says so with 429, or 503 with a Retry-After."""
     return missed.reason == RATE_LIMITED or (
-        missed.reason == "http_503" and missed.retry_after_s is not None
+        missed.reason == RetryReason.HTTP_503 and missed.retry_after_s is not None
     )
 
 
@@ -465,13 +539,13 @@ def _raise_if_local(exc: BaseException) -> None:
 
 
 def _no_answer(
-    replica: Replica, reason: str, exc: BaseException, detail: str | None = None
+    replica: Replica, reason: RetryReason, exc: BaseException, detail: str | None = None
 ) -> NotDelivered:
     message = f"no answer from {replica.url}: {detail or exc or type(exc).__name__}"
     return NotDelivered(reason, _failure(Outcome.AGENT_REQUEST_FAILED, exc, message))
 
 
-def _refused(replica: Replica, resp: aiohttp.ClientResponse, raw: bytes) -> NotDelivered:
+def _refused(reason: RetryReason, resp: aiohttp.ClientResponse, raw: bytes) -> NotDelivered:
     failure = Failure(
         Outcome.AGENT_REQUEST_FAILED.value,
         "ClientResponseError",
@@ -480,7 +554,7 @@ def _refused(replica: Replica, resp: aiohttp.ClientResponse, raw: bytes) -> NotD
         response_body=body_excerpt(raw),
     )
     retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time())
-    return NotDelivered(f"http_{resp.status}", failure, retry_after)
+    return NotDelivered(reason, failure, retry_after)
 
 
 def _with_retries(attempt: Attempt, retries: int) -> Attempt:
@@ -535,7 +609,7 @@ def classify_response(status: int, raw: bytes) -> Classified:
     if not 200 <= status < 300:
         failure_class = (
             Outcome.AGENT_REQUEST_FAILED
-            if status in REQUEST_FAILED_STATUSES
+            if not_delivered_reason(status, raw) is not None
             else Outcome.AGENT_RUN_ERROR
         )
         failure = Failure(
@@ -581,6 +655,14 @@ def _protocol_violation(
         terminal=True,
     )
     return Outcome.PROTOCOL_VIOLATION, None, failure
+
+
+def no_run_message(agent: str, urls: list[str]) -> str:
+    """The one line that names an agent whose every replica serves no ``/run``."""
+    return (
+        f"agent {agent!r}: no /run at {', '.join(urls)} (POST /run answered 404/405); "
+        "check its --agent URL: give the base URL, the dispatcher appends /run"
+    )
 
 
 def body_excerpt(raw: bytes) -> str:

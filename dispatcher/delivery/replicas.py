@@ -133,6 +133,8 @@ class Replica:
     stats: ReplicaStats = field(default_factory=ReplicaStats)
     cap: int | None = None
     controller: AimdController | None = None
+    # It answered 404/405 to ``POST /run``: a wrong URL, out of routing for good.
+    no_run: bool = False
     run_url: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +147,10 @@ class Replica:
     def limit(self) -> int | None:
         """The adaptive limit (None without ``--concurrency auto``)."""
         return self.controller.limit if self.controller is not None else None
+
+    def routable(self) -> bool:
+        """May a rollout go here now: a ``/run`` served, and a breaker that admits it."""
+        return not self.no_run and self.breaker.admits()
 
     def has_room(self) -> bool:
         return self.cap is None or self.in_flight < self.cap
@@ -164,6 +170,7 @@ class Replica:
             "delivered": self.stats.delivered,
             "not_delivered": self.stats.not_delivered,
             "opened": self.stats.opened,
+            "no_run": self.no_run,
         }
 
 
@@ -198,7 +205,7 @@ class ReplicaSet:
         """
         start = next(self._turn)
         ordered = self.replicas[start:] + self.replicas[:start]
-        ready = [r for r in ordered if r.breaker.admits() and r.has_room()]
+        ready = [r for r in ordered if r.routable() and r.has_room()]
         if avoid is not None and len(ready) > 1:
             ready = [r for r in ready if r is not avoid] or ready
         ready = [r for r in ready if r.under_limit()] or ready
@@ -208,7 +215,7 @@ class ReplicaSet:
 
     def at_cap(self) -> bool:
         """Some breaker admits a request, but every such replica is at its cap."""
-        admitting = [r for r in self.replicas if r.breaker.admits()]
+        admitting = [r for r in self.replicas if r.routable()]
         return bool(admitting) and not any(r.has_room() for r in admitting)
 
     def healthy_limit(self) -> int | None:
@@ -238,6 +245,13 @@ class ReplicaSet:
         if any(t is None for t in opened):
             return None
         return self._clock() - max(t for t in opened if t is not None)
+
+    def open_replicas(self) -> list[Replica]:
+        """The replicas whose breaker is not closed (the prober's to probe)."""
+        return [r for r in self.replicas if r.breaker.state is not BreakerState.CLOSED]
+
+    def all_no_run(self) -> bool:
+        return all(r.no_run for r in self.replicas)
 
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]

@@ -27,7 +27,7 @@ from typing import Any
 
 from dispatcher.errors import ExitCode
 from dispatcher.files import delivery_history as delivery
-from dispatcher.files.contracts import RunManifest
+from dispatcher.files.contracts import NOT_DELIVERED, RunManifest
 from dispatcher.files.resume import OutputPaths, RunState, Tail, iter_rows, tail_state
 from dispatcher.ops.runfiles import (
     LastRun,
@@ -136,6 +136,8 @@ class RunStatus:
     files: dict[str, FileHealth] = field(default_factory=dict)
     anomalies: Counter[str] = field(default_factory=Counter)
     delivery: dict[str, Any] = field(default_factory=dict)
+    # Per agent, the rollouts with a not-delivered row (A11): no replica took them.
+    not_delivered: dict[str, set[int]] = field(default_factory=dict)
 
     @property
     def total(self) -> Tally:
@@ -247,6 +249,8 @@ def _scan_failures(paths: OutputPaths, state: RunState, status: RunStatus) -> No
         health.rows += 1
         failure_class = state.add_failure(key, row)
         _agent(status, agent_name(row)).failures_by_class[failure_class] += 1
+        if row.get(NOT_DELIVERED) is True:
+            status.not_delivered.setdefault(agent_name(row), set()).add(key)
     _settle(health)
 
 
@@ -287,6 +291,7 @@ def render_status(status: RunStatus) -> str:
         _render_header(status, total),
         _render_standings(total),
         _render_why(status, total),
+        _render_not_delivered(status, total),
         _render_failures(total),
         _render_agents(status),
         render_delivery(status.delivery) if status.delivery else "",
@@ -344,6 +349,16 @@ def _render_why(status: RunStatus, total: Tally) -> str:
     if run.stale:
         return f"\n{head}: {counts}; rows were written since (a later hop died or is running)"
     return f"\nno row ({no_row}): {head}: {counts}; never started {status.never_started}"
+
+
+def _render_not_delivered(status: RunStatus, total: Tally) -> str:
+    if not total.left_to_run:
+        return ""
+    return "".join(
+        f"\nnot delivered: agent {agent} unreachable ({len(keys)} rollouts had no replica "
+        "answer within the delivery deadline; they run again on resume)"
+        for agent, keys in sorted(status.not_delivered.items())
+    )
 
 
 def _render_failures(total: Tally) -> str:

@@ -3,12 +3,13 @@
 Takes exactly the flags of ``dispatcher run`` and checks what ``run`` would
 check before dispatching: the settings (file, environment, flags), the task
 file (every line, against the configured agents), the agents' replicas (one
-HTTP request each: any answer means reachable) and the earlier run's files
+``POST /run`` probe each, ``delivery/probe.py``: an answer means reachable,
+a 404/405 means no ``/run`` is served there) and the earlier run's files
 (the same run? how much is left?). It prints what would run and writes
 nothing: no output directory, no lock, no manifest, no materialized rows.
 
 Exit 0 when ``run`` would start, 2 when it would stop with a configuration
-error or an agent replica does not answer.
+error, an agent replica does not answer, or it serves no ``/run``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.files.contracts import RunManifest
 from dispatcher.files.resume import OutputPaths, RunState, load_run_state
@@ -35,6 +37,7 @@ from dispatcher.tasks.materialize import (
     _encoded_batches,
     iter_input_rows,
 )
+from dispatcher.urls import redact_url
 
 ShardFilter = Callable[[int], bool] | None
 
@@ -162,24 +165,24 @@ def _count_final(state: RunState) -> int:
 
 
 async def probe_agents(agents: dict[str, list[str]], report: Report) -> None:
-    """One GET per replica: any HTTP answer is reachable; no answer is a problem."""
-    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    """One ``POST /run`` probe per replica: an answer is reachable; none, or a 404/405
+    (no ``/run`` there), is a problem."""
+    async with aiohttp.ClientSession() as session:
         urls = [(name, url) for name, replicas in sorted(agents.items()) for url in replicas]
-        answers = await asyncio.gather(*(_probe(session, url) for _, url in urls))
+        answers = await asyncio.gather(
+            *(probe_run(session, f"{url}/run", PROBE_TIMEOUT_S) for _, url in urls)
+        )
     for (name, url), answer in zip(urls, answers, strict=True):
-        if answer is None:
-            report.lines.append(f"agent {name}: {url} reachable")
+        shown = redact_url(url)
+        if answer.result is ProbeResult.NO_RUN:
+            report.problems.append(
+                f"agent {name}: {shown}: no /run there (POST /run answered {answer.detail}); "
+                "give the base URL, the dispatcher appends /run"
+            )
+        elif answer.result in (ProbeResult.NO_ANSWER, ProbeResult.LOCAL_FAULT):
+            report.problems.append(f"agent {name}: {shown} does not answer ({answer.detail})")
         else:
-            report.problems.append(f"agent {name}: {url} does not answer ({answer})")
-
-
-async def _probe(session: aiohttp.ClientSession, url: str) -> str | None:
-    try:
-        async with session.get(url + "/", allow_redirects=False):
-            return None
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return str(exc) or type(exc).__name__
+            report.lines.append(f"agent {name}: {shown} reachable ({answer.detail} to POST /run)")
 
 
 async def validate(args: argparse.Namespace) -> int:

@@ -198,6 +198,7 @@ class Daemon:
         progress_line = ProgressLine(enabled=self.settings.log_format == "console" or None)
         self._spawn(progress_line.run(status), "progress-line")
         self._spawn(self._tick(status), "ticker")
+        self._spawn(self.load.probe(), "prober")
 
     def begin_dispatch(self) -> None:
         """Fix the budget's deadline (it counts from here, not from startup) and run."""

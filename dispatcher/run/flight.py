@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import structlog
 
 from dispatcher.admission.pool import Slots
-from dispatcher.delivery.client import AgentClient, Attempt
+from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt
 from dispatcher.delivery.faults import LocalFault, as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.outcome import Outcome
@@ -101,6 +101,9 @@ class Flight:
             attempt = await self._at_agent()
         except LocalFault as fault:
             return Landing(Outcome.REQUEUED, self.elapsed_s(), fault=fault)
+        except AgentMisconfigured as exc:
+            # A wrong agent URL is the operator's to fix (exit 2), not the task's failure.
+            return Landing(Outcome.CANCELLED, self.elapsed_s(), error=exc)
         finally:
             self.leave_agent()
         commit = asyncio.ensure_future(self._commit(attempt, version_start))

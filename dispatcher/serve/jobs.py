@@ -212,16 +212,20 @@ class ServedJob:
         return self._cancelled.is_set() or self.service.daemon.stop_requested.is_set()
 
     async def _paused(self, delay_s: float) -> bool:
-        """Wait ``delay_s`` before the next hop; True when a cancel or stop came first."""
+        """Wait ``delay_s`` before the next hop, or until an agent comes back; True
+        when a cancel or stop came first."""
         log.info("job_hop_paused", job_id=self.job_id, pause_s=round(delay_s, 3))
-        waits = {
+        stops = {
             asyncio.create_task(self._cancelled.wait()),
             asyncio.create_task(self.service.daemon.stop_requested.wait()),
         }
-        done, pending = await asyncio.wait(waits, timeout=delay_s, return_when="FIRST_COMPLETED")
+        back = asyncio.create_task(self.service.daemon.load.agent_back.wait(delay_s))
+        done, pending = await asyncio.wait(
+            {*stops, back}, timeout=delay_s, return_when="FIRST_COMPLETED"
+        )
         for task in pending:
             await cancel_and_wait(task)
-        return bool(done)
+        return bool(done & stops)
 
     async def _settle(self, state: JobState, error: str | None) -> None:
         """Record the final state, keep only the final status, wake the streams.

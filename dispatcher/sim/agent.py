@@ -155,6 +155,10 @@ async def _handle_run(request: web.Request) -> web.StreamResponse:
     stats.arrived(time.monotonic())
     try:
         row = await request.json(loads=orjson.loads)
+        if TASK_INDEX not in row:
+            # As NeMo Gym's FastAPI agents answer a body that is no run request
+            # (the dispatcher's probe): nothing runs.
+            return web.json_response({"detail": "not a run request"}, status=422)
         load = _load_factor(request.app, stats.in_flight)
         if stats.requests <= config.rate_limit_first or load > OVERLOAD_429:
             return web.Response(
