@@ -1,7 +1,10 @@
-"""The shipped examples: `dispatcher init`, the Kubernetes example, the Prometheus rules."""
+"""The shipped examples: `dispatcher init`, the Kubernetes example, the Prometheus rules;
+the README's flag table and its links into docs/contracts.md."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -12,11 +15,15 @@ import yaml
 
 from dispatcher.cli import parse_args
 from dispatcher.ops.init import example_files
+from dispatcher.settings.flags import add_run_arguments
 from tests.conftest import SimAgentFactory
 from tests.helpers import read_jsonl, run_cli
 from tests.prometheus_helpers import require_binary
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "dispatcher" / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "dispatcher" / "examples"
+README = ROOT / "README.md"
+CONTRACTS = ROOT / "docs" / "contracts.md"
 JOB = EXAMPLES / "kubernetes" / "job.yaml"
 OLDEST_KUBERNETES = (1, 27)
 
@@ -195,3 +202,50 @@ def test_slurm_example_leaves_the_metrics_port_to_auto() -> None:
     text = (EXAMPLES / "slurm" / "dispatch.sbatch").read_text()
     code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     assert not any("--metrics-listen" in line for line in code)
+
+
+# -- README and docs/contracts.md -----------------------------------------------------------
+
+
+def run_flags() -> set[str]:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    return {o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+
+
+def test_readme_flag_table_lists_every_run_flag_once() -> None:
+    # Seven flags of `run` used to be missing from the table.
+    section = README.read_text().split("\n## Running it\n", 1)[1].split("\n## ", 1)[0]
+    first_cells = [
+        line.split(" | ", 1)[0] for line in section.splitlines() if line.startswith("| `--")
+    ]
+    listed = [flag for cell in first_cells for flag in re.findall(r"`(--[a-z0-9-]+)", cell)]
+    assert sorted(set(listed)) == sorted(run_flags())
+    assert len(listed) == len(set(listed)), listed
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings."""
+    anchors = set()
+    for title in re.findall(r"^#{1,6} (.+)$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def test_contracts_are_numbered_1_to_15_in_order() -> None:
+    numbers = re.findall(r"^## §(\d+) ", CONTRACTS.read_text(), flags=re.MULTILINE)
+    assert numbers == [str(n) for n in range(1, 16)]
+
+
+def test_readme_cites_the_contracts_by_links_that_resolve() -> None:
+    readme = README.read_text()
+    # The README used to cite "(A11)", sections of a document not in the repository.
+    contracts = CONTRACTS.read_text()
+    for text in (readme, contracts):
+        assert not re.search(r"\(A\d{1,2}\)|DESIGN A\d", text)
+    anchors = heading_anchors(contracts)
+    cited = re.findall(r"\(docs/contracts\.md#([^)]+)\)", readme)
+    assert cited and set(cited) <= anchors, set(cited) - anchors
+    inner = re.findall(r"\]\(#([^)]+)\)", contracts)
+    assert inner and set(inner) <= anchors, set(inner) - anchors

@@ -110,7 +110,8 @@ def test_distributions_carry_license_examples_and_tests(dists: Dists) -> None:
         assert pkg_info is not None
         metadata = pkg_info.read().decode()
     for name in (
-        "LICENSE", "tests/conftest.py", "tests/helpers.py", "tests/prometheus_helpers.py",
+        "LICENSE", "docs/contracts.md", "tests/conftest.py", "tests/helpers.py",
+        "tests/prometheus_helpers.py",
         "dispatcher/examples/prometheus/alerts.yml", "dispatcher/examples/kubernetes/job.yaml",
     ):  # fmt: skip
         assert name in names, name
