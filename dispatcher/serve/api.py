@@ -4,7 +4,8 @@
     GET    /v1/jobs                      every job's status
     GET    /v1/jobs/<id>                 one job's status (404 unknown)
     DELETE /v1/jobs/<id>                 cancel: its rollouts at agents write nothing
-    GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true)
+    GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true
+                                         &filtered=true)
     POST   /v1/policy                    {"version": V}: the trainer's policy version
     GET    /v1/policy                    the current version
 
@@ -138,13 +139,14 @@ class _Handlers:
             after = _int_param(request, "after", 0)
             group = _bool_param(request, "group")
             wait = _bool_param(request, "wait")
+            filtered = _bool_param(request, "filtered")
         except ValueError as exc:
             return error(400, str(exc))
         source = await served.source()
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         await response.prepare(request)
         try:
-            async for chunk, born in stream(source, after, group, wait):
+            async for chunk, born in stream(source, after, group, wait, filtered):
                 await response.write(chunk)
                 self.service.delivered(born, group)
         except (ConnectionError, asyncio.CancelledError):

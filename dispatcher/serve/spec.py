@@ -1,4 +1,4 @@
-"""A job's body (DESIGN A12), validated whole before anything touches the disk.
+"""A job's body (DESIGN A12, A13), validated whole before anything touches the disk.
 
 ``JobSpec.parse`` turns a request body into a spec or a ``BadJob`` whose one
 line names the field. ``check_tasks`` then runs the rows (or the task file)
@@ -14,7 +14,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -44,6 +44,11 @@ class JobSpec(BaseModel):
     policy_version: int | None = Field(default=None, ge=0)
     priority: int = 0
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Step control (DESIGN A13): stop at this many kept groups.
+    target_groups: int | None = Field(default=None, ge=1)
+    overprovision: float | None = Field(default=None, ge=1.0)
+    on_target: Literal["finish", "cancel"] | None = None
+    group_filter: Literal["nonzero_reward_std"] | None = None
 
     @model_validator(mode="after")
     def _rows_or_input(self) -> JobSpec:
@@ -51,6 +56,14 @@ class JobSpec(BaseModel):
             raise ValueError("give exactly one of rows or input")
         if self.rows is not None and not self.rows:
             raise ValueError("rows: a job needs at least one row")
+        return self
+
+    @model_validator(mode="after")
+    def _step_needs_a_target(self) -> JobSpec:
+        if self.target_groups is None:
+            for name in ("overprovision", "on_target"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only with target_groups")
         return self
 
     @classmethod
@@ -78,8 +91,11 @@ class JobSpec(BaseModel):
         return self.model_copy(update={"job_id": f"job-{uuid.uuid4().hex[:12]}"})
 
     def digest(self) -> str:
-        """The job's identity: the same body again is the same job."""
-        data = self.model_dump(mode="json")
+        """The job's identity: the same body again is the same job. Fields added
+        since the first release count only when given, so the record of a job
+        submitted before them keeps its digest."""
+        unset = {name for name in _LATER_FIELDS if getattr(self, name) is None}
+        data = self.model_dump(mode="json", exclude=unset)
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def settings(self, base: RunSettings, input_path: Path, output: Path) -> RunSettings:
@@ -94,6 +110,15 @@ class JobSpec(BaseModel):
         return RunSettings.model_validate(values)
 
 
+# Fields that a digest leaves out when they are not given (see ``JobSpec.digest``).
+_LATER_FIELDS = (
+    "target_groups",
+    "overprovision",
+    "on_target",
+    "group_filter",
+)
+
+
 def first_error(exc: ValidationError) -> str:
     """The first problem pydantic found, on one line, naming the field."""
     error = exc.errors()[0]
@@ -101,6 +126,8 @@ def first_error(exc: ValidationError) -> str:
     if error["type"] == "extra_forbidden":
         return f"{where}: not a job field"
     message = " ".join(str(error["msg"]).removeprefix("Value error, ").split())
+    if not error["loc"] and message.partition(": ")[0] in JobSpec.model_fields:
+        return message  # a check of the whole body that names its field
     return f"{where}: {message}"
 
 
@@ -114,7 +141,8 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch: Path) -> None:
-    """Validate the job's rows or task file as ``dispatcher run`` would (blocking).
+    """Validate the job's rows or task file as ``dispatcher run`` would (blocking),
+    and its ``target_groups`` against its tasks.
 
     Runs in ``scratch``, which is left empty: a bad job creates nothing.
     """
@@ -127,9 +155,13 @@ def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch:
             tasks = _readable_input(spec.input)
         try:
             job_settings = settings(tasks)
-            materialize(job_settings.materialize_spec(None), Path(folder) / "m.jsonl")
+            result = materialize(job_settings.materialize_spec(None), Path(folder) / "m.jsonl")
         except ConfigError as exc:
             raise BadJob(_rows_named(str(exc), tasks)) from None
+    if spec.target_groups is not None and spec.target_groups > result.tasks:
+        raise BadJob(
+            f"target_groups: {spec.target_groups} is more than the job's {result.tasks} tasks"
+        )
 
 
 def _readable_input(value: str | None) -> Path:
