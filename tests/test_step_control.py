@@ -1,16 +1,40 @@
-"""Step control's pieces without a daemon: the admission rule, the filter, the groups
-file read back. The daemon's behaviour is in ``test_step_control_e2e.py``."""
+"""Step control's pieces without a daemon: the admission rule, the filter, the pause's TTL
+on a fake clock. The daemon's behaviour is in ``test_step_control_e2e.py``."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
+from dispatcher.admission.pause import AdmissionPause
+from dispatcher.admission.pool import Budget, RolloutPool
 from dispatcher.files.resume import RunState
 from dispatcher.serve.groups import Groups
 from dispatcher.serve.step import StepControl, teaches_nothing
 from dispatcher.tasks.keys import line_key
+from tests.helpers import wait_until
+
+
+class FakeClock:
+    """Seconds that move only when the test says; ``sleep_until`` wakes when they pass."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._moved = asyncio.Event()
+
+    def now(self) -> float:
+        return self.seconds
+
+    async def sleep_until(self, deadline: float) -> None:
+        while self.seconds < deadline:
+            await self._moved.wait()
+
+    def advance(self, seconds: float) -> None:
+        self.seconds += seconds
+        self._moved.set()
+        self._moved = asyncio.Event()
 
 
 def test_a_new_group_starts_only_under_the_bound_and_a_filtered_one_frees_one_place() -> None:
@@ -108,3 +132,41 @@ async def test_groups_read_back_their_filtered_lines_and_the_rewards_of_open_tas
     await groups.close()
     assert step.filtered == 1 and step.kept == 1 and step.satisfied_seq == 2
     assert step.open == {2} and groups.rewards[2] == [1.0]
+
+
+async def test_the_pause_ends_by_itself_when_its_ttl_runs_out_on_a_fake_clock() -> None:
+    clock = FakeClock()
+    pause = AdmissionPause(clock)
+    pause.pause(ttl_s=300.0, reason="update")
+    assert pause.paused and pause.remaining_s() == 300.0
+    clock.advance(299.0)
+    await asyncio.sleep(0)
+    assert pause.paused and pause.paused_seconds() == 299.0
+    # Pausing again restarts the TTL from now.
+    pause.pause(ttl_s=10.0)
+    clock.advance(9.0)
+    await asyncio.sleep(0)
+    assert pause.paused and pause.pauses == 1
+    clock.advance(1.0)
+    await wait_until(lambda: not pause.paused)
+    assert pause.paused_seconds() == 309.0 and pause.remaining_s() is None
+    assert pause.resume("request") is False
+    await pause.close()
+
+
+async def test_a_rollout_that_won_its_slot_during_a_pause_gives_it_back() -> None:
+    pause = AdmissionPause(FakeClock())
+    pool = RolloutPool(1, Budget(None), lambda: None, pause=pause)
+    held = await pool.admit("a")
+    assert held is not None
+    waiting = asyncio.create_task(pool.admit("a"))
+    await wait_until(lambda: pool.slots is not None and pool.slots.waiting == 1)
+    pause.pause(ttl_s=60.0)
+    held.release()  # the waiter wins the slot, finds the pause, and gives it back
+    await wait_until(lambda: pause.waiting == 1)
+    assert not waiting.done() and pool.slots is not None and pool.slots.waiting == 0
+    pause.resume("request")
+    slots = await waiting
+    assert slots is not None
+    slots.release()
+    await pause.close()

@@ -223,9 +223,72 @@ async def test_bad_step_fields_are_400_naming_the_field_and_create_nothing(
             async with serve.http.post(f"{serve.url}/v1/jobs", data=body) as r:
                 assert r.status == 400
                 assert (await r.json())["error"].startswith(field), field
+        for body in ({"paused": True, "ttl_s": 0}, {"paused": True, "ttl_s": 3601}):
+            async with serve.http.post(f"{serve.url}/v1/admission", json=body) as r:
+                assert r.status == 400
+                assert (await r.json())["error"].startswith("ttl_s: ")
+        async with serve.http.get(f"{serve.url}/v1/admission") as r:
+            assert (await r.json())["paused"] is False
         async with serve.http.get(f"{serve.url}/v1/jobs") as r:
             assert (await r.json())["jobs"] == []
     finally:
         assert await serve.stop() == 0
     assert list((state / "jobs").iterdir()) == []
     assert agent.seen == 0
+
+
+async def test_pause_holds_every_start_until_resumed_by_request_policy_or_ttl(
+    tmp_path: Path, agent: FakeAgent, gates: TaskGates
+) -> None:
+    serve = await Serve.start(tmp_path / "state", agent.url, "--concurrency", "16")
+
+    async def admission(method: str = "GET", query: str = "", **body: Any) -> dict[str, Any]:
+        url = f"{serve.url}/v1/admission{query}"
+        async with serve.http.request(method, url, json=body or None) as r:
+            assert r.status == 200
+            answer: dict[str, Any] = await r.json()
+            return answer
+
+    try:
+        # Rollouts in flight go on through a pause; wait_idle says when they are done.
+        await serve.submit(job_id="before", rows=rows(1))
+        await wait_until(lambda: agent.seen == 1)
+        assert (await admission("POST", paused=True, reason="weights"))["paused"] is True
+        busy = await admission(query="?wait_idle=true&timeout_s=0.05")
+        assert busy == {"paused": True, "reason": "weights", "ttl_remaining_s": busy[
+            "ttl_remaining_s"], "in_flight": 1, "idle": False, "held": 0}  # fmt: skip
+        gates.release(0, 1)
+        idle = await admission(query="?wait_idle=true&timeout_s=60")
+        assert idle["idle"] is True and idle["in_flight"] == 0
+        # No /run reaches the agent while paused: the job waits at the pause.
+        await serve.submit(job_id="a", rows=rows(2, job="a"))
+        await wait_until(lambda: _held(admission))
+        assert agent.seen == 1
+        await admission("POST", paused=False)
+        await wait_until(lambda: agent.seen == 3)
+        # The next policy version ends a pause.
+        await admission("POST", paused=True)
+        await serve.submit(job_id="b", rows=rows(2, job="b"))
+        await wait_until(lambda: _held(admission))
+        assert agent.seen == 3
+        await serve.set_policy(1)
+        await wait_until(lambda: agent.seen == 5)
+        # So does its TTL, at warning.
+        await admission("POST", paused=True, ttl_s=0.2)
+        await serve.submit(job_id="c", rows=rows(2, job="c"))
+        await wait_until(lambda: agent.seen == 7)
+        assert (await admission())["paused"] is False
+        metrics = await serve.metrics()
+    finally:
+        assert await serve.stop() == 0
+    assert "dispatcher_admission_paused 0.0" in metrics
+    assert "dispatcher_admission_pauses_total 3.0" in metrics
+    assert "dispatcher_admission_paused_seconds_total" in metrics
+    expired = [e for e in serve.proc.events() if e["event"] == "admission_pause_expired"]
+    assert [e["level"] for e in expired] == ["warning"]
+    resumed = [e["by"] for e in serve.proc.events() if e["event"] == "admission_resumed"]
+    assert resumed == ["request", "policy_version", "ttl"]
+
+
+async def _held(admission: Callable[..., Any]) -> bool:
+    return bool((await admission())["held"] == 1)

@@ -360,6 +360,7 @@ class Job:
         """A flight's agent answered (or it was cancelled or put back): its slots are free."""
         self._at_agents -= 1
         self.daemon.metrics.rollout_left_agent(rollout.agent)
+        self.daemon.left_agent.fire()
 
     def at_agents(self) -> int:
         return self._at_agents

@@ -14,7 +14,8 @@ A job with ``target_groups`` has a ``StepControl`` (``step.py``): its gate
 starts a new group only while there is room under the overprovision bound,
 and once the target is reached the job starts nothing more (``finish``: what
 is in flight runs to its end; ``cancel``: it is cancelled) and ends
-``satisfied``.
+``satisfied``. The admission pause (DESIGN A13) is the pool's, daemon-wide;
+the service ends it when the trainer sets a policy version.
 
 A finished job keeps only its final status in memory: a daemon that lives
 for days and runs thousands of jobs stays the same size.
@@ -495,7 +496,7 @@ class Service:
         # delivery on a results stream: the last ones, for /status.
         self.delays: deque[float] = deque(maxlen=DELAY_WINDOW)
         self._delay_histogram = declare_service_metrics(
-            daemon.metrics.registry, self.job_counts, daemon.policy_version
+            daemon.metrics.registry, self.job_counts, daemon.policy_version, daemon.pause
         )
         # One submission at a time: two racing bodies for one job_id must
         # not both create it.
@@ -616,6 +617,29 @@ class Service:
             "max": ordered[-1],
         }
 
+    # ---- the admission pause (DESIGN A13) ------------------------------------------
+
+    def admission(self) -> dict[str, Any]:
+        """The pause and what is in flight: the answer of ``/v1/admission``."""
+        pause = self.daemon.pause
+        remaining_s = pause.remaining_s()
+        in_flight = self.daemon.at_agents()
+        return {
+            "paused": pause.paused,
+            "reason": pause.reason,
+            "ttl_remaining_s": round(remaining_s, 3) if remaining_s is not None else None,
+            "in_flight": in_flight,
+            "idle": in_flight == 0,
+            # Jobs whose next rollout waits for the pause to end.
+            "held": pause.waiting,
+        }
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Until no rollout is at an agent, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.daemon.at_agents() and (left_s := deadline - time.monotonic()) > 0:
+            await self.daemon.left_agent.wait(left_s)
+
     async def set_policy(self, version: int) -> None:
         """Save the version, then move to it: a version counts (releases a paced
         job) only once it is durable, so a restart never goes back on it."""
@@ -625,6 +649,8 @@ class Service:
             await self.write(self.registry.save_policy, version)
             policy.set(version)
         log.info("policy_version_set", version=version)
+        # The weight update is over: a pause around it ends here.
+        self.daemon.pause.resume("policy_version")
 
     async def close(self) -> None:
         """Wait for every job to stop (the daemon's stop request stops them)."""

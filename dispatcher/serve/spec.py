@@ -19,13 +19,18 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dispatcher.admission.pause import DEFAULT_TTL_S, MAX_TTL_S
 from dispatcher.errors import ConfigError
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
 from dispatcher.tasks.materialize import materialize
 
 
-class BadJob(Exception):
+class BadBody(Exception):
+    """A request body that cannot be used: a 400 with this one-line message."""
+
+
+class BadJob(BadBody):
     """A job body that cannot be run: a 400 with this one-line message."""
 
 
@@ -119,12 +124,36 @@ _LATER_FIELDS = (
 )
 
 
-def first_error(exc: ValidationError) -> str:
+class AdmissionChange(BaseModel):
+    """A body of ``POST /v1/admission`` (DESIGN A13): pause with a TTL, or resume."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    paused: bool
+    ttl_s: float = Field(default=DEFAULT_TTL_S, gt=0, le=MAX_TTL_S)
+    reason: str | None = Field(default=None, max_length=1000)
+
+    @classmethod
+    def parse(cls, body: bytes) -> AdmissionChange:
+        """The change a request body asks for; ``BadBody`` naming the field when it is not one."""
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadBody(f"body: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise BadBody("body: must be a JSON object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise BadBody(first_error(exc, "POST /v1/admission")) from None
+
+
+def first_error(exc: ValidationError, of: str = "a job") -> str:
     """The first problem pydantic found, on one line, naming the field."""
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"]) or "body"
     if error["type"] == "extra_forbidden":
-        return f"{where}: not a job field"
+        return f"{where}: not a field of {of}" if of != "a job" else f"{where}: not a job field"
     message = " ".join(str(error["msg"]).removeprefix("Value error, ").split())
     if not error["loc"] and message.partition(": ")[0] in JobSpec.model_fields:
         return message  # a check of the whole body that names its field
