@@ -292,3 +292,34 @@ async def test_pause_holds_every_start_until_resumed_by_request_policy_or_ttl(
 
 async def _held(admission: Callable[..., Any]) -> bool:
     return bool((await admission())["held"] == 1)
+
+
+async def test_a_jobs_responses_create_params_override_its_rows_and_jobs_filter_by_state(
+    tmp_path: Path, agent: FakeAgent, gates: TaskGates
+) -> None:
+    gates.release(0, 1)
+    serve = await Serve.start(tmp_path / "state", agent.url)
+    params = {"input": "hi", "temperature": 1.0, "max_output_tokens": 64}
+    try:
+        await serve.submit(job_id="cool", rows=rows(1, job="cool", responses_create_params=params),
+                           responses_create_params={"temperature": 0.2})  # fmt: skip
+        plain = rows(1, job="plain", responses_create_params=params)
+        await serve.submit(job_id="plain", rows=plain)
+        for job_id in ("cool", "plain"):
+            assert (await serve.results(job_id, wait=True))[-1] == {"end": "done"}
+        await serve.submit(job_id="held", rows=rows(2, job="held"))  # its task 1 is held
+        await wait_until(lambda: agent.seen == 4)
+        listings = {}
+        for query in ("done", "running", "done,running"):
+            async with serve.http.get(f"{serve.url}/v1/jobs", params={"state": query}) as r:
+                listings[query] = sorted(job["job_id"] for job in (await r.json())["jobs"])
+        async with serve.http.get(f"{serve.url}/v1/jobs", params={"state": "finished"}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"].startswith("state: 'finished' is not a job state")
+    finally:
+        assert await serve.stop() == 0
+    sent = {body["job"]: body.get("responses_create_params") for body in agent.bodies}
+    assert sent["cool"] == {"input": "hi", "temperature": 0.2, "max_output_tokens": 64}
+    assert sent["plain"] == params
+    assert listings == {"done": ["cool", "plain"], "running": ["held"],
+                        "done,running": ["cool", "held", "plain"]}  # fmt: skip

@@ -1,7 +1,7 @@
 """The jobs API (DESIGN A12) as aiohttp routes on the daemon's one listener.
 
     POST   /v1/jobs                      submit (201 new, 200 the same again, 400, 409)
-    GET    /v1/jobs                      every job's status
+    GET    /v1/jobs                      every job's status (?state=S[,S...] filters)
     GET    /v1/jobs/<id>                 one job's status (404 unknown)
     DELETE /v1/jobs/<id>                 cancel: its rollouts at agents write nothing
     GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true
@@ -27,6 +27,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from dispatcher.lifecycle import JobState
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
@@ -125,7 +126,14 @@ class _Handlers:
         return json_response(status, status=code)
 
     async def list_jobs(self, request: web.Request) -> web.Response:
-        return json_response({"jobs": [j.status() for j in self.service.jobs.values()]})
+        try:
+            states = _states_param(request)
+        except ValueError as exc:
+            return error(400, str(exc))
+        jobs = [j.status() for j in self.service.jobs.values()]
+        if states is not None:
+            jobs = [job for job in jobs if job["state"] in states]
+        return json_response({"jobs": jobs})
 
     async def get_job(self, request: web.Request) -> web.Response:
         served = self.service.jobs.get(request.match_info["job_id"])
@@ -237,3 +245,17 @@ def _seconds_param(request: web.Request, name: str, default: float) -> float:
     if not 0 <= value <= MAX_WAIT_IDLE_S:
         raise ValueError(f"{name}: must be a number of seconds in [0, {MAX_WAIT_IDLE_S:g}]")
     return value
+
+
+def _states_param(request: web.Request) -> set[str] | None:
+    """``?state=running,paced``: the states asked for; None when not given."""
+    raw = request.query.get("state")
+    if raw is None:
+        return None
+    states = {part.strip() for part in raw.split(",")}
+    known = {state.value for state in JobState}
+    unknown = sorted(states - known)
+    if unknown:
+        names = ", ".join(sorted(known))
+        raise ValueError(f"state: {unknown[0]!r} is not a job state (one of {names})")
+    return states

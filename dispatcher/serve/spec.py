@@ -49,6 +49,8 @@ class JobSpec(BaseModel):
     policy_version: int | None = Field(default=None, ge=0)
     priority: int = 0
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Merged shallowly over the daemon's --responses-create-params, then over each row's.
+    responses_create_params: dict[str, Any] | None = None
     # Step control (DESIGN A13): stop at this many kept groups.
     target_groups: int | None = Field(default=None, ge=1)
     overprovision: float | None = Field(default=None, ge=1.0)
@@ -112,11 +114,17 @@ class JobSpec(BaseModel):
             values["num_repeats"] = self.num_repeats
         if self.default_agent is not None:
             values["default_agent"] = self.default_agent
+        if self.responses_create_params is not None:
+            values["responses_create_params"] = {
+                **base.responses_create_params,
+                **self.responses_create_params,
+            }
         return RunSettings.model_validate(values)
 
 
 # Fields that a digest leaves out when they are not given (see ``JobSpec.digest``).
 _LATER_FIELDS = (
+    "responses_create_params",
     "target_groups",
     "overprovision",
     "on_target",
