@@ -297,7 +297,7 @@ async def _held(admission: Callable[..., Any]) -> bool:
 async def test_a_jobs_responses_create_params_override_its_rows_and_jobs_filter_by_state(
     tmp_path: Path, agent: FakeAgent, gates: TaskGates
 ) -> None:
-    gates.release(0, 1)
+    gates.release(0)
     serve = await Serve.start(tmp_path / "state", agent.url)
     params = {"input": "hi", "temperature": 1.0, "max_output_tokens": 64}
     try:
@@ -316,6 +316,8 @@ async def test_a_jobs_responses_create_params_override_its_rows_and_jobs_filter_
         async with serve.http.get(f"{serve.url}/v1/jobs", params={"state": "finished"}) as r:
             assert r.status == 400
             assert (await r.json())["error"].startswith("state: 'finished' is not a job state")
+        gates.release(1)
+        assert (await serve.results("held", wait=True))[-1] == {"end": "done"}
     finally:
         assert await serve.stop() == 0
     sent = {body["job"]: body.get("responses_create_params") for body in agent.bodies}
