@@ -10,7 +10,12 @@ both modes:
 2. ``dispatcher serve``: a trainer (the blocking ``dispatcher.client``)
    submits training steps as jobs, consumes step N's complete groups while
    step N+1 runs, and advances the policy version after each step
-   (``--max-off-policy-steps 1`` paces step N+2 until then).
+   (``--max-off-policy-steps 1`` paces step N+2 until then);
+3. step control against a heavy-tailed agent: a plain step waits for its
+   slowest group, a step with ``target_groups`` and ``overprovision`` is
+   satisfied at its N-th group and its tail lands for the next step; a step
+   with the group filter refills one group per group it drops; the trainer
+   pauses admission around its weight update.
 
 Everything lands in ``demo-output/``.
 """
@@ -161,6 +166,8 @@ def main() -> int:
         _show(["status", str(out / "rollouts.jsonl")])
         if code == 0:
             code = _service_mode(out, urls)
+    if code == 0:
+        code = _step_control(out)
     return code
 
 
@@ -205,6 +212,70 @@ def _service_mode(out: Path, urls: dict[str, str]) -> int:
     print(f"dispatcher serve exit {code} after SIGTERM; jobs under {out / 'serve' / 'jobs'}")
     _show(["status", str(out / "serve")])
     return code
+
+
+TARGET = 32
+
+
+def _step_control(out: Path) -> int:
+    """A satisfied step: the same N groups without waiting for the slowest ones."""
+    from dispatcher.client import Client
+
+    print("\n== step control: stop at N groups, filter, pause for the weight update ==")
+    agent_args = [
+        "sim-agent", "--listen", "127.0.0.1:0", "--latency-dist", "lognormal:0.25,1",
+        "--reward-p", "task", "--seed", "7",
+    ]  # fmt: skip
+    agent, agent_url = _start(agent_args, out / "sim-agent-tail.log")
+    args = [
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(out / "serve-steps"),
+        "--agent", f"math_agent={agent_url}", "--concurrency", "512", "--log-format", "json",
+    ]  # fmt: skip
+    daemon, url = _start(args, out / "serve-steps.log")
+    print(f"heavy-tailed agent (lognormal, median 0.25 s, sigma 1) at {agent_url}")
+    try:
+        with Client(url) as client:
+            plain_s = _timed_step(client, "plain", TARGET, {})
+            steered = {"target_groups": TARGET, "overprovision": 1.25}
+            target_s = _timed_step(client, "target", int(TARGET * 1.25), steered)
+            print(f"  -> {TARGET} groups in {target_s / plain_s:.2f}x the plain step's time")
+            client.pause(ttl_s=60, reason="weight update")
+            idle = client.wait_idle(timeout_s=60)
+            tail = client.results("target", group=True, after=client.status("target").satisfied_seq)
+            late = list(tail)
+            print(f"  trainer: admission paused for the weight update (idle: {idle.idle}); "
+                  f"the target step's tail: {len(late)} groups, off-policy next step")  # fmt: skip
+            client.set_policy_version(1)  # the new weights; ends the pause
+            filtered = {**steered, "group_filter": "nonzero_reward_std"}
+            _timed_step(client, "filtered", 4 * TARGET, filtered)
+            status = client.status("filtered")
+            print(f"  filter: {status.groups_kept} kept, {status.groups_filtered} filtered "
+                  f"(all rewards equal), refilled one group at a time")  # fmt: skip
+    finally:
+        for proc in (daemon, agent):
+            proc.terminate()
+        code = daemon.wait(timeout=60)
+        agent.wait(timeout=10)
+    return code
+
+
+def _timed_step(client: Any, job_id: str, tasks: int, fields: dict[str, Any]) -> float:
+    """Submit a step and read its groups to the stream's end; the seconds it took."""
+    rows = [
+        {"agent_ref": {"name": "math_agent"},
+         "responses_create_params": {"input": f"{job_id}: what is {i} * {i}?"}}
+        for i in range(tasks)
+    ]  # fmt: skip
+    started = time.monotonic()
+    client.submit(rows, job_id=job_id, num_repeats=REPEATS, **fields)
+    results = client.results(job_id, group=True)
+    groups = sum(1 for _ in results)
+    took = time.monotonic() - started
+    timeline = client.status(job_id).timeline or {}
+    figures = ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in timeline.items() if v)
+    print(f"  trainer: {job_id}: {tasks} tasks x {REPEATS}, {groups} groups in {took:.2f}s "
+          f"(end: {results.final_state}){'; ' + figures if figures else ''}")  # fmt: skip
+    return took
 
 
 def _submit_step(client: Any, step: int) -> None:

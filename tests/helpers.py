@@ -112,7 +112,10 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 async def start_cli(
-    *args: str, env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None
+    *args: str,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+    cwd: Path | None = None,
 ) -> asyncio.subprocess.Process:
     """Start ``dispatcher ARGS`` as a subprocess (the test's loop keeps serving meanwhile)."""
     return await asyncio.create_subprocess_exec(
@@ -124,6 +127,7 @@ async def start_cli(
         stderr=asyncio.subprocess.PIPE,
         env=cli_env(env),
         preexec_fn=preexec_fn,
+        cwd=cwd,
     )
 
 
@@ -222,10 +226,13 @@ async def _pump(stream: asyncio.StreamReader | None, into: list[bytes]) -> None:
 
 
 async def spawn_cli(
-    *args: str, env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None
+    *args: str,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+    cwd: Path | None = None,
 ) -> CliProcess:
     """Start ``dispatcher ARGS`` and keep reading its output (see ``CliProcess``)."""
-    return CliProcess(await start_cli(*args, env=env, preexec_fn=preexec_fn))
+    return CliProcess(await start_cli(*args, env=env, preexec_fn=preexec_fn, cwd=cwd))
 
 
 def count_lines(path: Path) -> int:

@@ -168,3 +168,42 @@ async def test_a_stream_survives_kill_9_of_the_daemon(
     assert durable_at_kill < TASKS_PER_STEP * REPEATS
     keys = Counter((r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows)
     assert keys == Counter((t, r) for t in range(TASKS_PER_STEP) for r in range(REPEATS))
+
+
+async def test_blocking_trainer_steers_a_step_and_pauses_around_its_update(
+    daemon: tuple[CliProcess, str],
+) -> None:
+    _, url = daemon
+
+    def trainer() -> dict[str, Any]:
+        with Client(url) as client:
+            seen: dict[str, Any] = {"paused": client.pause(ttl_s=30, reason="update")}
+            client.submit(step_rows(0), job_id="s-0", num_repeats=REPEATS, policy_version=0,
+                          target_groups=2, overprovision=1.5, on_target="cancel",
+                          responses_create_params={"temperature": 0.5})  # fmt: skip
+            seen["held"] = client.wait_idle(timeout_s=5)
+            seen["resumed"] = client.resume()
+            results = client.results("s-0", group=True)
+            seen["groups"] = list(results)
+            seen["end"] = results.final_state
+            seen["every"] = list(client.results("s-0", group=True, filtered=True))
+            seen["status"] = client.wait("s-0")
+            seen["satisfied"] = [job.job_id for job in client.jobs("satisfied", "done")]
+            client.pause()
+            seen["by_policy"] = (client.set_policy_version(1), client.admission())
+            return seen
+
+    seen = await asyncio.to_thread(trainer)
+    assert seen["paused"].paused is True and seen["paused"].reason == "update"
+    assert seen["held"].idle is True and seen["held"].in_flight == 0
+    assert seen["resumed"].paused is False
+    assert len(seen["groups"]) == 2 and seen["end"] is JobState.SATISFIED
+    assert len(seen["every"]) == 2  # no filter: nothing dropped
+    status = seen["status"]
+    assert status.state is JobState.SATISFIED and status.final
+    # An answer already on its way to disk at the target is written (as with DELETE).
+    assert status.target_groups == 2 and status.groups_kept >= 2
+    assert status.satisfied_seq == 2 and status.timeline is not None
+    assert seen["satisfied"] == ["s-0"]
+    version, admission = seen["by_policy"]
+    assert version == 1 and admission.paused is False

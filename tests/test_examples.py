@@ -4,8 +4,13 @@ the README's flag table and its links into docs/contracts.md."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
 import re
+import signal
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,7 +22,7 @@ from dispatcher.cli import parse_args
 from dispatcher.ops.init import example_files
 from dispatcher.settings.flags import add_run_arguments
 from tests.conftest import SimAgentFactory
-from tests.helpers import read_jsonl, run_cli
+from tests.helpers import read_jsonl, run_cli, spawn_cli, wait_until
 from tests.prometheus_helpers import require_binary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,3 +254,77 @@ def test_readme_cites_the_contracts_by_links_that_resolve() -> None:
     assert cited and set(cited) <= anchors, set(cited) - anchors
     inner = re.findall(r"\]\(#([^)]+)\)", contracts)
     assert inner and set(inner) <= anchors, set(inner) - anchors
+
+
+# -- README: service mode and step control, run as written --------------------------------
+
+
+def service_examples() -> list[str]:
+    """The code blocks of the README's "Service mode" section (step control included),
+    without the `dispatcher serve` command line (its agents are hosts of a cluster)."""
+    section = README.read_text().split("\n## Service mode\n", 1)[1].split("\n## ", 1)[0]
+    blocks: list[list[str]] = []
+    previous = ""
+    for line in section.splitlines():
+        if line.startswith("    ") and ((blocks and previous.startswith("    ")) or not previous):
+            if not previous:
+                blocks.append([])
+            blocks[-1].append(line[4:])
+        elif not line and blocks and previous.startswith("    "):
+            blocks[-1].append("")
+            continue
+        previous = line
+    codes = ["\n".join(block).strip() + "\n" for block in blocks]
+    return [code for code in codes if not code.startswith("dispatcher serve")]
+
+
+def test_the_service_examples_are_found() -> None:
+    examples = service_examples()
+    assert [example.split("\n", 1)[0] for example in examples] == [
+        "import asyncio",
+        "URL=${DISPATCHER_URL:-http://localhost:8080}",
+        "import asyncio",
+    ]
+
+
+async def run_example(command: list[str], env: dict[str, str], cwd: Path) -> str:
+    """Run an example to its end (the sim agent serves on this loop meanwhile); its stdout."""
+    proc = await asyncio.create_subprocess_exec(
+        *command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    return stdout.decode()
+
+
+async def test_readme_service_and_step_control_examples_run_as_written(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    # Each task solved with a probability of its own: some groups teach nothing.
+    url, _ = await sim_agent(latency_s=0.01, reward_p=None)
+    tasks = [{"agent_ref": {"name": "math_agent"}, "question": i} for i in range(6)]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    daemon = await spawn_cli(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", "state", "--agent",
+        f"math_agent={url}", "--fsync", "never", "--log-format", "json", cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        await wait_until(lambda: bool(daemon.stdout) or daemon.exited, timeout_s=30)
+        env = {**os.environ, "DISPATCHER_URL": daemon.stdout[0].decode().split()[-1]}
+        outputs = []
+        for example in service_examples():
+            shell = ["bash", "-euo", "pipefail", "-c"]
+            command = [sys.executable, "-c"] if example.startswith("import") else shell
+            outputs.append(await run_example([*command, example], env, tmp_path))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert (await daemon.wait()).returncode == 0
+    trainer, shell, step_control = outputs
+    assert trainer.count("task ") == 3 * 16
+    assert re.findall(r'\{"task_index":\d+,"n":(\d+)\}', shell) == ["8"] * 6
+    steps = [line for line in step_control.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 0", "step 1", "step 2"]
+    assert all(": 8 groups" in line for line in steps), steps
+    folders = (tmp_path / "state" / "jobs").iterdir()
+    jobs = {folder.name: json.loads((folder / "job.json").read_text()) for folder in folders}
+    assert {jobs[f"rl-step-{n}"]["state"] for n in range(3)} == {"satisfied"}

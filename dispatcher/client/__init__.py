@@ -1,4 +1,5 @@
-"""Python client of ``dispatcher serve`` (DESIGN A12): jobs, results, policy version.
+"""Python client of ``dispatcher serve`` (DESIGN A12, A13): jobs, results, policy
+version, step control and the admission pause.
 
 A trainer submits the rollouts of step N+1 while it consumes step N, so the
 daemon is never idle between steps::
@@ -20,7 +21,9 @@ daemon is never idle between steps::
                 await client.set_policy_version(n + 1)  # after the weight update
 
 ``Client`` is the same API, blocking, for trainers without an event loop
-(``for group in client.results(...)``).
+(``for group in client.results(...)``). The README's "Step control" has a
+trainer loop that stops each step at N kept groups, pauses the daemon around
+its weight update and reads the last step's tail as off-policy rows.
 
 The resume contract, kept by ``results``: every line the daemon streams carries
 ``_ng_seq`` (a row's line number in the job's output, or a group's own
@@ -43,6 +46,7 @@ came within the deadline.
 from dispatcher.client.aio import AsyncClient, Results
 from dispatcher.client.blocking import BlockingResults, Client
 from dispatcher.client.wire import (
+    Admission,
     ClientError,
     JobStatus,
     NdjsonSplitter,
@@ -55,6 +59,7 @@ from dispatcher.client.wire import (
 from dispatcher.lifecycle import JobState
 
 __all__ = [
+    "Admission",
     "AsyncClient",
     "BlockingResults",
     "Client",

@@ -15,6 +15,7 @@ import aiohttp
 
 from dispatcher import jsonx
 from dispatcher.client.wire import (
+    Admission,
     ClientError,
     JobStatus,
     NdjsonSplitter,
@@ -156,17 +157,30 @@ class AsyncClient:
         policy_version: int | None = None,
         priority: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        responses_create_params: Mapping[str, Any] | None = None,
+        target_groups: int | None = None,
+        overprovision: float | None = None,
+        on_target: str | None = None,
+        group_filter: str | None = None,
     ) -> JobStatus:
         """Submit a job: ``rows``, or ``input``, a task file's path on the daemon's host.
 
         With a ``job_id`` the call is idempotent (the same body returns the
         same job) and is retried across a lost connection; without one it is
-        sent once.
+        sent once. ``responses_create_params`` are merged over each row's;
+        ``target_groups``, ``overprovision``, ``on_target`` (``"finish"`` or
+        ``"cancel"``) and ``group_filter`` (``"nonzero_reward_std"``) are step
+        control: the job stops once that many complete groups are kept.
         """
         body = submit_body(
             rows, input, job_id=job_id, num_repeats=num_repeats, default_agent=default_agent,
             policy_version=policy_version, priority=priority,
             metadata=dict(metadata) if metadata is not None else None,
+            responses_create_params=(
+                dict(responses_create_params) if responses_create_params is not None else None
+            ),
+            target_groups=target_groups, overprovision=overprovision, on_target=on_target,
+            group_filter=group_filter,
         )  # fmt: skip
         answer = await self._call("POST", "/v1/jobs", body, retry=job_id is not None)
         return JobStatus.from_json(answer)
@@ -174,9 +188,10 @@ class AsyncClient:
     async def status(self, job_id: str) -> JobStatus:
         return JobStatus.from_json(await self._call("GET", job_path(job_id)))
 
-    async def jobs(self) -> list[JobStatus]:
-        """Every job the daemon knows."""
-        answer = await self._call("GET", "/v1/jobs")
+    async def jobs(self, *states: str) -> list[JobStatus]:
+        """Every job the daemon knows; only those in ``states`` when given."""
+        query = f"?state={','.join(states)}" if states else ""
+        answer = await self._call("GET", f"/v1/jobs{query}")
         if not isinstance(answer, dict) or not isinstance(answer.get("jobs"), list):
             raise ClientError(None, "GET /v1/jobs: no jobs list in the answer")
         return [JobStatus.from_json(job) for job in answer["jobs"]]
@@ -200,18 +215,50 @@ class AsyncClient:
     async def policy_version(self) -> int:
         return _version(await self._call("GET", "/v1/policy"))
 
+    async def pause(self, *, ttl_s: float | None = None, reason: str | None = None) -> Admission:
+        """Stop every rollout of the daemon from starting (around a weight update);
+        rollouts in flight go on. It ends with ``resume``, the next
+        ``set_policy_version``, or by itself after ``ttl_s`` (the daemon's
+        default: 300 s), so a trainer that dies never wedges the daemon."""
+        body = {k: v for k, v in (("ttl_s", ttl_s), ("reason", reason)) if v is not None}
+        return Admission.from_json(
+            await self._call("POST", "/v1/admission", {"paused": True, **body})
+        )
+
+    async def resume(self) -> Admission:
+        """End the pause."""
+        return Admission.from_json(await self._call("POST", "/v1/admission", {"paused": False}))
+
+    async def admission(self) -> Admission:
+        """The pause and what is in flight, now."""
+        return Admission.from_json(await self._call("GET", "/v1/admission"))
+
+    async def wait_idle(self, *, timeout_s: float = 60.0) -> Admission:
+        """Once no rollout is in flight (``idle``), or at ``timeout_s``."""
+        path = f"/v1/admission?wait_idle=true&timeout_s={timeout_s:g}"
+        return Admission.from_json(await self._call("GET", path, timeout_s=timeout_s))
+
     def results(
-        self, job_id: str, *, after: int = 0, group: bool = False, wait: bool = True
+        self,
+        job_id: str,
+        *,
+        after: int = 0,
+        group: bool = False,
+        wait: bool = True,
+        filtered: bool = False,
     ) -> Results:
         """Rows (or complete groups) of a job as they become durable, each exactly once.
 
         Stops at the stream's end (``Results.final_state`` then holds the
-        job's final state) or, with ``wait=False``, once caught up.
+        job's final state) or, with ``wait=False``, once caught up. A job with
+        a target: a grouped stream ends right after its target-th kept group
+        (``final_state`` is ``satisfied``); ``after=`` that group's seq reads
+        the tail. Groups its filter dropped come only with ``filtered=True``.
         """
 
         def open_stream(position: StreamPosition) -> AsyncGenerator[dict[str, Any], None]:
             position.last_seq = after
-            return self._stream(job_id, position, group=group, wait=wait)
+            return self._stream(job_id, position, group=group, wait=wait, filtered=filtered)
 
         return Results(open_stream)
 
@@ -223,19 +270,33 @@ class AsyncClient:
             raise RuntimeError("use the client as `async with AsyncClient(...) as client`")
         return self._session
 
-    async def _call(self, method: str, path: str, body: Any = None, *, retry: bool = True) -> Any:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        retry: bool = True,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """One API call, retried while transient; ``timeout_s``: how long the daemon
+        may take on purpose (a long poll), on top of the call's own timeout."""
         retries = _Retry(self.retry_deadline_s, self._backoff)
+        limits = aiohttp.ClientTimeout(total=self.timeout_s + (timeout_s or 0.0))
         while True:
             try:
-                return await self._call_once(method, path, body)
+                return await self._call_once(method, path, body, limits)
             except _Transient as exc:
                 if not retry:
                     raise ClientError(None, f"{method} {path}: {exc}") from None
                 await retries.pause_or_raise(f"{method} {path}: {exc}")
 
-    async def _call_once(self, method: str, path: str, body: Any) -> Any:
+    async def _call_once(
+        self, method: str, path: str, body: Any, limits: aiohttp.ClientTimeout
+    ) -> Any:
         try:
-            async with self._http.request(method, self.base_url + path, json=body) as resp:
+            url = self.base_url + path
+            async with self._http.request(method, url, json=body, timeout=limits) as resp:
                 raw = await resp.read()
                 _raise_for_status(resp, raw)
         except _TRANSIENT_ERRORS as exc:
@@ -246,13 +307,13 @@ class AsyncClient:
             raise ClientError(resp.status, f"{method} {path}: answer is not JSON") from None
 
     async def _stream(
-        self, job_id: str, position: StreamPosition, *, group: bool, wait: bool
+        self, job_id: str, position: StreamPosition, *, group: bool, wait: bool, filtered: bool
     ) -> AsyncGenerator[dict[str, Any], None]:
         retries = _Retry(self.retry_deadline_s, self._backoff)
         while True:
             try:
                 # aclosing: a consumer that stops early must release the connection now.
-                lines = self._stream_once(job_id, position, retries, group, wait)
+                lines = self._stream_once(job_id, position, retries, (group, wait, filtered))
                 async with aclosing(lines):
                     async for item in lines:
                         yield item
@@ -264,10 +325,15 @@ class AsyncClient:
             await retries.pause_or_raise(f"results of {job_id}: {error}")
 
     async def _stream_once(
-        self, job_id: str, position: StreamPosition, retries: _Retry, group: bool, wait: bool
+        self,
+        job_id: str,
+        position: StreamPosition,
+        retries: _Retry,
+        flags: tuple[bool, bool, bool],
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """One connection's worth of the stream; ``_Transient`` when it was cut."""
-        query = results_query(position.last_seq, group, wait)
+        """One connection's worth of the stream; ``_Transient`` when it was cut.
+        ``flags``: group, wait, filtered."""
+        query = results_query(position.last_seq, *flags)
         url = f"{self.base_url}{job_path(job_id, '/results')}?{query}"
         # No total timeout: a job's stream lives as long as the job. An idle
         # timeout is the only way to notice a half-open connection (the

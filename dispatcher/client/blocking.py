@@ -17,7 +17,7 @@ from dispatcher.client.aio import (
     AsyncClient,
     Results,
 )
-from dispatcher.client.wire import JobStatus
+from dispatcher.client.wire import Admission, JobStatus
 from dispatcher.delivery.retry import BackoffPolicy
 from dispatcher.lifecycle import JobState
 
@@ -136,6 +136,11 @@ class Client:
         policy_version: int | None = None,
         priority: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        responses_create_params: Mapping[str, Any] | None = None,
+        target_groups: int | None = None,
+        overprovision: float | None = None,
+        on_target: str | None = None,
+        group_filter: str | None = None,
     ) -> JobStatus:
         """See ``AsyncClient.submit``."""
         return self._run(
@@ -143,14 +148,16 @@ class Client:
                 rows, input=input, job_id=job_id, num_repeats=num_repeats,
                 default_agent=default_agent, policy_version=policy_version,
                 priority=priority, metadata=metadata,
+                responses_create_params=responses_create_params, target_groups=target_groups,
+                overprovision=overprovision, on_target=on_target, group_filter=group_filter,
             )
         )  # fmt: skip
 
     def status(self, job_id: str) -> JobStatus:
         return self._run(self._async.status(job_id))
 
-    def jobs(self) -> list[JobStatus]:
-        return self._run(self._async.jobs())
+    def jobs(self, *states: str) -> list[JobStatus]:
+        return self._run(self._async.jobs(*states))
 
     def cancel(self, job_id: str) -> JobStatus:
         return self._run(self._async.cancel(job_id))
@@ -164,10 +171,30 @@ class Client:
     def policy_version(self) -> int:
         return self._run(self._async.policy_version())
 
+    def pause(self, *, ttl_s: float | None = None, reason: str | None = None) -> Admission:
+        """See ``AsyncClient.pause``."""
+        return self._run(self._async.pause(ttl_s=ttl_s, reason=reason))
+
+    def resume(self) -> Admission:
+        return self._run(self._async.resume())
+
+    def admission(self) -> Admission:
+        return self._run(self._async.admission())
+
+    def wait_idle(self, *, timeout_s: float = 60.0) -> Admission:
+        return self._run(self._async.wait_idle(timeout_s=timeout_s))
+
     def results(
-        self, job_id: str, *, after: int = 0, group: bool = False, wait: bool = True
+        self,
+        job_id: str,
+        *,
+        after: int = 0,
+        group: bool = False,
+        wait: bool = True,
+        filtered: bool = False,
     ) -> BlockingResults:
         """See ``AsyncClient.results``; a plain iterator."""
-        return BlockingResults(
-            self, self._async.results(job_id, after=after, group=group, wait=wait)
+        results = self._async.results(
+            job_id, after=after, group=group, wait=wait, filtered=filtered
         )
+        return BlockingResults(self, results)

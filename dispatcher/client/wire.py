@@ -1,5 +1,6 @@
-"""What the client and the daemon exchange: errors, the job status, URLs and bodies,
-and the NDJSON results stream read as exact positions (pure: no I/O)."""
+"""What the client and the daemon exchange: errors, the job status, the admission
+pause, URLs and bodies, and the NDJSON results stream read as exact positions (pure:
+no I/O)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,30 @@ class JobStatus(contracts.JobStatus):
         return cls(**vars(status))
 
 
+@dataclass(frozen=True)
+class Admission:
+    """The daemon's admission pause and what is in flight (``/v1/admission``)."""
+
+    paused: bool
+    in_flight: int
+    idle: bool
+    reason: str | None = None
+    ttl_remaining_s: float | None = None
+
+    @classmethod
+    def from_json(cls, body: Any) -> Admission:
+        try:
+            return cls(
+                paused=bool(body["paused"]),
+                in_flight=int(body["in_flight"]),
+                idle=bool(body["idle"]),
+                reason=body.get("reason"),
+                ttl_remaining_s=body.get("ttl_remaining_s"),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ClientError(None, f"from the daemon: bad admission answer: {exc!r}") from None
+
+
 # --- pure pieces: URLs, bodies, the NDJSON stream ----------------------------------
 
 
@@ -43,10 +68,13 @@ def job_path(job_id: str, suffix: str = "") -> str:
     return f"/v1/jobs/{quote(job_id, safe='')}{suffix}"
 
 
-def results_query(after: int, group: bool, wait: bool) -> str:
+def results_query(after: int, group: bool, wait: bool, filtered: bool = False) -> str:
     """The query string of a results request."""
     flag = {True: "true", False: "false"}
-    return urlencode({"after": str(after), "group": flag[group], "wait": flag[wait]})
+    query = {"after": str(after), "group": flag[group], "wait": flag[wait]}
+    if filtered:
+        query["filtered"] = "true"
+    return urlencode(query)
 
 
 def submit_body(

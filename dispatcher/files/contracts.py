@@ -103,7 +103,8 @@ class JobStatus:
     satisfied_at: str | None = None
     # The line of the target-th kept group: ``after=`` it reads the tail.
     satisfied_seq: int | None = None
-    # Seconds from the job's start to its first kept group, 50%, 90% and 100% of the target.
+    # Seconds from the job's submission (or the daemon's restart) to its first kept
+    # group, 50%, 90% and 100% of the target.
     timeline: dict[str, float | None] | None = None
 
     def to_json(self) -> dict[str, Any]:

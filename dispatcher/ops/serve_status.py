@@ -7,12 +7,13 @@ figures of ``status`` for its ``rollouts.jsonl``; a job the daemon accepted
 but never started has no files yet and shows none.
 
 A job's state is the final one its record holds (``done``, ``cancelled``,
-``failed``, ``incomplete``), else ``unfinished``: a daemon started on this
-directory resumes every job but the done and cancelled ones. A job whose
+``satisfied``, ``failed``, ``incomplete``), else ``unfinished``: a daemon
+started on this directory resumes every job but the done, cancelled and
+satisfied ones. A job whose
 record cannot be read is ``failed`` with the reason (the daemon lists it the
 same way and never runs it). Its counts are its files': every pass of it.
 
-Exit code: 0 when every job is settled (done or cancelled), 75 when some
+Exit code: 0 when every job is settled (done, cancelled or satisfied), 75 when some
 would be resumed, 2 when the directory is not a state directory.
 """
 
@@ -156,7 +157,7 @@ def render_state_dir(status: StateDirStatus) -> str:
     unreadable = sum(1 for job in status.jobs if isinstance(job.record, Unreadable))
     unfinished = sum(1 for job in status.jobs if not job.settled) - unreadable
     if unfinished:
-        lines.append(f"{unfinished} jobs not done or cancelled: `dispatcher serve` resumes them")
+        lines.append(f"{unfinished} jobs not settled: `dispatcher serve` resumes them")
     if unreadable:
         lines.append(
             f"{unreadable} jobs whose job.json cannot be read: fix it, or move the job's "

@@ -505,7 +505,8 @@ class Service:
         self._setting_policy = asyncio.Lock()
 
     async def resume(self) -> None:
-        """Load the registry; start every job that is not settled (done or cancelled)."""
+        """Load the registry; start every job that is not settled (done, cancelled or
+        satisfied)."""
         for record in await asyncio.to_thread(self.registry.all):
             if isinstance(record, Unreadable):
                 self.jobs[record.job_id] = BrokenJob(record)

@@ -11,7 +11,7 @@ Layout (crash-only, like a run's files):
 
 ``job.json`` is written (atomically) before the job's first file, so a job
 whose record exists is a job the daemon accepted; after a kill -9 every
-record not marked done or cancelled is resumed.
+record not marked done, cancelled or satisfied is resumed.
 
 Damage is named, never a crash: a ``policy.json`` that cannot be read is a
 ``ConfigError`` (exit 2) naming it; a job folder whose record cannot be read

@@ -64,7 +64,7 @@ class StepControl:
         # The groups file's line of the N-th kept group: a grouped stream ends there.
         self.satisfied_seq: int | None = None
         self.satisfied_at: str | None = None
-        # Seconds from the job's start in this daemon to each point of TIMELINE.
+        # Seconds from the job's submission (or the daemon's restart) to each point of TIMELINE.
         self.timeline: dict[str, float | None] = {name: None for name, _ in TIMELINE}
         self.changed = Wakeup()
         self._clock = clock
