@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/big_rows.py --offload-compare
 	$(BIN)/python bench/service.py
 	$(BIN)/python bench/latency_window.py
+	$(BIN)/python bench/step_control.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
@@ -51,6 +52,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/big_rows.py --smoke --repeat 1
 	$(BIN)/python bench/service.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
+	$(BIN)/python bench/step_control.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output

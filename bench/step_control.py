@@ -1,0 +1,132 @@
+"""Step control (target_groups + overprovision) against a heavy-tailed agent.
+
+A simulated agent whose latency is lognormal (median 250 ms, sigma 1: the
+slowest 1% about ten times the median) and ``dispatcher serve`` with a pool
+large enough (``--concurrency``) that the tail, not the pool, limits a step.
+This script is the trainer: it reads each job's grouped stream and times
+every group from the submit. Rounds alternate which job goes first.
+
+- plain: ``--groups`` tasks × ``--repeats`` repeats, every task run: the
+  step ends with its slowest group.
+- target: ``--groups`` × ``--overprovision`` tasks, ``target_groups`` =
+  ``--groups``: the step ends at the ``--groups``-th complete group
+  (``{"end": "satisfied"}``), its tail finishing behind it.
+
+Printed, as medians over ``--rounds``: the time to the first group and to
+50%, 90% and 100% of ``--groups``; the target job's time to its last group
+over the plain job's (goal: at most 0.7); and each job's tail share, the
+time from 90% to 100% of the groups over the step's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import dispatcher_server
+
+from dispatcher.client import AsyncClient
+
+POINTS = (("first", 0.0), ("p50", 0.5), ("p90", 0.9), ("p100", 1.0))
+
+
+def rows(job_id: str, tasks: int) -> list[dict[str, Any]]:
+    return [
+        {"agent_ref": {"name": "sim"}, "responses_create_params": {"input": f"{job_id} {i}"}}
+        for i in range(tasks)
+    ]
+
+
+async def timed_step(client: AsyncClient, job_id: str, groups: int, **fields: Any) -> list[float]:
+    """Submit a job and read its grouped stream: seconds from the submit to each group."""
+    started = time.perf_counter()
+    await client.submit(**fields, job_id=job_id)
+    seen = [time.perf_counter() - started async for _ in client.results(job_id, group=True)]
+    if len(seen) < groups:
+        raise SystemExit(f"{job_id}: {len(seen)} groups, not {groups}")
+    return seen[:groups]
+
+
+def timeline(seen: list[float]) -> dict[str, float]:
+    return {name: seen[max(1, math.ceil(q * len(seen))) - 1] for name, q in POINTS}
+
+
+async def rounds(url: str, options: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    groups, repeats = options.groups, options.repeats
+    provisioned = math.ceil(groups * options.overprovision)
+    found: dict[str, list[dict[str, float]]] = {"plain": [], "target": []}
+    async with AsyncClient(url) as client:
+        for n in range(options.rounds):
+            order = ("plain", "target") if n % 2 == 0 else ("target", "plain")
+            for kind in order:
+                job_id = f"{kind}-{n}"
+                if kind == "plain":
+                    seen = await timed_step(
+                        client, job_id, groups, rows=rows(job_id, groups), num_repeats=repeats
+                    )
+                else:
+                    seen = await timed_step(
+                        client, job_id, groups, rows=rows(job_id, provisioned),
+                        num_repeats=repeats, target_groups=groups,
+                        overprovision=options.overprovision,
+                    )  # fmt: skip
+                found[kind].append(timeline(seen))
+                # The target job's tail runs on: let it end before the next step starts.
+                await client.wait(job_id, poll_s=0.1)
+    return found
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {name: statistics.median(run[name] for run in runs) for name, _ in POINTS}
+
+
+def tail_share(runs: list[dict[str, float]]) -> float:
+    return statistics.median((run["p100"] - run["p90"]) / run["p100"] for run in runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--groups", type=int, default=64, help="groups a step needs")
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--overprovision", type=float, default=1.25)
+    parser.add_argument("--concurrency", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--latency-dist", default="lognormal:0.25,1")
+    parser.add_argument("--smoke", action="store_true", help="one small round")
+    options = parser.parse_args()
+    if options.smoke:
+        options.groups, options.rounds = 16, 1
+    agent_args = ["sim-agent", "--latency-dist", options.latency_dist, "--seed", "1"]
+    with tempfile.TemporaryDirectory() as state, dispatcher_server(*agent_args) as agent:
+        serve_args = [
+            "serve", "--state-dir", state, "--agent", f"sim={agent}",
+            "--concurrency", str(options.concurrency), "--log-level", "warning",
+        ]  # fmt: skip
+        with dispatcher_server(*serve_args) as url:
+            found = asyncio.run(rounds(url, options))
+    plain, target = medians(found["plain"]), medians(found["target"])
+    print(
+        f"step control: {options.groups} groups x {options.repeats} repeats, agent "
+        f"{options.latency_dist}, concurrency {options.concurrency}, medians of "
+        f"{options.rounds} rounds"
+    )
+    for kind, figures in (("plain", plain), ("target", target)):
+        points = "  ".join(f"{name} {figures[name]:.2f}s" for name, _ in POINTS)
+        print(f"  {kind:>6}: {points}  tail share {tail_share(found[kind]):.0%}")
+    ratio = target["p100"] / plain["p100"]
+    print(
+        f"  time to the {options.groups}th group, target (overprovision "
+        f"{options.overprovision:g}) / plain: {ratio:.2f} (goal <= 0.7)"
+    )
+
+
+if __name__ == "__main__":
+    main()
