@@ -639,6 +639,26 @@ async def test_12_replica_credentials_never_show(tmp_path: Path, fake_agent: Age
     }
 
 
+async def test_12_replicas_that_differ_only_in_credentials_stay_two(
+    tmp_path: Path, fake_agent: AgentFactory
+) -> None:
+    agent = await fake_agent()
+    one = agent.url.replace("http://", "http://alice:s3cret@")
+    two = agent.url.replace("http://", "http://alice:0ther@")
+    run = Run(tmp_path, tasks=8)
+    args = run_args(run.tasks, run.output, f"{one},{two}", "--metrics-listen", "127.0.0.1:0")
+    proc = await spawn_cli(*args, "--concurrency", "1")
+
+    result = await proc.wait()
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = agent.url.replace("http://", "http://alice:***@")
+    # Round-robin over two replicas: both carry rows, under two names.
+    assert {r["_ng_dispatch"]["replica"] for r in run.rows()} == {shown, f"{shown}#2"}
+    for text in (result.stderr, run.output.read_text()):
+        assert "s3cret" not in text and "0ther" not in text
+
+
 # ---- 13: malformed agent URLs -----------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ from dispatcher.tasks.materialize import (
     _encoded_batches,
     iter_input_rows,
 )
+from dispatcher.urls import redact_url, replica_names
 
 ShardFilter = Callable[[int], bool] | None
 
@@ -164,14 +165,19 @@ def _count_final(state: RunState) -> int:
 async def probe_agents(agents: dict[str, list[str]], report: Report) -> None:
     """One GET per replica: any HTTP answer is reachable; no answer is a problem."""
     timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+    # Shown as every view shows a replica: credentials masked, each one apart.
+    urls = [
+        (name, url, shown)
+        for name, replicas in sorted(agents.items())
+        for url, shown in zip(replicas, replica_names(replicas), strict=True)
+    ]
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        urls = [(name, url) for name, replicas in sorted(agents.items()) for url in replicas]
-        answers = await asyncio.gather(*(_probe(session, url) for _, url in urls))
-    for (name, url), answer in zip(urls, answers, strict=True):
+        answers = await asyncio.gather(*(_probe(session, url) for _, url, _ in urls))
+    for (name, _, shown), answer in zip(urls, answers, strict=True):
         if answer is None:
-            report.lines.append(f"agent {name}: {url} reachable")
+            report.lines.append(f"agent {name}: {shown} reachable")
         else:
-            report.problems.append(f"agent {name}: {url} does not answer ({answer})")
+            report.problems.append(f"agent {name}: {shown} does not answer ({answer})")
 
 
 async def _probe(session: aiohttp.ClientSession, url: str) -> str | None:
@@ -179,7 +185,8 @@ async def _probe(session: aiohttp.ClientSession, url: str) -> str | None:
         async with session.get(url + "/", allow_redirects=False):
             return None
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return str(exc) or type(exc).__name__
+        # Some errors quote the URL they were given, credentials and all.
+        return redact_url(str(exc)) or type(exc).__name__
 
 
 async def validate(args: argparse.Namespace) -> int:

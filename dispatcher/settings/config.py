@@ -28,7 +28,7 @@ from dispatcher.errors import ConfigError
 from dispatcher.files.writer import FsyncPolicy
 from dispatcher.tasks.keys import repeats_problem
 from dispatcher.tasks.materialize import MaterializeSpec
-from dispatcher.urls import agent_url_problem, redact_url
+from dispatcher.urls import agent_url_problem, redact_url, redact_urls
 
 ENV_PREFIX = "DISPATCHER_"
 LogFormat = Literal["json", "console"]
@@ -314,7 +314,8 @@ def parse_agent_flags(values: list[str] | None) -> dict[str, list[str]] | None:
     for value in values:
         name, sep, urls = value.partition("=")
         if not sep or not name or not urls:
-            raise ConfigError(f"--agent {value!r}: expected NAME=URL[,URL...]")
+            # Most likely a bare URL: never repeat its password.
+            raise ConfigError(f"--agent {redact_urls(value)!r}: expected NAME=URL[,URL...]")
         agents.setdefault(name, []).extend(u for u in urls.split(",") if u)
     return agents
 
