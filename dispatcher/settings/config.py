@@ -252,9 +252,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
 
-# DISPATCHER_* variables that are not settings: the config file's path, and
-# the shard count a Kubernetes indexed Job gives `--shard auto` (ops/shard.py).
-_NOT_SETTINGS = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}SHARD_COUNT"})
+# DISPATCHER_* variables that are not settings: the config file's path, the
+# shard count a Kubernetes indexed Job gives `--shard auto` (ops/shard.py),
+# and the service's API token (serve/auth.py: never a setting, never dumped).
+_NOT_SETTINGS = frozenset(
+    {f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}SHARD_COUNT", f"{ENV_PREFIX}API_TOKEN"}
+)
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
