@@ -377,7 +377,7 @@ class Daemon:
         healthy: Callable[[], bool],
         routes: Routes | None,
         max_body_bytes: int | None,
-        tls: ssl.SSLContext | None = None,
+        tls: ssl.SSLContext | None,
     ) -> None:
         listen = resolve_listen(self.settings.metrics_listen)
         if listen is None:

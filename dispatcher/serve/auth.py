@@ -55,10 +55,6 @@ class Access:
         shown = "set" if self.token is not None else None
         return f"Access(token={shown}, tls={self.tls is not None}, input_root={self.input_root})"
 
-    @property
-    def scheme(self) -> str:
-        return "https" if self.tls is not None else "http"
-
 
 def access_from_flags(
     *,
