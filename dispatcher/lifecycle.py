@@ -24,9 +24,10 @@ class Phase(StrEnum):
 
 
 class JobState(StrEnum):
-    """A job's states (service mode). The last four are final. ``paced`` is how a
+    """A job's states (service mode). The last five are final. ``paced`` is how a
     running job held back by ``--max-off-policy-steps`` is shown; the lifecycle
-    never moves to it."""
+    never moves to it. ``satisfied`` is a job with ``target_groups`` that
+    reached its target (DESIGN A13): it starts nothing again."""
 
     QUEUED = "queued"
     RUNNING = "running"
@@ -35,6 +36,7 @@ class JobState(StrEnum):
     INCOMPLETE = "incomplete"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    SATISFIED = "satisfied"
 
     @property
     def final(self) -> bool:
@@ -54,6 +56,7 @@ _RANK: dict[StrEnum, int] = {
     JobState.INCOMPLETE: 2,
     JobState.FAILED: 2,
     JobState.CANCELLED: 2,
+    JobState.SATISFIED: 2,
 }
 
 

@@ -6,7 +6,8 @@ is drained. Drained rollouts write nothing and run on resume. At most
 ``concurrency`` rollouts hold slots, so a task file of any size costs the
 same memory. The number of slots can shrink below ``concurrency`` while
 the dispatcher's own faults last (``Limiter.shrink``) and grows back one slot
-per delivered answer.
+per delivered answer. While an admission pause is on (``pause.py``) no
+rollout takes its slots.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable
+
+from dispatcher.admission.pause import AdmissionPause
 
 
 class Budget:
@@ -140,14 +143,32 @@ class RolloutPool:
         budget: Budget,
         drain_margin: Callable[[], float | None],
         agent_slots: dict[str, Limiter] | None = None,
+        pause: AdmissionPause | None = None,
     ) -> None:
         self.slots = Limiter(concurrency) if concurrency is not None else None
         self.agent_slots = agent_slots or {}
         self.budget = budget
         self._drain_margin = drain_margin
+        self.pause = pause or AdmissionPause()
 
     async def admit(self, agent: str, rank: tuple[int, ...] = ()) -> Slots | None:
-        """Wait for the slots, then hand them over, or drain (None): no time is left."""
+        """Wait for the slots, then hand them over, or drain (None): no time is left.
+        Nothing is handed over while an admission pause is on."""
+        while True:
+            await self.pause.wait_open()
+            slots = await self._take(agent, rank)
+            if not self.pause.paused:
+                break
+            # Won during a pause that began while it waited: give it back.
+            slots.release()
+        # Decided after the slot is won: the wait itself may have used up the budget.
+        # (Without a budget nothing drains: the margin, a quantile, is not computed.)
+        if self.budget.budget_s is not None and self.budget.should_drain(self._drain_margin()):
+            slots.release()
+            return None
+        return slots
+
+    async def _take(self, agent: str, rank: tuple[int, ...]) -> Slots:
         agent_slot = self.agent_slots.get(agent)
         if agent_slot is not None:
             await agent_slot.acquire(rank)
@@ -158,10 +179,4 @@ class RolloutPool:
                 if agent_slot is not None:
                     agent_slot.release()
                 raise
-        slots = Slots(self.slots, agent_slot)
-        # Decided after the slot is won: the wait itself may have used up the budget.
-        # (Without a budget nothing drains: the margin, a quantile, is not computed.)
-        if self.budget.budget_s is not None and self.budget.should_drain(self._drain_margin()):
-            slots.release()
-            return None
-        return slots
+        return Slots(self.slots, agent_slot)

@@ -95,6 +95,16 @@ class JobStatus:
     submitted_at: str | None = None
     error: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Step control (DESIGN A13), for a job with a target or a group filter.
+    target_groups: int | None = None
+    groups_kept: int = 0
+    groups_filtered: int = 0
+    groups_open: int = 0
+    satisfied_at: str | None = None
+    # The line of the target-th kept group: ``after=`` it reads the tail.
+    satisfied_seq: int | None = None
+    # Seconds from the job's start to its first kept group, 50%, 90% and 100% of the target.
+    timeline: dict[str, float | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state.value}
@@ -124,6 +134,13 @@ class JobStatus:
                 submitted_at=body.get("submitted_at"),
                 error=body.get("error"),
                 metadata=dict(body.get("metadata") or {}),
+                target_groups=body.get("target_groups"),
+                groups_kept=int(body.get("groups_kept") or 0),
+                groups_filtered=int(body.get("groups_filtered") or 0),
+                groups_open=int(body.get("groups_open") or 0),
+                satisfied_at=body.get("satisfied_at"),
+                satisfied_seq=body.get("satisfied_seq"),
+                timeline=dict(body["timeline"]) if body.get("timeline") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad job status: {exc!r}") from None

@@ -122,8 +122,9 @@ def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
     return {key: row[key] for key in _FACT_KEYS if key in row}
 
 
-# What the one finality rule (``state.final_after_failure``) reads of a failure row.
-_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED)
+# What the one finality rule (``state.final_after_failure``) reads of a failure row,
+# and the reward, which service mode's group filter reads (DESIGN A13).
+_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED, "reward")
 
 
 def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:

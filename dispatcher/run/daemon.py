@@ -29,7 +29,9 @@ import structlog
 
 from dispatcher.admission.agent_load import AgentLoad
 from dispatcher.admission.bytebudget import ByteBudget
+from dispatcher.admission.pause import AdmissionPause
 from dispatcher.admission.pool import Budget, RolloutPool
+from dispatcher.aio import Wakeup
 from dispatcher.delivery.adaptive import AimdPolicy
 from dispatcher.delivery.client import AgentClient, DeliveryPolicy
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, fd_limit
@@ -110,6 +112,7 @@ class Daemon:
         budget_s: float | None,
         latency: LatencyView,
         metrics: Metrics | None = None,
+        pause: AdmissionPause | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
@@ -134,6 +137,10 @@ class Daemon:
         self.stop_at_budget_end = False
         # The policy version V of service mode (DESIGN A12); None: not a trainer's daemon.
         self.policy: PolicyClock | None = None
+        # Service mode's admission pause (DESIGN A13), on the pool.
+        self.pause = pause or AdmissionPause()
+        # Fired each time a rollout leaves its agent (waiting for nothing in flight).
+        self.left_agent = Wakeup()
         self._budget_s = budget_s
         self._fault_policy = LocalFaultPolicy(settings.local_fault_persist_s)
         self._stack = contextlib.AsyncExitStack()
@@ -189,8 +196,9 @@ class Daemon:
         )
         self.load.attach(self._agents)
         self._pool = RolloutPool(
-            self.concurrency, self.budget, self.drain_margin, self.load.make_limiters()
+            self.concurrency, self.budget, self.drain_margin, self.load.make_limiters(), self.pause
         )
+        self._stack.push_async_callback(self.pause.close)
         self.metrics.pool_limit(self.concurrency)
         self.metrics.declare_agents(self.settings.agents)
         self.metrics.declare_replicas(self.settings.agents)
@@ -274,6 +282,10 @@ class Daemon:
 
     def remaining(self) -> int:
         return sum(job.remaining() for job in self.jobs)
+
+    def at_agents(self) -> int:
+        """Rollouts of every job at their agents now."""
+        return sum(job.at_agents() for job in self.jobs)
 
     # ---- the dispatcher's own faults (DESIGN A11) ----------------------------------
 

@@ -57,9 +57,12 @@ log = structlog.get_logger("dispatcher.run")
 
 START_BURST = 8
 
-# Called with (rollout, outcome, seq) for each final outcome: service mode's
-# results stream and group bookkeeping.
-FinalHook = Callable[[Rollout, Outcome, "int | None"], None]
+# Called with (rollout, outcome, seq, row facts) for each final outcome: service
+# mode's results stream and group bookkeeping.
+FinalHook = Callable[[Rollout, Outcome, "int | None", "dict[str, Any] | None"], None]
+# Called before each rollout starts: True, start it; False, not in this hop;
+# None, start nothing more (service mode's pacing and step control).
+Gate = Callable[[Rollout], Awaitable["bool | None"]]
 
 
 class Job:
@@ -76,7 +79,7 @@ class Job:
         on_final: FinalHook | None = None,
         publish_endpoint: bool = True,
         output_index: LineIndex | None = None,
-        gate: Callable[[], Awaitable[None]] | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.daemon = daemon
         self.settings = settings
@@ -100,6 +103,8 @@ class Job:
         # Service mode reads rows back by line number (the results stream).
         self.output_index = output_index
         self._stop = asyncio.Event()
+        # Set by ``close_starts``: nothing more starts, what is in flight goes on.
+        self._starts_closed = asyncio.Event()
         self._cancel_reason: str | None = None
         self._final_this_run = 0
         self._pending: Pending | None = None
@@ -177,8 +182,11 @@ class Job:
         producer = asyncio.create_task(self._produce(), name="producer")
         budget_end = asyncio.create_task(self._settle_at_budget_end(), name="budget-end")
         try:
-            await self._until_stopped(producer)
-            if producer.done() and not producer.cancelled() and producer.exception() is None:
+            await self._until_stopped(producer, self._starts_closed)
+            if self._starts_closed.is_set():
+                # A producer waiting for a slot gives it back.
+                await cancel_and_wait(producer)
+            if producer.done() and (producer.cancelled() or producer.exception() is None):
                 idle = asyncio.create_task(self._idle.wait(), name="wait-idle")
                 await self._until_stopped(idle)
                 await cancel_and_wait(idle)
@@ -199,16 +207,21 @@ class Job:
         self._cancel_reason = reason
         self._stop.set()
 
+    def close_starts(self) -> None:
+        """Start nothing more; the rollouts in flight run to their end."""
+        self._starts_closed.set()
+
     def fail(self, error: DispatcherError) -> None:
         if self.fatal is None:
             self.fatal = error
             self.log.error("run_failed", error=str(error))
         self._stop.set()
 
-    async def _until_stopped(self, task: asyncio.Task[Any]) -> None:
+    async def _until_stopped(self, task: asyncio.Task[Any], *also: asyncio.Event) -> None:
         stops = {
             asyncio.create_task(self._stop.wait()),
             asyncio.create_task(self.daemon.stop_requested.wait()),
+            *(asyncio.create_task(event.wait()) for event in also),
         }
         try:
             await asyncio.wait({task, *stops}, return_when=asyncio.FIRST_COMPLETED)
@@ -221,16 +234,10 @@ class Job:
     async def _produce(self) -> None:
         started = 0
         async for rollout in self._pending_rollouts().each(lambda: bool(self.flights)):
-            if self.stopping():
+            if self.stopping() or self._starts_closed.is_set():
                 return
-            if self.daemon.load.is_down(rollout.agent):
-                self._record_not_started(Outcome.AGENT_DOWN)
-                continue
-            if self._gate is not None:
-                await self._gate()
-            slots = await self.daemon.pool.admit(rollout.agent, self._rank())
+            slots = await self._admit(rollout)
             if slots is None:
-                self._record_not_started(Outcome.DRAINED)
                 continue
             self._launch(rollout, slots)
             started += 1
@@ -239,6 +246,28 @@ class Job:
                 # startup, or when many slots free at once) would stall every
                 # other rollout's I/O: yield between small bursts.
                 await asyncio.sleep(0)
+
+    async def _admit(self, rollout: Rollout) -> Slots | None:
+        """The slots to start ``rollout`` with, or None: not now (its agent is down,
+        the gate says so, the budget drains it) or nothing more starts."""
+        if self.daemon.load.is_down(rollout.agent):
+            self._record_not_started(Outcome.AGENT_DOWN)
+            return None
+        if self._gate is not None:
+            start = await self._gate(rollout)
+            if start is None:
+                self.close_starts()
+            if not start:
+                return None
+        slots = await self.daemon.pool.admit(rollout.agent, self._rank())
+        if slots is None:
+            self._record_not_started(Outcome.DRAINED)
+            return None
+        if self.stopping() or self._starts_closed.is_set():
+            # Stopped while it waited for the slot.
+            slots.release()
+            return None
+        return slots
 
     def _pending_rollouts(self) -> Pending:
         if self._pending is None:
@@ -331,9 +360,15 @@ class Job:
         """A flight's agent answered (or it was cancelled or put back): its slots are free."""
         self._at_agents -= 1
         self.daemon.metrics.rollout_left_agent(rollout.agent)
+        self.daemon.left_agent.fire()
 
     def at_agents(self) -> int:
         return self._at_agents
+
+    @property
+    def idle(self) -> asyncio.Event:
+        """Set while none of the job's rollouts is in flight."""
+        return self._idle
 
     async def settle(self, grace_s: float, reason: str) -> None:
         """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row).
@@ -434,7 +469,7 @@ class Job:
         if final:
             self._final_this_run += 1
             if self._on_final is not None:
-                self._on_final(rollout, outcome, seq)
+                self._on_final(rollout, outcome, seq, row)
         self.daemon.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
         log_rollout_finished(self.log, rollout, outcome, final, duration_s, attempt, row, capture)
 

@@ -1,12 +1,15 @@
 """The jobs API (DESIGN A12) as aiohttp routes on the daemon's one listener.
 
     POST   /v1/jobs                      submit (201 new, 200 the same again, 400, 409)
-    GET    /v1/jobs                      every job's status
+    GET    /v1/jobs                      every job's status (?state=S[,S...] filters)
     GET    /v1/jobs/<id>                 one job's status (404 unknown)
     DELETE /v1/jobs/<id>                 cancel: its rollouts at agents write nothing
-    GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true)
+    GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true
+                                         &filtered=true)
     POST   /v1/policy                    {"version": V}: the trainer's policy version
     GET    /v1/policy                    the current version
+    POST   /v1/admission                 {"paused": true, "ttl_s"?, "reason"?} or {"paused": false}
+    GET    /v1/admission                 the pause (?wait_idle=true&timeout_s=S: once idle)
 
 Every error is a JSON object with one line under ``error``: an unexpected
 exception in a handler too (a 500, or a 507 when the disk refused a write),
@@ -24,9 +27,11 @@ import orjson
 import structlog
 from aiohttp import web
 
+from dispatcher.lifecycle import JobState
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
+from dispatcher.serve.spec import AdmissionChange, BadBody
 from dispatcher.telemetry.server import Routes, json_response
 
 log = structlog.get_logger("dispatcher.serve")
@@ -35,6 +40,9 @@ NDJSON = "application/x-ndjson"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # A job's rows arrive in its body: allow real batches of prompts.
 MAX_BODY_BYTES = 256 * 1024 * 1024
+# GET /v1/admission?wait_idle=true: how long it waits without timeout_s, and at most.
+DEFAULT_WAIT_IDLE_S = 60.0
+MAX_WAIT_IDLE_S = 3600.0
 
 
 def routes(service: Service) -> Routes:
@@ -53,6 +61,8 @@ def routes(service: Service) -> Routes:
         app.router.add_get("/v1/jobs/{job_id}/results", handlers.results)
         app.router.add_post("/v1/policy", handlers.set_policy)
         app.router.add_get("/v1/policy", handlers.get_policy)
+        app.router.add_post("/v1/admission", handlers.set_admission)
+        app.router.add_get("/v1/admission", handlers.get_admission)
 
     return add
 
@@ -116,7 +126,14 @@ class _Handlers:
         return json_response(status, status=code)
 
     async def list_jobs(self, request: web.Request) -> web.Response:
-        return json_response({"jobs": [j.status() for j in self.service.jobs.values()]})
+        try:
+            states = _states_param(request)
+        except ValueError as exc:
+            return error(400, str(exc))
+        jobs = [j.status() for j in self.service.jobs.values()]
+        if states is not None:
+            jobs = [job for job in jobs if job["state"] in states]
+        return json_response({"jobs": jobs})
 
     async def get_job(self, request: web.Request) -> web.Response:
         served = self.service.jobs.get(request.match_info["job_id"])
@@ -138,13 +155,14 @@ class _Handlers:
             after = _int_param(request, "after", 0)
             group = _bool_param(request, "group")
             wait = _bool_param(request, "wait")
+            filtered = _bool_param(request, "filtered")
         except ValueError as exc:
             return error(400, str(exc))
         source = await served.source()
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         await response.prepare(request)
         try:
-            async for chunk, born in stream(source, after, group, wait):
+            async for chunk, born in stream(source, after, group, wait, filtered):
                 await response.write(chunk)
                 self.service.delivered(born, group)
         except (ConnectionError, asyncio.CancelledError):
@@ -171,6 +189,28 @@ class _Handlers:
     async def get_policy(self, request: web.Request) -> web.Response:
         return json_response({"version": self.service.daemon.policy_version()})
 
+    async def set_admission(self, request: web.Request) -> web.Response:
+        try:
+            change = AdmissionChange.parse(await request.read())
+        except BadBody as exc:
+            return error(400, str(exc))
+        pause = self.service.daemon.pause
+        if change.paused:
+            pause.pause(change.ttl_s, change.reason)
+        else:
+            pause.resume("request")
+        return json_response(self.service.admission())
+
+    async def get_admission(self, request: web.Request) -> web.Response:
+        try:
+            wait_idle = _bool_param(request, "wait_idle")
+            timeout_s = _seconds_param(request, "timeout_s", DEFAULT_WAIT_IDLE_S)
+        except ValueError as exc:
+            return error(400, str(exc))
+        if wait_idle:
+            await self.service.wait_idle(timeout_s)
+        return json_response(self.service.admission())
+
 
 def _unknown(request: web.Request) -> web.Response:
     return error(404, f"job_id: no job {request.match_info['job_id']!r}")
@@ -192,3 +232,30 @@ def _bool_param(request: web.Request, name: str) -> bool:
     if raw in ("false", "0", "no"):
         return False
     raise ValueError(f"{name}: must be true or false, got {raw!r}")
+
+
+def _seconds_param(request: web.Request, name: str, default: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_WAIT_IDLE_S:
+        raise ValueError(f"{name}: must be a number of seconds in [0, {MAX_WAIT_IDLE_S:g}]")
+    return value
+
+
+def _states_param(request: web.Request) -> set[str] | None:
+    """``?state=running,paced``: the states asked for; None when not given."""
+    raw = request.query.get("state")
+    if raw is None:
+        return None
+    states = {part.strip() for part in raw.split(",")}
+    known = {state.value for state in JobState}
+    unknown = sorted(states - known)
+    if unknown:
+        names = ", ".join(sorted(known))
+        raise ValueError(f"state: {unknown[0]!r} is not a job state (one of {names})")
+    return states

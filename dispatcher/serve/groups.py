@@ -13,6 +13,12 @@ fixed once written and never changes. A damaged line (torn, garbage, not a
 group) is never a reason to fail the job: the file is cut before it and the
 rest rebuilt from the rows (the output, the failures sidecar and the
 materialized inputs); the lines before it keep their numbers.
+
+Step control (DESIGN A13): with a group filter, a complete group whose rows
+the filter finds teach nothing is logged all the same, with
+``"filtered": true``. Whoever counts groups (``step.py``) hears of every line
+through ``on_group``, those of earlier daemons first (replayed on open, on
+the loop), with its line number.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 import structlog
 
+from dispatcher import jsonx
 from dispatcher.files.resume import RunState, repair_torn_tail
 from dispatcher.files.writer import LineIndex
 from dispatcher.outcome import Outcome
@@ -35,19 +42,38 @@ from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger("dispatcher.serve")
 
+# Whether a complete group's rewards make it one to filter out.
+GroupFilter = Callable[[Sequence[Any]], bool]
+# Told of each group line: (task, filtered, its line number).
+OnGroup = Callable[[int, bool, int], None]
+
 
 class Groups:
     """Counts final rollouts per task and logs each task once all its repeats are final."""
 
-    def __init__(self, path: Path, on_error: Callable[[OSError], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        on_error: Callable[[OSError], None] | None = None,
+        group_filter: GroupFilter | None = None,
+        on_group: OnGroup | None = None,
+    ) -> None:
         self.path = path
         # A group line that cannot be written: the owner stops the job, naming it.
         self._on_error = on_error
+        self._filter = group_filter
+        self._on_group = on_group
         self.expected: Counter[int] = Counter()
         self.final: Counter[int] = Counter()
         self.failures: Counter[int] = Counter()
         self.rows: defaultdict[int, list[int]] = defaultdict(list)
+        # The rewards of each unlogged task's rows, for the filter.
+        self.rewards: defaultdict[int, list[Any]] = defaultdict(list)
         self.logged: set[int] = set()
+        # Read by ``load`` (in a thread), told to ``on_group`` by ``open`` (on the loop).
+        self._read_back: list[tuple[int, bool, int]] = []
+        # Tasks the files show started (a final or failed attempt) but not complete.
+        self.reopened: list[int] = []
         # When each group completed in this process (monotonic): its last row's
         # durable moment, which the stream's delay is measured from.
         self.completed_at: dict[int, float] = {}
@@ -66,6 +92,7 @@ class Groups:
                 if key is not None:
                     self.rows[task_of(key)].append(seq)
                     self.final[task_of(key)] += 1
+        started = {task_of(key) for key in state.failed_attempts} | set(self.rows)
         for key in state.failed_attempts:
             if state.is_final(key) and key not in state.successes:
                 self.failures[task_of(key)] += 1
@@ -73,7 +100,23 @@ class Groups:
         repair_torn_tail(self.path)
         self._read_logged()
         self.index.load(self.path)
+        self.reopened = sorted(t for t in started if not self._complete(t))
+        if self._filter is not None:
+            self._read_rewards(output)
         return sorted(t for t in self.expected if self._complete(t) and t not in self.logged)
+
+    def _read_rewards(self, output: Path) -> None:
+        """The rewards of the rows of groups not logged yet (only those rows are parsed)."""
+        wanted = {
+            seq: task for task, seqs in self.rows.items() if task not in self.logged for seq in seqs
+        }
+        if not wanted:
+            return
+        with output.open("rb") as f:
+            for seq, line in enumerate(f, start=1):
+                task = wanted.get(seq)
+                if task is not None:
+                    self.rewards[task].append(_reward(line))
 
     def _read_logged(self) -> None:
         """The groups already logged; the file is cut at its first damaged line."""
@@ -81,16 +124,19 @@ class Groups:
         with self.path.open("ab+") as f:
             f.seek(0)
             for line_no, line in enumerate(f, start=1):
-                task = self._group_task(line)
-                if task is None:
+                group = self._group_of(line)
+                if group is None:
                     log.warning("groups_rebuilt", path=str(self.path), damaged_line=line_no)
                     f.truncate(good)
                     return
+                task, filtered = group
                 self.logged.add(task)
+                self._read_back.append((task, filtered, line_no))
                 good += len(line)
 
-    def _group_task(self, line: bytes) -> int | None:
-        """The task of a group line that is whole and sound; None for a damaged one."""
+    def _group_of(self, line: bytes) -> tuple[int, bool] | None:
+        """The task of a group line that is whole and sound, and whether it was
+        filtered; None for a damaged one."""
         try:
             group: Any = orjson.loads(line)
         except orjson.JSONDecodeError:
@@ -100,21 +146,30 @@ class Groups:
         task = group.get("task_index")
         if type(task) is not int or task in self.logged or not self._complete(task):
             return None
-        return task
+        return task, group.get("filtered") is True
 
     async def open(self, missing: list[int]) -> None:
+        """Tell ``on_group`` of the lines read back, then log the groups missing."""
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = os.fstat(self._fd).st_size
+        read_back, self._read_back = self._read_back, []
+        if self._on_group is not None:
+            for task, filtered, seq in read_back:
+                self._on_group(task, filtered, seq)
         for task in missing:
             if self._fd is not None:
                 self._log(task)
 
-    def on_final(self, rollout: Rollout, outcome: Outcome, seq: int | None) -> None:
+    def on_final(
+        self, rollout: Rollout, outcome: Outcome, seq: int | None, facts: Mapping[str, Any] | None
+    ) -> None:
         """Count one final rollout (``Job``'s hook); log its group when it completes it."""
         task = rollout.task_index
         self.final[task] += 1
         if outcome is Outcome.SUCCESS and seq is not None:
             self.rows[task].append(seq)
+            if self._filter is not None:
+                self.rewards[task].append((facts or {}).get("reward"))
         else:
             self.failures[task] += 1
         if self._complete(task) and task not in self.logged and self._fd is not None:
@@ -129,10 +184,15 @@ class Groups:
         cache, never fsynced (the file is derived data, rebuilt from the rows on open),
         so a waiting stream sees the group without a thread hop."""
         assert self._fd is not None
-        line = orjson.dumps(
-            {"task_index": task, "rows": sorted(self.rows[task]), "failures": self.failures[task]},
-            option=orjson.OPT_APPEND_NEWLINE,
-        )
+        group: dict[str, Any] = {
+            "task_index": task,
+            "rows": sorted(self.rows[task]),
+            "failures": self.failures[task],
+        }
+        filtered = self._filter is not None and self._filter(self.rewards.pop(task, []))
+        if filtered:
+            group["filtered"] = True
+        line = orjson.dumps(group, option=orjson.OPT_APPEND_NEWLINE)
         try:
             written = os.write(self._fd, line)
         except OSError as exc:
@@ -142,8 +202,10 @@ class Groups:
             self._refuse(OSError(0, f"short write ({written} of {len(line)} bytes)"))
             return
         self.logged.add(task)
-        self.index.add(self._size, [len(line)])
+        seq = self.index.add(self._size, [len(line)])
         self._size += len(line)
+        if self._on_group is not None:
+            self._on_group(task, filtered, seq)
 
     def _refuse(self, exc: OSError) -> None:
         """Cut what a failed write left and write no more: the next open rebuilds the rest."""
@@ -158,3 +220,9 @@ class Groups:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _reward(line: bytes) -> Any:
+    """A row's ``reward`` (None when it has none, or the line is not an object)."""
+    row = jsonx.loads(line)
+    return row.get("reward") if isinstance(row, dict) else None

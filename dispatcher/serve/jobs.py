@@ -10,6 +10,13 @@ A job whose ``policy_version`` p is more than K steps ahead of the trainer's
 version V starts nothing until V ≥ p − K; nothing in flight is ever cancelled
 for staleness (DESIGN A12).
 
+A job with ``target_groups`` has a ``StepControl`` (``step.py``): its gate
+starts a new group only while there is room under the overprovision bound,
+and once the target is reached the job starts nothing more (``finish``: what
+is in flight runs to its end; ``cancel``: it is cancelled) and ends
+``satisfied``. The admission pause (DESIGN A13) is the pool's, daemon-wide;
+the service ends it when the trainer sets a policy version.
+
 A finished job keeps only its final status in memory: a daemon that lives
 for days and runs thousands of jobs stays the same size.
 
@@ -47,7 +54,9 @@ from dispatcher.serve.metrics import declare_service_metrics
 from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, Unreadable, now_iso
 from dispatcher.serve.results import Source
 from dispatcher.serve.spec import BadJob, JobSpec, check_tasks, write_rows
+from dispatcher.serve.step import StepControl, teaches_nothing
 from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger("dispatcher.serve")
 
@@ -77,7 +86,14 @@ class ServedJob:
         self.finished = False
         self.final_status: dict[str, Any] | None = None
         self.task: asyncio.Task[None] | None = None
-        self.groups: Groups | None = Groups(self.groups_path, on_error=self._groups_failed)
+        self.step = StepControl(spec.target_groups, spec.overprovision, spec.on_target)
+        self.step.when_satisfied(self._satisfied)
+        self.groups: Groups | None = Groups(
+            self.groups_path,
+            on_error=self._groups_failed,
+            group_filter=teaches_nothing if spec.group_filter is not None else None,
+            on_group=self.step.on_group,
+        )
         self.output_index = LineIndex()
         # Outcomes of the job's earlier hops (and, after a restart, of its files):
         # its status counts every pass, not only the hop running now.
@@ -148,16 +164,30 @@ class ServedJob:
         while True:
             job = self.job if hop == 0 and self.job is not None else self._next_job()
             state, error = await self._hop(job, first=hop == 0)
-            if state is not JobState.INCOMPLETE or self._stopping():
+            if state is not JobState.INCOMPLETE or self._stopping() or self.step.satisfied:
                 break
             idle_hops = 0 if job.final_this_run else idle_hops + 1
             pause_s = min(HOP_PAUSE_CAP_S, HOP_PAUSE_BASE_S * 2 ** (idle_hops - 1))
             if idle_hops and await self._paused(pause_s):
                 break
             hop += 1
-        if self._cancelled.is_set() and state is JobState.INCOMPLETE:
+        if self.step.satisfied and state is not JobState.FAILED:
+            state = JobState.SATISFIED
+        elif self._cancelled.is_set() and state is JobState.INCOMPLETE:
             state = JobState.CANCELLED
         return state, error
+
+    def _satisfied(self) -> None:
+        """The target is reached: nothing of the job starts again."""
+        step = self.step
+        log.info("job_satisfied", job_id=self.job_id, target_groups=step.target,
+                 groups_filtered=step.filtered, on_target=step.on_target)  # fmt: skip
+        if self.job is None:
+            return
+        if step.on_target == "cancel":
+            self.job.cancel("job satisfied")
+        else:
+            self.job.close_starts()
 
     def _next_job(self) -> Job:
         """The next hop's ``Job``; the last hop's outcomes join the earlier ones."""
@@ -185,6 +215,7 @@ class ServedJob:
                     prepared.paths.output,
                     prepared.state,
                 )
+                self.step.reopen(self.groups.reopened)
                 await self.groups.open(missing)
             log.info("job_started", job_id=self.job_id, **job.started_event())
             await job.dispatch()
@@ -237,6 +268,8 @@ class ServedJob:
         self.record.state, self.record.error = state, error
         if self.job is not None:
             self.record.outcomes = dict(self.earlier_outcomes + self.job.outcomes)
+        if self.step.target is not None:
+            self.record.step = self.step.figures()
         try:
             await self.service.write(self.service.registry.save, self.record)
         except OSError as exc:
@@ -256,7 +289,31 @@ class ServedJob:
             self.job = None
             self.groups = None
 
-    async def _gate(self) -> None:
+    async def _gate(self, rollout: Rollout) -> bool | None:
+        """Before each rollout starts: pacing, then step control (``Job``'s gate)."""
+        await self._pace()
+        while True:
+            start = self.step.admits(rollout.task_index)
+            job = self.job
+            if start is not False or job is None or job.idle.is_set():
+                # With nothing in flight no room can come in this hop: a next
+                # hop runs what the open groups still need first.
+                return start
+            await self._room_or_idle(job)
+
+    async def _room_or_idle(self, job: Job) -> None:
+        """Until a group completes (a filtered one frees room) or nothing is in flight."""
+        waits = {
+            asyncio.create_task(self.step.changed.wait(HOP_PAUSE_CAP_S)),
+            asyncio.create_task(job.idle.wait()),
+        }
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                await cancel_and_wait(task)
+
+    async def _pace(self) -> None:
         """Admission pacing: wait while this job's policy version is more than K ahead."""
         p, k = self.record.spec.policy_version, self.service.max_off_policy_steps
         policy = self.service.daemon.policy
@@ -291,6 +348,8 @@ class ServedJob:
             state = job.state.state
             if state is JobState.RUNNING and self.paced:
                 state = JobState.PACED
+            if self.step.satisfied:
+                state = JobState.SATISFIED
         if job is not None:
             outcomes = self.earlier_outcomes + job.outcomes
             known.update(job.progress(), outcomes=dict(outcomes), eta_s=job.eta_s(self._rate(job)))
@@ -298,6 +357,11 @@ class ServedJob:
             known["outcomes"] = record.outcomes
         if self.groups is not None:
             known["groups_complete"] = len(self.groups.index)
+        if self.step.target is not None or spec.group_filter is not None:
+            known.update(self._step_figures())
+        if self.step.satisfied:
+            # What is left of its tasks will not run.
+            known["eta_s"] = None
         return JobStatus(
             job_id=self.job_id,
             state=state,
@@ -311,6 +375,12 @@ class ServedJob:
             metadata=spec.metadata,
             **known,
         )
+
+    def _step_figures(self) -> dict[str, Any]:
+        """The step's figures: live, or as the record kept them (a settled job)."""
+        if self.groups is None and self.record.step is not None:
+            return dict(self.record.step)
+        return self.step.figures()
 
     @staticmethod
     def _rate(job: Job) -> float:
@@ -330,12 +400,20 @@ class ServedJob:
                 self._end,
                 groups.completed_at.get,
                 self._end_error,
+                self._satisfied_seq,
             )
         rows = await asyncio.to_thread(LineIndex.scan, self.output)
         group_index = await asyncio.to_thread(LineIndex.scan, self.groups_path)
         return Source(
-            self.output, rows, self.groups_path, group_index, self._end, _unknown, self._end_error
-        )
+            self.output, rows, self.groups_path, group_index, self._end, _unknown,
+            self._end_error, self._satisfied_seq,
+        )  # fmt: skip
+
+    def _satisfied_seq(self) -> int | None:
+        if self.step.satisfied_seq is None and self.record.step is not None:
+            seq = self.record.step.get("satisfied_seq")
+            return seq if isinstance(seq, int) else None
+        return self.step.satisfied_seq
 
     def _end(self) -> str | None:
         return self.record.state if self.finished else None
@@ -420,7 +498,7 @@ class Service:
         # delivery on a results stream: the last ones, for /status.
         self.delays: deque[float] = deque(maxlen=DELAY_WINDOW)
         self._delay_histogram = declare_service_metrics(
-            daemon.metrics.registry, self.job_counts, daemon.policy_version
+            daemon.metrics.registry, self.job_counts, daemon.policy_version, daemon.pause
         )
         # One submission at a time: two racing bodies for one job_id must
         # not both create it.
@@ -541,6 +619,29 @@ class Service:
             "max": ordered[-1],
         }
 
+    # ---- the admission pause (DESIGN A13) ------------------------------------------
+
+    def admission(self) -> dict[str, Any]:
+        """The pause and what is in flight: the answer of ``/v1/admission``."""
+        pause = self.daemon.pause
+        remaining_s = pause.remaining_s()
+        in_flight = self.daemon.at_agents()
+        return {
+            "paused": pause.paused,
+            "reason": pause.reason,
+            "ttl_remaining_s": round(remaining_s, 3) if remaining_s is not None else None,
+            "in_flight": in_flight,
+            "idle": in_flight == 0,
+            # Jobs whose next rollout waits for the pause to end.
+            "held": pause.waiting,
+        }
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Until no rollout is at an agent, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.daemon.at_agents() and (left_s := deadline - time.monotonic()) > 0:
+            await self.daemon.left_agent.wait(left_s)
+
     async def set_policy(self, version: int) -> None:
         """Save the version, then move to it: a version counts (releases a paced
         job) only once it is durable, so a restart never goes back on it."""
@@ -550,6 +651,8 @@ class Service:
             await self.write(self.registry.save_policy, version)
             policy.set(version)
         log.info("policy_version_set", version=version)
+        # The weight update is over: a pause around it ends here.
+        self.daemon.pause.resume("policy_version")
 
     async def close(self) -> None:
         """Wait for every job to stop (the daemon's stop request stops them)."""

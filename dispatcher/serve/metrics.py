@@ -1,4 +1,5 @@
-"""The service's own series: jobs by state, the policy version, the results stream's delay.
+"""The service's own series: jobs by state, the policy version, the results stream's
+delay, the admission pause.
 
 Bounded by design: one series per job state, never one per job (a job's own
 figures are at ``GET /v1/jobs/<id>``). States with no job are exported as 0,
@@ -10,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from dispatcher.admission.pause import AdmissionPause
 from dispatcher.lifecycle import JobState
 
 # "paced" is a running job held back by --max-off-policy-steps.
@@ -43,6 +45,32 @@ class ServiceGauges(Collector):
         yield version
 
 
+class AdmissionGauges(Collector):
+    """The admission pause (DESIGN A13), read when scraped: the seconds paused count
+    the pause under way too."""
+
+    def __init__(self, pause: AdmissionPause) -> None:
+        self._pause = pause
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        pause = self._pause
+        yield GaugeMetricFamily(
+            "dispatcher_admission_paused",
+            "1 while an admission pause stops every rollout from starting.",
+            value=1 if pause.paused else 0,
+        )
+        yield CounterMetricFamily(
+            "dispatcher_admission_pauses_total",
+            "Admission pauses begun (POST /v1/admission).",
+            value=pause.pauses,
+        )
+        yield CounterMetricFamily(
+            "dispatcher_admission_paused_seconds_total",
+            "Seconds during which admission was paused.",
+            value=pause.paused_seconds(),
+        )
+
+
 # The delay goal is tens of milliseconds; the top buckets catch a stalled stream.
 DELAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -51,9 +79,11 @@ def declare_service_metrics(
     registry: CollectorRegistry,
     job_counts: Callable[[], Mapping[str, int]],
     policy_version: Callable[[], int | None],
+    pause: AdmissionPause,
 ) -> Histogram:
     """Register the service's series; returns the results-delay histogram to observe."""
     registry.register(ServiceGauges(job_counts, policy_version))
+    registry.register(AdmissionGauges(pause))
     return Histogram(
         "dispatcher_results_delay_seconds",
         "From a row (or a group's last row) being durable to its delivery on a results stream.",

@@ -40,7 +40,7 @@ from dispatcher.serve.spec import JobSpec, first_error
 log = structlog.get_logger("dispatcher.serve")
 
 # Final for good: a restart leaves these jobs alone.
-SETTLED_STATES = frozenset({JobState.DONE, JobState.CANCELLED})
+SETTLED_STATES = frozenset({JobState.DONE, JobState.CANCELLED, JobState.SATISFIED})
 
 
 @dataclass
@@ -55,6 +55,8 @@ class JobRecord:
     error: str | None = None
     # Once final: the job's outcomes over all its passes, for its status after a restart.
     outcomes: dict[str, int] | None = None
+    # Once final, a job with a target: its step's figures (``step.StepControl.figures``).
+    step: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,6 +74,7 @@ class JobRecord:
             "state": self.state,
             "error": self.error,
             "outcomes": self.outcomes,
+            **({"step": self.step} if self.step is not None else {}),
         }
 
     @classmethod
@@ -112,6 +115,7 @@ _RECORD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "state": ((str, type(None)), "a string or null"),
     "error": ((str, type(None)), "a string or null"),
     "outcomes": ((dict, type(None)), "an object or null"),
+    "step": ((dict, type(None)), "an object or null"),
 }
 
 

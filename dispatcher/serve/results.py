@@ -8,6 +8,13 @@ instead (``groups.py``) and sends each complete group with its rows.
 
 A live job's line indexes wake waiting streams the moment a batch is
 durable; a job that is no longer running is read from its files.
+
+Step control (DESIGN A13): a grouped stream leaves out the groups marked
+``"filtered"`` unless asked for them (their ``_ng_seq`` numbers are skipped,
+so ``after=`` still resumes exactly). A grouped stream that starts before
+the line of a job's target-th kept group ends right after it, with
+``{"end": "satisfied"}`` when it waits; one that starts after it (the tail
+of a job that finishes its rollouts in flight) goes on until the job is final.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pathlib import Path
 import orjson
 
 from dispatcher.files.writer import LineIndex
+from dispatcher.lifecycle import JobState
 
 # Lines read per chunk: big enough to amortize the thread hop, small enough
 # that a stream of multi-megabyte rows holds a bounded amount of memory.
@@ -46,6 +54,8 @@ class Source:
     group_completed_at: Callable[[int], float | None]
     # Why the job failed, once final: the end line carries it.
     final_error: Callable[[], str | None] = lambda: None
+    # The groups file's line of the target-th kept group, once the job is satisfied.
+    satisfied_seq: Callable[[], int | None] = lambda: None
 
 
 # A chunk of the stream, and when each of its lines became durable (for the
@@ -53,7 +63,9 @@ class Source:
 Chunk = tuple[bytes, list[float | None]]
 
 
-async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIterator[Chunk]:
+async def stream(
+    source: Source, after: int, group: bool, wait: bool, filtered: bool = False
+) -> AsyncIterator[Chunk]:
     """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line."""
     index = source.groups if group else source.rows
     next_seq = after + 1
@@ -61,10 +73,14 @@ async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIt
         while True:
             # The job's state first: a job final now has every line indexed.
             final = source.final_state()
-            if next_seq <= len(index):
-                last = _chunk_end(index, next_seq)
+            # Known as soon as its line is indexed (the same call sets both).
+            satisfied = source.satisfied_seq() if group else None
+            stop_at = satisfied if satisfied is not None and after < satisfied else None
+            end = len(index) if stop_at is None else min(len(index), stop_at)
+            if next_seq <= end:
+                last = _chunk_end(index, next_seq, end)
                 read = (
-                    functools.partial(_groups_chunk, groups, rows, source)
+                    functools.partial(_groups_chunk, groups, rows, source, filtered)
                     if group
                     else functools.partial(_rows_chunk, rows, index)
                 )
@@ -73,6 +89,10 @@ async def stream(source: Source, after: int, group: bool, wait: bool) -> AsyncIt
                 next_seq = last + 1
                 yield chunk
                 continue
+            if stop_at is not None:
+                if wait:
+                    yield _end_line(JobState.SATISFIED.value, None), []
+                return
             if final is not None:
                 if wait:
                     yield _end_line(final, source.final_error()), []
@@ -109,8 +129,8 @@ def _chunk_bytes(source: Source, group: bool, first: int, last: int) -> int:
     return int(average_row * rows_per_group * (last - first + 1))
 
 
-def _chunk_end(index: LineIndex, first: int) -> int:
-    last = min(len(index), first + CHUNK_LINES - 1)
+def _chunk_end(index: LineIndex, first: int, end: int) -> int:
+    last = min(end, first + CHUNK_LINES - 1)
     while last > first and index.span(first, last)[1] - index.span(first, first)[0] > CHUNK_BYTES:
         last = first + (last - first) // 2
     return last
@@ -154,16 +174,23 @@ def _rows_chunk(reader: _Reader, index: LineIndex, first: int, last: int) -> Chu
     return b"".join(with_seq(line, first + i) + b"\n" for i, line in enumerate(lines)), born
 
 
-def _groups_chunk(groups: _Reader, rows: _Reader, source: Source, first: int, last: int) -> Chunk:
+def _groups_chunk(
+    groups: _Reader, rows: _Reader, source: Source, filtered: bool, first: int, last: int
+) -> Chunk:
     start, end = source.groups.span(first, last)
     out = []
     born: list[float | None] = []
     for i, record in enumerate(groups.read(start, end).splitlines()):
         group = orjson.loads(record)
+        flag = b""
+        if group.get("filtered") is True:
+            if not filtered:
+                continue
+            flag = b',"filtered":true'
         born.append(source.group_completed_at(group["task_index"]))
         parts = [with_seq(rows.read(*source.rows.span(s, s)), s) for s in group["rows"]]
         out.append(
-            b'{"_ng_seq":%d,"task_index":%d,"failures":%d,"rows":[%s]}\n'
-            % (first + i, group["task_index"], group["failures"], b",".join(parts))
+            b'{"_ng_seq":%d,"task_index":%d,"failures":%d%s,"rows":[%s]}\n'
+            % (first + i, group["task_index"], group["failures"], flag, b",".join(parts))
         )
     return b"".join(out), born

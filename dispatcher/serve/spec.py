@@ -1,4 +1,4 @@
-"""A job's body (DESIGN A12), validated whole before anything touches the disk.
+"""A job's body (DESIGN A12, A13), validated whole before anything touches the disk.
 
 ``JobSpec.parse`` turns a request body into a spec or a ``BadJob`` whose one
 line names the field. ``check_tasks`` then runs the rows (or the task file)
@@ -15,18 +15,23 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dispatcher.admission.pause import DEFAULT_TTL_S, MAX_TTL_S
 from dispatcher.errors import ConfigError
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
 from dispatcher.tasks.materialize import materialize
 
 
-class BadJob(Exception):
+class BadBody(Exception):
+    """A request body that cannot be used: a 400 with this one-line message."""
+
+
+class BadJob(BadBody):
     """A job body that cannot be run: a 400 with this one-line message."""
 
 
@@ -45,6 +50,13 @@ class JobSpec(BaseModel):
     policy_version: int | None = Field(default=None, ge=0)
     priority: int = 0
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Merged shallowly over the daemon's --responses-create-params, then over each row's.
+    responses_create_params: dict[str, Any] | None = None
+    # Step control (DESIGN A13): stop at this many kept groups.
+    target_groups: int | None = Field(default=None, ge=1)
+    overprovision: float | None = Field(default=None, ge=1.0)
+    on_target: Literal["finish", "cancel"] | None = None
+    group_filter: Literal["nonzero_reward_std"] | None = None
 
     @model_validator(mode="after")
     def _rows_or_input(self) -> JobSpec:
@@ -52,6 +64,14 @@ class JobSpec(BaseModel):
             raise ValueError("give exactly one of rows or input")
         if self.rows is not None and not self.rows:
             raise ValueError("rows: a job needs at least one row")
+        return self
+
+    @model_validator(mode="after")
+    def _step_needs_a_target(self) -> JobSpec:
+        if self.target_groups is None:
+            for name in ("overprovision", "on_target"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only with target_groups")
         return self
 
     @classmethod
@@ -101,8 +121,11 @@ class JobSpec(BaseModel):
         return self.model_copy(update={"job_id": f"job-{uuid.uuid4().hex[:12]}"})
 
     def digest(self) -> str:
-        """The job's identity: the same body again is the same job."""
-        data = self.model_dump(mode="json")
+        """The job's identity: the same body again is the same job. Fields added
+        since the first release count only when given, so the record of a job
+        submitted before them keeps its digest."""
+        unset = {name for name in _LATER_FIELDS if getattr(self, name) is None}
+        data = self.model_dump(mode="json", exclude=unset)
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def settings(self, base: RunSettings, input_path: Path, output: Path) -> RunSettings:
@@ -114,16 +137,57 @@ class JobSpec(BaseModel):
             values["num_repeats"] = self.num_repeats
         if self.default_agent is not None:
             values["default_agent"] = self.default_agent
+        if self.responses_create_params is not None:
+            values["responses_create_params"] = {
+                **base.responses_create_params,
+                **self.responses_create_params,
+            }
         return RunSettings.model_validate(values)
 
 
-def first_error(exc: ValidationError) -> str:
+# Fields that a digest leaves out when they are not given (see ``JobSpec.digest``).
+_LATER_FIELDS = (
+    "responses_create_params",
+    "target_groups",
+    "overprovision",
+    "on_target",
+    "group_filter",
+)
+
+
+class AdmissionChange(BaseModel):
+    """A body of ``POST /v1/admission`` (DESIGN A13): pause with a TTL, or resume."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    paused: bool
+    ttl_s: float = Field(default=DEFAULT_TTL_S, gt=0, le=MAX_TTL_S)
+    reason: str | None = Field(default=None, max_length=1000)
+
+    @classmethod
+    def parse(cls, body: bytes) -> AdmissionChange:
+        """The change a request body asks for; ``BadBody`` naming the field when it is not one."""
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadBody(f"body: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise BadBody("body: must be a JSON object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise BadBody(first_error(exc, "POST /v1/admission")) from None
+
+
+def first_error(exc: ValidationError, of: str = "a job") -> str:
     """The first problem pydantic found, on one line, naming the field."""
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"]) or "body"
     if error["type"] == "extra_forbidden":
-        return f"{where}: not a job field"
+        return f"{where}: not a field of {of}" if of != "a job" else f"{where}: not a job field"
     message = " ".join(str(error["msg"]).removeprefix("Value error, ").split())
+    if not error["loc"] and message.partition(": ")[0] in JobSpec.model_fields:
+        return message  # a check of the whole body that names its field
     return f"{where}: {message}"
 
 
@@ -137,7 +201,8 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch: Path) -> None:
-    """Validate the job's rows or task file as ``dispatcher run`` would (blocking).
+    """Validate the job's rows or task file as ``dispatcher run`` would (blocking),
+    and its ``target_groups`` against its tasks.
 
     Runs in ``scratch``, which is left empty: a bad job creates nothing.
     """
@@ -153,9 +218,13 @@ def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch:
             # A task file's every line is a task: it names its model call. A
             # file that is not one (a log, a config) is refused at its first line.
             task_spec = replace(task_spec, require_params=spec.input is not None)
-            materialize(task_spec, Path(folder) / "m.jsonl")
+            result = materialize(task_spec, Path(folder) / "m.jsonl")
         except ConfigError as exc:
             raise BadJob(_rows_named(str(exc), tasks)) from None
+    if spec.target_groups is not None and spec.target_groups > result.tasks:
+        raise BadJob(
+            f"target_groups: {spec.target_groups} is more than the job's {result.tasks} tasks"
+        )
 
 
 def _readable_input(value: str | None) -> Path:
