@@ -23,6 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check dispatcher tests bench scripts
 	$(BIN)/mypy dispatcher
+	# Compiled once: hundreds of `python -m dispatcher` subprocesses would each recompile it.
+	$(BIN)/python -m compileall -q dispatcher
 	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)

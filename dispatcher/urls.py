@@ -3,10 +3,13 @@
 A replica URL may carry ``user:password@``; aiohttp turns that into an
 ``Authorization`` header. The password must never reach ``/status``, a row's
 ``_ng_dispatch.replica``, a log line or an error message, so everything that
-displays a URL goes through ``redact_url``.
+displays a URL goes through ``redact_url`` (a replica, ``replica_names``).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
 
 from yarl import URL
 
@@ -14,26 +17,46 @@ MASK = "***"
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password (or a lone user token) replaced by ``***``."""
-    try:
-        parsed = URL(url)
-    except (TypeError, ValueError):
-        return _redact_text(url)
-    if parsed.password is None and parsed.user is None:
-        return url
-    if parsed.password is None:
-        # A lone token (``http://TOKEN@host``) is as secret as a password.
-        return str(parsed.with_user(MASK))
-    return str(parsed.with_password(MASK))
+    """``url`` with its password (or a lone user token) replaced by ``***``.
 
-
-def _redact_text(url: str) -> str:
-    # Unparseable: cut everything between the scheme and the last "@" of the authority.
+    Done on the text, not on a parsed URL: a value that does not parse (a
+    flag like ``=http://u:pw@h``, a port out of range, no scheme) must not
+    come back with its password in the error that says so.
+    """
     scheme, sep, rest = url.partition("://")
-    authority, slash, path = rest.partition("/")
-    if not sep or "@" not in authority:
+    if not sep:
+        scheme, rest = "", url
+    # The last "@" ends the user info: a password may hold an unescaped "@",
+    # "/", "?" or "#" (a base64 token). A base URL has no "@" after its host,
+    # so nothing but credentials is masked in practice.
+    userinfo, at, tail = rest.rpartition("@")
+    if not at:
         return url
-    return f"{scheme}://{MASK}@{authority.rpartition('@')[2]}{slash}{path}"
+    user, colon, _ = userinfo.partition(":")
+    # A lone token (``http://TOKEN@host``) is as secret as a password.
+    masked = f"{user}:{MASK}" if colon and "/" not in user else MASK
+    return f"{scheme}{sep}{masked}@{tail}"
+
+
+def redact_urls(text: str) -> str:
+    """``text`` (a flag's value, a comma-separated list of URLs) with every URL redacted."""
+    return ",".join(redact_url(part) for part in text.split(","))
+
+
+def replica_names(urls: Sequence[str]) -> list[str]:
+    """How each replica of one agent is shown: redacted, and never two alike.
+
+    URLs that differ only in their credentials (or are repeated) redact to one
+    text; the second and later get ``#2``, ``#3``... (a fragment: no agent
+    URL has one), so views, metric labels and rows keep them apart.
+    """
+    seen: Counter[str] = Counter()
+    names = []
+    for url in urls:
+        shown = redact_url(url)
+        seen[shown] += 1
+        names.append(shown if seen[shown] == 1 else f"{shown}#{seen[shown]}")
+    return names
 
 
 def agent_url_problem(url: str) -> str | None:

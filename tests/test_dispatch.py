@@ -178,7 +178,8 @@ async def test_a_busy_replica_gets_no_more_work(tmp_path: Path, fake_agent: Agen
 # ---- failure classes, each from its cause -------------------------------------
 
 
-@pytest.mark.parametrize("status", [500, 400, 404])
+# (404 and 405 to POST /run are a wrong agent URL: tests/test_agent_health_e2e.py.)
+@pytest.mark.parametrize("status", [500, 400, 409])
 async def test_http_error_statuses_are_agent_run_errors(
     tmp_path: Path, fake_agent: AgentFactory, status: int
 ) -> None:

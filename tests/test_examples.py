@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,8 +261,9 @@ def test_readme_cites_the_contracts_by_links_that_resolve() -> None:
 
 
 def service_examples() -> list[str]:
-    """The code blocks of the README's "Service mode" section (step control included),
-    without the `dispatcher serve` command line (its agents are hosts of a cluster)."""
+    """The trainer's code blocks of the README's "Service mode" section (step control
+    included): Python and curl; not the `dispatcher serve` command line (its agents are
+    hosts of a cluster) nor the nginx configuration."""
     section = README.read_text().split("\n## Service mode\n", 1)[1].split("\n## ", 1)[0]
     blocks: list[list[str]] = []
     previous = ""
@@ -275,7 +277,7 @@ def service_examples() -> list[str]:
             continue
         previous = line
     codes = ["\n".join(block).strip() + "\n" for block in blocks]
-    return [code for code in codes if not code.startswith("dispatcher serve")]
+    return [code for code in codes if code.startswith("import ") or "\ncurl " in code]
 
 
 def test_the_service_examples_are_found() -> None:
@@ -302,15 +304,20 @@ async def test_readme_service_and_step_control_examples_run_as_written(
 ) -> None:
     # Each task solved with a probability of its own: some groups teach nothing.
     url, _ = await sim_agent(latency_s=0.01, reward_p=None)
-    tasks = [{"agent_ref": {"name": "math_agent"}, "question": i} for i in range(6)]
+    tasks = [
+        {"agent_ref": {"name": "math_agent"}, "responses_create_params": {"input": f"q{i}"}}
+        for i in range(6)
+    ]
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    token = {"DISPATCHER_API_TOKEN": "readme-examples-token"}
     daemon = await spawn_cli(
         "serve", "--listen", "127.0.0.1:0", "--state-dir", "state", "--agent",
-        f"math_agent={url}", "--fsync", "never", "--log-format", "json", cwd=tmp_path,
+        f"math_agent={url}", "--fsync", "never", "--log-format", "json", cwd=tmp_path, env=token,
     )  # fmt: skip
     try:
         await wait_until(lambda: bool(daemon.stdout) or daemon.exited, timeout_s=30)
-        env = {**os.environ, "DISPATCHER_URL": daemon.stdout[0].decode().split()[-1]}
+        url = daemon.stdout[0].decode().split()[-1]
+        env = {**os.environ, **token, "DISPATCHER_URL": url}
         outputs = []
         for example in service_examples():
             shell = ["bash", "-euo", "pipefail", "-c"]
@@ -328,3 +335,62 @@ async def test_readme_service_and_step_control_examples_run_as_written(
     folders = (tmp_path / "state" / "jobs").iterdir()
     jobs = {folder.name: json.loads((folder / "job.json").read_text()) for folder in folders}
     assert {jobs[f"rl-step-{n}"]["state"] for n in range(3)} == {"satisfied"}
+
+
+# -- the service: a token from a Secret, a systemd credential --------------------------------
+
+SERVE = EXAMPLES / "kubernetes" / "serve.yaml"
+SERVE_UNIT = EXAMPLES / "systemd" / "rollout-dispatcher-serve.service"
+
+
+def serve_documents() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(SERVE.read_text()) if d]
+
+
+def test_kubernetes_serve_example_validates_from_1_27_to_the_newest() -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is not installed (dev extra)"
+    )
+    kinds = [d["kind"] for d in serve_documents()]
+    assert kinds == ["PersistentVolumeClaim", "Deployment", "Service"]
+    for version in kubernetes_versions():
+        for doc in serve_documents():
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kubernetes_serve_takes_its_token_from_a_secret_and_probes_open_routes() -> None:
+    [deployment] = [d for d in serve_documents() if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args = parse_args(container["args"])
+    assert args.command == "serve" and args.listen.startswith("0.0.0.0:")
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    secret = volumes["api-token"]["secret"]["secretName"]
+    assert args.api_token_file.startswith(mounts["api-token"] + "/")
+    assert secret in SERVE.read_text().split("kubectl create secret generic ")[1]
+    assert args.input_root.startswith(mounts["data"])
+    for probe in (container["readinessProbe"], container["livenessProbe"]):
+        assert probe["httpGet"]["path"] == "/healthz"
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_systemd_serve_unit_loads_its_token_as_a_credential() -> None:
+    text = SERVE_UNIT.read_text()
+    command = text.split("\nExecStart=", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ").split()
+    args = parse_args(command[1:])
+    assert args.command == "serve" and args.listen == "0.0.0.0:8080"
+    [credential] = [line for line in text.splitlines() if line.startswith("LoadCredential=")]
+    name, _, source = credential.removeprefix("LoadCredential=").partition(":")
+    assert args.api_token_file == "${CREDENTIALS_DIRECTORY}/" + name
+    assert source.startswith("/etc/")
+    assert "RestartPreventExitStatus=2" in text and "KillSignal=SIGTERM" in text
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        return
+    done = subprocess.run(
+        [analyze, "verify", str(SERVE_UNIT)], capture_output=True, text=True, check=False
+    )
+    # The one thing it may say: the install path does not exist on this machine.
+    said = [line for line in done.stderr.splitlines() if "is not executable" not in line]
+    assert said == [], done.stderr

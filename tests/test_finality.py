@@ -7,6 +7,7 @@ Each test drives the real CLI against agents on 127.0.0.1 that the test scripts.
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tests.helpers import (
     read_jsonl,
     run_args,
     run_cli,
+    spawn_cli,
     wait_until,
     write_tasks,
 )
@@ -119,3 +121,28 @@ async def test_a_served_job_whose_rollouts_were_never_delivered_is_not_done(
 
 async def _wait_for(condition: Any) -> None:
     await wait_until(condition, timeout_s=30)
+
+
+async def test_sigint_cancels_at_once_rollouts_only_waiting_to_retry(tmp_path: Path) -> None:
+    def unavailable(body: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response({"error": "busy"}, status=503)
+
+    agent = FakeAgent(unavailable)
+    await agent.start()
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 4)
+    output = tmp_path / "x.jsonl"
+    args = run_args(tasks, output, agent.url)
+    # Every rollout sleeps between retries; the grace would hold them a minute.
+    args += ["--shutdown-grace-s", "60", "--delivery-deadline-s", "600"]
+    proc = await spawn_cli(*args)
+    try:
+        await wait_until(lambda: proc.saw("rollout_retry"), timeout_s=30)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        result = await proc.wait()
+    finally:
+        await agent.close()
+
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert time.monotonic() - signalled < 15, "rollouts waiting on a backoff got the grace"
+    assert read_jsonl(output) == [] and read_jsonl(tmp_path / "x_failures.jsonl") == []

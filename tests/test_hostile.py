@@ -28,6 +28,7 @@ from dispatcher.delivery.limits import ProxyLimits
 from dispatcher.sim.model import SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import call_model
 from dispatcher.tasks.materialize import MaterializeSpec, materialize, rollout_id_for
+from dispatcher.urls import redact_url
 from tests.helpers import (
     CliResult,
     FakeAgent,
@@ -637,6 +638,42 @@ async def test_12_replica_credentials_never_show(tmp_path: Path, fake_agent: Age
     assert {r["_ng_dispatch"]["replica"] for r in run.rows()} == {
         agent.url.replace("http://", "http://alice:***@")
     }
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://user:s3cret@h:1", "http://user:***@h:1"),
+        ("http://s3cret@h:1/base", "http://***@h:1/base"),
+        ("http://user:s3/cr?e#t@h:1", "http://user:***@h:1"),
+        ("http://user:s3cret@h:99999", "http://user:***@h:99999"),
+        ("=http://user:s3cret@h", "=http://user:***@h"),
+        ("user:s3cret@h:1", "user:***@h:1"),
+        ("http://h:1", "http://h:1"),
+    ],
+)
+def test_12_a_url_that_does_not_parse_is_redacted_too(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+async def test_12_replicas_that_differ_only_in_credentials_stay_two(
+    tmp_path: Path, fake_agent: AgentFactory
+) -> None:
+    agent = await fake_agent()
+    one = agent.url.replace("http://", "http://alice:s3cret@")
+    two = agent.url.replace("http://", "http://alice:0ther@")
+    run = Run(tmp_path, tasks=8)
+    args = run_args(run.tasks, run.output, f"{one},{two}", "--metrics-listen", "127.0.0.1:0")
+    proc = await spawn_cli(*args, "--concurrency", "1")
+
+    result = await proc.wait()
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = agent.url.replace("http://", "http://alice:***@")
+    # Round-robin over two replicas: both carry rows, under two names.
+    assert {r["_ng_dispatch"]["replica"] for r in run.rows()} == {shown, f"{shown}#2"}
+    for text in (result.stderr, run.output.read_text()):
+        assert "s3cret" not in text and "0ther" not in text
 
 
 # ---- 13: malformed agent URLs -----------------------------------------------------------------

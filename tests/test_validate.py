@@ -77,3 +77,35 @@ async def test_bad_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = await run_cli("validate", "--input", "t", "--output", "o", "--concurrency", "0")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: config key 'concurrency'")
+
+
+async def test_replica_credentials_are_masked_and_replicas_kept_apart(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    tasks = write_tasks(tmp_path / "t.jsonl", 2)
+    one = url.replace("http://", "http://user:s3cret@")
+    two = url.replace("http://", "http://user:0ther@")
+
+    result = await run_cli("validate", *run_args(tasks, tmp_path / "x.jsonl", f"{one},{two}")[1:])
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = url.replace("http://", "http://user:***@")
+    assert f"agent sim: {shown} reachable" in result.stdout
+    assert f"agent sim: {shown}#2 reachable" in result.stdout
+    assert "s3cret" not in result.stdout + result.stderr
+    assert "0ther" not in result.stdout + result.stderr
+
+
+async def test_an_agent_flag_without_a_name_does_not_repeat_the_password(tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "t.jsonl", 1)
+
+    result = await run_cli(
+        "validate", "--input", str(tasks), "--output", str(tmp_path / "x.jsonl"),
+        "--agent", "http://user:s3cret@127.0.0.1:9",
+    )  # fmt: skip
+
+    assert result.returncode == 2
+    error = result.stderr.strip().splitlines()[-1]
+    assert error == "error: --agent 'http://user:***@127.0.0.1:9': expected NAME=URL[,URL...]"
+    assert "s3cret" not in result.stdout + result.stderr

@@ -36,11 +36,15 @@ across processes (``results(job_id, after=last_seq)``). A 404 for a job the
 stream has already read from counts as a daemon still starting (jobs are never
 forgotten), not as an unknown job.
 
+A daemon started with a token (``--api-token-file``) wants it on every call:
+``AsyncClient(url, token=...)``, or ``DISPATCHER_API_TOKEN`` in the environment.
+A missing or wrong token is ``Unauthorized`` (a ``ClientError``, status 401).
+
 Every call whose repetition is harmless is retried the same way: all of them
 except ``submit`` without a ``job_id`` (a retried anonymous submit could create
 a second job). Errors are one type, ``ClientError(status, message)``: the
 HTTP status and the daemon's one-line error, or status None when no answer
-came within the deadline.
+came within the deadline (``Unauthorized`` is the 401 of them).
 """
 
 from dispatcher.client.aio import AsyncClient, Results
@@ -51,6 +55,7 @@ from dispatcher.client.wire import (
     JobStatus,
     NdjsonSplitter,
     StreamPosition,
+    Unauthorized,
     error_message,
     job_path,
     results_query,
@@ -69,6 +74,7 @@ __all__ = [
     "NdjsonSplitter",
     "Results",
     "StreamPosition",
+    "Unauthorized",
     "error_message",
     "job_path",
     "results_query",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import ssl
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -22,8 +23,10 @@ from dispatcher.client.wire import (
     StreamPosition,
     error_message,
     job_path,
+    resolve_token,
     results_query,
     submit_body,
+    unauthorized,
 )
 from dispatcher.delivery.retry import BackoffPolicy
 from dispatcher.lifecycle import JobState
@@ -104,6 +107,10 @@ class Results:
 class AsyncClient:
     """The daemon's HTTP API over one aiohttp session; use as ``async with``.
 
+    ``token`` is the daemon's API token, sent as ``Authorization: Bearer``
+    (default: ``DISPATCHER_API_TOKEN``; none when that is unset); a 401 is
+    ``Unauthorized``. ``ssl_context`` verifies an https daemon's certificate
+    (default: the system's trust store).
     ``timeout_s`` bounds each call (and a stream's connect);
     ``retry_deadline_s`` is how long a call or a stream keeps retrying without
     progress; ``stream_idle_timeout_s`` reconnects a results stream silent
@@ -114,12 +121,17 @@ class AsyncClient:
         self,
         base_url: str,
         *,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
         stream_idle_timeout_s: float | None = None,
         backoff: BackoffPolicy = DEFAULT_BACKOFF,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # Private, and in no repr or error: only the session's header carries it.
+        self._token = resolve_token(token)
+        self._ssl_context = ssl_context
         self.timeout_s = timeout_s
         self.retry_deadline_s = retry_deadline_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
@@ -127,7 +139,11 @@ class AsyncClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
+        headers = {} if self._token is None else {"Authorization": f"Bearer {self._token}"}
+        verify: ssl.SSLContext | bool = True if self._ssl_context is None else self._ssl_context
         self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=verify),
+            headers=headers,
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             json_serialize=lambda obj: jsonx.dumps(obj).decode(),
         )
@@ -298,7 +314,7 @@ class AsyncClient:
             url = self.base_url + path
             async with self._http.request(method, url, json=body, timeout=limits) as resp:
                 raw = await resp.read()
-                _raise_for_status(resp, raw)
+                self._raise_for_status(resp, raw)
         except _TRANSIENT_ERRORS as exc:
             raise _Transient(_describe(exc)) from None
         try:
@@ -349,7 +365,7 @@ class AsyncClient:
                     # unknown now is a restarted daemon still loading its registry.
                     raise _Transient("404 for a job streamed before: the daemon is starting")
                 if resp.status != 200:
-                    _raise_for_status(resp, await resp.read())
+                    self._raise_for_status(resp, await resp.read())
                 position.connected = True
                 retries.progress()
                 async for chunk in resp.content.iter_any():
@@ -365,14 +381,15 @@ class AsyncClient:
         if splitter.partial:
             raise _Transient("the stream was cut mid-line")
 
-
-def _raise_for_status(resp: aiohttp.ClientResponse, raw: bytes) -> None:
-    if resp.status < 400:
-        return
-    message = error_message(raw, resp.reason or "")
-    if resp.status in _TRANSIENT_STATUSES:
-        raise _Transient(f"{resp.status}: {message}")
-    raise ClientError(resp.status, message)
+    def _raise_for_status(self, resp: aiohttp.ClientResponse, raw: bytes) -> None:
+        if resp.status < 400:
+            return
+        message = error_message(raw, resp.reason or "")
+        if resp.status in _TRANSIENT_STATUSES:
+            raise _Transient(f"{resp.status}: {message}")
+        if resp.status == 401:
+            raise unauthorized(message, token_sent=self._token is not None)
+        raise ClientError(resp.status, message)
 
 
 def _describe(exc: BaseException) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future
@@ -66,6 +67,8 @@ class Client:
         self,
         base_url: str,
         *,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
         stream_idle_timeout_s: float | None = None,
@@ -73,6 +76,8 @@ class Client:
     ) -> None:
         self._async = AsyncClient(
             base_url,
+            token=token,
+            ssl_context=ssl_context,
             timeout_s=timeout_s,
             retry_deadline_s=retry_deadline_s,
             stream_idle_timeout_s=stream_idle_timeout_s,

@@ -24,6 +24,30 @@ class ClientError(Exception):
         self.message = message
 
 
+class Unauthorized(ClientError):
+    """A 401: the daemon wants a bearer token, and none was sent or it is wrong."""
+
+
+TOKEN_ENV = "DISPATCHER_API_TOKEN"
+
+
+def unauthorized(message: str, token_sent: bool) -> Unauthorized:
+    """The 401's error, saying which of the two it is and where a token comes from."""
+    if token_sent:
+        why = "the daemon refused the API token: it is wrong"
+    else:
+        why = f"the daemon wants an API token: none was given (token= or {TOKEN_ENV})"
+    return Unauthorized(401, f"{why} ({message})")
+
+
+def resolve_token(token: str | None) -> str | None:
+    """``token``, else ``DISPATCHER_API_TOKEN``; white space around it dropped, empty is none."""
+    value = token if token is not None else os.environ.get(TOKEN_ENV)
+    if value is None:
+        return None
+    return value.strip() or None
+
+
 class JobStatus(contracts.JobStatus):
     """A job's status (``dispatcher.files.contracts.JobStatus``); a bad one is a ``ClientError``."""
 

@@ -155,6 +155,15 @@ class DeliveryObserver(Protocol):
 Try = tuple[Attempt | None, NotDelivered | None]
 
 
+class Sending:
+    """Whether a rollout's request is at a replica now (see ``AgentClient.run``)."""
+
+    __slots__ = ("sending",)
+
+    def __init__(self) -> None:
+        self.sending = False
+
+
 class AgentClient:
     """Delivers rollouts to agents, routing each to the healthiest least-loaded replica."""
 
@@ -256,8 +265,20 @@ class AgentClient:
         replica.stats.not_delivered += 1
         breaker.on_not_delivered()
 
-    async def run(self, agent: str, body: dict[str, Any], rollout_id: str) -> Attempt:
-        """Deliver one rollout; retries not-delivered tries until the delivery deadline."""
+    async def run(
+        self,
+        agent: str,
+        body: dict[str, Any],
+        rollout_id: str,
+        progress: Sending | None = None,
+    ) -> Attempt:
+        """Deliver one rollout; retries not-delivered tries until the delivery deadline.
+
+        ``progress.sending`` is true only while a request is at a replica: a
+        rollout waiting for a backoff or a replica runs nowhere, and shutdown
+        may cancel it at once.
+        """
+        progress = progress or Sending()
         replicas = self.replica_sets[agent]
         deadline = _Deadline(self._clock() + self._policy.deadline_s)
         last: Replica | None = None
@@ -266,7 +287,11 @@ class AgentClient:
             replica = await self._ready_replica(replicas, last, deadline)
             if replica is None:
                 return self._deadline_attempt(replicas, last, retry)
-            attempt, missed = await self._try(replica, body)
+            progress.sending = True
+            try:
+                attempt, missed = await self._try(replica, body)
+            finally:
+                progress.sending = False
             if attempt is not None and attempt.no_run:
                 self._no_run(replicas, replica, attempt)
                 last = replica

@@ -21,11 +21,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
 from dispatcher.delivery.adaptive import AimdController
-from dispatcher.urls import redact_url
+from dispatcher.urls import redact_url, replica_names
 
 Clock = Callable[[], float]
 
@@ -136,12 +136,13 @@ class Replica:
     # It answered 404/405 to ``POST /run``: a wrong URL, out of routing for good.
     no_run: bool = False
     run_url: str = field(init=False)
+    shown: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, shown: str | None) -> None:
         # Credentials stay in ``run_url`` only: ``url`` is what every view,
         # log, metric label and row shows, so it carries them masked.
         self.run_url = f"{self.url}/run"
-        self.url = redact_url(self.url)
+        self.url = shown if shown is not None else redact_url(self.url)
 
     @property
     def limit(self) -> int | None:
@@ -189,9 +190,17 @@ class ReplicaSet:
     ) -> None:
         self.agent = agent
         self._clock = clock
+        urls = list(urls)
         self.replicas = [
-            Replica(agent, url, Breaker(policy, clock), cap=cap, controller=_make(controller))
-            for url in urls
+            Replica(
+                agent,
+                url,
+                Breaker(policy, clock),
+                cap=cap,
+                controller=_make(controller),
+                shown=shown,
+            )
+            for url, shown in zip(urls, replica_names(urls), strict=True)
         ]
         # Ties rotate so equally idle replicas share the load evenly.
         self._turn = itertools.cycle(range(len(self.replicas)))

@@ -37,7 +37,7 @@ from dispatcher.tasks.materialize import (
     _encoded_batches,
     iter_input_rows,
 )
-from dispatcher.urls import redact_url
+from dispatcher.urls import redact_url, replica_names
 
 ShardFilter = Callable[[int], bool] | None
 
@@ -166,23 +166,29 @@ def _count_final(state: RunState) -> int:
 
 async def probe_agents(agents: dict[str, list[str]], report: Report) -> None:
     """One ``POST /run`` probe per replica: an answer is reachable; none, or a 404/405
-    (no ``/run`` there), is a problem."""
+    (no ``/run`` there), is a problem. Replicas are shown as every view shows them:
+    credentials masked, each one apart."""
+    urls = [
+        (name, url, shown)
+        for name, replicas in sorted(agents.items())
+        for url, shown in zip(replicas, replica_names(replicas), strict=True)
+    ]
     async with aiohttp.ClientSession() as session:
-        urls = [(name, url) for name, replicas in sorted(agents.items()) for url in replicas]
         answers = await asyncio.gather(
-            *(probe_run(session, f"{url}/run", PROBE_TIMEOUT_S) for _, url in urls)
+            *(probe_run(session, f"{url}/run", PROBE_TIMEOUT_S) for _, url, _ in urls)
         )
-    for (name, url), answer in zip(urls, answers, strict=True):
-        shown = redact_url(url)
+    for (name, _, shown), answer in zip(urls, answers, strict=True):
+        # Some errors quote the URL they were given, credentials and all.
+        detail = redact_url(str(answer.detail))
         if answer.result is ProbeResult.NO_RUN:
             report.problems.append(
-                f"agent {name}: {shown}: no /run there (POST /run answered {answer.detail}); "
+                f"agent {name}: {shown}: no /run there (POST /run answered {detail}); "
                 "give the base URL, the dispatcher appends /run"
             )
         elif answer.result in (ProbeResult.NO_ANSWER, ProbeResult.LOCAL_FAULT):
-            report.problems.append(f"agent {name}: {shown} does not answer ({answer.detail})")
+            report.problems.append(f"agent {name}: {shown} does not answer ({detail})")
         else:
-            report.lines.append(f"agent {name}: {shown} reachable ({answer.detail} to POST /run)")
+            report.lines.append(f"agent {name}: {shown} reachable ({detail} to POST /run)")
 
 
 async def validate(args: argparse.Namespace) -> int:

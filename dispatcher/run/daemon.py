@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -168,6 +169,8 @@ class Daemon:
         healthy: Callable[[], bool],
         routes: Routes | None = None,
         max_body_bytes: int | None = None,
+        *,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """Bind the listener and install the signal handlers: the first steps.
 
@@ -175,7 +178,7 @@ class Daemon:
         handlers next: a SIGTERM while jobs prepare must still end in an
         orderly exit 75, not in death by signal.
         """
-        await self._start_http(status, healthy, routes, max_body_bytes)
+        await self._start_http(status, healthy, routes, max_body_bytes, tls)
         self._install_signal_handlers()
 
     async def start(self, status: StatusFn) -> None:
@@ -387,6 +390,7 @@ class Daemon:
         healthy: Callable[[], bool],
         routes: Routes | None,
         max_body_bytes: int | None,
+        tls: ssl.SSLContext | None,
     ) -> None:
         listen = resolve_listen(self.settings.metrics_listen)
         if listen is None:
@@ -401,12 +405,14 @@ class Daemon:
                 healthy=healthy,
                 routes=routes,
                 max_body_bytes=max_body_bytes,
+                ssl_context=tls,
             )
         except OSError as exc:
             raise ConfigError(
                 f"--metrics-listen {self.settings.metrics_listen}: cannot listen ({exc.strerror})"
             ) from None
-        self.metrics_endpoint = endpoint = MetricsEndpoint(host, bound)
+        scheme = "https" if tls is not None else "http"
+        self.metrics_endpoint = endpoint = MetricsEndpoint(host, bound, scheme=scheme)
         self._stack.push_async_callback(runner.cleanup)
         self._stack.callback(endpoint.withdraw)
         # Runs before the listener stops: a final scrape sees the end state.

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import structlog
 
 from dispatcher.admission.pool import Slots
-from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt
+from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt, Sending
 from dispatcher.delivery.faults import LocalFault, as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.outcome import Outcome
@@ -82,13 +82,15 @@ class Landing:
 class Flight:
     """Owns one admitted rollout from its slots to its ``Landing``."""
 
-    __slots__ = ("_parts", "_slots", "at_agent", "rollout", "started", "task")
+    __slots__ = ("_parts", "_slots", "at_agent", "delivery", "rollout", "started", "task")
 
     def __init__(self, rollout: Rollout, slots: Slots, parts: FlightParts) -> None:
         self.rollout = rollout
         self._parts = parts
         self._slots = slots
         self.at_agent = True
+        # Sending only while its request is at a replica, not while it waits to retry.
+        self.delivery = Sending()
         self.started = time.perf_counter()
         self.task: asyncio.Task[Landing] | None = None
 
@@ -126,7 +128,9 @@ class Flight:
     async def _at_agent(self) -> Attempt:
         """The agent's answer, with a place in the commit queue."""
         rollout, parts = self.rollout, self._parts
-        attempt = await parts.agents.run(rollout.agent, rollout.body, rollout.rollout_id)
+        attempt = await parts.agents.run(
+            rollout.agent, rollout.body, rollout.rollout_id, self.delivery
+        )
         # Backpressure: past the queue's bounds the rollout keeps its agent
         # slots, so no new rollout starts until rows are written.
         await parts.commit_queue.enter(attempt.body_bytes)

@@ -371,12 +371,22 @@ class Job:
         return self._idle
 
     async def settle(self, grace_s: float, reason: str) -> None:
-        """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row)."""
+        """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row).
+
+        A rollout only waiting to retry (a backoff, no replica up) runs nowhere:
+        it is cancelled at once, not given the grace.
+        """
+        await self._cancel(
+            {f.task for f in self.flights if f.at_agent and not f.delivery.sending and f.task},
+            reason,
+        )
         deadline = time.monotonic() + grace_s
         while self.at_agents() and time.monotonic() < deadline:
             flights = {f.task for f in self.flights if f.at_agent and f.task is not None}
             await asyncio.wait(flights, timeout=deadline - time.monotonic())
-        tasks = {f.task for f in self.flights if f.at_agent and f.task is not None}
+        await self._cancel({f.task for f in self.flights if f.at_agent and f.task}, reason)
+
+    async def _cancel(self, tasks: set[asyncio.Task[Landing]], reason: str) -> None:
         if not tasks:
             return
         for task in tasks:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import structlog
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.latency.window import LatencyWindow
 from dispatcher.run.daemon import Daemon, PolicyClock
-from dispatcher.serve import api
+from dispatcher.serve import api, auth
 from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import Registry
 from dispatcher.settings.config import RunSettings, load_settings
@@ -28,6 +29,9 @@ from dispatcher.telemetry.http_app import listen_address
 from dispatcher.telemetry.logs import configure_logging
 
 log = structlog.get_logger("dispatcher.serve")
+
+# Loopback: the jobs API reaches beyond the host only when asked (DESIGN A14).
+DEFAULT_LISTEN = "127.0.0.1:8080"
 
 # Flags of `run` that belong to a job (its body says them) or to `run` alone
 # (`--fresh` would move a job's files aside at each of its hops).
@@ -49,8 +53,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "job. Takes the flags of `dispatcher run` that are not a job's."
         ),
     )
-    parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on")
+    parser.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"address to serve on (default {DEFAULT_LISTEN}; beyond loopback needs a token)",
+    )
     parser.add_argument("--state-dir", required=True, metavar="DIR", help="the job registry")
+    _add_access_arguments(parser)
     parser.add_argument(
         "--max-off-policy-steps",
         metavar="K",
@@ -65,7 +75,8 @@ async def serve_command(args: argparse.Namespace) -> int:
     from dispatcher.aio import tune_gc
     from dispatcher.settings.flags import budget_seconds, run_flag_values
 
-    listen_address(args.listen)  # a bad address is named as --listen
+    host, _ = listen_address(args.listen)  # a bad address is named as --listen
+    access = _access(args, host)
     state_dir = Path(args.state_dir)
     values = run_flag_values(args)
     # Jobs name their own files; these are placeholders the daemon never opens.
@@ -76,7 +87,41 @@ async def serve_command(args: argparse.Namespace) -> int:
     configure_logging(settings.log_format, level=settings.log_level)
     tune_gc()
     steps = _steps(args.max_off_policy_steps)
-    return int(await serve(settings, state_dir, steps, budget_seconds(settings)))
+    return int(await serve(settings, state_dir, steps, budget_seconds(settings), access))
+
+
+def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-token-file",
+        metavar="PATH",
+        help="every request but /metrics and /healthz must send 'Authorization: Bearer' this "
+        f"file's token (or set {auth.TOKEN_ENV})",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen beyond loopback without a token: anyone who connects may submit jobs",
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument(
+        "--input-root",
+        metavar="DIR",
+        help="a job's input file must resolve inside DIR (default: the working directory)",
+    )
+
+
+def _access(args: argparse.Namespace, host: str) -> auth.Access:
+    return auth.access_from_flags(
+        listen=args.listen,
+        host=host,
+        token_file=args.api_token_file,
+        allow_unauthenticated=args.allow_unauthenticated,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        input_root=args.input_root,
+        env=os.environ,
+    )
 
 
 def _steps(value: str | None) -> int | None:
@@ -92,6 +137,7 @@ async def serve(
     state_dir: Path,
     max_off_policy_steps: int | None,
     budget_s: float | None,
+    access: auth.Access,
 ) -> ExitCode:
     """Run the daemon until a stop; the exit code (75 while jobs are unfinished)."""
     registry = Registry(state_dir)
@@ -100,29 +146,36 @@ async def serve(
         daemon = Daemon(settings, budget_s=budget_s, latency=LatencyWindow())
         daemon.policy = PolicyClock(await asyncio.to_thread(registry.read_policy))
         daemon.stop_at_budget_end = True
-        service = Service(daemon, settings, registry, max_off_policy_steps)
+        service = Service(daemon, settings, registry, max_off_policy_steps, access.input_root)
+        routes = auth.protect(api.routes(service), access.token)
         async with contextlib.AsyncExitStack() as stack:
             await daemon.listen(
-                service.status, daemon.healthy, api.routes(service), api.MAX_BODY_BYTES
+                service.status, daemon.healthy, routes, api.MAX_BODY_BYTES, tls=access.tls
             )
             stack.push_async_callback(daemon.close)
             await daemon.start(service.status)
             daemon.begin_dispatch()
             stack.push_async_callback(service.close)
             await service.resume()
-            _announce(daemon, state_dir)
+            _announce(daemon, state_dir, access)
             await daemon.stop_requested.wait()
         return service.exit_code()
     finally:
         registry.unlock()
 
 
-def _announce(daemon: Daemon, state_dir: Path) -> None:
+def _announce(daemon: Daemon, state_dir: Path, access: auth.Access) -> None:
     endpoint = daemon.metrics_endpoint
     assert endpoint is not None
     url = endpoint.url.removesuffix("/metrics")
     log.info(
-        "serve_started", url=url, state_dir=str(state_dir), policy_version=daemon.policy_version()
+        "serve_started",
+        url=url,
+        state_dir=str(state_dir),
+        policy_version=daemon.policy_version(),
+        # Whether a token guards the API; never the token.
+        auth="bearer" if access.token is not None else "none",
+        input_root=str(access.input_root),
     )
     # The one line other programs wait for: it means the jobs API accepts requests.
     sys.stdout.write(f"dispatcher serve listening on {url}\n")

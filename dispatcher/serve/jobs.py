@@ -482,11 +482,13 @@ class Service:
         base: RunSettings,
         registry: Registry,
         max_off_policy_steps: int | None,
+        input_root: Path,
     ) -> None:
         self.daemon = daemon
         self.base = base
         self.registry = registry
         self.max_off_policy_steps = max_off_policy_steps
+        self.input_root = input_root
         self.jobs: dict[str, ServedJob | BrokenJob] = {}
         self.health = StateDirHealth(registry)
         # False until the registry is read (the API answers 503 until then).
@@ -528,7 +530,7 @@ class Service:
     async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """Accept a job: (201, status) new, (200, status) the same again; raises
         ``BadJob`` (400) or ``Conflict`` (409)."""
-        spec = JobSpec.parse(body, self.base.agents)
+        spec = JobSpec.parse(body, self.base.agents).rooted(self.input_root, self.registry.root)
         async with self._submitting:
             existing = self.jobs.get(spec.job_id) if spec.job_id is not None else None
             if isinstance(existing, BrokenJob):

@@ -13,6 +13,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -90,6 +91,28 @@ class JobSpec(BaseModel):
             known = ", ".join(sorted(agents))
             raise BadJob(f"default_agent: unknown agent {spec.default_agent!r} (known: {known})")
         return spec
+
+    def rooted(self, root: Path, state_dir: Path) -> JobSpec:
+        """The spec with ``input`` resolved (symlinks, ``..``) inside ``root``, else ``BadJob``.
+
+        A relative ``input`` is relative to ``root``. The resolved path is what
+        the job opens at every hop. Files of the state directory (other
+        jobs' rows) are refused wherever it is. The message never says more
+        of the path than the trainer sent, nor anything of the file.
+        """
+        if self.input is None:
+            return self
+        try:
+            path = (root / self.input).resolve()
+            inside = path.is_relative_to(root) and not path.is_relative_to(state_dir.resolve())
+        except (OSError, RuntimeError, ValueError):
+            inside = False  # a symlink loop, a NUL byte: nowhere a file can be
+        if not inside:
+            raise BadJob(
+                f"input: must resolve inside the input root {root} (--input-root), "
+                "symlinks and '..' followed, and not into the state directory"
+            )
+        return self.model_copy(update={"input": str(path)})
 
     def with_id(self) -> JobSpec:
         """The spec with its ``job_id``, one made up when the trainer gave none."""
@@ -191,8 +214,11 @@ def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch:
         else:
             tasks = _readable_input(spec.input)
         try:
-            job_settings = settings(tasks)
-            result = materialize(job_settings.materialize_spec(None), Path(folder) / "m.jsonl")
+            task_spec = settings(tasks).materialize_spec(None)
+            # A task file's every line is a task: it names its model call. A
+            # file that is not one (a log, a config) is refused at its first line.
+            task_spec = replace(task_spec, require_params=spec.input is not None)
+            result = materialize(task_spec, Path(folder) / "m.jsonl")
         except ConfigError as exc:
             raise BadJob(_rows_named(str(exc), tasks)) from None
     if spec.target_groups is not None and spec.target_groups > result.tasks:

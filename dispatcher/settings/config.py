@@ -28,7 +28,7 @@ from dispatcher.errors import ConfigError
 from dispatcher.files.writer import FsyncPolicy
 from dispatcher.tasks.keys import repeats_problem
 from dispatcher.tasks.materialize import MaterializeSpec
-from dispatcher.urls import agent_url_problem, redact_url
+from dispatcher.urls import agent_url_problem, redact_url, redact_urls
 
 ENV_PREFIX = "DISPATCHER_"
 LogFormat = Literal["json", "console"]
@@ -252,9 +252,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
 
-# DISPATCHER_* variables that are not settings: the config file's path, and
-# the shard count a Kubernetes indexed Job gives `--shard auto` (ops/shard.py).
-_NOT_SETTINGS = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}SHARD_COUNT"})
+# DISPATCHER_* variables that are not settings: the config file's path, the
+# shard count a Kubernetes indexed Job gives `--shard auto` (ops/shard.py),
+# and the service's API token (serve/auth.py: never a setting, never dumped).
+_NOT_SETTINGS = frozenset(
+    {f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}SHARD_COUNT", f"{ENV_PREFIX}API_TOKEN"}
+)
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -314,7 +317,8 @@ def parse_agent_flags(values: list[str] | None) -> dict[str, list[str]] | None:
     for value in values:
         name, sep, urls = value.partition("=")
         if not sep or not name or not urls:
-            raise ConfigError(f"--agent {value!r}: expected NAME=URL[,URL...]")
+            # Most likely a bare URL: never repeat its password.
+            raise ConfigError(f"--agent {redact_urls(value)!r}: expected NAME=URL[,URL...]")
         agents.setdefault(name, []).extend(u for u in urls.split(",") if u)
     return agents
 

@@ -120,6 +120,8 @@ class MaterializeSpec:
     overrides: Mapping[str, Any]
     skip_invalid_rows: bool
     shard_filter: Callable[[int], bool] | None = None
+    # Every row must carry ``responses_create_params`` (a served job's task file).
+    require_params: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,8 @@ class Materializer:
         task with many repeats never sits in memory whole. Empty when the
         task is in another shard.
         """
+        if self._spec.require_params and RESPONSES_CREATE_PARAMS not in row:
+            raise ConfigError(f"{where}: the row has no {RESPONSES_CREATE_PARAMS}")
         _check_reserved_keys(row, where)
         agent = self._resolve_agent(row, where)
         self._merge_overrides(row, where)

@@ -58,11 +58,12 @@ class MetricsEndpoint:
     host: str
     port: int
     sd_file: Path | None = None
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{self.scheme}://{host}:{self.port}/metrics"
 
     @property
     def target(self) -> str:

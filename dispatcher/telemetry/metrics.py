@@ -34,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dispatcher import __version__
 from dispatcher.outcome import NOT_STARTED, Outcome
-from dispatcher.urls import redact_url
+from dispatcher.urls import replica_names
 
 # Agent runs last seconds to hours; the top bucket is the two-hour ceiling the
 # per-rollout timeout is usually set below.
@@ -356,9 +356,9 @@ class Metrics:
 
     def declare_replicas(self, agents: Mapping[str, Iterable[str]]) -> None:
         for agent, urls in agents.items():
-            for url in urls:
-                # Labels are shown to anyone who can scrape: never a password.
-                self._replica_up.labels(agent, redact_url(url)).set(1)
+            # Labels are shown to anyone who can scrape: never a password.
+            for name in replica_names(list(urls)):
+                self._replica_up.labels(agent, name).set(1)
 
     def retried(self, agent: str, reason: str) -> None:
         self._retries.labels(agent, reason).inc()

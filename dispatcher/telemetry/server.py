@@ -8,6 +8,7 @@ a sign the loop is blocked.
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -101,6 +102,7 @@ async def start_http_server(
     healthy: HealthFn,
     routes: Routes | None = None,
     max_body_bytes: int | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve the endpoints on the running loop; returns the runner and the bound port.
 
@@ -118,7 +120,7 @@ async def start_http_server(
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         raise
