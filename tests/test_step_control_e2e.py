@@ -177,14 +177,17 @@ async def test_kill_9_of_a_satisfied_jobs_daemon_then_restart_starts_nothing(
 ) -> None:
     state = tmp_path / "state"
     serve = await Serve.start(state, agent.url, "--concurrency", "16")
-    await serve.submit(job_id="step", rows=rows(6), num_repeats=2, target_groups=1,
-                       overprovision=2.0)  # fmt: skip
-    await wait_until(lambda: agent.seen == 4)
-    gates.release(0)
-    # Satisfied, its tail (task 1) still at the agent: job.json says nothing yet.
-    await wait_until(serve.in_state("step", "satisfied"))
-    assert orjson.loads((job_dir(tmp_path, "step") / "job.json").read_bytes())["state"] is None
-    assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL
+    try:
+        await serve.submit(job_id="step", rows=rows(6), num_repeats=2, target_groups=1,
+                           overprovision=2.0)  # fmt: skip
+        await wait_until(lambda: agent.seen == 4)
+        gates.release(0)
+        # Satisfied, its tail (task 1) still at the agent: job.json says nothing yet.
+        await wait_until(serve.in_state("step", "satisfied"))
+        record = orjson.loads((job_dir(tmp_path, "step") / "job.json").read_bytes())
+    finally:
+        assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert record["state"] is None
 
     again = await Serve.start(state, agent.url, "--concurrency", "16")
     try:
