@@ -56,6 +56,8 @@ from dispatcher.telemetry.progress import estimate_eta_s
 log = structlog.get_logger("dispatcher.run")
 
 START_BURST = 8
+# How often the shutdown grace looks for rollouts gone back to waiting to retry.
+SETTLE_LOOK_S = 0.1
 
 # Called with (rollout, outcome, seq, row facts) for each final outcome: service
 # mode's results stream and group bookkeeping.
@@ -376,14 +378,19 @@ class Job:
         A rollout only waiting to retry (a backoff, no replica up) runs nowhere:
         it is cancelled at once, not given the grace.
         """
-        await self._cancel(
-            {f.task for f in self.flights if f.at_agent and not f.delivery.sending and f.task},
-            reason,
-        )
         deadline = time.monotonic() + grace_s
-        while self.at_agents() and time.monotonic() < deadline:
+        while True:
+            # One whose answer was "not delivered" meanwhile goes back to waiting:
+            # look again at each short step of the grace.
+            await self._cancel(
+                {f.task for f in self.flights if f.at_agent and not f.delivery.sending and f.task},
+                reason,
+            )
+            if not self.at_agents() or time.monotonic() >= deadline:
+                break
             flights = {f.task for f in self.flights if f.at_agent and f.task is not None}
-            await asyncio.wait(flights, timeout=deadline - time.monotonic())
+            step_s = min(SETTLE_LOOK_S, deadline - time.monotonic())
+            await asyncio.wait(flights, timeout=max(0.0, step_s))
         await self._cancel({f.task for f in self.flights if f.at_agent and f.task}, reason)
 
     async def _cancel(self, tasks: set[asyncio.Task[Landing]], reason: str) -> None:
