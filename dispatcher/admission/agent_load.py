@@ -22,7 +22,7 @@ import structlog
 from dispatcher.admission.pool import Limiter
 from dispatcher.aio import Wakeup
 from dispatcher.delivery.client import AgentClient
-from dispatcher.delivery.probe import Prober
+from dispatcher.delivery.prober import Prober
 from dispatcher.delivery.replicas import Replica
 from dispatcher.settings.config import RunSettings
 from dispatcher.telemetry.metrics import Metrics

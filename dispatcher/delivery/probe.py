@@ -9,7 +9,7 @@ HTTP answer means the replica is reachable, except:
 - 429/502/503/504, or 409 ``admission_closed``: alive but taking no work
   now, as a rollout would find it (not delivered).
 
-``validate`` probes every replica once; the ``Prober`` probes, for as long as
+``validate`` probes every replica once; ``prober.py`` probes, for as long as
 the daemon lives, every replica whose breaker is open once its backoff is
 over, so an agent marked down comes back by itself.
 """
@@ -17,24 +17,15 @@ over, so an agent marked down comes back by itself.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from dispatcher.delivery.faults import as_local_fault
-from dispatcher.delivery.replicas import BreakerState
 from dispatcher.delivery.statuses import BODY_EXCERPT_BYTES, NO_RUN_STATUSES, not_delivered_reason
 
-if TYPE_CHECKING:
-    from dispatcher.delivery.client import AgentClient
-
 PROBE_BODY = b"{}"
-# Never look again sooner than this: a breaker's probe in flight ends on its own.
-MIN_LOOK_S = 0.01
 
 
 class ProbeResult(StrEnum):
@@ -78,44 +69,3 @@ async def probe_run(session: aiohttp.ClientSession, run_url: str, timeout_s: flo
     else:
         result = ProbeResult.REACHABLE
     return ProbeAnswer(result, f"HTTP {status}", status)
-
-
-class Prober:
-    """Probes every replica whose breaker is open, once its backoff is over (half-open).
-
-    Without it an agent whose every replica is open gets no traffic once its
-    rollouts are no longer started, so no breaker would ever half-open again.
-    The breaker keeps the rule: a failed probe reopens it for twice as long
-    (up to its cap), an answer closes it.
-    """
-
-    def __init__(
-        self,
-        agents: AgentClient,
-        timeout_s: float,
-        idle_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._agents = agents
-        self._timeout_s = timeout_s
-        # How often to look when no breaker is open.
-        self._idle_s = idle_s
-        self._clock = clock
-
-    async def run(self) -> None:
-        while True:
-            due = self._agents.due_for_probe()
-            if due:
-                await asyncio.gather(*(self._agents.probe(r, self._timeout_s) for r in due))
-            await asyncio.sleep(self.next_look_in_s())
-
-    def next_look_in_s(self) -> float:
-        """Until the first open breaker's backoff ends, at most ``idle_s``."""
-        now = self._clock()
-        waits = [
-            r.breaker.reopen_at - now
-            for replicas in self._agents.replica_sets.values()
-            for r in replicas.open_replicas()
-            if r.breaker.state is BreakerState.OPEN and not r.no_run
-        ]
-        return max(MIN_LOOK_S, min([self._idle_s, *waits]))
