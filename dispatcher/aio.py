@@ -8,8 +8,9 @@ import gc
 from typing import Any
 
 
-async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a task and wait for it, re-raising a crash it had.
+async def cancel_and_wait(task: asyncio.Task[Any] | None, *, reraise: bool = True) -> None:
+    """Cancel a task and wait for it, re-raising a crash it had (unless its owner
+    already handled that crash: ``reraise=False``).
 
     `asyncio.wait` rather than `await task`: the task's CancelledError must not
     escape, while a cancellation of the caller itself still propagates.
@@ -18,7 +19,7 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
         return
     task.cancel()
     await asyncio.wait({task})
-    if not task.cancelled() and (error := task.exception()) is not None:
+    if reraise and not task.cancelled() and (error := task.exception()) is not None:
         raise error
 
 

@@ -31,7 +31,7 @@ from dispatcher.admission.agent_load import AgentLoad
 from dispatcher.admission.bytebudget import ByteBudget
 from dispatcher.admission.pause import AdmissionPause
 from dispatcher.admission.pool import Budget, RolloutPool
-from dispatcher.aio import Wakeup
+from dispatcher.aio import Wakeup, cancel_and_wait
 from dispatcher.delivery.adaptive import AimdPolicy
 from dispatcher.delivery.client import AgentClient, DeliveryPolicy
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, fd_limit
@@ -227,7 +227,8 @@ class Daemon:
         dies before, the daemon fails at once (exit 1, naming it), never silently."""
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(self._task_ended)
-        self._stack.push_async_callback(_stop_task, task)
+        # Its crash was reported by ``_task_ended``: stopping it raises nothing.
+        self._stack.push_async_callback(cancel_and_wait, task, reraise=False)
 
     def _task_ended(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or (exc := task.exception()) is None:
@@ -477,12 +478,6 @@ def delivery_policy(settings: RunSettings) -> DeliveryPolicy:
         max_starts_per_s=settings.max_starts_per_s,
         aimd=AimdPolicy(maximum=settings.concurrency_max) if settings.adaptive else None,
     )
-
-
-async def _stop_task(task: asyncio.Task[Any]) -> None:
-    """Cancel and await a daemon task; a crash was already reported by ``_task_ended``."""
-    task.cancel()
-    await asyncio.wait({task})
 
 
 def _open_fds() -> int:
