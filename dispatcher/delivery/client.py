@@ -9,8 +9,9 @@ honours ``Retry-After``, until the delivery deadline. Not-delivered tries
 spend nothing; only a rollout whose deadline ran out becomes a failure,
 marked ``_ng_failure_not_delivered`` so resume does not count it.
 
-Whatever happens becomes an ``Attempt`` value; nothing here raises for an
-agent's misbehaviour. The dispatcher's own faults (EMFILE, MemoryError, ...)
+Whatever happens becomes an ``Attempt`` value (``answers.py``: the values
+and the failure classes of an answer); nothing here raises for an agent's
+misbehaviour. The dispatcher's own faults (EMFILE, MemoryError, ...)
 raise ``LocalFault`` instead: they are not the agent's. A 404 or 405 to
 ``POST /run`` is neither: that replica serves no ``/run`` (a wrong URL); it
 leaves routing, and when every replica of the agent does so ``run`` raises
@@ -23,103 +24,65 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import aiohttp
-import orjson
 
 from dispatcher import jsonx
 from dispatcher.aio import Wakeup
 from dispatcher.delivery.adaptive import AimdController, AimdPolicy, StartRateLimiter
-from dispatcher.delivery.faults import LocalFault, as_local_fault
+from dispatcher.delivery.answers import (  # the values an attempt becomes, re-exported
+    Attempt as Attempt,
+)
+from dispatcher.delivery.answers import (
+    Classified as Classified,
+)
+from dispatcher.delivery.answers import (
+    Classifier as Classifier,
+)
+from dispatcher.delivery.answers import (
+    Failure as Failure,
+)
+from dispatcher.delivery.answers import (
+    NotDelivered as NotDelivered,
+)
+from dispatcher.delivery.answers import (
+    agent_reported_terminal as agent_reported_terminal,
+)
+from dispatcher.delivery.answers import (
+    body_excerpt as body_excerpt,
+)
+from dispatcher.delivery.answers import (
+    classify_object as classify_object,
+)
+from dispatcher.delivery.answers import (
+    classify_on_loop as classify_on_loop,
+)
+from dispatcher.delivery.answers import (
+    classify_response as classify_response,
+)
+from dispatcher.delivery.faults import as_local_fault
 from dispatcher.delivery.limits import BodyLimitError, ResponseLimits, read_capped
 from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.delivery.replicas import BreakerPolicy, Replica, ReplicaSet
 from dispatcher.delivery.retry import BackoffPolicy, parse_retry_after
 from dispatcher.delivery.statuses import (
-    BODY_EXCERPT_BYTES,
     NO_RUN_STATUSES,
     RATE_LIMITED,
     RetryReason,
     not_delivered_reason,
 )
 from dispatcher.errors import ConfigError
-from dispatcher.files.contracts import (
-    FAILURE_CLASS,
-    FAILURE_HTTP_STATUS,
-    FAILURE_MESSAGE,
-    FAILURE_RESPONSE_BODY,
-    FAILURE_TERMINAL,
-    FAILURE_TYPE,
-    NO_PERSIST,
-    NOT_DELIVERED,
-    FailureKeys,
-    is_terminal,
-)
 from dispatcher.outcome import Outcome
 
-BODY_EXCERPT_CHARS = 2000
 # No timeout configured: skip building a timeout scope for every call.
 _NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
 
 
 class AgentMisconfigured(ConfigError):
     """Every replica of an agent answers 404/405 to ``POST /run``: its URLs are wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """Why an attempt failed, as the failure row's ``_ng_failure_*`` keys."""
-
-    failure_class: str
-    type: str
-    message: str
-    http_status: int | None = None
-    response_body: str | None = None
-    terminal: bool = False
-    # A11: the delivery deadline ran out; resume does not count it as an attempt.
-    not_delivered: bool = False
-
-    def as_row_keys(self) -> FailureKeys:
-        keys: FailureKeys = {
-            FAILURE_CLASS: self.failure_class,
-            FAILURE_TYPE: self.type,
-            FAILURE_MESSAGE: self.message,
-            FAILURE_HTTP_STATUS: self.http_status,
-            FAILURE_RESPONSE_BODY: self.response_body,
-            FAILURE_TERMINAL: self.terminal,
-        }
-        if self.not_delivered:
-            keys[NOT_DELIVERED] = True
-        return keys
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """What one rollout's delivery to an agent came to."""
-
-    outcome: Outcome
-    replica: str
-    started_at: float
-    duration_s: float
-    result: dict[str, Any] | None = None
-    failure: Failure | None = None
-    retries: int = 0
-    # Size of the answer's body: what its row will cost in the commit queue.
-    body_bytes: int = 0
-    # The replica answered 404/405 to ``POST /run``: it serves no ``/run``.
-    no_run: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class NotDelivered:
-    """One try that reached no agent: why, and what the replica asked for."""
-
-    reason: RetryReason
-    failure: Failure
-    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -614,89 +577,9 @@ async def _read_body(
         return exc.partial, failure
 
 
-Classified = tuple[Outcome, dict[str, Any] | None, Failure | None]
-_REDIRECT_NOTE = " (redirects are not followed)"
-
-
-Classifier = Callable[[int, bytes], Awaitable[Classified]]
-
-
-async def classify_on_loop(status: int, raw: bytes) -> Classified:
-    """``classify_response`` in place; running out of memory there is our fault (A11)."""
-    try:
-        return classify_response(status, raw)
-    except MemoryError as exc:
-        raise LocalFault("MemoryError", "out of memory reading an answer") from exc
-
-
-def classify_response(status: int, raw: bytes) -> Classified:
-    """Class an HTTP answer (A3, A5): a result, an agent-reported failure, or ours."""
-    if not 200 <= status < 300:
-        failure_class = (
-            Outcome.AGENT_REQUEST_FAILED
-            if not_delivered_reason(status, raw) is not None
-            else Outcome.AGENT_RUN_ERROR
-        )
-        failure = Failure(
-            failure_class.value,
-            "ClientResponseError",
-            f"agent answered HTTP {status}{_REDIRECT_NOTE if 300 <= status < 400 else ''}",
-            http_status=status,
-            response_body=body_excerpt(raw),
-        )
-        return failure_class, None, failure
-    try:
-        result = jsonx.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        return _protocol_violation(status, raw, type(exc).__name__, f"body is not JSON: {exc}")
-    return classify_object(status, raw, result)
-
-
-def classify_object(status: int, raw: bytes, result: Any) -> Classified:
-    """Class a 2xx answer's parsed body (``raw`` only for a failure's excerpt)."""
-    if not isinstance(result, dict):
-        kind = type(result).__name__
-        return _protocol_violation(
-            status, raw, "TypeError", f"body is a JSON {kind}, not an object"
-        )
-    if result.get(NO_PERSIST) is True:
-        return Outcome.KILL_SHAPED, result, None
-    # A null class is no failure: agents built on pydantic models send the key
-    # on every result, and NeMo Gym's collector routes those rows as successes.
-    if result.get(FAILURE_CLASS) is not None:
-        return Outcome.AGENT_REPORTED_FAILURE, result, None
-    return Outcome.SUCCESS, result, None
-
-
-def _protocol_violation(
-    status: int, raw: bytes, type_name: str, message: str
-) -> tuple[Outcome, None, Failure]:
-    failure = Failure(
-        Outcome.PROTOCOL_VIOLATION.value,
-        type_name,
-        message,
-        http_status=status,
-        response_body=body_excerpt(raw),
-        terminal=True,
-    )
-    return Outcome.PROTOCOL_VIOLATION, None, failure
-
-
 def no_run_message(agent: str, urls: list[str]) -> str:
     """The one line that names an agent whose every replica serves no ``/run``."""
     return (
         f"agent {agent!r}: no /run at {', '.join(urls)} (POST /run answered 404/405); "
         "check its --agent URL: give the base URL, the dispatcher appends /run"
     )
-
-
-def body_excerpt(raw: bytes) -> str:
-    """At most 2000 characters decoded from at most the first 8000 bytes, ``…`` if longer."""
-    text = raw[:BODY_EXCERPT_BYTES].decode("utf-8", errors="replace")
-    if len(raw) > BODY_EXCERPT_BYTES or len(text) > BODY_EXCERPT_CHARS:
-        return text[:BODY_EXCERPT_CHARS] + "…"
-    return text
-
-
-def agent_reported_terminal(result: dict[str, Any]) -> bool:
-    return is_terminal(result)
