@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.delivery import client as agents
+from dispatcher.delivery import answers as agents
 from dispatcher.delivery.faults import FaultPersisted
 from dispatcher.errors import ExitCode
 from dispatcher.files.resume import OutputPaths
