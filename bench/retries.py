@@ -1,4 +1,4 @@
-"""Retry amplification and dead replicas (DESIGN A11).
+"""Retry amplification and dead replicas (contracts §11).
 
 1. An agent that is down for the whole delivery deadline (its only replica
    answers 503 to everything, from its own process): requests the daemon

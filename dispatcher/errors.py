@@ -6,7 +6,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Process exit codes (DESIGN A10); job scripts rerun the command on RESUMABLE."""
+    """Process exit codes (contracts §10); job scripts rerun the command on RESUMABLE."""
 
     DONE = 0
     UNEXPECTED = 1

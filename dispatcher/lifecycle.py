@@ -27,7 +27,7 @@ class JobState(StrEnum):
     """A job's states (service mode). The last five are final. ``paced`` is how a
     running job held back by ``--max-off-policy-steps`` is shown; the lifecycle
     never moves to it. ``satisfied`` is a job with ``target_groups`` that
-    reached its target (DESIGN A13): it starts nothing again."""
+    reached its target (contracts §13): it starts nothing again."""
 
     QUEUED = "queued"
     RUNNING = "running"

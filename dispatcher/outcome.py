@@ -1,4 +1,4 @@
-"""How an attempt ended: the classes of DESIGN A5 plus the states that write nothing."""
+"""How an attempt ended: the classes of contracts §5 plus the states that write nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ class Outcome(StrEnum):
     """Outcome of one rollout attempt, as it appears in logs and metric labels."""
 
     SUCCESS = "success"
-    # Dispatcher-observed failures (A5), written to the failures sidecar.
+    # Dispatcher-observed failures (§5), written to the failures sidecar.
     AGENT_REQUEST_FAILED = "agent_request_failed"
     AGENT_RUN_ERROR = "agent_run_error"
     TIMEOUT_EXCEEDED = "timeout_exceeded"
@@ -20,7 +20,7 @@ class Outcome(StrEnum):
     KILL_SHAPED = "kill_shaped"
     CANCELLED = "cancelled"
     DRAINED = "drained"
-    # The dispatcher's own fault (DESIGN A11): back to the queue, nothing spent.
+    # The dispatcher's own fault (contracts §11): back to the queue, nothing spent.
     REQUEUED = "requeued"
     # Not started: every replica of its agent has been down past the delivery deadline.
     AGENT_DOWN = "agent_down"

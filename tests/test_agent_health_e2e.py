@@ -1,4 +1,4 @@
-"""Agent health over real sockets (DESIGN A11, issue 19): Gym's 409, wrong agent URLs,
+"""Agent health over real sockets (contracts §11, issue 19): Gym's 409, wrong agent URLs,
 an unreachable agent named at once, and an agent marked down that comes back.
 
 Agents are real aiohttp servers on 127.0.0.1; the runs are the real CLI.

@@ -3,7 +3,7 @@
 A big answer is split at its top level in a worker and its values are
 written back as they came; its row must have exactly the content a parse and
 merge would give. A failure in the worker is a failure row when the agent's
-body is at fault, and a requeue (A11) when we are; never a hang.
+body is at fault, and a requeue (§11) when we are; never a hang.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_position_yields_each_seq_once_and_stops_at_the_end_line() -> None:
     assert position.last_seq == 5
     assert position.accept(b'{"end": "incomplete"}') is None
     assert position.final_state is JobState.INCOMPLETE
-    # DESIGN A12 words it as ``{"end": status}``: a status object is read too.
+    # contracts §12 words it as ``{"end": status}``: a status object is read too.
     assert position.accept(b'{"end": {"job_id": "s", "state": "cancelled"}}') is None
     assert position.final_state is JobState.CANCELLED
 

@@ -1,4 +1,4 @@
-"""Faults of the infrastructure are not failures of the task (DESIGN A11), over real sockets.
+"""Faults of the infrastructure are not failures of the task (contracts §11), over real sockets.
 
 Each test starts real agents on 127.0.0.1, kills or silences them at a point
 the test controls, and runs the real CLI: dead replicas, an outage of the

@@ -1,4 +1,4 @@
-"""The dispatcher's own faults (DESIGN A11): requeued, never a failure row; persistent → exit 1.
+"""The dispatcher's own faults (contracts §11): requeued, never a failure row; persistent → exit 1.
 
 These drive the daemon in-process (``Dispatcher.run``) so the test can take
 this very process's file descriptors away mid-run, or make our own row

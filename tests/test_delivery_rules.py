@@ -1,4 +1,4 @@
-"""The rules of delivery (DESIGN A11) on a fake clock: breakers, routing, backoff, own faults."""
+"""The rules of delivery (contracts §11) on a fake clock: breakers, routing, backoff, own faults."""
 
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ async def test_not_delivered_statuses_past_the_deadline_spend_no_attempt(
 ) -> None:
     agent = await fake_agent(raw_response(status, "agent says no"))
     run = Run(tmp_path, tasks=2)
-    # A zero delivery deadline: one try, then the not-delivered row (DESIGN A11).
+    # A zero delivery deadline: one try, then the not-delivered row (contracts §11).
     result = await run_cli(*run.args(agent.url), "--delivery-deadline-s", "0")
     assert result.returncode == 75, result.stderr[-3000:]
     assert run.rows() == []

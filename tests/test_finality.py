@@ -1,4 +1,4 @@
-"""One finality rule (DESIGN A11): the live run's exit code, resume, ``dispatcher status``
+"""One finality rule (contracts §11): the live run's exit code, resume, ``dispatcher status``
 and a served job's state never disagree, and a not-delivered row is never final.
 
 Each test drives the real CLI against agents on 127.0.0.1 that the test scripts.

@@ -1,4 +1,4 @@
-"""Rollout identity and keys (DESIGN A2): bounds that keep keys from colliding."""
+"""Rollout identity and keys (contracts §2): bounds that keep keys from colliding."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DispatchLatencyTracker: every rule of DESIGN A8."""
+"""DispatchLatencyTracker: every rule of contracts §8."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def write_task_file(path: Path, repeats: int) -> set[Key]:
     """30 rows over 24 distinct tasks (some rows repeated verbatim); the keys they expand to.
 
     Identical rows share one task index and each occurrence adds ``repeats``
-    rollouts to it (DESIGN A1), so a shard must see every occurrence.
+    rollouts to it (contracts §1), so a shard must see every occurrence.
     """
     questions = [f"question {i}" for i in range(24)]
     order = [
@@ -352,7 +352,7 @@ async def test_budget_auto_with_time_left_runs_normally(
 
 
 async def protocol_violation(request: web.Request) -> web.StreamResponse:
-    """A 2xx answer whose body is a JSON list, not an object: terminal (DESIGN A5)."""
+    """A 2xx answer whose body is a JSON list, not an object: terminal (contracts §5)."""
     await request.read()
     return web.json_response([1, 2, 3])
 

@@ -1,4 +1,4 @@
-"""Who may use the service (DESIGN A14), through real sockets: `dispatcher serve` in a
+"""Who may use the service (contracts §14), through real sockets: `dispatcher serve` in a
 subprocess, the jobs API over HTTP and both clients.
 
 A token guards every route but /metrics and /healthz; a job's input stays

@@ -1,4 +1,4 @@
-"""Service mode (DESIGN A12) through the real CLI: `dispatcher serve` in a subprocess,
+"""Service mode (contracts §12) through the real CLI: `dispatcher serve` in a subprocess,
 real agents on 127.0.0.1, the jobs API over HTTP.
 
 Agents are gated by the test where ordering matters (``FakeAgent``); no sleeps.

@@ -1,4 +1,4 @@
-"""Step control (DESIGN A13) through the real CLI: `dispatcher serve` in a subprocess,
+"""Step control (contracts §13) through the real CLI: `dispatcher serve` in a subprocess,
 an agent on 127.0.0.1 that answers each task when the test says, the jobs API over HTTP.
 
 The agent holds every request of a task until the test releases that task, so

@@ -1,4 +1,4 @@
-"""Materialization and rollout identity (DESIGN A1, A2)."""
+"""Materialization and rollout identity (contracts §1, A2)."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_shard_filter_keeps_only_its_tasks(tmp_path: Path) -> None:
     assert result.rollouts == 2
 
 
-# ---- rollout identity (A2) ----------------------------------------------------
+# ---- rollout identity (§2) ----------------------------------------------------
 
 
 def test_rollout_ids() -> None:

@@ -1,4 +1,4 @@
-"""ng_trajectory (Gym's TrajectoryRecord, built or merged into the agent's) and ng_perf (A7)."""
+"""ng_trajectory (Gym's TrajectoryRecord, built or merged into the agent's) and ng_perf (§7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The admission pause (DESIGN A13): no rollout starts, daemon-wide, while a trainer
+"""The admission pause (contracts §13): no rollout starts, daemon-wide, while a trainer
 updates its weights; rollouts in flight go on.
 
 A pause ends with ``resume`` (``{"paused": false}``, or the next policy

@@ -3,5 +3,5 @@
 ``proxy`` records every model call an agent makes for a rollout, ``store`` keeps
 those records durable and tells when a rollout's writes are done, and
 ``finalize`` waits for that moment and attaches the calls to the rollout's row
-(DESIGN A6).
+(contracts §6).
 """

@@ -1,4 +1,4 @@
-"""The capture proxy: a reverse proxy that records every model call of a rollout (DESIGN A6).
+"""The capture proxy: a reverse proxy that records every model call of a rollout (contracts §6).
 
 Agents call ``{proxy}/ng-rollout/<rollout_id>/v1/chat/completions`` (or
 ``/v1/responses``, ``/v1/messages``, ``/v1/completions``). The proxy strips the

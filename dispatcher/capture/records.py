@@ -7,7 +7,7 @@ happen in :func:`encode_record`, which the store runs in a worker thread.
 
 A line holds ``model_call_id, rollout_id, dialect, path, stream, model_ref,
 started_at, completed_at, latency_ms, latency_ttft_ms, status_code,
-error_category, request, response`` (DESIGN A6), plus ``request_raw`` /
+error_category, request, response`` (contracts §6), plus ``request_raw`` /
 ``response_raw`` when a body was not JSON and ``error_detail`` when there is one.
 Values have the types NeMo Gym's model servers write: ``model_ref`` is
 ``{"type": "responses_api_models", "name": <the request's model>}``, the times

@@ -1,9 +1,9 @@
-"""Which captures belong to one attempt of one hop (DESIGN A6, issue: capture scope).
+"""Which captures belong to one attempt of one hop (contracts §6, issue: capture scope).
 
 An agent that follows the protocol calls the model under the ``_ng_capture_id``
 its body carries (``<rollout_id>.<hop token>``), so a request left running by
 a killed hop writes under its own hop's id and never into the rerun's row.
-An agent that ignores that key still calls under the plain rollout id (A2);
+An agent that ignores that key still calls under the plain rollout id (§2);
 its captures are read as before, without that protection.
 """
 

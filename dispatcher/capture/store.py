@@ -1,4 +1,4 @@
-"""Capture files and write claims under one capture directory (DESIGN A6).
+"""Capture files and write claims under one capture directory (contracts §6).
 
 Layout::
 

@@ -43,7 +43,7 @@ class Failure:
     http_status: int | None = None
     response_body: str | None = None
     terminal: bool = False
-    # A11: the delivery deadline ran out; resume does not count it as an attempt.
+    # §11: the delivery deadline ran out; resume does not count it as an attempt.
     not_delivered: bool = False
 
     def as_row_keys(self) -> FailureKeys:
@@ -94,7 +94,7 @@ Classifier = Callable[[int, bytes], Awaitable[Classified]]
 
 
 async def classify_on_loop(status: int, raw: bytes) -> Classified:
-    """``classify_response`` in place; running out of memory there is our fault (A11)."""
+    """``classify_response`` in place; running out of memory there is our fault (§11)."""
     try:
         return classify_response(status, raw)
     except MemoryError as exc:
@@ -102,7 +102,7 @@ async def classify_on_loop(status: int, raw: bytes) -> Classified:
 
 
 def classify_response(status: int, raw: bytes) -> Classified:
-    """Class an HTTP answer (A3, A5): a result, an agent-reported failure, or ours."""
+    """Class an HTTP answer (§3, §5): a result, an agent-reported failure, or ours."""
     if not 200 <= status < 300:
         failure_class = (
             Outcome.AGENT_REQUEST_FAILED

@@ -1,4 +1,4 @@
-"""The dispatcher's own faults (DESIGN A11): never a failure row, never an attempt spent.
+"""The dispatcher's own faults (contracts §11): never a failure row, never an attempt spent.
 
 Running out of file descriptors, memory or socket buffers, or a bug in our
 code while handling an answer, says nothing about the task. The rollout goes

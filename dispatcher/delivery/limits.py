@@ -22,7 +22,7 @@ import aiohttp
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 600.0
-# What a failure keeps of a body that broke a limit: enough for its excerpt (A5).
+# What a failure keeps of a body that broke a limit: enough for its excerpt (§5).
 PARTIAL_KEEP_BYTES = 16 * 1024
 # A body at least this big is joined in a thread: CPython's bytes.join lets go
 # of the GIL while it copies 1 MiB or more, and on the loop the join of a

@@ -1,4 +1,4 @@
-"""Is ``/run`` served at a replica? One ``POST /run`` that no agent runs (DESIGN A11).
+"""Is ``/run`` served at a replica? One ``POST /run`` that no agent runs (contracts §11).
 
 The probe posts ``{}``. NeMo Gym's agents are FastAPI apps whose ``/run`` body
 model requires ``responses_create_params``: they answer 422 without running

@@ -1,4 +1,4 @@
-"""Replica health (DESIGN A11): a circuit breaker per replica and the routing choice.
+"""Replica health (contracts §11): a circuit breaker per replica and the routing choice.
 
 A replica that keeps failing to deliver (no HTTP answer, 429/502/503/504) is
 ejected from routing: its breaker opens after ``failures_to_open``

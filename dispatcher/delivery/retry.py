@@ -1,4 +1,4 @@
-"""Retry timing for not-delivered attempts (DESIGN A11): full jitter, ``Retry-After`` honoured."""
+"""Retry timing for not-delivered attempts (contracts §11): full jitter, ``Retry-After`` kept."""
 
 from __future__ import annotations
 

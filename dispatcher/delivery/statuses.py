@@ -1,10 +1,10 @@
-"""What an agent's HTTP status says about a try (DESIGN A5, A11), and the retry reasons."""
+"""What an agent's HTTP status says about a try (contracts §5, A11), and the retry reasons."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-# Statuses after which the rollout most likely never ran (A5).
+# Statuses after which the rollout most likely never ran (§5).
 REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
 # A 409 whose body says this is NeMo Gym's agent refusing work during a checkpoint.
 ADMISSION_CLOSED = b"admission_closed"
@@ -30,7 +30,7 @@ BODY_EXCERPT_BYTES = 8000
 
 
 def is_admission_closed(status: int, raw: bytes) -> bool:
-    """A NeMo Gym agent's ``409 {"detail": "admission_closed"}``: not delivered (A11)."""
+    """A NeMo Gym agent's ``409 {"detail": "admission_closed"}``: not delivered (§11)."""
     return status == 409 and ADMISSION_CLOSED in raw[:BODY_EXCERPT_BYTES]
 
 

@@ -1,4 +1,4 @@
-"""JSON that several modules read, typed and defined here once (DESIGN A3, A4, A5).
+"""JSON that several modules read, typed and defined here once (contracts §3, A4, A5).
 
 - ``RunManifest``: ``X_manifest.json``. ``prepare`` writes it at the start of
   each hop, ``Job`` adds the hop's ``last_run`` and delivery history when
@@ -70,7 +70,7 @@ from dispatcher.tasks.keys import (
     FailureKeys as FailureKeys,
 )
 
-# -- a job's status (A12) -----------------------------------------------------------
+# -- a job's status (§12) -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class JobStatus:
     submitted_at: str | None = None
     error: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    # Step control (DESIGN A13), for a job with a target or a group filter.
+    # Step control (contracts §13), for a job with a target or a group filter.
     target_groups: int | None = None
     groups_kept: int = 0
     groups_filtered: int = 0
@@ -147,7 +147,7 @@ class JobStatus:
             raise ValueError(f"bad job status: {exc!r}") from None
 
 
-# -- failure rows (A5) and agent results (A3) -----------------------------------
+# -- failure rows (§5) and agent results (§3) -----------------------------------
 
 
 def is_terminal(row: dict[str, Any]) -> bool:
@@ -156,11 +156,11 @@ def is_terminal(row: dict[str, Any]) -> bool:
 
 
 def is_not_delivered(row: dict[str, Any]) -> bool:
-    """A failure row of a rollout that never reached an agent (A11): it spends no attempt."""
+    """A failure row of a rollout that never reached an agent (§11): it spends no attempt."""
     return row.get(NOT_DELIVERED) is True
 
 
-# -- the run manifest (A4) --------------------------------------------------------
+# -- the run manifest (§4) --------------------------------------------------------
 
 HISTORY_KEY: Final = "delivery_history"
 HISTORY_HOPS: Final = 50  # hops kept in the manifest; older ones drop off

@@ -12,7 +12,7 @@ A (task, rollout) is *final* when it has a success, a terminal failure, or
 cancelled and kill-shaped rollouts wrote no row anywhere, so they run again
 without spending an attempt; a rollout that never reached an agent before its
 delivery deadline wrote a row marked ``_ng_failure_not_delivered``, which is
-listed but spends no attempt either (DESIGN A11).
+listed but spends no attempt either (contracts §11).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _READ_CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class OutputPaths:
-    """The file set of one run, named after its ``--output X.jsonl`` (DESIGN A4)."""
+    """The file set of one run, named after its ``--output X.jsonl`` (contracts §4)."""
 
     output: Path
     failures: Path
@@ -183,12 +183,12 @@ def iter_line_keys(path: Path) -> Iterator[int | None]:
 
 def spends_attempt(failure_row: dict[str, Any]) -> bool:
     """Whether a failure row counts toward ``max_attempts``: a not-delivered one
-    never does, on any attempt (DESIGN A11)."""
+    never does, on any attempt (contracts §11)."""
     return not is_not_delivered(failure_row)
 
 
 def is_final(*, succeeded: bool, terminal: bool, counted_failures: int, max_attempts: int) -> bool:
-    """The one finality rule (DESIGN A5, A11), for the live run, resume, ``status``,
+    """The one finality rule (contracts §5, A11), for the live run, resume, ``status``,
     ``report``, ``merge`` and service mode alike: a (task, rollout) is final when it
     has a success, a terminal failure, or ``max_attempts`` counted failures."""
     return succeeded or terminal or counted_failures >= max_attempts

@@ -1,4 +1,4 @@
-"""Output files (DESIGN A4): the run lock, the manifest and the durable row writer.
+"""Output files (contracts §4): the run lock, the manifest and the durable row writer.
 
 Rows are appended whole by ``write(2)`` on an ``O_APPEND`` descriptor, a batch
 at a time, and the rollout counts as done only once its batch is written (and fsynced, by

@@ -1,4 +1,4 @@
-"""Per-rollout latency, live: the figures behind the drain margin (DESIGN A8).
+"""Per-rollout latency, live: the figures behind the drain margin (contracts §8).
 
 Pure bookkeeping, no I/O. Durations live in a ``SortedList`` so a record is
 O(log n) and any quantile is an O(log n) index lookup: cheap for millions of

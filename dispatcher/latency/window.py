@@ -1,6 +1,6 @@
 """The daemon-wide live latency view: bounded memory, stated error (issue 10).
 
-Each job keeps its exact ``DispatchLatencyTracker`` (DESIGN A8) for its own
+Each job keeps its exact ``DispatchLatencyTracker`` (contracts §8) for its own
 summary. A daemon that lives for days cannot: the exact tracker grows with
 every record. ``LatencyWindow`` is what the daemon's live view (drain margin
 across jobs, ``/status``, metrics) reads instead.
@@ -182,7 +182,7 @@ class LatencyWindow:
         self.drained += 1
 
     def record_failure(self, duration_s: float) -> None:
-        """Record a failed attempt under the tracker's rule (A8), within the window.
+        """Record a failed attempt under the tracker's rule (§8), within the window.
 
         It counts only when a completion is in the window and it lasted at
         least the window's median: an instant failure says nothing about task

@@ -1,6 +1,6 @@
 """Operating a run: status, timing report, shards and merge, walltime from the scheduler.
 
-Everything here reads a run's files (DESIGN A4) without changing them, except
+Everything here reads a run's files (contracts §4) without changing them, except
 ``merge``, which writes a new output set of its own.
 """
 

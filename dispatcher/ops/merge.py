@@ -1,6 +1,6 @@
 """``dispatcher merge --output MERGED.jsonl SHARD_OUTPUT...``: join shard output sets.
 
-Each shard wrote a full output set (DESIGN A4) for its own tasks. The merged
+Each shard wrote a full output set (contracts §4) for its own tasks. The merged
 set is the concatenation of the shards' ``X.jsonl``, ``X_failures.jsonl`` and
 ``X_materialized_inputs.jsonl``, row bytes unchanged, after these checks:
 
@@ -199,7 +199,7 @@ def merge_shards(
     return result
 
 
-# The files of DESIGN A4 other than X.jsonl, by how their names end.
+# The files of contracts §4 other than X.jsonl, by how their names end.
 _SIDECAR_ENDINGS = ("_failures.jsonl", "_materialized_inputs.jsonl", "_manifest.json", "_run.lock")
 
 

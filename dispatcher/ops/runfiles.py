@@ -1,4 +1,4 @@
-"""Read-only access to a run's files (DESIGN A4) for the operator commands.
+"""Read-only access to a run's files (contracts §4) for the operator commands.
 
 Nothing here writes, repairs or creates a file: ``status`` and ``report`` may
 run beside a live dispatcher or on a copy of a killed run. A torn last line

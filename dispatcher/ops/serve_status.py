@@ -2,7 +2,7 @@
 
 Read from the files alone, as ``status OUTPUT`` reads a run, so it answers
 whether the daemon is up or not (after a crash: what will the same command
-resume?). Each job is a run of its own (DESIGN A12), reported with the
+resume?). Each job is a run of its own (contracts §12), reported with the
 figures of ``status`` for its ``rollouts.jsonl``; a job the daemon accepted
 but never started has no files yet and shows none.
 

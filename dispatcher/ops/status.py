@@ -1,13 +1,13 @@
 """``dispatcher status OUTPUT``: where a run stands, read from its files alone.
 
-Every materialized row is one expected rollout (DESIGN A1). Its standing
+Every materialized row is one expected rollout (contracts §1). Its standing
 follows the resume contract of ``dispatcher.files.resume``: succeeded, failed for
 good (a terminal failure, or as many failed attempts as ``max_attempts``),
 or left to run: *retryable* (it failed, attempts remain) or *no row* (no
 trace in any file).
 
 Drained, cancelled, kill-shaped and never-started rollouts all write nothing
-(A4), so files alone cannot tell them apart. The manifest's ``last_run``
+(§4), so files alone cannot tell them apart. The manifest's ``last_run``
 (the last hop's own summary) says how many the last hop drained, cancelled
 or saw kill-shaped; the rest of the no-row rollouts never started. A
 ``last_run`` older than the newest row (a later hop died, or one is running)
@@ -136,7 +136,7 @@ class RunStatus:
     files: dict[str, FileHealth] = field(default_factory=dict)
     anomalies: Counter[str] = field(default_factory=Counter)
     delivery: dict[str, Any] = field(default_factory=dict)
-    # Per agent, the rollouts with a not-delivered row (A11): no replica took them.
+    # Per agent, the rollouts with a not-delivered row (§11): no replica took them.
     not_delivered: dict[str, set[int]] = field(default_factory=dict)
 
     @property

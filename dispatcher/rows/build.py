@@ -1,4 +1,4 @@
-"""Turn an attempt into the row written for it (DESIGN A4, A5).
+"""Turn an attempt into the row written for it (contracts §4, A5).
 
 Pure, except for one warning when an agent's result tries to set keys that
 are the dispatcher's own: those are dropped (the dispatcher's values win),
@@ -36,7 +36,7 @@ log = structlog.get_logger(__name__)
 
 # What the dispatcher writes into every row it builds from an agent's result:
 # identity, its stamp and the capture attachments. An agent cannot set them.
-# (``ng_trajectory`` is the agent's to send, A7.)
+# (``ng_trajectory`` is the agent's to send, §7.)
 RESERVED_RESULT_KEYS = frozenset(
     {
         TASK_INDEX,
@@ -48,7 +48,7 @@ RESERVED_RESULT_KEYS = frozenset(
         DISPATCH_KEY,
         "ng_model_call_capture",
         "ng_perf",
-        # Whether a rollout reached an agent is the dispatcher's verdict (A11);
+        # Whether a rollout reached an agent is the dispatcher's verdict (§11);
         # an agent claiming otherwise would make resume never count its failure.
         NOT_DELIVERED,
     }
@@ -134,7 +134,7 @@ def _agent_reported_row(
     return row
 
 
-# The failure keys an agent may leave out of a failure it reports (A5).
+# The failure keys an agent may leave out of a failure it reports (§5).
 _AGENT_REPORTED_DEFAULTS: dict[str, Any] = {
     FAILURE_TYPE: "AgentReportedFailure",
     FAILURE_MESSAGE: "",

@@ -1,4 +1,4 @@
-"""Finalizing a rollout's row (DESIGN A6, A7): quiescence, capture merge, trajectory, one line.
+"""Finalizing a rollout's row (contracts §6, A7): quiescence, capture merge, trajectory, one line.
 
 ``Finalizer.finalize`` turns an attempt into the bytes appended to an output
 file. With a capture directory it waits until the rollout's model-call
@@ -123,7 +123,7 @@ def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # What the one finality rule (``state.final_after_failure``) reads of a failure row,
-# and the reward, which service mode's group filter reads (DESIGN A13).
+# and the reward, which service mode's group filter reads (contracts §13).
 _FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED, "reward")
 
 

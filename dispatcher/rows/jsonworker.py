@@ -12,7 +12,7 @@ The child is ``python -m dispatcher.jsonworker``: a plain pipe and
 length-prefixed frames, no multiprocessing machinery (which would re-import
 the CLI as the child's main module). It ends when its input closes, so it
 never outlives the dispatcher, even after a ``kill -9``. A child that dies is
-a ``LocalFault`` for the rollout it was handling (requeued, A11), and the
+a ``LocalFault`` for the rollout it was handling (requeued, §11), and the
 next call starts a new one.
 """
 

@@ -67,7 +67,7 @@ async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run ``fn`` in a worker thread; our own faults there come back as ``LocalFault``.
 
     Whatever the worker raises is the dispatcher's (the agent's faults are
-    values, not exceptions): A11 puts the rollout back instead of writing a
+    values, not exceptions): §11 puts the rollout back instead of writing a
     failure row, and a fault that persists ends the run.
     """
     return await _run_in(_pool(), functools.partial(fn, *args, **kwargs))

@@ -1,4 +1,4 @@
-"""The process: what every job of a daemon shares (DESIGN A9, A11, A12).
+"""The process: what every job of a daemon shares (contracts §9, A11, A12).
 
 ``Daemon`` owns the listener (/metrics, /healthz, /status and, in service
 mode, the jobs API), the signal handlers, the HTTP session to the agents, the
@@ -62,7 +62,7 @@ StatusFn = Callable[[], Mapping[str, Any]]
 
 
 class LatencyView(Protocol):
-    """Durations behind the drain margin and the live quantiles (DESIGN A8)."""
+    """Durations behind the drain margin and the live quantiles (contracts §8)."""
 
     def record(self, duration_s: float) -> None: ...
     def record_failure(self, duration_s: float) -> None: ...
@@ -135,9 +135,9 @@ class Daemon:
         # Service mode: a daemon whose budget is spent stops (its jobs resume
         # on the next allocation); a run's job settles its drained rollouts itself.
         self.stop_at_budget_end = False
-        # The policy version V of service mode (DESIGN A12); None: not a trainer's daemon.
+        # The policy version V of service mode (contracts §12); None: not a trainer's daemon.
         self.policy: PolicyClock | None = None
-        # Service mode's admission pause (DESIGN A13), on the pool.
+        # Service mode's admission pause (contracts §13), on the pool.
         self.pause = pause or AdmissionPause()
         # Fired each time a rollout leaves its agent (waiting for nothing in flight).
         self.left_agent = Wakeup()
@@ -288,7 +288,7 @@ class Daemon:
         """Rollouts of every job at their agents now."""
         return sum(job.at_agents() for job in self.jobs)
 
-    # ---- the dispatcher's own faults (DESIGN A11) ----------------------------------
+    # ---- the dispatcher's own faults (contracts §11) ----------------------------------
 
     def local_fault(self, fault: LocalFault, rollout_id: str) -> bool:
         """Count our own fault and halve the pool; False once it has lasted too long."""
@@ -441,7 +441,7 @@ class Daemon:
 
 
 class PolicyClock:
-    """The trainer's current policy version V (DESIGN A12), and waiting for it to move."""
+    """The trainer's current policy version V (contracts §12), and waiting for it to move."""
 
     def __init__(self, version: int = 0) -> None:
         self.version = version

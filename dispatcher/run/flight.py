@@ -38,7 +38,7 @@ from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger("dispatcher.run")
 
-# Keys every row carries in service mode (DESIGN A12).
+# Keys every row carries in service mode (contracts §12).
 POLICY_VERSION_START = "_ng_policy_version_start"
 POLICY_VERSION_END = "_ng_policy_version_end"
 
@@ -73,7 +73,7 @@ class Landing:
     row: dict[str, Any] | None = None
     capture: dict[str, Any] | None = None
     seq: int | None = None
-    # Our own fault (A11): the rollout goes back to the queue, nothing is written.
+    # Our own fault (§11): the rollout goes back to the queue, nothing is written.
     fault: LocalFault | None = None
     # The commit could not be written: the job fails with this error.
     error: DispatcherError | None = None

@@ -1,4 +1,4 @@
-"""One job: one output's files and state, driven on a ``Daemon`` (DESIGN A4, A5, A9).
+"""One job: one output's files and state, driven on a ``Daemon`` (contracts §4, A5, A9).
 
 ``Job`` owns everything of a single run: the lock and the prepared files, the
 row writers, the exact latency tracker, the outcome counts, the rollouts left

@@ -3,7 +3,7 @@
 ``Pending`` reads the materialized rows in batches off the event loop,
 skipping those the output files already make final (the resume contract of
 ``files/resume.py``), and clears each batch's old capture files before its
-rollouts start. A rollout put back after a fault of ours (DESIGN A11) is
+rollouts start. A rollout put back after a fault of ours (contracts §11) is
 started again before the next new one.
 """
 

@@ -1,4 +1,4 @@
-"""Service mode (DESIGN A12): one daemon for a whole training run, jobs over HTTP.
+"""Service mode (contracts §12): one daemon for a whole training run, jobs over HTTP.
 
 Reading order: ``command.py`` (``dispatcher serve``) starts a ``Daemon`` and a
 ``Service``; ``jobs.py`` runs each submitted job (``spec.py`` validates

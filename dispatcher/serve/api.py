@@ -1,4 +1,4 @@
-"""The jobs API (DESIGN A12) as aiohttp routes on the daemon's one listener.
+"""The jobs API (contracts §12) as aiohttp routes on the daemon's one listener.
 
     POST   /v1/jobs                      submit (201 new, 200 the same again, 400, 409)
     GET    /v1/jobs                      every job's status (?state=S[,S...] filters)

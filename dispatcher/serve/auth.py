@@ -1,4 +1,4 @@
-"""Who may use the service (DESIGN A14): the bearer token, where it may listen, TLS.
+"""Who may use the service (contracts §14): the bearer token, where it may listen, TLS.
 
 The jobs API starts work on the agents, reads files on the daemon's host and
 returns every row: it is for the trainer alone. With a token, every request

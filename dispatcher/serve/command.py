@@ -1,4 +1,4 @@
-"""``dispatcher serve``: one daemon for a whole training run (DESIGN A12).
+"""``dispatcher serve``: one daemon for a whole training run (contracts §12).
 
 The table of contents is ``serve``: lock the state directory, bind the
 listener (jobs API, /metrics, /healthz, /status), start the daemon, resume
@@ -30,7 +30,7 @@ from dispatcher.telemetry.logs import configure_logging
 
 log = structlog.get_logger("dispatcher.serve")
 
-# Loopback: the jobs API reaches beyond the host only when asked (DESIGN A14).
+# Loopback: the jobs API reaches beyond the host only when asked (contracts §14).
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
 # Flags of `run` that belong to a job (its body says them) or to `run` alone

@@ -1,7 +1,7 @@
 """Complete groups: tasks whose every repeat is final, in the order they completed.
 
 A trainer that computes advantages per prompt group wants a group only once
-all of its repeats are final (DESIGN A12, ``group=true``). ``Groups`` counts
+all of its repeats are final (contracts §12, ``group=true``). ``Groups`` counts
 each task's final rollouts; when a task's count reaches its repeats, one line
 ``{"task_index", "rows": [seq, ...], "failures": n}`` is appended to the job's
 ``groups.jsonl``. A group's ``_ng_seq`` on the stream is its line number
@@ -14,7 +14,7 @@ group) is never a reason to fail the job: the file is cut before it and the
 rest rebuilt from the rows (the output, the failures sidecar and the
 materialized inputs); the lines before it keep their numbers.
 
-Step control (DESIGN A13): with a group filter, a complete group whose rows
+Step control (contracts §13): with a group filter, a complete group whose rows
 the filter finds teach nothing is logged all the same, with
 ``"filtered": true``. Whoever counts groups (``step.py``) hears of every line
 through ``on_group``, those of earlier daemons first (replayed on open, on

@@ -8,13 +8,13 @@ to the job of highest priority, then to the earliest submitted (the pool's
 rank), so a job waits at most for the same-priority jobs submitted before it.
 A job whose ``policy_version`` p is more than K steps ahead of the trainer's
 version V starts nothing until V ≥ p − K; nothing in flight is ever cancelled
-for staleness (DESIGN A12).
+for staleness (contracts §12).
 
 A job with ``target_groups`` has a ``StepControl`` (``step.py``): its gate
 starts a new group only while there is room under the overprovision bound,
 and once the target is reached the job starts nothing more (``finish``: what
 is in flight runs to its end; ``cancel``: it is cancelled) and ends
-``satisfied``. The admission pause (DESIGN A13) is the pool's, daemon-wide;
+``satisfied``. The admission pause (contracts §13) is the pool's, daemon-wide;
 the service ends it when the trainer sets a policy version.
 
 A finished job keeps only its final status in memory: a daemon that lives
@@ -620,7 +620,7 @@ class Service:
             "max": ordered[-1],
         }
 
-    # ---- the admission pause (DESIGN A13) ------------------------------------------
+    # ---- the admission pause (contracts §13) ------------------------------------------
 
     def admission(self) -> dict[str, Any]:
         """The pause and what is in flight: the answer of ``/v1/admission``."""

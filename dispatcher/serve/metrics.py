@@ -46,7 +46,7 @@ class ServiceGauges(Collector):
 
 
 class AdmissionGauges(Collector):
-    """The admission pause (DESIGN A13), read when scraped: the seconds paused count
+    """The admission pause (contracts §13), read when scraped: the seconds paused count
     the pause under way too."""
 
     def __init__(self, pause: AdmissionPause) -> None:

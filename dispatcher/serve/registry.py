@@ -6,7 +6,7 @@ Layout (crash-only, like a run's files):
     DIR/policy.json             the last policy version V a trainer set
     DIR/jobs/<job_id>/job.json  the job's spec, submission order and, once final, state
     DIR/jobs/<job_id>/rows.jsonl        the submitted rows (a job given ``input`` has none)
-    DIR/jobs/<job_id>/rollouts.jsonl    the job's output and its A4 sidecars
+    DIR/jobs/<job_id>/rollouts.jsonl    the job's output and its §4 sidecars
     DIR/jobs/<job_id>/groups.jsonl      complete groups in completion order (groups.py)
 
 ``job.json`` is written (atomically) before the job's first file, so a job

@@ -1,4 +1,4 @@
-"""A job's results stream (DESIGN A12): durable success rows as NDJSON, resumable exactly.
+"""A job's results stream (contracts §12): durable success rows as NDJSON, resumable exactly.
 
 Rows are read back from the job's output file by line number, so the stream
 only ever shows what is durable, in commit order, and ``after=SEQ`` resumes
@@ -9,7 +9,7 @@ instead (``groups.py``) and sends each complete group with its rows.
 A live job's line indexes wake waiting streams the moment a batch is
 durable; a job that is no longer running is read from its files.
 
-Step control (DESIGN A13): a grouped stream leaves out the groups marked
+Step control (contracts §13): a grouped stream leaves out the groups marked
 ``"filtered"`` unless asked for them (their ``_ng_seq`` numbers are skipped,
 so ``after=`` still resumes exactly). A grouped stream that starts before
 the line of a job's target-th kept group ends right after it, with

@@ -1,4 +1,4 @@
-"""A job's body (DESIGN A12, A13), validated whole before anything touches the disk.
+"""A job's body (contracts §12, A13), validated whole before anything touches the disk.
 
 ``JobSpec.parse`` turns a request body into a spec or a ``BadJob`` whose one
 line names the field. ``check_tasks`` then runs the rows (or the task file)
@@ -52,7 +52,7 @@ class JobSpec(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     # Merged shallowly over the daemon's --responses-create-params, then over each row's.
     responses_create_params: dict[str, Any] | None = None
-    # Step control (DESIGN A13): stop at this many kept groups.
+    # Step control (contracts §13): stop at this many kept groups.
     target_groups: int | None = Field(default=None, ge=1)
     overprovision: float | None = Field(default=None, ge=1.0)
     on_target: Literal["finish", "cancel"] | None = None
@@ -156,7 +156,7 @@ _LATER_FIELDS = (
 
 
 class AdmissionChange(BaseModel):
-    """A body of ``POST /v1/admission`` (DESIGN A13): pause with a TTL, or resume."""
+    """A body of ``POST /v1/admission`` (contracts §13): pause with a TTL, or resume."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 

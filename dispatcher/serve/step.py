@@ -1,4 +1,4 @@
-"""Step control of one job (DESIGN A13): stop at N kept groups, refill a group at a time.
+"""Step control of one job (contracts §13): stop at N kept groups, refill a group at a time.
 
 A job with ``target_groups`` N is *satisfied* once N complete groups are
 kept. ``StepControl`` owns that decision and the admission rule behind it:

@@ -68,7 +68,7 @@ class RunSettings(BaseModel):
     max_response_bytes: int = Field(default=DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
     response_read_timeout_s: float = Field(default=DEFAULT_READ_TIMEOUT_S, gt=0)
 
-    # DESIGN A11: faults of the infrastructure are retried, never charged to the task.
+    # contracts §11: faults of the infrastructure are retried, never charged to the task.
     delivery_deadline_s: float = Field(default=600.0, ge=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     first_byte_timeout_s: float | None = Field(default=None, gt=0)

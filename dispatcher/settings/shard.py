@@ -52,7 +52,7 @@ class Shard:
     def output_for(self, output: Path) -> Path:
         """This shard's ``--output``: ``X.jsonl`` -> ``X.shard-K-of-N.jsonl``.
 
-        The shard tag goes before the suffix, so the sidecars of DESIGN A4
+        The shard tag goes before the suffix, so the sidecars of contracts §4
         follow it (``X.shard-0-of-4_failures.jsonl``, ...). An output that
         already names this shard (``X.shard-K.jsonl``, as a job script writes
         ``--output x.shard-$K.jsonl``) gets the full tag instead of a second

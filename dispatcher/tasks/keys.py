@@ -1,10 +1,10 @@
-"""Rollout identity (DESIGN A1, A2): the one place that knows how a rollout is named and keyed.
+"""Rollout identity (contracts §1, A2): the one place that knows how a rollout is named and keyed.
 
 Three names for one rollout live here and nowhere else:
 
 - the identity keys a row carries (``_ng_task_index``, ``_ng_rollout_index``,
   ``_ng_attempt_index``, ``_ng_rollout_id``, ``agent_ref``);
-- the rollout id (A2): the row's own ``_ng_rollout_id`` or
+- the rollout id (§2): the row's own ``_ng_rollout_id`` or
   ``"{task}-{rollout}"``, with ``-aN`` on retries; it names capture files and
   the ``/ng-rollout/<id>/`` URL prefix, so its language and length are bounded;
 - the integer key: ``(task << 24) | rollout``, one int per rollout so that
@@ -45,7 +45,7 @@ MAX_REPEATS: Final = MAX_ROLLOUT_INDEX
 # Keeps a key within 63 bits (a signed 64-bit integer anywhere it is stored).
 MAX_TASK_INDEX: Final = (1 << (63 - ROLLOUT_BITS)) - 1
 
-# Same language as DESIGN A2; fullmatch, because ``$`` would let a trailing newline through.
+# Same language as contracts §2; fullmatch, because ``$`` would let a trailing newline through.
 ROLLOUT_ID_PATTERN: Final = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
 ROLLOUT_ID_RE: Final = re.compile(ROLLOUT_ID_PATTERN.strip("^$"))
 # Longer ids cannot name a file on common filesystems (255 bytes with the suffix).
@@ -66,7 +66,7 @@ def task_of(key: int) -> int:
 
 
 def key_label(key: int) -> str:
-    """The default rollout id of a key (DESIGN A2), for messages."""
+    """The default rollout id of a key (contracts §2), for messages."""
     return f"{key >> ROLLOUT_BITS}-{key & MAX_ROLLOUT_INDEX}"
 
 
@@ -138,7 +138,7 @@ def task_index_problem(value: Any) -> str | None:
 
 
 def is_valid_rollout_id(value: str) -> bool:
-    """True for ids that may name capture files (A2); everything else is refused."""
+    """True for ids that may name capture files (§2); everything else is refused."""
     return len(value) <= MAX_ROLLOUT_ID_LEN and ROLLOUT_ID_RE.fullmatch(value) is not None
 
 
@@ -155,7 +155,7 @@ def own_rollout_id_problem(value: Any) -> str | None:
 
 
 def rollout_id_for(row: Mapping[str, Any], attempt_index: int = 0) -> str:
-    """Rollout id (A2): the row's own ``_ng_rollout_id`` or ``task-rollout``; ``-aN`` on retries."""
+    """Rollout id (§2): the row's own ``_ng_rollout_id`` or ``task-rollout``; ``-aN`` on retries."""
     base = row.get(ROLLOUT_ID)
     if base is None:
         base = f"{row[TASK_INDEX]}-{row[ROLLOUT_INDEX]}"
@@ -194,9 +194,9 @@ FAILURE_MESSAGE: Final = "_ng_failure_message"
 FAILURE_HTTP_STATUS: Final = "_ng_failure_http_status"
 FAILURE_RESPONSE_BODY: Final = "_ng_failure_response_body"
 FAILURE_TERMINAL: Final = "_ng_failure_terminal"
-# A11: a rollout whose delivery deadline ran out; its row spends no attempt.
+# §11: a rollout whose delivery deadline ran out; its row spends no attempt.
 NOT_DELIVERED: Final = "_ng_failure_not_delivered"
-# A3: an agent's "write nothing" (a kill-shaped interruption).
+# §3: an agent's "write nothing" (a kill-shaped interruption).
 NO_PERSIST: Final = "_ng_no_persist"
 # How the dispatcher saw an attempt (replica, timing), on every row it writes.
 DISPATCH_KEY: Final = "_ng_dispatch"

@@ -1,4 +1,4 @@
-"""Task file → materialized rollouts (DESIGN A1, A2).
+"""Task file → materialized rollouts (contracts §1, A2).
 
 The task file may be far larger than memory, so it is streamed twice at most:
 once to validate and materialize into ``X_materialized_inputs.jsonl`` (before
@@ -52,7 +52,7 @@ DEFAULT_REPEATS_KEY = "_default"
 # results. A task row carrying one would forge an outcome (an agent that
 # echoes its input would report ``_ng_no_persist`` forever, or a terminal
 # failure), so it is an input error. A task row may carry its own
-# ``_ng_task_index`` and ``_ng_rollout_id`` (A1, A2); ``_ng_rollout_index``
+# ``_ng_task_index`` and ``_ng_rollout_id`` (§1, §2); ``_ng_rollout_index``
 # is always reassigned.
 RESERVED_INPUT_KEYS = FAILURE_KEYS | {ATTEMPT_INDEX, NO_PERSIST, DISPATCH_KEY, CAPTURE_ID}
 
@@ -62,7 +62,7 @@ class Rollout:
     """One attempt to run: what is POSTed to the agent and how it is named.
 
     ``capture_id`` scopes model-call capture to this attempt of this hop. The
-    rollout id (A2) is the same on every hop, so an agent request of a killed
+    rollout id (§2) is the same on every hop, so an agent request of a killed
     hop that is still calling the model would otherwise add its calls to the
     rerun's row. With a capture token (one per hop), the body carries
     ``_ng_capture_id = "<rollout_id>.<token>"``; agents call the model under

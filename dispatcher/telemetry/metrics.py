@@ -42,14 +42,14 @@ DURATION_BUCKETS_S = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
     600.0, 900.0, 1200.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0,
 )  # fmt: skip
-# Quiescence polls every 0.05 s and gives up after 10 s (DESIGN A6).
+# Quiescence polls every 0.05 s and gives up after 10 s (contracts §6).
 CAPTURE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The lag goal is a p99 under 10 ms, so the resolution sits around it.
 LOOP_LAG_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 LATENCY_QUANTILES = (0.5, 0.75, 0.95)
-# DESIGN A6 gap codes, pre-declared at zero so `increase()` sees the first one.
+# contracts §6 gap codes, pre-declared at zero so `increase()` sees the first one.
 CAPTURE_GAP_CODES = (
     "model_call_capture_no_records",
     "model_call_capture_incomplete",

@@ -1,4 +1,4 @@
-"""``ng_trajectory`` and ``ng_perf`` of one rollout (DESIGN A7). Pure functions, no I/O.
+"""``ng_trajectory`` and ``ng_perf`` of one rollout (contracts §7). Pure functions, no I/O.
 
 The trajectory is NeMo Gym's ``TrajectoryRecord`` (schema 1.0), so Gym's own
 readers (its ``TrajectoryRecord`` model, ``gym eval health-check``) accept our rows:
