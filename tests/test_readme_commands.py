@@ -1,0 +1,216 @@
+"""The shell examples of the README and docs/, run as written.
+
+Each example is found by its first line in the Markdown (an indented block),
+so a changed example is the one that runs. Only what cannot exist on a test
+machine is replaced, and each replacement must match the text (a test that
+silently ran something else would prove nothing): cluster hosts become
+simulated agents on 127.0.0.1, fixed ports become free ones, `/data/tasks`
+a temporary folder. `pip install .` is left out: the packaging tests install
+the wheel and the sdist outside the checkout; here the `dispatcher` on PATH is
+this checkout's.
+
+Python examples and the `curl` example of the service run in
+``test_examples.py``; the Python API of each is the same there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SimAgentFactory
+from tests.helpers import free_port, read_jsonl, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def doc_blocks() -> list[str]:
+    """Every indented code block of the README and docs/, as text."""
+    blocks: list[str] = []
+    for doc in DOCS:
+        current: list[str] | None = None
+        previous = ""
+        for line in doc.read_text().splitlines():
+            if line.startswith("    ") and (current is not None or not previous.strip()):
+                if current is None:
+                    current = []
+                    blocks.append("")
+                current.append(line[4:])
+                blocks[-1] = "\n".join(current) + "\n"
+            elif not line.strip() and current is not None:
+                current.append("")
+            else:
+                current = None
+            previous = line
+    return [block.strip() + "\n" for block in blocks]
+
+
+def example(first_line: str) -> str:
+    """The one block whose first line starts with ``first_line``."""
+    found = [block for block in doc_blocks() if block.startswith(first_line)]
+    assert len(found) == 1, f"{len(found)} examples start with {first_line!r}"
+    return found[0]
+
+
+def replaced(text: str, changes: dict[str, str]) -> str:
+    for old, new in changes.items():
+        assert old in text, f"the example no longer says {old!r}"
+        text = text.replace(old, new)
+    return text
+
+
+def shell_env() -> dict[str, str]:
+    """This checkout's `dispatcher` first on PATH, as after `pip install .`."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+async def run_shell(script: str, cwd: Path, timeout_s: float = 120) -> str:
+    """Run ``script`` with bash -eu (background jobs killed at its end); its stdout."""
+    guarded = "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + script
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-euo", "pipefail", "-c", guarded, cwd=cwd, env=shell_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
+    assert proc.returncode == 0, (stdout + stderr).decode()[-3000:]
+    return stdout.decode()
+
+
+def tasks_for(agent: str | None, n: int) -> str:
+    """A task file of ``n`` rows for ``agent`` (None: rows name no agent)."""
+    rows = []
+    for i in range(n):
+        row: dict[str, object] = {"responses_create_params": {"input": f"q{i}"}}
+        if agent is not None:
+            row["agent_ref"] = {"name": agent}
+        rows.append(json.dumps(row))
+    return "\n".join(rows) + "\n"
+
+
+async def test_the_installed_package_example_runs_as_written(tmp_path: Path) -> None:
+    script = example("pip install .")
+    port = free_port()
+    script = replaced(script, {"pip install .": "true", "127.0.0.1:8000": f"127.0.0.1:{port}"})
+
+    out = await run_shell(script, tmp_path)
+
+    assert re.search(r"\b80 rollouts\b", out), out
+    assert len(read_jsonl(tmp_path / "runs" / "x.jsonl")) == 80
+    assert (tmp_path / "rd-config").is_dir()
+
+
+async def test_the_cluster_run_example_runs_with_its_hosts_replaced(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    one, _ = await sim_agent(latency_s=0.0)
+    two, _ = await sim_agent(latency_s=0.0)
+    script = example("dispatcher run --input tasks.jsonl --output runs/step1/rollouts.jsonl")
+    script = replaced(script, {"http://10.0.0.11:8000": one, "http://10.0.0.12:8000": two})
+    (tmp_path / "tasks.jsonl").write_text(tasks_for("math_agent", 5))
+
+    await run_shell(script, tmp_path)
+
+    assert len(read_jsonl(tmp_path / "runs" / "step1" / "rollouts.jsonl")) == 5 * 8
+
+
+async def test_the_capture_proxy_example_serves(tmp_path: Path) -> None:
+    port = free_port()
+    script = example("dispatcher capture-proxy")
+    script = replaced(
+        script, {"127.0.0.1:8100": f"127.0.0.1:{port}", "http://vllm:8000": "http://127.0.0.1:9"}
+    )
+    out = await serve_until_listening(script, tmp_path)
+    assert f"listening on http://127.0.0.1:{port}" in out
+
+
+async def test_the_serve_example_serves_with_its_hosts_replaced(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    one, _ = await sim_agent(latency_s=0.0)
+    two, _ = await sim_agent(latency_s=0.0)
+    (tmp_path / "data").mkdir()
+    script = example("head -c 32 /dev/urandom | base64 > api-token")
+    port = free_port()
+    script = replaced(
+        script,
+        {
+            "0.0.0.0:8080": f"127.0.0.1:{port}",
+            "/data/tasks": str(tmp_path / "data"),
+            "http://10.0.0.11:8000": one,
+            "http://10.0.0.12:8000": two,
+        },
+    )
+    out = await serve_until_listening(script, tmp_path)
+    assert f"listening on http://127.0.0.1:{port}" in out
+    assert (tmp_path / "api-token").stat().st_mode & 0o777 == 0o600
+
+
+async def serve_until_listening(script: str, cwd: Path) -> str:
+    """Start a script whose last command serves; SIGTERM once it says it listens."""
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-euo", "pipefail", "-c", script, cwd=cwd, env=shell_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+
+    async def read() -> None:
+        assert proc.stdout is not None
+        async for line in proc.stdout:
+            lines.append(line.decode())
+
+    reader = asyncio.create_task(read())
+    try:
+        await wait_until(lambda: any("listening on" in line for line in lines) or reader.done())
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 60)
+        reader.cancel()
+    out = "".join(lines)
+    assert re.search(r"listening on http://", out), out
+    return out
+
+
+# Each example a reader can run, by its first line, and what runs it.
+SERVICE_EXAMPLES = "test_examples.test_readme_service_and_step_control_examples_run_as_written"
+RUN_BY = {
+    "make demo": ".ci/run",
+    "pip install .": "test_the_installed_package_example_runs_as_written",
+    "dispatcher run --input tasks.jsonl --output runs/step1/rollouts.jsonl": (
+        "test_the_cluster_run_example_runs_with_its_hosts_replaced"
+    ),
+    "dispatcher capture-proxy": "test_the_capture_proxy_example_serves",
+    "head -c 32 /dev/urandom | base64 > api-token": (
+        "test_the_serve_example_serves_with_its_hosts_replaced"
+    ),
+    "import asyncio": SERVICE_EXAMPLES,
+    "URL=${DISPATCHER_URL": SERVICE_EXAMPLES,
+}
+COMMANDS = re.compile(r"^(dispatcher|make|pip|python|curl|head|gym|ng_\w+|import|from) |^[A-Z_]+=")
+
+
+def test_every_example_a_reader_can_run_is_run_by_a_test() -> None:
+    runnable = [block for block in doc_blocks() if COMMANDS.match(block)]
+    unrun = [b.splitlines()[0] for b in runnable if not any(b.startswith(k) for k in RUN_BY)]
+    assert not unrun, f"examples no test runs: {unrun}"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make demo" in ci and "make test" in ci
+    this = sys.modules[__name__].__dict__
+    from tests import test_examples
+
+    for runner in RUN_BY.values():
+        module, _, name = runner.rpartition(".")
+        if runner != ".ci/run":
+            where = test_examples.__dict__ if module == "test_examples" else this
+            assert callable(where.get(name)), runner
