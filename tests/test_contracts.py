@@ -17,6 +17,7 @@ from dispatcher.files.contracts import (
     LastRun,
     RunManifest,
 )
+from dispatcher.files.delivery_history import HopDelivery, summarize
 from dispatcher.files.writer import read_manifest, write_json_atomic, write_manifest
 from dispatcher.ops.runfiles import read_manifest as read_for_status
 from dispatcher.run.prepare import prepare_run
@@ -95,7 +96,7 @@ def test_read_only_tools_read_a_bad_value_as_absent(tmp_path: Path) -> None:
 def test_ending_a_hop_records_last_run_and_keeps_a_bounded_history() -> None:
     manifest = RunManifest.parse({**WRITTEN, "delivery_history": [{"n": i} for i in range(60)]})
     last = LastRun(finished_at="2026-01-02T00:00:00Z", exit_code=0, summary={"ok": True})
-    ended = manifest.ended_hop(last, {"n": 60}).to_json()
+    ended = manifest.ended_hop(last, HopDelivery.model_validate({"n": 60})).to_json()
     assert ended["last_run"] == {
         "finished_at": "2026-01-02T00:00:00Z",
         "exit_code": 0,
@@ -136,3 +137,32 @@ def test_failure_rows_carry_exactly_the_contract_keys() -> None:
     assert NOT_DELIVERED in FAILURE_KEYS
     plain = Failure("agent_run_error", "HTTPError", "500", http_status=500)
     assert set(plain.as_row_keys()) == FAILURE_KEYS - {NOT_DELIVERED}
+
+
+def test_the_delivery_history_is_read_as_typed_hops_and_summed() -> None:
+    hop = {
+        "finished_at": "2026-01-01T00:30:00Z",
+        "retries": {"a": {"refused": 2}},
+        "replicas": {"a": {"http://one": {"state": "open", "sent": 5, "not_delivered": 5}}},
+        "agents_down": ["a"],
+        "local_faults": 1,
+        "from_a_newer_version": True,
+    }
+    manifest = RunManifest.parse({**WRITTEN, "delivery_history": [hop, hop]})
+    assert manifest.delivery_history is not None
+    assert manifest.delivery_history[0].replicas["a"]["http://one"].not_delivered == 5
+    assert manifest.to_json()["delivery_history"] == [hop, hop]  # written back as read
+    total = summarize(manifest.delivery_history)
+    assert total["retries"] == {"a": {"refused": 4}} and total["local_faults"] == 2
+    [replica] = total["replicas"]
+    assert (replica["sent"], replica["not_delivered"], replica["last_state"]) == (10, 10, "open")
+    assert total["agents_down_last_hop"] == ["a"]
+
+
+def test_a_hop_of_the_delivery_history_that_does_not_read_is_left_out_not_fatal() -> None:
+    good = {"finished_at": "2026-01-01T00:30:00Z", "retries": {"a": {"refused": 1}}}
+    bad = {"retries": {"a": {"refused": "2"}}}
+    manifest = RunManifest.parse({**WRITTEN, "delivery_history": [bad, good]})
+    assert manifest.delivery_history is not None
+    assert [hop.retries for hop in manifest.delivery_history] == [{"a": {"refused": 1}}]
+    assert RunManifest.parse({**WRITTEN, "delivery_history": "garbage"}).delivery_history is None

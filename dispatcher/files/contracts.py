@@ -6,6 +6,8 @@
   ``validate``) read it.
 - ``LastRun``: the manifest's ``last_run``, what ``dispatcher status`` needs
   to say why rollouts wrote no row.
+- Its ``delivery_history``: a list of ``delivery_history.HopDelivery``, one
+  per hop (retries, replica health, agents down, our own faults).
 - ``JobStatus``: a job's status in service mode (``GET /v1/jobs/<id>``),
   built by ``serve/jobs.py`` and read by ``dispatcher.client``.
 - The failure-row keys (``_ng_failure_*``) and the other outcome keys an
@@ -22,6 +24,7 @@ millions of rows are scanned on resume, so they stay dicts with a
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Final
 
@@ -33,8 +36,11 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
 )
 
+from dispatcher.files.delivery_history import HopDelivery
 from dispatcher.lifecycle import JobState
 from dispatcher.tasks.keys import (
     DISPATCH_KEY as DISPATCH_KEY,
@@ -206,8 +212,24 @@ class RunManifest(BaseModel):
     rollouts: Count | None = None
     rollouts_by_agent: dict[str, Count] | None = None
     metrics_url: StrictStr | None = None
-    delivery_history: list[dict[str, Any]] | None = None
+    delivery_history: list[HopDelivery] | None = None
     last_run: LastRun | None = None
+
+    @field_validator(HISTORY_KEY, mode="wrap")
+    @classmethod
+    def _readable_hops(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """The history is what operators read, not what resume needs: a hop that does
+        not read (edited by hand, say) is left out rather than stopping the run."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, list):
+                return None
+            hops = []
+            for hop in value:
+                with contextlib.suppress(ValidationError):
+                    hops.append(HopDelivery.model_validate(hop))
+            return hops
 
     @classmethod
     def parse(cls, data: Any) -> RunManifest:
@@ -230,7 +252,7 @@ class RunManifest(BaseModel):
         """The JSON object to write: the keys read or set, unknown ones included."""
         return self.model_dump(exclude_unset=True)
 
-    def ended_hop(self, last_run: LastRun, history_entry: dict[str, Any]) -> RunManifest:
+    def ended_hop(self, last_run: LastRun, history_entry: HopDelivery) -> RunManifest:
         """This manifest with a hop's end recorded: its ``last_run`` and delivery history."""
         return self.model_copy(
             update={
@@ -243,9 +265,7 @@ class RunManifest(BaseModel):
         return self.model_copy(update={"metrics_url": url})
 
 
-def appended_history(
-    hops: list[dict[str, Any]] | None, entry: dict[str, Any]
-) -> list[dict[str, Any]]:
+def appended_history(hops: list[HopDelivery] | None, entry: HopDelivery) -> list[HopDelivery]:
     """The delivery history with one more hop, the oldest dropped past ``HISTORY_HOPS``."""
     return [*(hops or []), entry][-HISTORY_HOPS:]
 

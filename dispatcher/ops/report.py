@@ -304,7 +304,7 @@ def build_report(output: Path, timeout_s: float | None, max_attempts: int | None
         "starts": start_deciles(attempts, timeout_s),
         "rewards": {a: t.to_json() for a, t in sorted(data.rewards.items())},
         "pass_at_k": pass_at_k_table(data.tasks),
-        "delivery": delivery.summarize(manifest),
+        "delivery": delivery.summarize(manifest.delivery_history if manifest is not None else None),
     }
 
 

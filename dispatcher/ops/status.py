@@ -192,7 +192,7 @@ def collect_status(output: Path, max_attempts: int | None = None) -> RunStatus:
         max_attempts=max_attempts_for(max_attempts, manifest),
         lock=lock_status(paths.lock),
         last_run=last_run(paths, manifest),
-        delivery=delivery.summarize(manifest),
+        delivery=delivery.summarize(manifest.delivery_history if manifest is not None else None),
     )
     state = RunState(max_attempts=status.max_attempts)
     _scan_successes(paths, state, status)
