@@ -386,3 +386,26 @@ async def test_resume_starts_the_longest_first_and_extend_attempts_adds_tries(
     assert agent.task_indexes() == [1, 3, 4, 0, 2]
     assert {body["_ng_attempt_index"] for body in agent.bodies} == {1}
     assert _json(paths.manifest)["max_attempts"] == 2
+
+
+async def test_each_service_job_writes_its_files_in_its_folder(tmp_path: Path) -> None:
+    from tests.test_service_e2e import Serve, rows
+
+    agent = FakeAgent(lambda body: web.json_response({"reward": 1.0}))
+    await agent.start()
+    serve = await Serve.start(tmp_path / "state", agent.url)
+    try:
+        await serve.submit(job_id="j1", rows=rows(3))
+        stream = await serve.results("j1", wait=True)
+    finally:
+        assert await serve.stop() == 0
+        await agent.close()
+    assert stream[-1] == {"end": "done"}
+    paths = OutputPaths.for_output(tmp_path / "state" / "jobs" / "j1" / "rollouts.jsonl")
+    run_id = _json(paths.manifest)["run_id"]
+    assert {row["_ng_run_id"] for row in read_jsonl(paths.output)} == {run_id}
+    got = _json(paths.coverage)
+    assert (got["expected"], got["successful"], got["complete"]) == (3, 3, True)
+    status = _json(paths.status)
+    assert status["run_id"] == run_id
+    assert status["agents"]["sim"]["completed_rollout_count"] == 3
