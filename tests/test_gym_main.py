@@ -409,3 +409,30 @@ async def test_each_service_job_writes_its_files_in_its_folder(tmp_path: Path) -
     status = _json(paths.status)
     assert status["run_id"] == run_id
     assert status["agents"]["sim"]["completed_rollout_count"] == 3
+
+
+async def test_the_status_file_is_written_on_the_first_durable_row(tmp_path: Path) -> None:
+    agent = FakeAgent(lambda body: web.json_response({"reward": 1.0}), gated=True)
+    await agent.start()
+    write_tasks(tmp_path / "tasks.jsonl", 3)
+    paths = OutputPaths.for_output(tmp_path / "x.jsonl")
+    args = run_args(tmp_path / "tasks.jsonl", paths.output, agent.url, "--concurrency", "1")
+    proc = await spawn_cli(*args)
+    try:
+        await wait_until(lambda: agent.holding == 1 or proc.exited, timeout_s=60)
+        agent.release_next()
+        # The run goes on (the next rollout is held) while its status is on disk.
+        await wait_until(lambda: paths.status.exists() or proc.exited, timeout_s=60)
+        assert not proc.exited
+        during = _json(paths.status)["agents"]["sim"]
+        assert not paths.coverage.exists()
+        agent.open()
+        result = await proc.wait()
+    finally:
+        await proc.kill()
+        await agent.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (during["completed_rollout_count"], during["remaining_rollout_count"]) == (1, 2)
+    assert during["aggregation_status"] == "pending"
+    after = _json(paths.status)["agents"]["sim"]
+    assert (after["completed_rollout_count"], after["remaining_rollout_count"]) == (3, 0)

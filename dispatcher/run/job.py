@@ -1,8 +1,9 @@
 """One job: one output's files and state, driven on a ``Daemon`` (contracts §4, A5, A9).
 
 ``Job`` owns everything of a single run: the lock and the prepared files, the
-row writers, the exact latency tracker, the outcome counts, the rollouts left
-to start (``pending.py``) and its ``Flight``s. Reading order:
+row writers, the exact latency tracker, its ``Recorder`` (outcome counts and
+the files NeMo Gym Main reads, ``recorder.py``), the rollouts left to start
+(``pending.py``) and its ``Flight``s. Reading order:
 
 - ``open``: lock, materialize, load what is done (``prepare.py``), open the
   writers; a failure half-way releases what was taken (an exit stack);
@@ -11,11 +12,12 @@ to start (``pending.py``) and its ``Flight``s. Reading order:
   when the daemon says the budget is spent, rollouts at agents get the grace;
 - ``_landed``: a flight's ``Landing`` (its outcome, a fault of ours, or a
   failed commit) is recorded, here and nowhere else;
-- ``close``: in-flight rollouts get the grace, then are cancelled (no row:
-  they run on resume); commits are awaited, writers closed, the hop recorded
-  in the manifest (``reporting.py``), the lock released.
+- ``close``: in-flight rollouts get the grace (``grace.py``), then are
+  cancelled (no row: they run on resume); commits are awaited, writers
+  closed, the hop recorded (coverage and status files, the manifest by
+  ``reporting.py``), the lock released.
 
-Outcomes are counted in ``record`` and nowhere else. Crash-only: the output
+Outcomes are counted in ``Recorder.record`` and nowhere else. Crash-only: the output
 files are the only state; a kill -9 anywhere loses nothing acknowledged.
 """
 
@@ -33,7 +35,6 @@ import structlog
 
 from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
-from dispatcher.delivery.client import Attempt
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
 from dispatcher.files.writer import LineIndex, RowWriter
@@ -299,25 +300,25 @@ class Job:
         rollout = flight.rollout
         if task.cancelled():
             # Cancelled at its agent: it wrote nothing and runs again on resume.
-            self.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
+            self.recorder.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
             return
         error = task.exception()
         if error is not None:
             self.log.error("rollout_task_crashed", task=task.get_name(), exc_info=error)
             self.fail(DispatcherError(f"rollout {rollout.rollout_id} crashed: {error!r}"))
-            self.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
+            self.recorder.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
             return
         self._land(rollout, task.result())
 
     def _land(self, rollout: Rollout, landing: Landing) -> None:
         if landing.error is not None:
             self.fail(landing.error)
-            self.record(rollout, Outcome.CANCELLED, landing.duration_s)
+            self.recorder.record(rollout, Outcome.CANCELLED, landing.duration_s)
         elif landing.fault is not None:
             self.requeue(rollout, landing.fault, landing.duration_s)
         else:
             self.daemon.handled_answer()
-            self.record(
+            self.recorder.record(
                 rollout,
                 landing.outcome,
                 landing.duration_s,
@@ -326,6 +327,9 @@ class Job:
                 landing.capture,
                 landing.seq,
             )
+            limit = self.recorder.failure_limit()
+            if limit is not None and self.fatal is None:
+                self.fail(limit)
 
     # ---- the parts flights use -----------------------------------------------------
 
@@ -339,7 +343,7 @@ class Job:
 
     def requeue(self, rollout: Rollout, fault: LocalFault, duration_s: float) -> None:
         """Put a rollout back after our own fault: no row, no attempt spent, a smaller pool."""
-        self.record(rollout, Outcome.REQUEUED, duration_s)
+        self.recorder.record(rollout, Outcome.REQUEUED, duration_s)
         if self.daemon.local_fault(fault, rollout.rollout_id):
             self._pending_rollouts().put_back(rollout)
 
@@ -424,21 +428,6 @@ class Job:
         return ExitCode.RESUMABLE if self.remaining() > 0 else ExitCode.DONE
 
     # ---- outcomes (counted in ``recorder.py``) -------------------------------------
-
-    def record(
-        self,
-        rollout: Rollout,
-        outcome: Outcome,
-        duration_s: float,
-        attempt: Attempt | None = None,
-        row: dict[str, Any] | None = None,
-        capture: dict[str, Any] | None = None,
-        seq: int | None = None,
-    ) -> None:
-        self.recorder.record(rollout, outcome, duration_s, attempt, row, capture, seq)
-        limit = self.recorder.failure_limit()
-        if limit is not None and self.fatal is None:
-            self.fail(limit)
 
     @property
     def outcomes(self) -> Counter[str]:
