@@ -146,14 +146,15 @@ def _read_batch(
     """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end.
     Lines at the offsets in ``skip`` were started first."""
     batch: list[Rollout] = []
+    offset = f.tell() if skip else 0
     for _ in range(READ_BATCH_ROWS * 8):
-        offset = f.tell() if skip else 0
         line = f.readline()
         if not line:
             return batch or None
+        at, offset = offset, offset + len(line)
         # Most rows are final on a late resume: find their key without parsing them.
         key = materialized_key(line)
-        if state.is_final(key) or (skip and offset in skip):
+        if state.is_final(key) or (skip and at in skip):
             continue
         row = jsonx.loads(line)
         batch.append(Rollout.from_materialized(row, state.attempt_index(key), capture_token))
