@@ -214,9 +214,15 @@ async def test_big_rows_round_trip_through_the_cli(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     lines = output.read_bytes().splitlines()
     assert len(lines) == 3
+    run_id = json.loads((tmp_path / "out" / "x_manifest.json").read_bytes())["run_id"]
     for index, line in enumerate(sorted(lines, key=lambda x: json.loads(x)["_ng_task_index"])):
         row = json.loads(line)
-        ours = {"_ng_task_index": index, "_ng_rollout_index": 0, "agent_ref": {"name": "sim"}}
+        ours = {
+            "_ng_task_index": index,
+            "_ng_rollout_index": 0,
+            "agent_ref": {"name": "sim"},
+            "_ng_run_id": run_id,
+        }
         expected = {**json.loads(raw), **ours}
         assert {k: v for k, v in row.items() if k != "_ng_dispatch"} == expected
         assert b"123456789012345678901234567890" in line

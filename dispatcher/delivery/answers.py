@@ -45,6 +45,8 @@ class Failure:
     terminal: bool = False
     # §11: the delivery deadline ran out; resume does not count it as an attempt.
     not_delivered: bool = False
+    # Why its last try was not delivered (a ``RetryReason``): its Gym failure kind (§15).
+    retry_reason: str | None = None
 
     def as_row_keys(self) -> FailureKeys:
         keys: FailureKeys = {

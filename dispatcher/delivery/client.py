@@ -475,6 +475,7 @@ class AgentClient:
             http_status=missed.failure.http_status if missed else None,
             response_body=missed.failure.response_body if missed else None,
             not_delivered=True,
+            retry_reason=missed.reason if missed else None,
         )
         url = replica.url if replica is not None else replicas.urls()[0]
         return Attempt(

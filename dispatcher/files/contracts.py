@@ -73,6 +73,9 @@ from dispatcher.tasks.keys import (
     NOT_DELIVERED as NOT_DELIVERED,
 )
 from dispatcher.tasks.keys import (
+    OMITTED_ROLLOUT as OMITTED_ROLLOUT,
+)
+from dispatcher.tasks.keys import (
     FailureKeys as FailureKeys,
 )
 
@@ -159,6 +162,12 @@ class JobStatus:
 def is_terminal(row: dict[str, Any]) -> bool:
     """A failure row (or an agent's result) that must never be retried."""
     return row.get(FAILURE_TERMINAL) is True
+
+
+def is_omitted(row: dict[str, Any]) -> bool:
+    """A sidecar row that records a rollout left without a result (§15): no reader
+    counts it as a failure or an attempt, and resume runs the rollout again."""
+    return row.get(OMITTED_ROLLOUT) is True
 
 
 def is_not_delivered(row: dict[str, Any]) -> bool:

@@ -12,7 +12,14 @@ A (task, rollout) is *final* when it has a success, a terminal failure, or
 cancelled and kill-shaped rollouts wrote no row anywhere, so they run again
 without spending an attempt; a rollout that never reached an agent before its
 delivery deadline wrote a row marked ``_ng_failure_not_delivered``, which is
-listed but spends no attempt either (contracts §11).
+listed but spends no attempt either (contracts §11). A row marked
+``_ng_omitted_rollout`` (``--record-omitted``, contracts §15) is no failure and
+no attempt: it only tells how long the rollout ran before it was cut off.
+
+``RunState`` also keeps what the run's coverage and status files say (§15):
+masked and unscored successes, successes per agent, each failing rollout's
+agent and latest class, and each rollout's longest earlier attempt (resume
+starts those first).
 """
 
 from __future__ import annotations
@@ -25,10 +32,17 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import msgspec
 import orjson
 
-from dispatcher.files.contracts import FAILURE_CLASS, is_not_delivered, is_terminal
-from dispatcher.tasks.keys import line_key, row_key
+from dispatcher.files.contracts import (
+    DISPATCH_KEY,
+    FAILURE_CLASS,
+    is_not_delivered,
+    is_omitted,
+    is_terminal,
+)
+from dispatcher.tasks.keys import AGENT_REF, SPLIT_LINE_BYTES, line_key, row_key, split_row
 from dispatcher.tasks.keys import rollout_key as rollout_key  # tests import it here
 
 _READ_CHUNK = 1 << 20
@@ -43,6 +57,9 @@ class OutputPaths:
     materialized: Path
     manifest: Path
     lock: Path
+    # NeMo Gym Main's coverage and status files (contracts §15).
+    coverage: Path
+    status: Path
 
     @classmethod
     def for_output(cls, output: Path) -> OutputPaths:
@@ -53,10 +70,20 @@ class OutputPaths:
             materialized=Path(f"{stem}_materialized_inputs.jsonl"),
             manifest=Path(f"{stem}_manifest.json"),
             lock=Path(f"{stem}_run.lock"),
+            coverage=Path(f"{stem}_coverage.json"),
+            status=Path(f"{stem}_status.json"),
         )
 
     def all(self) -> tuple[Path, ...]:
-        return (self.output, self.failures, self.materialized, self.manifest, self.lock)
+        return (
+            self.output,
+            self.failures,
+            self.materialized,
+            self.manifest,
+            self.lock,
+            self.coverage,
+            self.status,
+        )
 
 
 class Tail(StrEnum):
@@ -181,6 +208,40 @@ def iter_line_keys(path: Path) -> Iterator[int | None]:
         yield line_key(line)
 
 
+# What a run's state reads of a success row besides its key (contracts §15).
+_SUCCESS_FACTS = (AGENT_REF, "reward", "mask_sample")
+
+
+def success_facts(line: bytes) -> tuple[int, str | None, Any, Any] | None:
+    """A success line's key, agent, reward and ``mask_sample``; None when unreadable.
+    A long line has only those values decoded, as ``line_key`` does."""
+    if len(line) < SPLIT_LINE_BYTES:
+        try:
+            small = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return None
+        row = small if isinstance(small, dict) else None
+        key = row_key(row)
+    else:
+        split = split_row(line)
+        key = line_key(line) if split is not None else None
+        row = _decoded(split, _SUCCESS_FACTS) if split is not None else None
+    if key is None or row is None:
+        return None
+    return key, _agent_of(row) or None, row.get("reward"), row.get("mask_sample")
+
+
+def _decoded(split: dict[str, msgspec.Raw], keys: tuple[str, ...]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key in keys:
+        if key in split:
+            try:
+                values[key] = msgspec.json.decode(split[key])
+            except msgspec.DecodeError:
+                continue
+    return values
+
+
 def spends_attempt(failure_row: dict[str, Any]) -> bool:
     """Whether a failure row counts toward ``max_attempts``: a not-delivered one
     never does, on any attempt (contracts §11)."""
@@ -219,6 +280,14 @@ class RunState:
     failure_classes: Counter[str] = field(default_factory=Counter)
     unreadable_rows: int = 0
     not_delivered: int = 0
+    # Contracts §15: successes that train nothing, and what a status file shows.
+    masked: int = 0
+    unscored: int = 0
+    agent_successes: Counter[str] = field(default_factory=Counter)
+    # Each rollout with a failure row: its agent and its latest failure class.
+    latest_failure: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # Each rollout's longest earlier attempt in seconds, from its failure rows.
+    longest_s: dict[int, float] = field(default_factory=dict)
 
     def is_final(self, key: int) -> bool:
         return is_final(
@@ -228,10 +297,25 @@ class RunState:
             max_attempts=self.max_attempts,
         )
 
-    def add_failure(self, key: int, row: dict[str, Any]) -> str:
-        """Count one failure row (one spent attempt unless not delivered); returns its class."""
+    def add_success(self, key: int, agent: str | None, reward: Any, mask_sample: Any) -> bool:
+        """Count one success row; False for a rollout already counted."""
+        if key in self.successes:
+            return False
+        self.successes.add(key)
+        self.agent_successes[agent or ""] += 1
+        self.masked += mask_sample is True
+        self.unscored += not is_numeric(reward)
+        return True
+
+    def add_failure(self, key: int, row: dict[str, Any]) -> str | None:
+        """Count one failure row (one spent attempt unless not delivered); returns its
+        class, or None for an omitted rollout's row, which counts as nothing."""
+        self._note_duration(key, row)
+        if is_omitted(row):
+            return None
         failure_class = str(row.get(FAILURE_CLASS))
         self.failure_classes[failure_class] += 1
+        self.latest_failure[key] = (_agent_of(row), failure_class)
         if not spends_attempt(row):
             self.not_delivered += 1
             return failure_class
@@ -239,6 +323,12 @@ class RunState:
         if is_terminal(row):
             self.terminal.add(key)
         return failure_class
+
+    def _note_duration(self, key: int, row: dict[str, Any]) -> None:
+        stamp = row.get(DISPATCH_KEY)
+        duration = stamp.get("duration_s") if isinstance(stamp, dict) else None
+        if isinstance(duration, int | float) and duration > self.longest_s.get(key, 0.0):
+            self.longest_s[key] = float(duration)
 
     def attempt_index(self, key: int) -> int:
         """The next attempt's index: the number of earlier failed attempts."""
@@ -254,14 +344,28 @@ class RunState:
         )
 
 
+def is_numeric(value: Any) -> bool:
+    """A reward that scores: a finite JSON number (a bool is not one)."""
+    if type(value) is bool or not isinstance(value, int | float):
+        return False
+    return value == value and value not in (float("inf"), float("-inf"))
+
+
+def _agent_of(row: dict[str, Any]) -> str:
+    agent = row.get(AGENT_REF)
+    name = agent.get("name") if isinstance(agent, dict) else None
+    return name if isinstance(name, str) else ""
+
+
 def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
     """Read successes and failures back (blocking: call it in a thread)."""
     state = RunState(max_attempts=max_attempts)
-    for key in iter_line_keys(paths.output):
-        if key is None:
+    for _, line in _nonblank_lines(paths.output):
+        facts = success_facts(line)
+        if facts is None:
             state.unreadable_rows += 1
             continue
-        state.successes.add(key)
+        state.add_success(*facts)
     for _, row in iter_rows(paths.failures):
         key = row_key(row)
         if row is None or key is None:

@@ -137,6 +137,8 @@ def collect(paths: OutputPaths, max_attempts: int) -> ReportData:
         if row is None or key is None:
             continue
         failure_class = state.add_failure(key, row)
+        if failure_class is None:
+            continue  # an omitted rollout's row: no attempt (contracts §15)
         data.attempts.add(row, _FAILURE, failure_class == Outcome.TIMEOUT_EXCEEDED)
     _collect_tasks(paths, state, data)
     return data

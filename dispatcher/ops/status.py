@@ -248,6 +248,8 @@ def _scan_failures(paths: OutputPaths, state: RunState, status: RunStatus) -> No
             continue
         health.rows += 1
         failure_class = state.add_failure(key, row)
+        if failure_class is None:
+            continue  # an omitted rollout's row: no failure, no attempt (contracts §15)
         _agent(status, agent_name(row)).failures_by_class[failure_class] += 1
         if row.get(NOT_DELIVERED) is True:
             status.not_delivered.setdefault(agent_name(row), set()).add(key)

@@ -124,7 +124,7 @@ def resume_state(settings: RunSettings, result: MaterializeResult, report: Repor
     if changed:
         report.problems.append(f"{settings.output}: {changed}; rerun with --fresh to start over")
         return
-    state = load_run_state(paths, settings.max_attempts)
+    state = load_run_state(paths, settings.attempt_cap)
     final = _count_final(state)
     report.lines.append(
         f"resume: hop {previous.hops + 1} of run {previous.run_id}: "

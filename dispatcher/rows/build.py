@@ -1,4 +1,4 @@
-"""Turn an attempt into the row written for it (contracts §4, A5).
+"""Turn an attempt into the row written for it (contracts §4, A5, A15).
 
 Pure, except for one warning when an agent's result tries to set keys that
 are the dispatcher's own: those are dropped (the dispatcher's values win),
@@ -22,12 +22,16 @@ from dispatcher.files.contracts import (
     NOT_DELIVERED,
 )
 from dispatcher.outcome import Outcome
+from dispatcher.rows.failure_record import collector_record, environment_record
 from dispatcher.tasks.keys import (
     AGENT_REF,
     ATTEMPT_INDEX,
     CAPTURE_ID,
+    FAILURE_RECORD,
+    OMITTED_ROLLOUT,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
+    RUN_ID,
     TASK_INDEX,
 )
 from dispatcher.tasks.materialize import Rollout
@@ -51,6 +55,10 @@ RESERVED_RESULT_KEYS = frozenset(
         # Whether a rollout reached an agent is the dispatcher's verdict (§11);
         # an agent claiming otherwise would make resume never count its failure.
         NOT_DELIVERED,
+        # The run, the failure record and the omitted mark are the dispatcher's (§15).
+        RUN_ID,
+        FAILURE_RECORD,
+        OMITTED_ROLLOUT,
     }
 )
 # A success is never terminal: ``_ng_failure_terminal`` in one would read as a
@@ -58,7 +66,7 @@ RESERVED_RESULT_KEYS = frozenset(
 RESERVED_SUCCESS_KEYS = RESERVED_RESULT_KEYS | {FAILURE_TERMINAL}
 
 
-def identity_keys(rollout: Rollout) -> dict[str, Any]:
+def identity_keys(rollout: Rollout, run_id: str | None = None) -> dict[str, Any]:
     keys: dict[str, Any] = {
         TASK_INDEX: rollout.task_index,
         ROLLOUT_INDEX: rollout.rollout_index,
@@ -68,6 +76,8 @@ def identity_keys(rollout: Rollout) -> dict[str, Any]:
         keys[ATTEMPT_INDEX] = rollout.attempt_index
     if ROLLOUT_ID in rollout.body:
         keys[ROLLOUT_ID] = rollout.body[ROLLOUT_ID]
+    if run_id is not None:
+        keys[RUN_ID] = run_id
     return keys
 
 
@@ -86,27 +96,42 @@ def dispatch_stamp(
     return stamp
 
 
-def build_row(rollout: Rollout, attempt: Attempt) -> dict[str, Any] | None:
-    """The row to append for this attempt, or None when it writes nothing."""
+def build_row(
+    rollout: Rollout, attempt: Attempt, run_id: str | None = None
+) -> dict[str, Any] | None:
+    """The row to append for this attempt, or None when it writes nothing.
+
+    With the run's id, every row carries ``_ng_run_id`` and every failure row
+    its ``_ng_failure_record`` (§15).
+    """
     if attempt.outcome is Outcome.SUCCESS:
         assert attempt.result is not None
-        return _result_row(rollout, attempt, attempt.result, RESERVED_SUCCESS_KEYS)
+        return _result_row(rollout, attempt, attempt.result, RESERVED_SUCCESS_KEYS, run_id)
     if attempt.outcome is Outcome.AGENT_REPORTED_FAILURE:
         assert attempt.result is not None
-        return _agent_reported_row(rollout, attempt, attempt.result)
+        return _agent_reported_row(rollout, attempt, attempt.result, run_id)
     if attempt.failure is not None:
-        return {
-            **identity_keys(rollout),
+        row = {
+            **identity_keys(rollout, run_id),
             **attempt.failure.as_row_keys(),
             DISPATCH_KEY: dispatch_stamp(rollout, attempt),
         }
+        if run_id is not None:
+            row[FAILURE_RECORD] = collector_record(
+                row, rollout.attempt_index, run_id, attempt.failure
+            )
+        return row
     return None
 
 
 def _result_row(
-    rollout: Rollout, attempt: Attempt, result: dict[str, Any], reserved: frozenset[str]
+    rollout: Rollout,
+    attempt: Attempt,
+    result: dict[str, Any],
+    reserved: frozenset[str],
+    run_id: str | None,
 ) -> dict[str, Any]:
-    identity = identity_keys(rollout)
+    identity = identity_keys(rollout, run_id)
     kept = {k: v for k, v in result.items() if k not in reserved}
     dropped = _forged_keys(result, reserved, {**identity, CAPTURE_ID: rollout.capture_id})
     if dropped:
@@ -126,11 +151,14 @@ def _forged_keys(
 
 
 def _agent_reported_row(
-    rollout: Rollout, attempt: Attempt, result: dict[str, Any]
+    rollout: Rollout, attempt: Attempt, result: dict[str, Any], run_id: str | None
 ) -> dict[str, Any]:
-    row = _result_row(rollout, attempt, result, RESERVED_RESULT_KEYS)
+    row = _result_row(rollout, attempt, result, RESERVED_RESULT_KEYS, run_id)
     for key, value in _AGENT_REPORTED_DEFAULTS.items():
         row.setdefault(key, value)
+    if run_id is not None:
+        # It reads only ``_ng_*`` keys, which a big answer keeps decoded (rows/wire.py).
+        row[FAILURE_RECORD] = environment_record(row, rollout.attempt_index, run_id)
     return row
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.delivery.client import Attempt
-from dispatcher.files.contracts import FAILURE_TERMINAL, NOT_DELIVERED
+from dispatcher.files.contracts import FAILURE_CLASS, FAILURE_TERMINAL, NOT_DELIVERED
 from dispatcher.rows.build import build_row
 from dispatcher.rows.capture import CaptureSummary, attach_agent_trajectory, attach_capture
 from dispatcher.rows.offload import off_loop
@@ -37,6 +37,8 @@ class Finalizer:
     def __init__(self, settings: RunSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        # The run's id, on every row (contracts §15); set once the run's files are open.
+        self.run_id: str | None = None
 
     async def finalize(
         self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None = None
@@ -48,7 +50,7 @@ class Finalizer:
         A big row is merged and serialized in a worker and then held only as
         its line: the dict it came from is dropped here.
         """
-        row = build_row(rollout, attempt)
+        row = build_row(rollout, attempt, self.run_id)
         if row is None:
             return None, None, {}
         if extra:
@@ -123,8 +125,9 @@ def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # What the one finality rule (``state.final_after_failure``) reads of a failure row,
-# and the reward, which service mode's group filter reads (contracts §13).
-_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED, "reward")
+# and the reward, which service mode's group filter reads (contracts §13); the
+# class and ``mask_sample`` for the run's coverage and status files (contracts §15).
+_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED, "reward", FAILURE_CLASS, "mask_sample")
 
 
 def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -251,3 +251,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.fsync(file.fileno())
     os.replace(temporary, path)
     fsync_dir(path.parent)
+
+
+def aggregation_states(path: Path | None, agents: Iterable[str]) -> dict[str, str]:
+    """Each agent's aggregation status once the run is complete (contracts §15):
+    ``complete`` when the file has its entry, else ``error`` (blocking)."""
+    answered: set[str] = set()
+    if path is not None:
+        entries = orjson.loads(path.read_bytes())
+        answered = {str(entry["agent_ref"]["name"]) for entry in entries}
+    return {agent: "complete" if agent in answered else "error" for agent in agents}

@@ -1,8 +1,9 @@
 """One job: one output's files and state, driven on a ``Daemon`` (contracts §4, A5, A9).
 
 ``Job`` owns everything of a single run: the lock and the prepared files, the
-row writers, the exact latency tracker, the outcome counts, the rollouts left
-to start (``pending.py``) and its ``Flight``s. Reading order:
+row writers, the exact latency tracker, its ``Recorder`` (outcome counts and
+the files NeMo Gym Main reads, ``recorder.py``), the rollouts left to start
+(``pending.py``) and its ``Flight``s. Reading order:
 
 - ``open``: lock, materialize, load what is done (``prepare.py``), open the
   writers; a failure half-way releases what was taken (an exit stack);
@@ -11,11 +12,12 @@ to start (``pending.py``) and its ``Flight``s. Reading order:
   when the daemon says the budget is spent, rollouts at agents get the grace;
 - ``_landed``: a flight's ``Landing`` (its outcome, a fault of ours, or a
   failed commit) is recorded, here and nowhere else;
-- ``close``: in-flight rollouts get the grace, then are cancelled (no row:
-  they run on resume); commits are awaited, writers closed, the hop recorded
-  in the manifest (``reporting.py``), the lock released.
+- ``close``: in-flight rollouts get the grace (``grace.py``), then are
+  cancelled (no row: they run on resume); commits are awaited, writers
+  closed, the hop recorded (coverage and status files, the manifest by
+  ``reporting.py``), the lock released.
 
-Outcomes are counted in ``record`` and nowhere else. Crash-only: the output
+Outcomes are counted in ``Recorder.record`` and nowhere else. Crash-only: the output
 files are the only state; a kill -9 anywhere loses nothing acknowledged.
 """
 
@@ -33,35 +35,29 @@ import structlog
 
 from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
-from dispatcher.delivery.client import Attempt
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
-from dispatcher.files.resume import final_after_failure
-from dispatcher.files.writer import LineIndex, RowWriter, write_manifest
+from dispatcher.files.writer import LineIndex, RowWriter
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.lifecycle import JobState, Lifecycle
 from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import Finalizer
-from dispatcher.run.aggregate import write_aggregate_metrics
+from dispatcher.run import grace
+from dispatcher.run.aggregate import aggregation_states, write_aggregate_metrics
 from dispatcher.run.daemon import Daemon, LatencyView
 from dispatcher.run.flight import Flight, FlightParts, Landing
 from dispatcher.run.pending import Pending
-from dispatcher.run.prepare import PreparedRun, prepare_run
-from dispatcher.run.reporting import hop_summary, log_rollout_finished, write_last_run
+from dispatcher.run.prepare import PreparedRun, prepare_run, publish_metrics_endpoint
+from dispatcher.run.recorder import FailureLimitExceeded, FinalHook, Recorder
+from dispatcher.run.reporting import hop_summary, write_last_run
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout, new_capture_token
-from dispatcher.telemetry.discovery import sd_file_for, target_labels
 from dispatcher.telemetry.progress import estimate_eta_s
 
 log = structlog.get_logger("dispatcher.run")
 
 START_BURST = 8
-# How often the shutdown grace looks for rollouts gone back to waiting to retry.
-SETTLE_LOOK_S = 0.1
 
-# Called with (rollout, outcome, seq, row facts) for each final outcome: service
-# mode's results stream and group bookkeeping.
-FinalHook = Callable[[Rollout, Outcome, "int | None", "dict[str, Any] | None"], None]
 # Called before each rollout starts: True, start it; False, not in this hop;
 # None, start nothing more (service mode's pacing and step control).
 Gate = Callable[[Rollout], Awaitable["bool | None"]]
@@ -86,7 +82,6 @@ class Job:
         self.daemon = daemon
         self.settings = settings
         self.tracker = tracker or DispatchLatencyTracker()
-        self.outcomes: Counter[str] = Counter()
         self.state = Lifecycle(JobState.QUEUED)
         self.fatal: DispatcherError | None = None
         self.prepared: PreparedRun | None = None
@@ -99,7 +94,6 @@ class Job:
         self.writers: tuple[RowWriter, ...] = ()
         self._shard_filter = shard_filter
         self._rank = rank
-        self._on_final = on_final
         self._publish_endpoint = publish_endpoint
         self._gate = gate
         # Service mode reads rows back by line number (the results stream).
@@ -108,7 +102,6 @@ class Job:
         # Set by ``close_starts``: nothing more starts, what is in flight goes on.
         self._starts_closed = asyncio.Event()
         self._cancel_reason: str | None = None
-        self._final_this_run = 0
         self._pending: Pending | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -118,6 +111,7 @@ class Job:
         self._capture_token = new_capture_token() if settings.capture_dir is not None else None
         # Bound once: the module-level proxy would rebuild a logger per call.
         self.log = log.bind()
+        self.recorder = Recorder(settings, daemon, self._latency_views(), on_final, self.log)
 
     # ---- open --------------------------------------------------------------------
 
@@ -128,8 +122,9 @@ class Job:
                 prepare_run, self.settings, self._shard_filter
             )
             stack.callback(prepared.lock.release)
-            if self._publish_endpoint:
-                await asyncio.to_thread(self._publish_metrics_endpoint, prepared)
+            endpoint = self.daemon.metrics_endpoint
+            if self._publish_endpoint and endpoint is not None:
+                await asyncio.to_thread(publish_metrics_endpoint, prepared, endpoint, self.settings)
             if self.output_index is not None and not len(self.output_index):
                 # Once per process: a later hop's index already holds every line.
                 await asyncio.to_thread(self.output_index.load, prepared.paths.output)
@@ -139,6 +134,8 @@ class Job:
                 writer.open()
                 stack.push_async_callback(writer.close)
             self.writers = (output, failures)
+            # Every row carries the run's id (contracts §15).
+            self.finalizer.run_id = self.recorder.attach(prepared, failures)
             self._resources = stack.pop_all()
         self.daemon.jobs.add(self)
 
@@ -154,17 +151,6 @@ class Job:
             "already_final": prepared.already_final,
             "output": str(prepared.paths.output),
         }
-
-    def _publish_metrics_endpoint(self, prepared: PreparedRun) -> None:
-        """Record the endpoint in the manifest and the Prometheus target file (blocking)."""
-        endpoint = self.daemon.metrics_endpoint
-        if endpoint is None:
-            return
-        prepared.record = prepared.record.with_metrics_url(endpoint.url)
-        write_manifest(prepared.paths.manifest, prepared.record)
-        output = prepared.paths.output
-        labels = target_labels(prepared.record.to_json(), output, self.settings.shard)
-        endpoint.publish(sd_file_for(output, self.settings.metrics_sd_dir), labels)
 
     def _writer(self, path: Path, index: LineIndex | None) -> RowWriter:
         return RowWriter(
@@ -253,7 +239,7 @@ class Job:
         """The slots to start ``rollout`` with, or None: not now (its agent is down,
         the gate says so, the budget drains it) or nothing more starts."""
         if self.daemon.load.is_down(rollout.agent):
-            self._record_not_started(Outcome.AGENT_DOWN)
+            self.recorder.not_started(rollout, Outcome.AGENT_DOWN)
             return None
         if self._gate is not None:
             start = await self._gate(rollout)
@@ -263,7 +249,7 @@ class Job:
                 return None
         slots = await self.daemon.pool.admit(rollout.agent, self._rank())
         if slots is None:
-            self._record_not_started(Outcome.DRAINED)
+            self.recorder.not_started(rollout, Outcome.DRAINED)
             return None
         if self.stopping() or self._starts_closed.is_set():
             # Stopped while it waited for the slot.
@@ -314,25 +300,25 @@ class Job:
         rollout = flight.rollout
         if task.cancelled():
             # Cancelled at its agent: it wrote nothing and runs again on resume.
-            self.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
+            self.recorder.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
             return
         error = task.exception()
         if error is not None:
             self.log.error("rollout_task_crashed", task=task.get_name(), exc_info=error)
             self.fail(DispatcherError(f"rollout {rollout.rollout_id} crashed: {error!r}"))
-            self.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
+            self.recorder.record(rollout, Outcome.CANCELLED, flight.elapsed_s())
             return
         self._land(rollout, task.result())
 
     def _land(self, rollout: Rollout, landing: Landing) -> None:
         if landing.error is not None:
             self.fail(landing.error)
-            self.record(rollout, Outcome.CANCELLED, landing.duration_s)
+            self.recorder.record(rollout, Outcome.CANCELLED, landing.duration_s)
         elif landing.fault is not None:
             self.requeue(rollout, landing.fault, landing.duration_s)
         else:
             self.daemon.handled_answer()
-            self.record(
+            self.recorder.record(
                 rollout,
                 landing.outcome,
                 landing.duration_s,
@@ -341,6 +327,9 @@ class Job:
                 landing.capture,
                 landing.seq,
             )
+            limit = self.recorder.failure_limit()
+            if limit is not None and self.fatal is None:
+                self.fail(limit)
 
     # ---- the parts flights use -----------------------------------------------------
 
@@ -354,7 +343,7 @@ class Job:
 
     def requeue(self, rollout: Rollout, fault: LocalFault, duration_s: float) -> None:
         """Put a rollout back after our own fault: no row, no attempt spent, a smaller pool."""
-        self.record(rollout, Outcome.REQUEUED, duration_s)
+        self.recorder.record(rollout, Outcome.REQUEUED, duration_s)
         if self.daemon.local_fault(fault, rollout.rollout_id):
             self._pending_rollouts().put_back(rollout)
 
@@ -373,33 +362,8 @@ class Job:
         return self._idle
 
     async def settle(self, grace_s: float, reason: str) -> None:
-        """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row).
-
-        A rollout only waiting to retry (a backoff, no replica up) runs nowhere:
-        it is cancelled at once, not given the grace.
-        """
-        deadline = time.monotonic() + grace_s
-        while True:
-            # One whose answer was "not delivered" meanwhile goes back to waiting:
-            # look again at each short step of the grace.
-            await self._cancel(
-                {f.task for f in self.flights if f.at_agent and not f.delivery.sending and f.task},
-                reason,
-            )
-            if not self.at_agents() or time.monotonic() >= deadline:
-                break
-            flights = {f.task for f in self.flights if f.at_agent and f.task is not None}
-            step_s = min(SETTLE_LOOK_S, deadline - time.monotonic())
-            await asyncio.wait(flights, timeout=max(0.0, step_s))
-        await self._cancel({f.task for f in self.flights if f.at_agent and f.task}, reason)
-
-    async def _cancel(self, tasks: set[asyncio.Task[Landing]], reason: str) -> None:
-        if not tasks:
-            return
-        for task in tasks:
-            task.cancel(reason)
-        await asyncio.wait(tasks)
-        self.log.warning("rollouts_cancelled", count=len(tasks), reason=reason)
+        """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row)."""
+        await grace.settle(self.flights, grace_s, reason, self.log)
 
     # ---- close -----------------------------------------------------------------------
 
@@ -415,6 +379,7 @@ class Job:
         if self.flights:
             await asyncio.wait({f.task for f in self.flights if f.task is not None})
         try:
+            await self.recorder.drain()
             for writer in self.writers:
                 await writer.close()
             await self._record_hop()
@@ -426,7 +391,8 @@ class Job:
         """Gym's aggregate file, the hop's state, the manifest's ``last_run``, the summary."""
         summary = self.summary()
         try:
-            await self._write_aggregate_metrics()
+            aggregation = await self._write_aggregate_metrics()
+            await self.recorder.finish(aggregation)
             await asyncio.to_thread(self._write_last_run, summary)
         except OSError as exc:
             # The rows are whole (each was durable before it counted); only the
@@ -442,11 +408,14 @@ class Job:
             return JobState.CANCELLED
         return JobState.DONE if self.remaining() == 0 else JobState.INCOMPLETE
 
-    async def _write_aggregate_metrics(self) -> None:
-        # Gym's end-of-run file, once every rollout has its final row (a hop that
-        # leaves work for a rerun would only write numbers the next hop replaces).
-        if self.fatal is None and self.prepared is not None and self.remaining() == 0:
-            await write_aggregate_metrics(self.prepared.paths.output, self.settings.agents)
+    async def _write_aggregate_metrics(self) -> dict[str, str]:
+        """Gym's end-of-run file, once every rollout has its final row (a hop that leaves
+        work for a rerun would only write numbers the next hop replaces); each agent's
+        aggregation status for the status file."""
+        if self.fatal is not None or self.prepared is None or self.remaining() > 0:
+            return {}
+        path = await write_aggregate_metrics(self.prepared.paths.output, self.settings.agents)
+        return await asyncio.to_thread(aggregation_states, path, self.settings.agents)
 
     def exit_code(self) -> ExitCode:
         """The hop's exit code; raises the error that failed it."""
@@ -458,53 +427,16 @@ class Job:
     def _final_exit_code(self) -> ExitCode:
         return ExitCode.RESUMABLE if self.remaining() > 0 else ExitCode.DONE
 
-    # ---- the one place outcomes are counted ----------------------------------------
+    # ---- outcomes (counted in ``recorder.py``) -------------------------------------
 
-    def record(
-        self,
-        rollout: Rollout,
-        outcome: Outcome,
-        duration_s: float,
-        attempt: Attempt | None = None,
-        row: dict[str, Any] | None = None,
-        capture: dict[str, Any] | None = None,
-        seq: int | None = None,
-    ) -> None:
-        self.outcomes[outcome.value] += 1
-        self._record_latency(outcome, duration_s)
-        final = self._is_final(rollout, outcome, row)
-        if final:
-            self._final_this_run += 1
-            if self._on_final is not None:
-                self._on_final(rollout, outcome, seq, row)
-        self.daemon.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
-        log_rollout_finished(self.log, rollout, outcome, final, duration_s, attempt, row, capture)
+    @property
+    def outcomes(self) -> Counter[str]:
+        return self.recorder.outcomes
 
     def _latency_views(self) -> tuple[LatencyView, ...]:
         # The daemon's live view is this tracker itself for ``dispatcher run``.
         live = self.daemon.latency
         return (self.tracker,) if live is self.tracker else (self.tracker, live)
-
-    def _record_latency(self, outcome: Outcome, duration_s: float) -> None:
-        for view in self._latency_views():
-            if outcome is Outcome.SUCCESS:
-                view.record(duration_s)
-            elif outcome.writes_failure_row:
-                view.record_failure(duration_s)
-
-    def _is_final(self, rollout: Rollout, outcome: Outcome, row: dict[str, Any] | None) -> bool:
-        if outcome is Outcome.SUCCESS:
-            return True
-        if not outcome.writes_failure_row or row is None:
-            return False
-        return final_after_failure(row, rollout.attempt_index, self.settings.max_attempts)
-
-    def _record_not_started(self, outcome: Outcome) -> None:
-        self.outcomes[outcome.value] += 1
-        if outcome is Outcome.DRAINED:
-            for view in self._latency_views():
-                view.record_drained()
-            self.daemon.metrics.rollout_drained()
 
     # ---- figures ----------------------------------------------------------------------
 
@@ -515,13 +447,13 @@ class Job:
         prepared = self.prepared
         if prepared is None:
             return 0
-        final = prepared.already_final + self._final_this_run
+        final = prepared.already_final + self.recorder.final_this_run
         return max(0, prepared.materialized.rollouts - final)
 
     @property
     def final_this_run(self) -> int:
         """Rollouts this hop made final."""
-        return self._final_this_run
+        return self.recorder.final_this_run
 
     def committing(self) -> int:
         return len(self.flights) - self._at_agents
@@ -541,9 +473,12 @@ class Job:
         return estimate_eta_s(self.remaining(), rollouts_per_hour)
 
     def summary(self) -> dict[str, Any]:
-        return hop_summary(
+        summary = hop_summary(
             self.daemon, self.tracker, self.outcomes, self.remaining(), self._dispatch_ended
         )
+        if isinstance(self.fatal, FailureLimitExceeded):
+            summary["failure_limit_exceeded"] = str(self.fatal)
+        return summary
 
     def _write_last_run(self, summary: dict[str, Any]) -> None:
         assert self.prepared is not None

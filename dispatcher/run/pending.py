@@ -5,6 +5,13 @@ skipping those the output files already make final (the resume contract of
 ``files/resume.py``), and clears each batch's old capture files before its
 rollouts start. A rollout put back after a fault of ours (contracts §11) is
 started again before the next new one.
+
+On resume, the rollouts whose earlier attempts ran longest start first
+(contracts §15: their failure rows, and the rows of rollouts cut off with
+``--record-omitted``, carry each attempt's duration): longest first, then in
+input order; then every other rollout in input order. Only their offsets in
+the materialized file are held, so memory grows with the failed rollouts, not
+their rows.
 """
 
 from __future__ import annotations
@@ -72,12 +79,25 @@ class Pending:
 
     async def _from_file(self) -> AsyncIterator[Rollout]:
         with self._materialized.open("rb") as f:
-            while True:
-                batch = await asyncio.to_thread(_read_batch, f, self._state, self._capture_token)
-                if batch is None:
-                    return
+            first = await asyncio.to_thread(longest_first, f, self._state)
+            for start in range(0, len(first), READ_BATCH_ROWS):
+                offsets = first[start : start + READ_BATCH_ROWS]
+                batch = await asyncio.to_thread(
+                    _read_at, f, offsets, self._state, self._capture_token
+                )
                 await self._clear_captures(batch)
                 for rollout in batch:
+                    yield rollout
+            f.seek(0)
+            skip = frozenset(first)
+            while True:
+                rest = await asyncio.to_thread(
+                    _read_batch, f, self._state, self._capture_token, skip
+                )
+                if rest is None:
+                    return
+                await self._clear_captures(rest)
+                for rollout in rest:
                     yield rollout
 
     async def _clear_captures(self, batch: list[Rollout]) -> None:
@@ -86,18 +106,55 @@ class Pending:
         await clear_rollout_captures(self._capture_dir, [r.rollout_id for r in batch])
 
 
-def _read_batch(
-    f: BinaryIO, state: RunState, capture_token: str | None = None
-) -> list[Rollout] | None:
-    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end."""
+def longest_first(f: BinaryIO, state: RunState) -> list[int]:
+    """The offsets of the rollouts to start first: not final, with an earlier attempt's
+    duration on record, longest first, then in input order (blocking)."""
+    if not state.longest_s:
+        return []
+    found: list[tuple[float, int]] = []
+    offset = 0
+    for line in f:
+        key = materialized_key(line)
+        duration = state.longest_s.get(key)
+        if duration is not None and not state.is_final(key):
+            found.append((-duration, offset))
+        offset += len(line)
+    return [offset for _, offset in sorted(found)]
+
+
+def _read_at(
+    f: BinaryIO, offsets: list[int], state: RunState, capture_token: str | None
+) -> list[Rollout]:
+    """The rollouts of the materialized lines at ``offsets`` (in a thread)."""
     batch: list[Rollout] = []
+    for offset in offsets:
+        f.seek(offset)
+        line = f.readline()
+        key = materialized_key(line)
+        batch.append(
+            Rollout.from_materialized(jsonx.loads(line), state.attempt_index(key), capture_token)
+        )
+    return batch
+
+
+def _read_batch(
+    f: BinaryIO,
+    state: RunState,
+    capture_token: str | None = None,
+    skip: frozenset[int] = frozenset(),
+) -> list[Rollout] | None:
+    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end.
+    Lines at the offsets in ``skip`` were started first."""
+    batch: list[Rollout] = []
+    offset = f.tell() if skip else 0
     for _ in range(READ_BATCH_ROWS * 8):
         line = f.readline()
         if not line:
             return batch or None
+        at, offset = offset, offset + len(line)
         # Most rows are final on a late resume: find their key without parsing them.
         key = materialized_key(line)
-        if state.is_final(key):
+        if state.is_final(key) or (skip and at in skip):
             continue
         row = jsonx.loads(line)
         batch.append(Rollout.from_materialized(row, state.attempt_index(key), capture_token))

@@ -44,6 +44,7 @@ from dispatcher.tasks.materialize import (
     input_digest,
     materialize,
 )
+from dispatcher.telemetry.discovery import MetricsEndpoint, sd_file_for, target_labels
 
 log = structlog.get_logger(__name__)
 
@@ -190,7 +191,7 @@ def _prepare_locked(
         repair = repair_torn_tail(path)
         if repair is not TailRepair.NONE:
             log.warning("torn_tail_repaired", path=str(path), repair=repair.value)
-    state = load_run_state(paths, settings.max_attempts)
+    state = load_run_state(paths, settings.attempt_cap)
     return PreparedRun(
         paths=paths,
         lock=lock,
@@ -338,7 +339,7 @@ def _manifest(
             "materialized_digest": result.materialized_digest,
             "task_settings": settings_json,
             "task_settings_digest": _digest(settings_json),
-            "max_attempts": settings.max_attempts,
+            "max_attempts": settings.attempt_cap,
             "rollout_timeout_s": settings.rollout_timeout_s,
             "tasks": result.tasks,
             "rollouts": result.rollouts,
@@ -353,3 +354,14 @@ def _count_final(state: RunState) -> int:
     count += sum(1 for key in terminal if key not in successes)
     count += state.exhausted
     return count
+
+
+def publish_metrics_endpoint(
+    prepared: PreparedRun, endpoint: MetricsEndpoint, settings: RunSettings
+) -> None:
+    """Record the endpoint in the manifest and the Prometheus target file (blocking)."""
+    prepared.record = prepared.record.with_metrics_url(endpoint.url)
+    write_manifest(prepared.paths.manifest, prepared.record)
+    output = prepared.paths.output
+    labels = target_labels(prepared.record.to_json(), output, settings.shard)
+    endpoint.publish(sd_file_for(output, settings.metrics_sd_dir), labels)

@@ -102,6 +102,11 @@ class RunSettings(BaseModel):
     metrics_sd_dir: Path | None = None
     progress_interval_s: float = Field(default=30.0, gt=0)
 
+    # NeMo Gym Main's run contracts (contracts §15).
+    record_omitted: bool = False
+    max_failure_fraction: float | None = Field(default=None, ge=0, le=1)
+    extend_attempts: int = Field(default=0, ge=0)
+
     @field_validator("agents")
     @classmethod
     def _agents_have_urls(cls, agents: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -143,6 +148,12 @@ class RunSettings(BaseModel):
             if cap < 1:
                 raise ValueError(f"agent {name!r}: must be >= 1")
         return caps
+
+    @property
+    def attempt_cap(self) -> int:
+        """Counted failures that make a rollout final: ``max_attempts`` raised by
+        ``extend_attempts`` for this hop (contracts §15)."""
+        return self.max_attempts + self.extend_attempts
 
     @property
     def adaptive(self) -> bool:

@@ -67,6 +67,11 @@ _RUN_FLAGS: dict[str, str] = {
     "--shard": "K/N: run only tasks with task_index %% N == K; 'auto' from Slurm/Kubernetes",
     "--max-response-bytes": "largest agent answer, decompressed (default 64 MiB)",
     "--response-read-timeout-s": "seconds an agent's answer body may take to arrive (default 600)",
+    # NeMo Gym Main's run contracts (contracts §15).
+    "--max-failure-fraction": "stop starting rollouts (exit 1) once counted failures exceed "
+    "this fraction of the expected rollouts",
+    "--extend-attempts": "raise the attempt cap by N for this hop (a resume gives failed "
+    "rollouts N more attempts)",
 }
 _JSON_FLAGS = {"num_repeats", "responses_create_params"}
 _SWITCHES = {
@@ -74,6 +79,8 @@ _SWITCHES = {
     "--skip-invalid-rows": "log and skip task lines that are not JSON objects",
     "--capture-include-payloads": "keep raw request/response payloads in attached calls",
     "--allow-empty": "accept a task file with no tasks (default: exit 2)",
+    "--record-omitted": "write one _ng_omitted_rollout row to the failures sidecar for each "
+    "rollout this hop left without a result (drained, cancelled, kill-shaped)",
 }
 
 

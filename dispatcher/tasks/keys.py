@@ -200,6 +200,13 @@ NOT_DELIVERED: Final = "_ng_failure_not_delivered"
 NO_PERSIST: Final = "_ng_no_persist"
 # How the dispatcher saw an attempt (replica, timing), on every row it writes.
 DISPATCH_KEY: Final = "_ng_dispatch"
+# NeMo Gym Main's keys (contracts §15): the run's id on every row, the typed
+# failure record beside the flat failure keys, and the mark of a sidecar row
+# that records a rollout left without a result (never a failure or an attempt).
+RUN_ID: Final = "_ng_run_id"
+FAILURE_RECORD: Final = "_ng_failure_record"
+OMITTED_ROLLOUT: Final = "_ng_omitted_rollout"
+OMITTED_CAUSE: Final = "_ng_omitted_cause"
 
 
 class FailureKeys(TypedDict):

@@ -1,0 +1,168 @@
+"""The one place a job counts how its rollouts ended (contracts §5, A8, A15).
+
+``Recorder.record`` takes every outcome a job's flights land with (and
+``not_started`` every rollout the job did not start): it counts it, feeds the
+latency views, decides finality by the one rule, tells service mode of final
+rollouts, logs ``rollout_finished``, keeps the run's state current for the
+coverage and status files, notes rollouts left without a result
+(``--record-omitted``), and says when counted failures pass
+``--max-failure-fraction``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from dispatcher.delivery.answers import Attempt
+from dispatcher.errors import DispatcherError
+from dispatcher.files.resume import RunState, final_after_failure, spends_attempt
+from dispatcher.files.writer import RowWriter
+from dispatcher.outcome import Outcome
+from dispatcher.run.daemon import Daemon, LatencyView
+from dispatcher.run.gym_files import OmittedRows, ProgressFiles
+from dispatcher.run.prepare import PreparedRun
+from dispatcher.run.reporting import log_rollout_finished
+from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.keys import AGENT_REF, rollout_key
+from dispatcher.tasks.materialize import Rollout
+
+# Called with (rollout, outcome, seq, row facts) for each final outcome: service
+# mode's results stream and group bookkeeping.
+FinalHook = Callable[[Rollout, Outcome, "int | None", "dict[str, Any] | None"], None]
+
+
+class FailureLimitExceeded(DispatcherError):
+    """Counted failures passed ``--max-failure-fraction`` of the expected rollouts."""
+
+
+class Recorder:
+    """Counts a job's outcomes; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        daemon: Daemon,
+        views: tuple[LatencyView, ...],
+        on_final: FinalHook | None,
+        log: Any,
+    ) -> None:
+        self.settings = settings
+        self.daemon = daemon
+        self.outcomes: Counter[str] = Counter()
+        self.final_this_run = 0
+        # Failures this hop that spent an attempt (the failure limit's count).
+        self.counted_failures = 0
+        self._views = views
+        self._on_final = on_final
+        self.log = log
+        # Attached once the run's files are open.
+        self.state: RunState | None = None
+        self.omitted: OmittedRows | None = None
+        self.files: ProgressFiles | None = None
+        self._expected = 0
+
+    def attach(self, prepared: PreparedRun, failures: RowWriter) -> str:
+        """Keep the run's state current and write what NeMo Gym Main reads; the run's id."""
+        run_id = prepared.record.run_id or ""
+        state, materialized = prepared.state, prepared.materialized
+        writer = failures if self.settings.record_omitted else None
+        self.state, self._expected = state, materialized.rollouts
+        self.omitted = OmittedRows(writer, run_id, state)
+        self.files = ProgressFiles(prepared.paths, state, run_id, materialized.rollouts_by_agent)
+        return run_id
+
+    async def drain(self) -> None:
+        """Wait for the omitted rollouts' rows (before the failures writer closes)."""
+        if self.omitted is not None:
+            await self.omitted.drain()
+
+    async def finish(self, aggregation: dict[str, str]) -> None:
+        """The hop's last status file and its coverage file (``OSError`` if not written)."""
+        if self.files is not None and self.omitted is not None:
+            await self.files.finish(self._expected, self.omitted.omissions(), aggregation)
+
+    def record(
+        self,
+        rollout: Rollout,
+        outcome: Outcome,
+        duration_s: float,
+        attempt: Attempt | None = None,
+        row: dict[str, Any] | None = None,
+        capture: dict[str, Any] | None = None,
+        seq: int | None = None,
+    ) -> None:
+        self.outcomes[outcome.value] += 1
+        self._record_latency(outcome, duration_s)
+        final = self._is_final(rollout, outcome, row)
+        if final:
+            self.final_this_run += 1
+            if self._on_final is not None:
+                self._on_final(rollout, outcome, seq, row)
+        self._keep_state(rollout, outcome, row, duration_s)
+        self.daemon.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
+        log_rollout_finished(self.log, rollout, outcome, final, duration_s, attempt, row, capture)
+
+    def not_started(self, rollout: Rollout, outcome: Outcome) -> None:
+        """A rollout this hop did not start (the budget drained it, its agent is down)."""
+        self.outcomes[outcome.value] += 1
+        if outcome is Outcome.DRAINED:
+            for view in self._views:
+                view.record_drained()
+            self.daemon.metrics.rollout_drained()
+            if self.omitted is not None:
+                self.omitted.note(rollout, outcome, None)
+
+    def _record_latency(self, outcome: Outcome, duration_s: float) -> None:
+        for view in self._views:
+            if outcome is Outcome.SUCCESS:
+                view.record(duration_s)
+            elif outcome.writes_failure_row:
+                view.record_failure(duration_s)
+
+    def _is_final(self, rollout: Rollout, outcome: Outcome, row: dict[str, Any] | None) -> bool:
+        if outcome is Outcome.SUCCESS:
+            return True
+        if not outcome.writes_failure_row or row is None:
+            return False
+        return final_after_failure(row, rollout.attempt_index, self.settings.attempt_cap)
+
+    def _keep_state(
+        self, rollout: Rollout, outcome: Outcome, row: dict[str, Any] | None, duration_s: float
+    ) -> None:
+        """The run's state as its files now say it: what coverage and status read."""
+        state = self.state
+        if state is None:
+            return
+        if row is None:
+            if self.omitted is not None and outcome is not Outcome.REQUEUED:
+                self.omitted.note(rollout, outcome, duration_s)
+            return
+        key = rollout_key(rollout.task_index, rollout.rollout_index)
+        if outcome is Outcome.SUCCESS:
+            reward, mask = _plain(row.get("reward")), _plain(row.get("mask_sample"))
+            state.add_success(key, rollout.agent, reward, mask)
+        else:
+            state.add_failure(key, {**row, AGENT_REF: {"name": rollout.agent}})
+            self.counted_failures += spends_attempt(row)
+        if self.files is not None:
+            self.files.row_written()
+
+    def failure_limit(self) -> FailureLimitExceeded | None:
+        """The error that stops the job once counted failures exceed the limit, else None."""
+        fraction = self.settings.max_failure_fraction
+        if fraction is None or self.counted_failures <= fraction * self._expected:
+            return None
+        return FailureLimitExceeded(
+            f"--max-failure-fraction {fraction}: {self.counted_failures} counted failures "
+            f"of {self._expected} expected rollouts this hop exceed the limit "
+            f"({fraction * self._expected:g}); no rollout starts any more"
+        )
+
+
+def _plain(value: Any) -> Any:
+    # A big answer keeps its values as bytes (rows/wire.py).
+    return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
