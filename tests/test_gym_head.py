@@ -162,8 +162,10 @@ async def test_an_unknown_agent_or_an_unreachable_head_server_is_exit_2(
     assert "Traceback" not in result.stderr
 
     dead = f"127.0.0.1:{free_port()}"
-    result = await run_cli(*args, "--gym-head-server", dead, "--metrics-listen", "off")
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"error: Gym head server http://{dead} does not answer")
-    assert "Traceback" not in result.stderr
+    serve = ["serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")]
+    for command in ([*args, "--metrics-listen", "off"], ["validate", *args[1:]], serve):
+        result = await run_cli(*command, "--gym-head-server", dead)
+        assert result.returncode == 2, (command[0], result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1].startswith(f"error: Gym head server http://{dead} does not answer")
+        assert "Traceback" not in result.stderr
