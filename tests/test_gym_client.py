@@ -18,7 +18,13 @@ import pytest
 from aiohttp import web
 
 from dispatcher.client import AsyncClient, ClientError, JobState
-from dispatcher.client.gym import DISPATCHER_KEYS, RolloutCollectionHelper, RolloutFailed
+from dispatcher.client.gym import (
+    DISPATCHER_KEYS,
+    RolloutCollectionHelper,
+    RolloutFailed,
+    agent_result,
+)
+from dispatcher.client.gym_plan import Durations, failure_result, plan_job
 from dispatcher.client.wire import JobStatus
 from tests.helpers import CliProcess, serve, wait_until
 from tests.test_client_e2e import start_daemon
@@ -255,3 +261,48 @@ def test_gym_arguments_are_checked_as_gym_checks_them() -> None:
     # Accepted and not used: the daemon's own agents and concurrency apply.
     completions = helper.run_examples(examples(2), head_server_config=object(), semaphore=object())
     assert len(completions) == 2
+
+
+# -- the pure pieces ------------------------------------------------------------------
+
+
+def test_a_job_numbers_rollouts_as_the_daemon_does() -> None:
+    rows = [
+        {"_ng_task_index": 7},
+        {"_ng_task_index": 7},
+        {"q": "no index"},
+        {"_ng_task_index": 3},
+        {"q": "no index either"},
+    ]
+    plan = plan_job(rows, range(5))
+    # Own indices kept; fresh ones above them; rollouts 0, 1, ... per task in row order.
+    assert [r["_ng_task_index"] for r in plan.rows] == [7, 7, 8, 3, 9]
+    assert plan.by_key == {(7, 0): 0, (7, 1): 1, (8, 0): 2, (3, 0): 3, (9, 0): 4}
+    assert "_ng_task_index" not in rows[2]
+
+
+def test_the_adaptive_margin_is_gyms_p75_after_five() -> None:
+    durations = Durations()
+    for seconds in (10.0, 20.0, 30.0, 40.0):
+        durations.add(seconds)
+    assert durations.margin(None) is None and durations.margin(5.0) == 5.0
+    durations.add(50.0)
+    assert durations.margin(None) == 40.0
+
+
+def test_a_failure_names_the_jobs_class_when_it_has_one() -> None:
+    job = JobStatus(job_id="j", state=JobState.DONE, final=True, outcomes={"success": 3})
+    one = JobStatus(**{**vars(job), "outcomes": {"success": 1, "timeout_exceeded": 2}})
+    two = JobStatus(**{**vars(job), "outcomes": {"agent_run_error": 1, "timeout_exceeded": 2}})
+    assert failure_result(one)["_ng_failure_class"] == "timeout_exceeded"
+    assert failure_result(two)["_ng_failure_class"] == "rollout_failed"
+    assert "agent_run_error 1, timeout_exceeded 2" in failure_result(two)["_ng_failure_message"]
+
+
+def test_the_agents_answer_is_the_row_without_the_dispatchers_keys() -> None:
+    row = {
+        "_ng_seq": 1, "response": {"id": "r"}, "reward": 0.5, "_ng_task_index": 0,
+        "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "_ng_dispatch": {},
+        "ng_trajectory": {}, "_ng_policy_version_start": 0, "_ng_run_id": "x",
+    }  # fmt: skip
+    assert agent_result(row) == {"response": {"id": "r"}, "reward": 0.5}

@@ -17,9 +17,10 @@ keys the dispatcher owns or rewrites (``DISPATCHER_KEYS``: the identity keys
 ``_ng_task_index``, ``_ng_rollout_index``, ``agent_ref`` and the others of
 contracts §3, ``_ng_seq``, the policy versions, ``_ng_run_id``, and the
 capture view ``ng_trajectory``/``ng_perf``/``ng_model_call_capture``). An agent
-that echoes its request (Gym's ``simple_agent`` does) has the identity keys
-in its own answer; they are in ``row``. The full durable row stays in the
-job's output on the daemon.
+that echoes its request has the identity keys in its own answer; they are in
+``row``. The full durable row stays in the job's output on the daemon. An
+answer carrying ``_ng_failure_class`` is a failure here, retried as any
+(contracts §3), where Gym hands it back as a result.
 
 Behind it, the examples are a job on the daemon (``num_repeats`` 1), streamed
 back as rows become durable. The first ``await`` submits it. Rows go to the
@@ -41,7 +42,8 @@ Gym's keyword arguments:
   as Gym. The check is made where examples are handed to the daemon: with
   ``max_resident_tasks`` as slots free up, without it once for all.
 - ``route_failures_to_sidecar``: a rollout that ended failed (the daemon's
-  attempts spent, or a terminal failure) resolves to a failure result
+  attempts spent, or a terminal failure; known once its job is final, since
+  the daemon streams success rows only) resolves to a failure result
   (``_ng_failure_class``, ``_ng_failure_type`` ``"RolloutFailed"``,
   ``_ng_failure_message``, ``_ng_failure_http_status``,
   ``_ng_failure_response_body``); without it its awaitable raises
@@ -72,7 +74,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from dispatcher.client.aio import AsyncClient, Results
+from dispatcher.client.aio import AsyncClient
 from dispatcher.client.gym_plan import (
     DISPATCHER_KEYS,
     Durations,
@@ -242,44 +244,33 @@ class Collection:
         return job_id
 
     async def _follow(self, job_id: str, plan: JobPlan) -> None:
-        """Resolve the job's examples: successes as rows land, failures as groups complete."""
-        groups = self._client.results(job_id, group=True)
+        """Resolve the job's examples: each as its row lands, the rest once the job is final."""
+        rows = self._client.results(job_id)
         try:
-            await _both(self._read_rows(job_id, plan), self._read_groups(job_id, plan, groups))
+            async for row in rows:
+                self._succeed(plan, row)
             left = [p for p in plan.positions if p not in self._resolved]
             if left:
-                self._resolve_unrun(job_id, groups.final_state, left)
+                await self._resolve_left(job_id, rows.final_state, left)
         except Exception as exc:
             for position in plan.positions:
                 self._resolve(position, exc)
 
-    def _resolve_unrun(self, job_id: str, state: JobState | None, positions: list[int]) -> None:
-        # Cancelled or incomplete: these never ran to an end, as Gym's drained rows.
-        if state in (JobState.CANCELLED, JobState.INCOMPLETE):
+    async def _resolve_left(
+        self, job_id: str, state: JobState | None, positions: list[int]
+    ) -> None:
+        """The examples of a final job that have no row."""
+        if state is JobState.DONE:  # every rollout final: these ended failed
+            failure = failure_result(await self._client.status(job_id))
+            for position in positions:
+                self._fail(position, failure)
+        elif state in (JobState.CANCELLED, JobState.INCOMPLETE):
+            # Never ran to an end: as Gym's rows the dispatch budget never started.
             for position in positions:
                 self._resolve(position, drained_result(f"not run: job {job_id} ended {state}"))
-            return
-        raise ClientError(
-            None, f"job {job_id} ended {state} with no result for example(s) {positions[:10]}"
-        )
-
-    async def _read_rows(self, job_id: str, plan: JobPlan) -> None:
-        async for row in self._client.results(job_id):
-            self._succeed(plan, row)
-
-    async def _read_groups(self, job_id: str, plan: JobPlan, groups: Results) -> None:
-        async for group in groups:
-            for row in group["rows"]:
-                self._succeed(plan, row)
-            task = plan.by_task.get(group["task_index"], [])
-            left = [p for p in task if p not in self._resolved]
-            if left:
-                failure = failure_result(await self._client.status(job_id))
-                for position in left:
-                    self._fail(position, failure)
-        if groups.final_state is JobState.FAILED:
+        else:
             job = await self._client.status(job_id)
-            raise ClientError(None, f"job {job_id} failed: {job.error}")
+            raise ClientError(None, f"job {job_id} ended {state}: {job.error}")
 
     def _succeed(self, plan: JobPlan, row: dict[str, Any]) -> None:
         position = plan.by_key.get((row[TASK_INDEX], row[ROLLOUT_INDEX]))
@@ -326,17 +317,6 @@ def _leaf(error: Exception) -> Exception:
     while isinstance(error, ExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
     return error
-
-
-async def _both(first: Awaitable[None], second: Awaitable[None]) -> None:
-    """Await both; the first error cancels the other and is raised."""
-    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Completions:

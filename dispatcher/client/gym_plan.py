@@ -104,7 +104,6 @@ class JobPlan:
     positions: list[int]
     rows: list[dict[str, Any]]
     by_key: dict[tuple[int, int], int] = field(default_factory=dict)
-    by_task: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
 
 
 def plan_job(examples: Sequence[Mapping[str, Any]], positions: Sequence[int]) -> JobPlan:
@@ -125,7 +124,6 @@ def plan_job(examples: Sequence[Mapping[str, Any]], positions: Sequence[int]) ->
         plan.rows.append(row)
         if isinstance(task, int):
             plan.by_key[(task, next_rollout[task])] = position
-            plan.by_task[task].append(position)
             next_rollout[task] += 1
     return plan
 
