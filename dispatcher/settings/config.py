@@ -43,6 +43,8 @@ class RunSettings(BaseModel):
     input: Path
     output: Path
     agents: dict[str, list[str]] = Field(default_factory=dict)
+    # contracts §15: agents from a Gym head server's config; `agents` wins by name.
+    gym_head_server: str | None = None
     default_agent: str | None = None
     num_repeats: int | dict[str, int] = 1
     limit: int | None = Field(default=None, ge=0)
@@ -245,6 +247,10 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         if key != "config" and value is not None:
             merged[key], sources[key] = value, flag_for(key)
     _normalize_unbounded(merged)
+    if merged.get("gym_head_server"):
+        from dispatcher.settings.gym_head import with_head_agents
+
+        merged["agents"] = with_head_agents(merged["gym_head_server"], merged.get("agents"))
     try:
         return RunSettings.model_validate(merged)
     except ValidationError as exc:

@@ -29,6 +29,8 @@ _RUN_FLAGS: dict[str, str] = {
     "--input": "task file (JSONL), streamed",
     "--output": "output file X.jsonl; sidecars are named after it",
     "--default-agent": "agent for rows without agent_ref",
+    "--gym-head-server": "URL of a running NeMo Gym head server: its agents, by name "
+    "(--agent wins for a name it gives)",
     "--num-repeats": 'repeats per task: N, or a JSON map like {"a": 4, "_default": 1}',
     "--limit": "read at most N input rows",
     "--concurrency": "rollouts in flight at most (default 64; 'unbounded' for no bound), "

@@ -1,0 +1,388 @@
+"""A drop-in for trainers that call NeMo Gym's Python API (contracts §15).
+
+NeMo RL drives Gym in-process through ``RolloutCollectionHelper().run_examples(
+examples)``; the same loop runs on ``dispatcher serve`` by changing one line::
+
+    from dispatcher.client.gym import RolloutCollectionHelper
+
+    helper = RolloutCollectionHelper("http://rollouts:8080")
+    for future in helper.run_examples(examples):
+        row, result = await future  # in completion order, as Gym's
+
+The contract kept (Gym 0.7.0 and Main have one signature): ``run_examples``
+returns an iterator of ``len(examples)`` awaitables, each resolving to
+``(row, result)`` in completion order. ``row`` is the caller's example, the
+same object. ``result`` is what the agent's ``/run`` answered, without the
+keys the dispatcher owns or rewrites (``DISPATCHER_KEYS``: the identity keys
+``_ng_task_index``, ``_ng_rollout_index``, ``agent_ref`` and the others of
+contracts §3, ``_ng_seq``, the policy versions, ``_ng_run_id``, and the
+capture view ``ng_trajectory``/``ng_perf``/``ng_model_call_capture``). An agent
+that echoes its request has the identity keys in its own answer; they are in
+``row``. The full durable row stays in the job's output on the daemon. An
+answer carrying ``_ng_failure_class`` is a failure here, retried as any
+(contracts §3), where Gym hands it back as a result.
+
+Behind it, the examples are a job on the daemon (``num_repeats`` 1), streamed
+back as rows become durable. The first ``await`` submits it. Rows go to the
+agents as the dispatcher sends them (contracts §1, §3): an example without
+``_ng_task_index`` gets one of its own; ``_ng_rollout_index`` is the
+dispatcher's (0, 1, ... per task within the job). The daemon retries and
+resumes as for any job (contracts §5, §11).
+
+Gym's keyword arguments:
+
+- ``max_resident_tasks``: at most that many examples are submitted and not
+  yet resolved; the rest are submitted as a job each time half of them free
+  up. ``ValueError`` below 1, as Gym.
+- ``dispatch_budget_s``, ``drain_margin_s``: an example not submitted when
+  less than the margin is left of the budget (counted from this call) never
+  runs and resolves to Gym's drained result (``_ng_failure_class``
+  ``"cancelled"``, ``_ng_no_persist``, ``_ng_dispatch_drained``). Without a
+  margin it adapts to the p75 of the rollouts' durations once five are in,
+  as Gym. The check is made where examples are handed to the daemon: with
+  ``max_resident_tasks`` as slots free up, without it once for all.
+- ``route_failures_to_sidecar``: a rollout that ended failed (the daemon's
+  attempts spent, or a terminal failure; known once its job is final, since
+  the daemon streams success rows only) resolves to a failure result
+  (``_ng_failure_class``, ``_ng_failure_type`` ``"RolloutFailed"``,
+  ``_ng_failure_message``, ``_ng_failure_http_status``,
+  ``_ng_failure_response_body``); without it its awaitable raises
+  ``RolloutFailed``. The class is the job's failure class when the job has
+  one, else ``"rollout_failed"``; the failure rows themselves are in the
+  job's ``rollouts_failures.jsonl`` on the daemon.
+- ``latency_tracker``: Gym's ``DispatchLatencyTracker`` (anything with
+  ``record(seconds)`` and ``record_drained()``) gets each rollout's duration.
+- ``head_server_config``, ``semaphore``: accepted, not used. The daemon's
+  agents come from its own flags (``--gym-head-server``), and its
+  ``--concurrency`` bounds the requests to them.
+- ``environment_server_name``: only None; rows route by ``agent_ref``.
+
+A job that ends cancelled or incomplete resolves its unrun examples to the
+drained result; a job that fails raises ``ClientError`` from theirs.
+``Completions.aclose()`` stops early: the jobs still running are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from dispatcher.client.aio import AsyncClient
+from dispatcher.client.gym_plan import (
+    DISPATCHER_KEYS,
+    Durations,
+    JobPlan,
+    agent_result,
+    budget_message,
+    drained_result,
+    failure_result,
+    plan_job,
+)
+from dispatcher.client.wire import ClientError
+from dispatcher.lifecycle import JobState
+from dispatcher.tasks.keys import ROLLOUT_INDEX, TASK_INDEX
+
+__all__ = [
+    "DISPATCHER_KEYS",
+    "Completions",
+    "RolloutCollectionHelper",
+    "RolloutFailed",
+    "agent_result",
+    "drained_result",
+]
+
+log = structlog.get_logger(__name__)
+
+Pair = tuple[dict[str, Any], dict[str, Any]]
+
+
+class RolloutFailed(ClientError):
+    """A rollout the daemon gave up on (``route_failures_to_sidecar=False``)."""
+
+    def __init__(self, failure: dict[str, Any]) -> None:
+        super().__init__(None, str(failure["_ng_failure_message"]))
+        self.failure = failure
+
+
+class LatencyTracker(Protocol):
+    def record(self, seconds: float) -> None: ...
+
+    def record_drained(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Options:
+    """Gym's keyword arguments that mean something here."""
+
+    failures_as_results: bool = False
+    max_resident_tasks: int | None = None
+    dispatch_budget_s: float | None = None
+    drain_margin_s: float | None = None
+    latency_tracker: LatencyTracker | None = None
+
+
+class Collection:
+    """One ``run_examples`` call: owns its jobs, what is resolved, and the completions queue.
+
+    Everything it learns ends in ``_resolve``, exactly once per example; a
+    failure of its own task resolves every example still open with it, so no
+    awaitable waits forever.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], AsyncClient],
+        examples: Sequence[dict[str, Any]],
+        options: Options,
+    ) -> None:
+        self._connect = connect
+        self._client = connect()
+        self._examples = examples
+        self._options = options
+        self._completions: asyncio.Queue[Pair | BaseException] = asyncio.Queue()
+        self._resolved: set[int] = set()
+        self._next = 0  # examples before it are submitted (or drained)
+        self._room = asyncio.Event()
+        self._durations = Durations()
+        self._jobs: list[str] = []
+        self._prefix = f"gym-{uuid.uuid4().hex[:12]}"
+        # Gym counts the budget from the call, not from the first await.
+        budget = options.dispatch_budget_s
+        self._deadline = None if budget is None else time.monotonic() + budget
+        self._task: asyncio.Task[None] | None = None
+
+    async def next_completion(self) -> Pair:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._collect())
+        item = await self._completions.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        """Stop: the jobs still running are cancelled; open examples raise CancelledError."""
+        if self._task is None or self._task.done():
+            return
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        # A fresh client: the cancelled task's is closed, and awaits in it are cut short.
+        async with self._connect() as client:
+            await _cancel_jobs(client, self._jobs)
+
+    # --- the collection task ---
+
+    async def _collect(self) -> None:
+        try:
+            async with self._client:
+                try:
+                    await self._feed()
+                except Exception:
+                    # A collection that fails stops its jobs on the daemon.
+                    await _cancel_jobs(self._client, self._jobs)
+                    raise
+        except asyncio.CancelledError:
+            self._resolve_rest(asyncio.CancelledError())
+            raise
+        except Exception as exc:
+            error = _leaf(exc)
+            log.warning("gym_collection_failed", error=f"{type(error).__name__}: {error}")
+            self._resolve_rest(error)
+
+    async def _feed(self) -> None:
+        """Submit the examples as jobs, a window at a time, and follow each job."""
+        total = len(self._examples)
+        window = self._options.max_resident_tasks or total
+        async with asyncio.TaskGroup() as jobs:
+            while self._next < total:
+                count = await self._room_for(window, total)
+                drained = self._drain_message()
+                if drained is not None:
+                    self._drain_rest(drained)
+                    return
+                plan = plan_job(self._examples, range(self._next, self._next + count))
+                self._next += count
+                job_id = await self._submit(plan)
+                jobs.create_task(self._follow(job_id, plan))
+
+    async def _room_for(self, window: int, total: int) -> int:
+        """How many examples to submit next: once half the window is free (or all the rest)."""
+        while True:
+            free = window - (self._next - len(self._resolved))
+            if free >= min(max(1, window // 2), total - self._next):
+                return min(free, total - self._next)
+            self._room.clear()
+            await self._room.wait()
+
+    def _drain_message(self) -> str | None:
+        if self._deadline is None:
+            return None
+        remaining = self._deadline - time.monotonic()
+        margin = self._durations.margin(self._options.drain_margin_s)
+        if remaining <= 0 or (margin is not None and remaining < margin):
+            return budget_message(remaining, margin)
+        return None
+
+    def _drain_rest(self, message: str) -> None:
+        for position in range(self._next, len(self._examples)):
+            if self._options.latency_tracker is not None:
+                self._options.latency_tracker.record_drained()
+            self._resolve(position, drained_result(message))
+        self._next = len(self._examples)
+
+    async def _submit(self, plan: JobPlan) -> str:
+        job_id = f"{self._prefix}-{len(self._jobs)}"
+        self._jobs.append(job_id)
+        # With a job_id the submit is idempotent, so a lost answer is retried.
+        await self._client.submit(plan.rows, job_id=job_id, num_repeats=1)
+        return job_id
+
+    async def _follow(self, job_id: str, plan: JobPlan) -> None:
+        """Resolve the job's examples: each as its row lands, the rest once the job is final."""
+        rows = self._client.results(job_id)
+        try:
+            async for row in rows:
+                self._succeed(plan, row)
+            left = [p for p in plan.positions if p not in self._resolved]
+            if left:
+                await self._resolve_left(job_id, rows.final_state, left)
+        except Exception as exc:
+            for position in plan.positions:
+                self._resolve(position, exc)
+
+    async def _resolve_left(
+        self, job_id: str, state: JobState | None, positions: list[int]
+    ) -> None:
+        """The examples of a final job that have no row."""
+        if state is JobState.DONE:  # every rollout final: these ended failed
+            failure = failure_result(await self._client.status(job_id))
+            for position in positions:
+                self._fail(position, failure)
+        elif state in (JobState.CANCELLED, JobState.INCOMPLETE):
+            # Never ran to an end: as Gym's rows the dispatch budget never started.
+            for position in positions:
+                self._resolve(position, drained_result(f"not run: job {job_id} ended {state}"))
+        else:
+            job = await self._client.status(job_id)
+            raise ClientError(None, f"job {job_id} ended {state}: {job.error}")
+
+    def _succeed(self, plan: JobPlan, row: dict[str, Any]) -> None:
+        position = plan.by_key.get((row[TASK_INDEX], row[ROLLOUT_INDEX]))
+        if position is None or position in self._resolved:
+            return
+        duration = (row.get("_ng_dispatch") or {}).get("duration_s")
+        if isinstance(duration, int | float):
+            self._durations.add(float(duration))
+            if self._options.latency_tracker is not None:
+                self._options.latency_tracker.record(float(duration))
+        self._resolve(position, agent_result(row))
+
+    def _fail(self, position: int, failure: dict[str, Any]) -> None:
+        if self._options.failures_as_results:
+            self._resolve(position, dict(failure))
+        else:
+            self._resolve(position, RolloutFailed(failure))
+
+    def _resolve(self, position: int, outcome: dict[str, Any] | BaseException) -> None:
+        if position in self._resolved:
+            return
+        self._resolved.add(position)
+        if isinstance(outcome, BaseException):
+            self._completions.put_nowait(outcome)
+        else:
+            self._completions.put_nowait((self._examples[position], outcome))
+        self._room.set()
+
+    def _resolve_rest(self, error: BaseException) -> None:
+        for position in range(len(self._examples)):
+            self._resolve(position, error)
+
+
+async def _cancel_jobs(client: AsyncClient, job_ids: list[str]) -> None:
+    for job_id in job_ids:
+        try:
+            await client.cancel(job_id)
+        except ClientError as exc:
+            log.warning("gym_job_cancel_failed", job_id=job_id, error=str(exc))
+
+
+def _leaf(error: Exception) -> Exception:
+    """The first error inside a task group's ``ExceptionGroup``, or the error itself."""
+    while isinstance(error, ExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+class Completions:
+    """The iterator ``run_examples`` returns: ``len(examples)`` awaitables, completion order."""
+
+    def __init__(self, collection: Collection, total: int) -> None:
+        self._collection = collection
+        self._left = total
+
+    def __len__(self) -> int:
+        return self._left
+
+    def __iter__(self) -> Iterator[Awaitable[Pair]]:
+        return self
+
+    def __next__(self) -> Awaitable[Pair]:
+        if self._left <= 0:
+            raise StopIteration
+        self._left -= 1
+        return self._collection.next_completion()
+
+    async def aclose(self) -> None:
+        await self._collection.aclose()
+
+
+class RolloutCollectionHelper:
+    """Gym's ``RolloutCollectionHelper`` on ``dispatcher serve`` at ``url`` (see the module).
+
+    ``token``: the daemon's API token (default ``DISPATCHER_API_TOKEN``);
+    ``client_options`` go to ``AsyncClient`` (timeouts, TLS).
+    """
+
+    def __init__(self, url: str, token: str | None = None, **client_options: Any) -> None:
+        self.url = url
+        self._token = token
+        self._client_options = client_options
+
+    def run_examples(
+        self,
+        examples: list[dict[str, Any]],
+        head_server_config: Any = None,
+        semaphore: Any = None,
+        route_failures_to_sidecar: bool = False,
+        environment_server_name: str | None = None,
+        *,
+        max_resident_tasks: int | None = None,
+        dispatch_budget_s: float | None = None,
+        drain_margin_s: float | None = None,
+        latency_tracker: LatencyTracker | None = None,
+    ) -> Completions:
+        """An iterator of awaitables, one per example, each ``(row, result)`` (Gym's contract)."""
+        if max_resident_tasks is not None and max_resident_tasks < 1:
+            raise ValueError("max_resident_tasks must be >= 1")
+        if environment_server_name is not None:
+            raise ValueError(
+                "environment_server_name: the dispatcher routes rows by agent_ref only; "
+                "give the agent each row runs on"
+            )
+        options = Options(
+            failures_as_results=route_failures_to_sidecar,
+            max_resident_tasks=max_resident_tasks,
+            dispatch_budget_s=dispatch_budget_s,
+            drain_margin_s=drain_margin_s,
+            latency_tracker=latency_tracker,
+        )
+        connect = functools.partial(
+            AsyncClient, self.url, token=self._token, **self._client_options
+        )
+        return Completions(Collection(connect, examples, options), len(examples))
