@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 from dispatcher.errors import ConfigError
 from dispatcher.files.writer import RunLock, fsync_dir, write_json_atomic
 from dispatcher.lifecycle import JobState
-from dispatcher.serve.spec import STORED, JobSpec, first_error
+from dispatcher.serve.spec import STORED, JobSpec
 
 log = structlog.get_logger("dispatcher.serve")
 
@@ -101,7 +101,11 @@ class JobRecord(BaseModel):
         except ValidationError as exc:
             error = exc.errors()[0]
             if error["loc"][:1] == ("spec",):
-                raise BadRecord(f"spec: {first_error(exc)}") from None
+                where = ".".join(str(part) for part in error["loc"][1:])
+                message = str(error["msg"]).removeprefix("Value error, ")
+                raise BadRecord(
+                    f"spec: {where}: {message}" if where else f"spec: {message}"
+                ) from None
             where = ".".join(str(part) for part in error["loc"])
             what = _KINDS.get(error["type"], str(error["msg"]))
             raise BadRecord(f"{where}: {what}, got {_short(error['input'])}") from None
