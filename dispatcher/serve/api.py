@@ -33,7 +33,7 @@ import structlog
 from aiohttp import web
 
 from dispatcher.lifecycle import JobState
-from dispatcher.serve.bodies import BadBody, BodyBudget, load_json
+from dispatcher.serve.bodies import BadBody, load_json
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.jobs import BadJob, Conflict, Service
@@ -86,7 +86,6 @@ class _Middlewares:
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.bodies = BodyBudget(service.limits.max_request_bytes)
 
     @web.middleware
     async def json_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -97,6 +96,10 @@ class _Middlewares:
             if exc.status < 400 or not request.path.startswith("/v1/"):
                 raise
             return error(exc.status, exc.reason)
+        except ConnectionError:
+            # The client went away (mid-body, say): nobody to answer.
+            log.info("client_gone", method=request.method, path=request.path)
+            raise
         except Exception as exc:
             self.service.disk_fault(exc)
             status = 507 if is_disk_fault(exc) else 500
@@ -132,7 +135,7 @@ class _Middlewares:
         size = request.content_length
         if size is not None and size > limit:
             return error(413, f"body: {size} bytes, more than --max-body-bytes {limit}")
-        async with self.bodies.hold(size if size is not None else limit):
+        async with self.service.bodies.hold(size if size is not None else limit):
             return await handler(request)
 
 
@@ -214,14 +217,17 @@ class _Handlers:
                         idle_s=limits.stream_idle_timeout_s)  # fmt: skip
         chunk_bytes = limits.stream_buffer_bytes
         try:
-            async for chunk, born in stream(source, after, group, wait, filtered,
-                                            chunk_bytes=chunk_bytes):  # fmt: skip
+            lines = stream(source, after, group, wait, filtered, chunk_bytes=chunk_bytes,
+                           gone=sender.gone)  # fmt: skip
+            async for chunk, born in lines:
                 await sender.write(chunk)
                 self.service.delivered(born, group)
             await sender.write_eof()
         except StreamIdle as exc:
             log.info("results_stream_cut", job_id=job.job_id, reason=str(exc))
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:
+            log.info("results_stream_gone", job_id=job.job_id)
+        except asyncio.CancelledError:
             raise
         except Exception as exc:
             # The status line is sent: the stream is cut without its end line,

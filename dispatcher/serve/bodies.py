@@ -41,6 +41,8 @@ class BodyBudget:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.held = 0
+        # Requests waiting for room (their bodies not read yet).
+        self.waiting = 0
         self._changed = asyncio.Condition()
 
     @asynccontextmanager
@@ -48,7 +50,11 @@ class BodyBudget:
         """Wait for room for ``size`` bytes (at most the capacity), hold it meanwhile."""
         size = min(size, self.capacity)
         async with self._changed:
-            await self._changed.wait_for(lambda: self.held + size <= self.capacity)
+            self.waiting += 1
+            try:
+                await self._changed.wait_for(lambda: self.held + size <= self.capacity)
+            finally:
+                self.waiting -= 1
             self.held += size
         try:
             yield

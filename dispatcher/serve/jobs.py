@@ -28,6 +28,7 @@ import structlog
 
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.run.daemon import Daemon, peak_rss_mb
+from dispatcher.serve.bodies import BodyBudget
 from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.metrics import declare_service_metrics
@@ -76,6 +77,8 @@ class Service:
         self.limits = limits
         # Results streams open now, against --max-streams.
         self.streams = Slots(limits.max_streams)
+        # Request bodies being read and parsed, against --max-request-bytes.
+        self.bodies = BodyBudget(limits.max_request_bytes)
         self.jobs: dict[str, AnyJob] = {}
         self.health = StateDirHealth(registry)
         # False until the registry is read (the API answers 503 until then).
@@ -316,6 +319,10 @@ class Service:
             "jobs": self.job_counts(),
             # Jobs held in memory whole (running); a final one holds a few fields.
             "jobs_running_in_memory": len(running),
+            # What clients hold of the daemon now, against its bounds (contracts §12).
+            "streams_open": self.streams.open,
+            "request_bytes_held": self.bodies.held,
+            "requests_waiting": self.bodies.waiting,
             "progress": dict(progress),
             "outcomes": dict(outcomes),
             "rollouts_per_hour": daemon.metrics.rollouts_per_hour(),

@@ -75,9 +75,11 @@ async def stream(
     filtered: bool = False,
     *,
     chunk_bytes: int,
+    gone: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[Chunk]:
     """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line.
-    A chunk carries at most ``chunk_bytes`` of rows, or one row bigger than that."""
+    A chunk carries at most ``chunk_bytes`` of rows, or one row bigger than that. A
+    waiting stream whose client is ``gone`` ends (checked at each wake)."""
     index = source.groups if group else source.rows
     next_seq = after + 1
     with _Reader(source.output) as rows, _Reader(source.groups_path) as groups:
@@ -111,7 +113,7 @@ async def stream(
                 if wait:
                     yield encode(EndLine(final, source.final_error())), []
                 return
-            if not wait:
+            if not wait or gone():
                 return
             await index.grew.wait(IDLE_CHECK_S)
 

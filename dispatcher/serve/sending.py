@@ -18,6 +18,9 @@ What a stream holds is bounded whatever its peer does:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from collections.abc import Awaitable
 
 from aiohttp import web
@@ -85,10 +88,21 @@ class Sender:
             if not task.done():
                 await cancel_and_wait(task, reraise=False)
 
+    def gone(self) -> bool:
+        """Whether the client closed the connection."""
+        return self.transport is None or self.transport.is_closing()
+
     def _unsent(self) -> int:
         return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     def abort(self) -> None:
-        """Drop what is unsent and close the connection."""
-        if self.transport is not None:
-            self.transport.abort()
+        """Drop what is unsent, in the kernel too, and close the connection (a reset)."""
+        if self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # Without a linger of 0, a close still sends what the kernel holds
+            # to a peer that takes nothing; with it, the connection is reset.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
