@@ -2,7 +2,7 @@
 
 ``dispatcher serve`` runs in its own process with stated bounds
 (``--max-streams``, ``--stream-buffer-bytes``, ``--stream-idle-timeout-s``,
-``--max-request-bytes``, ``--header-timeout-s``, ``--max-job-rollouts``); a
+``--max-body-bytes-in-flight``, ``--header-timeout-s``, ``--max-job-rollouts``); a
 simulated agent answers. Its resident memory is sampled from /proc every
 20 ms; each phase prints its peak (VmRSS) above the daemon's memory before the
 phase, and what the settings allow for it:
@@ -15,7 +15,7 @@ phase, and what the settings allow for it:
    holding its buffer and a chunk; after the idle timeout every one is cut
    (open streams and the daemon's file descriptors back to where they were).
 3. Six bodies of ``--body-mb`` each sent at once: they are read one at a time
-   under ``--max-request-bytes``; each is a job over ``--max-job-rollouts``, so
+   under ``--max-body-bytes-in-flight``; each is a job over ``--max-job-rollouts``, so
    it is parsed and checked whole, then refused (400), nothing run.
 4. ``--jobs`` jobs of inline 2 KB rows, one after another, each to its end:
    RSS after the first tenth and at the end (flat within 10% is the goal).
@@ -224,10 +224,10 @@ async def send_body(daemon: Daemon, rows: int, row_bytes: int) -> int:
 
 
 async def bodies_phase(daemon: Daemon, http: aiohttp.ClientSession, args: Any) -> None:
-    budget_mb = daemon.bound("--max-request-bytes") / MIB
+    budget_mb = daemon.bound("--max-body-bytes-in-flight") / MIB
     rows = args.body_mb * MIB // 2048
     print(f"3. six bodies of {args.body_mb} MB ({rows} rows of 2 KB) at once "
-          f"(--max-request-bytes {budget_mb:.0f} MiB)")  # fmt: skip
+          f"(--max-body-bytes-in-flight {budget_mb:.0f} MiB)")  # fmt: skip
     started = time.perf_counter()
     # A body in hand is parsed into objects several times its size: allowed is
     # the budget's bytes at that ratio (measured on one body alone, below).
@@ -314,7 +314,7 @@ def main() -> None:
         "--stream-buffer-bytes": str(256 * 1024),
         "--stream-idle-timeout-s": idle_s,
         "--max-body-bytes": str(max(args.body_mb + 6, 16) * MIB),
-        "--max-request-bytes": str(max(args.body_mb + 6, 16) * MIB),
+        "--max-body-bytes-in-flight": str(max(args.body_mb + 6, 16) * MIB),
         "--header-timeout-s": header_s,
         # The six bodies are each just over it: parsed and checked whole, not run.
         "--max-job-rollouts": str(body_rows - 1),

@@ -5,7 +5,7 @@ Results streams: a client that reads nothing holds the stream's buffer and no mo
 and is cut after the idle timeout; streams over --max-streams are a 503; a client
 cut that way resumes with after= and gets every row once. Requests: a client that
 never finishes its headers is closed; bodies wait for room under
---max-request-bytes before they are read. No sleeps: every wait is on what the
+--max-body-bytes-in-flight before they are read. No sleeps: every wait is on what the
 daemon says (its log, /status) or on the socket.
 """
 
@@ -24,7 +24,8 @@ import pytest
 from aiohttp import web
 
 from dispatcher.client import AsyncClient
-from tests.helpers import FakeAgent, wait_until
+from dispatcher.settings.serve import SERVE_LIMIT_FLAGS
+from tests.helpers import FakeAgent, run_cli, wait_until
 from tests.test_service_e2e import Serve, rows
 
 pytestmark = pytest.mark.timeout(180)
@@ -179,11 +180,11 @@ async def test_a_client_that_never_finishes_its_headers_is_closed(
         assert await serve.stop() == 0
 
 
-async def test_bodies_wait_for_room_under_max_request_bytes_before_they_are_read(
+async def test_bodies_wait_for_room_under_max_body_bytes_in_flight_before_they_are_read(
     tmp_path: Path, gated_agent: FakeAgent
 ) -> None:
     mib = 1024 * 1024
-    flags = ("--max-body-bytes", str(mib), "--max-request-bytes", str(mib))
+    flags = ("--max-body-bytes", str(mib), "--max-body-bytes-in-flight", str(mib))
     serve = await Serve.start(tmp_path / "state", gated_agent.url, *flags)
     try:
         host, port = serve.url.removeprefix("http://").split(":")
@@ -302,3 +303,28 @@ async def gated_agent() -> AsyncIterator[FakeAgent]:
     await agent.start()
     yield agent
     await agent.close()
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+async def test_every_bound_is_in_serve_help_and_in_the_readme_table_once() -> None:
+    help_text = (await run_cli("serve", "--help")).stdout
+    section = README.read_text().split("\n### Bounds whatever the clients do\n", 1)[1]
+    table = [line for line in section.split("\n#", 1)[0].splitlines() if line.startswith("| `--")]
+    listed = [line.split("`")[1].split()[0] for line in table]
+    assert sorted(listed) == sorted(SERVE_LIMIT_FLAGS)
+    assert all(flag in help_text for flag in SERVE_LIMIT_FLAGS)
+
+
+async def test_a_bad_bound_is_exit_2_naming_the_flag(tmp_path: Path) -> None:
+    for flags, named in (
+        (("--max-streams", "0"), "--max-streams"),
+        (("--stream-idle-timeout-s", "soon"), "--stream-idle-timeout-s"),
+        (("--max-body-bytes", "2000000", "--max-body-bytes-in-flight", "1000000"),
+         "--max-body-bytes-in-flight"),
+    ):  # fmt: skip
+        result = await run_cli(
+            "serve", "--state-dir", str(tmp_path / "s"), "--agent", "a=http://127.0.0.1:9", *flags
+        )
+        assert result.returncode == 2 and named in result.stderr, result.stderr[-500:]

@@ -17,7 +17,7 @@ logged once at error with its traceback. ``/healthz`` answers 503 with the
 reason while the state directory cannot be written.
 
 Bounded whatever clients send (``settings/serve.py``): a request body waits
-for room under ``--max-request-bytes`` before it is read (``bodies.py``); a
+for room under ``--max-body-bytes-in-flight`` before it is read (``bodies.py``); a
 results stream takes one of ``--max-streams`` slots (503 with
 ``Retry-After`` when none is free) and is sent under backpressure, cut when
 its client takes nothing (``sending.py``).
@@ -128,7 +128,7 @@ class _Middlewares:
     @web.middleware
     async def bounded_bodies(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         # Room for the body before it is read: bodies being read and parsed at
-        # once stay under --max-request-bytes, however many clients send.
+        # once stay under --max-body-bytes-in-flight, however many clients send.
         if not request.body_exists:
             return await handler(request)
         limit = self.service.limits.max_body_bytes

@@ -1,7 +1,7 @@
 """Request bodies, bounded whatever the clients send (contracts §12).
 
 - ``BodyBudget``: the bytes of request bodies being read and parsed at once,
-  daemon-wide (``--max-request-bytes``). A request takes its
+  daemon-wide (``--max-body-bytes-in-flight``). A request takes its
   ``Content-Length`` (the per-request cap when it sends none) before its body
   is read, and gives it back once answered: six clients sending 250 MB each
   at once are read one after another, not all into memory together. A body

@@ -77,8 +77,8 @@ class Service:
         self.limits = limits
         # Results streams open now, against --max-streams.
         self.streams = Slots(limits.max_streams)
-        # Request bodies being read and parsed, against --max-request-bytes.
-        self.bodies = BodyBudget(limits.max_request_bytes)
+        # Request bodies being read and parsed, against --max-body-bytes-in-flight.
+        self.bodies = BodyBudget(limits.max_body_bytes_in_flight)
         self.jobs: dict[str, AnyJob] = {}
         self.health = StateDirHealth(registry)
         # False until the registry is read (the API answers 503 until then).

@@ -10,7 +10,7 @@ Each flag bounds one thing a client could otherwise grow without end:
 - ``--stream-idle-timeout-s``: a stream whose peer took nothing for this
   long is closed (the client resumes with ``after=``).
 - ``--max-body-bytes``: one request's body (over it: 413).
-- ``--max-request-bytes``: request bodies being read and parsed at once,
+- ``--max-body-bytes-in-flight``: request bodies being read and parsed at once,
   daemon-wide; a request waits for room before its body is read.
 - ``--header-timeout-s``: a connection that has not sent a whole request's
   headers this long after connecting (or after its last answer) is closed.
@@ -40,16 +40,16 @@ class ServeLimits(BaseModel):
     stream_buffer_bytes: int = Field(default=256 * 1024, ge=4096)
     stream_idle_timeout_s: float = Field(default=60.0, gt=0)
     max_body_bytes: int = Field(default=256 * MIB, ge=1024)
-    max_request_bytes: int = Field(default=256 * MIB, ge=1024)
+    max_body_bytes_in_flight: int = Field(default=256 * MIB, ge=1024)
     header_timeout_s: float = Field(default=30.0, gt=0)
     max_job_rollouts: int = Field(default=1_000_000, ge=1)
     max_job_bytes: int = Field(default=16 * 1024 * MIB, ge=1)
 
     @model_validator(mode="after")
     def _a_body_fits(self) -> ServeLimits:
-        if self.max_request_bytes < self.max_body_bytes:
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
             raise ValueError(
-                "--max-request-bytes: must be at least --max-body-bytes "
+                "--max-body-bytes-in-flight: must be at least --max-body-bytes "
                 "(else a body of the largest size could never be read)"
             )
         return self
@@ -61,11 +61,15 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--stream-buffer-bytes": ("bytes one results stream holds unsent", "BYTES"),
     "--stream-idle-timeout-s": ("close a results stream whose client took nothing this long", "S"),
     "--max-body-bytes": ("one request body at most; bigger answers 413", "BYTES"),
-    "--max-request-bytes": ("request bodies being read at once, daemon-wide", "BYTES"),
+    "--max-body-bytes-in-flight": ("request bodies being read at once, daemon-wide", "BYTES"),
     "--header-timeout-s": ("close a connection that sent no whole request headers this long", "S"),
     "--max-job-rollouts": ("rows x repeats of one job at most; more answers 400", "N"),
     "--max-job-bytes": ("input bytes x repeats of one job at most; more answers 413", "BYTES"),
 }
+
+
+# The flags, in the order ``--help`` shows them.
+SERVE_LIMIT_FLAGS = tuple(_FLAGS)
 
 
 def add_serve_limit_arguments(parser: argparse.ArgumentParser) -> None:
