@@ -16,8 +16,9 @@ the id can be submitted again.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ class FinalJob:
     satisfied_seq: int | None = None
     # Nothing runs for it.
     task: asyncio.Task[None] | None = None
+    # The streams reading it now share one index of its files (gone with the last).
+    _shared: weakref.ref[Source] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, record: JobRecord, registry: Registry) -> FinalJob:
@@ -73,9 +76,14 @@ class FinalJob:
         """Nothing of it runs."""
 
     async def source(self) -> Source:
-        return await _files_source(
+        shared = self._shared() if self._shared is not None else None
+        if shared is not None:
+            return shared
+        source = await _files_source(
             self.folder, lambda: self.state.value, lambda: self.error, lambda: self.satisfied_seq
         )
+        self._shared = weakref.ref(source)
+        return source
 
 
 def _saved_status(record: JobRecord) -> dict[str, Any] | None:
