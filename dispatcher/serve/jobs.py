@@ -179,14 +179,13 @@ class Service:
         return job.status()
 
     async def statuses(self) -> list[dict[str, Any]]:
-        """Every job's status, in one thread hop for the final ones."""
+        """Every job's status: the live ones here on the loop, the final ones read
+        from their records in one thread hop."""
         jobs = list(self.jobs.values())
-        return await asyncio.to_thread(
-            lambda: [
-                job.read_status(self.registry) if isinstance(job, FinalJob) else job.status()
-                for job in jobs
-            ]
-        )
+        finals = [job for job in jobs if isinstance(job, FinalJob)]
+        read = await asyncio.to_thread(lambda: [job.read_status(self.registry) for job in finals])
+        saved = dict(zip((job.job_id for job in finals), read, strict=True))
+        return [saved[job.job_id] if isinstance(job, FinalJob) else job.status() for job in jobs]
 
     def _still_broken(self, broken: BrokenJob) -> None:
         """A broken job's id is a 409 while its folder is there; gone, it is free."""
