@@ -55,6 +55,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/service.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
 	$(BIN)/python bench/step_control.py --smoke
+	$(BIN)/python bench/service_hostile.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output

@@ -32,7 +32,9 @@ def job_files(tmp_path: Path, rows: list[dict[str, Any]]) -> results.Source:
 
 
 async def streamed(source: results.Source, group: bool) -> list[dict[str, Any]]:
-    chunks = [chunk async for chunk, _ in results.stream(source, 0, group, wait=True)]
+    chunks = [
+        chunk async for chunk, _ in results.stream(source, 0, group, wait=True, chunk_bytes=1 << 20)
+    ]
     return [orjson.loads(line) for line in b"".join(chunks).splitlines()]
 
 

@@ -171,6 +171,7 @@ class Daemon:
         max_body_bytes: int | None = None,
         *,
         tls: ssl.SSLContext | None = None,
+        header_timeout_s: float | None = None,
     ) -> None:
         """Bind the listener and install the signal handlers: the first steps.
 
@@ -178,7 +179,7 @@ class Daemon:
         handlers next: a SIGTERM while jobs prepare must still end in an
         orderly exit 75, not in death by signal.
         """
-        await self._start_http(status, healthy, routes, max_body_bytes, tls)
+        await self._start_http(status, healthy, routes, max_body_bytes, tls, header_timeout_s)
         self._install_signal_handlers()
 
     async def start(self, status: StatusFn) -> None:
@@ -392,6 +393,7 @@ class Daemon:
         routes: Routes | None,
         max_body_bytes: int | None,
         tls: ssl.SSLContext | None,
+        header_timeout_s: float | None = None,
     ) -> None:
         listen = resolve_listen(self.settings.metrics_listen)
         if listen is None:
@@ -407,6 +409,7 @@ class Daemon:
                 routes=routes,
                 max_body_bytes=max_body_bytes,
                 ssl_context=tls,
+                header_timeout_s=header_timeout_s,
             )
         except OSError as exc:
             raise ConfigError(

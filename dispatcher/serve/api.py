@@ -15,6 +15,12 @@ Every error is a JSON object with one line under ``error``: an unexpected
 exception in a handler too (a 500, or a 507 when the disk refused a write),
 logged once at error with its traceback. ``/healthz`` answers 503 with the
 reason while the state directory cannot be written.
+
+Bounded whatever clients send (``settings/serve.py``): a request body waits
+for room under ``--max-body-bytes-in-flight`` before it is read (``bodies.py``); a
+results stream takes one of ``--max-streams`` slots (503 with
+``Retry-After`` when none is free) and is sent under backpressure, cut when
+its client takes nothing (``sending.py``).
 """
 
 from __future__ import annotations
@@ -23,23 +29,26 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 import structlog
 from aiohttp import web
 
 from dispatcher.lifecycle import JobState
+from dispatcher.serve.bodies import BadBody, load_json
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
+from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
-from dispatcher.serve.spec import AdmissionChange, BadBody
+from dispatcher.serve.sending import Sender, StreamIdle
+from dispatcher.serve.served import ServedJob
+from dispatcher.serve.spec import AdmissionChange, TooBig
 from dispatcher.telemetry.server import Routes, json_response
 
 log = structlog.get_logger("dispatcher.serve")
 
 NDJSON = "application/x-ndjson"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# A job's rows arrive in its body: allow real batches of prompts.
-MAX_BODY_BYTES = 256 * 1024 * 1024
+# What a client refused for the stream limit is told to wait before it retries.
+RETRY_AFTER_S = 1
 # GET /v1/admission?wait_idle=true: how long it waits without timeout_s, and at most.
 DEFAULT_WAIT_IDLE_S = 60.0
 MAX_WAIT_IDLE_S = 3600.0
@@ -52,7 +61,12 @@ def routes(service: Service) -> Routes:
 
     def add(app: web.Application) -> None:
         app.middlewares.extend(
-            (middlewares.json_errors, middlewares.state_dir_health, middlewares.until_resumed)
+            (
+                middlewares.json_errors,
+                middlewares.state_dir_health,
+                middlewares.until_resumed,
+                middlewares.bounded_bodies,
+            )
         )
         app.router.add_post("/v1/jobs", handlers.submit)
         app.router.add_get("/v1/jobs", handlers.list_jobs)
@@ -82,6 +96,10 @@ class _Middlewares:
             if exc.status < 400 or not request.path.startswith("/v1/"):
                 raise
             return error(exc.status, exc.reason)
+        except ConnectionError:
+            # The client went away (mid-body, say): nobody to answer.
+            log.info("client_gone", method=request.method, path=request.path)
+            raise
         except Exception as exc:
             self.service.disk_fault(exc)
             status = 507 if is_disk_fault(exc) else 500
@@ -107,9 +125,24 @@ class _Middlewares:
             return error(503, "starting: the job registry is being read; retry")
         return await handler(request)
 
+    @web.middleware
+    async def bounded_bodies(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # Room for the body before it is read: bodies being read and parsed at
+        # once stay under --max-body-bytes-in-flight, however many clients send.
+        if not request.body_exists:
+            return await handler(request)
+        limit = self.service.limits.max_body_bytes
+        size = request.content_length
+        if size is not None and size > limit:
+            return error(413, f"body: {size} bytes, more than --max-body-bytes {limit}")
+        async with self.service.bodies.hold(size if size is not None else limit):
+            return await handler(request)
 
-def error(status: int, message: str) -> web.Response:
-    return json_response({"error": message}, status=status)
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    response = json_response({"error": message}, status=status)
+    response.headers.update(headers or {})
+    return response
 
 
 class _Handlers:
@@ -119,6 +152,8 @@ class _Handlers:
     async def submit(self, request: web.Request) -> web.Response:
         try:
             code, status = await self.service.submit(await request.read())
+        except TooBig as exc:
+            return error(413, str(exc))
         except BadJob as exc:
             return error(400, str(exc))
         except Conflict as exc:
@@ -130,56 +165,82 @@ class _Handlers:
             states = _states_param(request)
         except ValueError as exc:
             return error(400, str(exc))
-        jobs = [j.status() for j in self.service.jobs.values()]
+        jobs = await self.service.statuses()
         if states is not None:
             jobs = [job for job in jobs if job["state"] in states]
         return json_response({"jobs": jobs})
 
     async def get_job(self, request: web.Request) -> web.Response:
-        served = self.service.jobs.get(request.match_info["job_id"])
-        if served is None:
+        job = self.service.jobs.get(request.match_info["job_id"])
+        if job is None:
             return _unknown(request)
-        return json_response(served.status())
+        return json_response(await self.service.status_of(job))
 
     async def cancel(self, request: web.Request) -> web.Response:
-        status = self.service.cancel(request.match_info["job_id"])
+        status = await self.service.cancel(request.match_info["job_id"])
         if status is None:
             return _unknown(request)
         return json_response(status)
 
     async def results(self, request: web.Request) -> web.StreamResponse:
-        served = self.service.jobs.get(request.match_info["job_id"])
-        if served is None:
+        job = self.service.jobs.get(request.match_info["job_id"])
+        if job is None:
             return _unknown(request)
         try:
             after = _int_param(request, "after", 0)
-            group = _bool_param(request, "group")
-            wait = _bool_param(request, "wait")
-            filtered = _bool_param(request, "filtered")
+            flags = tuple(_bool_param(request, name) for name in ("group", "wait", "filtered"))
         except ValueError as exc:
             return error(400, str(exc))
-        source = await served.source()
+        slots = self.service.streams
+        if not slots.take():
+            message = f"--max-streams: {slots.limit} results streams are open; retry"
+            return error(503, message, {"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            return await self._stream(request, job, after, *flags)
+        finally:
+            slots.give_back()
+
+    async def _stream(
+        self,
+        request: web.Request,
+        job: ServedJob | FinalJob | BrokenJob,
+        after: int,
+        group: bool,
+        wait: bool,
+        filtered: bool,
+    ) -> web.StreamResponse:
+        limits = self.service.limits
+        source = await job.source()
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         await response.prepare(request)
+        sender = Sender(request, response, buffer_bytes=limits.stream_buffer_bytes,
+                        idle_s=limits.stream_idle_timeout_s)  # fmt: skip
+        chunk_bytes = limits.stream_buffer_bytes
         try:
-            async for chunk, born in stream(source, after, group, wait, filtered):
-                await response.write(chunk)
+            lines = stream(source, after, group, wait, filtered, chunk_bytes=chunk_bytes,
+                           gone=sender.gone)  # fmt: skip
+            async for chunk, born in lines:
+                await sender.write(chunk)
                 self.service.delivered(born, group)
-        except (ConnectionError, asyncio.CancelledError):
+            await sender.write_eof()
+        except StreamIdle as exc:
+            log.info("results_stream_cut", job_id=job.job_id, reason=str(exc))
+        except ConnectionError:
+            log.info("results_stream_gone", job_id=job.job_id)
+        except asyncio.CancelledError:
             raise
         except Exception as exc:
             # The status line is sent: the stream is cut without its end line,
             # which a client takes as a cut connection and resumes with after=.
-            log.error("results_stream_failed", job_id=served.job_id, exc_info=exc)
-            return response
-        await response.write_eof()
+            log.error("results_stream_failed", job_id=job.job_id, exc_info=exc)
+            sender.abort()
         return response
 
     async def set_policy(self, request: web.Request) -> web.Response:
         try:
-            body: Any = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return error(400, "body: not valid JSON")
+            body: Any = load_json(await request.read())
+        except BadBody as exc:
+            return error(400, str(exc))
         version = body.get("version") if isinstance(body, dict) else None
         if type(version) is not int or version < 0:
             return error(400, "version: must be an integer >= 0")

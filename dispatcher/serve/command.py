@@ -25,6 +25,7 @@ from dispatcher.serve import api, auth
 from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import Registry
 from dispatcher.settings.config import RunSettings, load_settings
+from dispatcher.settings.serve import ServeLimits
 from dispatcher.telemetry.http_app import listen_address
 from dispatcher.telemetry.logs import configure_logging
 
@@ -42,6 +43,7 @@ _NOT_SERVE_FLAGS = frozenset(
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from dispatcher.settings.flags import add_run_arguments
+    from dispatcher.settings.serve import add_serve_limit_arguments
 
     parser = subparsers.add_parser(
         "serve",
@@ -67,6 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="a job for policy version p starts rollouts only once the trainer's version "
         "is >= p - K (default: no pacing)",
     )
+    add_serve_limit_arguments(parser)
     add_run_arguments(parser, exclude=_NOT_SERVE_FLAGS)
     parser.set_defaults(handler=serve_command, is_async=True)
 
@@ -74,9 +77,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 async def serve_command(args: argparse.Namespace) -> int:
     from dispatcher.aio import tune_gc
     from dispatcher.settings.flags import budget_seconds, run_flag_values
+    from dispatcher.settings.serve import serve_limits
 
     host, _ = listen_address(args.listen)  # a bad address is named as --listen
     access = _access(args, host)
+    limits = serve_limits(args)
     state_dir = Path(args.state_dir)
     values = run_flag_values(args)
     # Jobs name their own files; these are placeholders the daemon never opens.
@@ -87,7 +92,8 @@ async def serve_command(args: argparse.Namespace) -> int:
     configure_logging(settings.log_format, level=settings.log_level)
     tune_gc()
     steps = _steps(args.max_off_policy_steps)
-    return int(await serve(settings, state_dir, steps, budget_seconds(settings), access))
+    budget_s = budget_seconds(settings)
+    return int(await serve(settings, state_dir, steps, budget_s, access, limits))
 
 
 def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +144,7 @@ async def serve(
     max_off_policy_steps: int | None,
     budget_s: float | None,
     access: auth.Access,
+    limits: ServeLimits,
 ) -> ExitCode:
     """Run the daemon until a stop; the exit code (75 while jobs are unfinished)."""
     registry = Registry(state_dir)
@@ -146,11 +153,18 @@ async def serve(
         daemon = Daemon(settings, budget_s=budget_s, latency=LatencyWindow())
         daemon.policy = PolicyClock(await asyncio.to_thread(registry.read_policy))
         daemon.stop_at_budget_end = True
-        service = Service(daemon, settings, registry, max_off_policy_steps, access.input_root)
+        service = Service(
+            daemon, settings, registry, max_off_policy_steps, access.input_root, limits
+        )
         routes = auth.protect(api.routes(service), access.token)
         async with contextlib.AsyncExitStack() as stack:
             await daemon.listen(
-                service.status, daemon.healthy, routes, api.MAX_BODY_BYTES, tls=access.tls
+                service.status,
+                daemon.healthy,
+                routes,
+                limits.max_body_bytes,
+                tls=access.tls,
+                header_timeout_s=limits.header_timeout_s,
             )
             stack.push_async_callback(daemon.close)
             await daemon.start(service.status)

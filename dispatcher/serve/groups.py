@@ -30,13 +30,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
 import structlog
 
 from dispatcher import jsonx
 from dispatcher.files.resume import RunState, repair_torn_tail
 from dispatcher.files.writer import LineIndex
 from dispatcher.outcome import Outcome
+from dispatcher.serve.lines import BadLine, GroupLine, encode, read_group
 from dispatcher.tasks.keys import line_key, materialized_key, task_of
 from dispatcher.tasks.materialize import Rollout
 
@@ -137,16 +137,16 @@ class Groups:
     def _group_of(self, line: bytes) -> tuple[int, bool] | None:
         """The task of a group line that is whole and sound, and whether it was
         filtered; None for a damaged one."""
+        if not line.endswith(b"\n"):
+            return None
         try:
-            group: Any = orjson.loads(line)
-        except orjson.JSONDecodeError:
+            group = read_group(line)
+        except BadLine:
             return None
-        if not isinstance(group, dict) or not line.endswith(b"\n"):
+        task = group.task_index
+        if task in self.logged or not self._complete(task):
             return None
-        task = group.get("task_index")
-        if type(task) is not int or task in self.logged or not self._complete(task):
-            return None
-        return task, group.get("filtered") is True
+        return task, group.filtered
 
     async def open(self, missing: list[int]) -> None:
         """Tell ``on_group`` of the lines read back, then log the groups missing."""
@@ -184,15 +184,9 @@ class Groups:
         cache, never fsynced (the file is derived data, rebuilt from the rows on open),
         so a waiting stream sees the group without a thread hop."""
         assert self._fd is not None
-        group: dict[str, Any] = {
-            "task_index": task,
-            "rows": sorted(self.rows[task]),
-            "failures": self.failures[task],
-        }
         filtered = self._filter is not None and self._filter(self.rewards.pop(task, []))
-        if filtered:
-            group["filtered"] = True
-        line = orjson.dumps(group, option=orjson.OPT_APPEND_NEWLINE)
+        group = GroupLine(task, sorted(self.rows[task]), self.failures[task], filtered)
+        line = encode(group)
         try:
             written = os.write(self._fd, line)
         except OSError as exc:

@@ -1,32 +1,18 @@
 """The jobs of ``dispatcher serve``: submitted, run on the daemon, cancelled, resumed.
 
-``Service`` owns the jobs of one state directory. Each accepted job is a
-``ServedJob``: its record (``registry.py``), a ``Job`` (``job.py``: the same
-files, resume contract and exit rules as ``dispatcher run``) driven in a task
-of its own, and its ``Groups``. Jobs share the daemon's pool: a free slot goes
-to the job of highest priority, then to the earliest submitted (the pool's
-rank), so a job waits at most for the same-priority jobs submitted before it.
-A job whose ``policy_version`` p is more than K steps ahead of the trainer's
-version V starts nothing until V ≥ p − K; nothing in flight is ever cancelled
-for staleness (contracts §12).
+``Service`` owns the jobs of one state directory: a ``ServedJob``
+(``served.py``) for each job that runs, a ``FinalJob`` (``final.py``) for
+each that is final, a ``BrokenJob`` for a record that cannot be read. A job
+that ends is handed back here and kept as a ``FinalJob``: a daemon that
+lives for days and runs thousands of jobs stays the same size, and after a
+restart the settled jobs cost nothing until asked about.
 
-A job with ``target_groups`` has a ``StepControl`` (``step.py``): its gate
-starts a new group only while there is room under the overprovision bound,
-and once the target is reached the job starts nothing more (``finish``: what
-is in flight runs to its end; ``cancel``: it is cancelled) and ends
-``satisfied``. The admission pause (contracts §13) is the pool's, daemon-wide;
+A submission is checked whole (``spec.py``: its body, its rows as ``run``
+checks them, its size against the daemon's bounds) before anything of it is
+written; its rows then live in the job's own file, never in memory. The
+same body again is the same job: the digest of the body is compared, not
+its rows. The admission pause (contracts §13) is the pool's, daemon-wide;
 the service ends it when the trainer sets a policy version.
-
-A finished job keeps only its final status in memory: a daemon that lives
-for days and runs thousands of jobs stays the same size.
-
-Failure policy of a job's task: whatever it raises (a file it cannot write,
-a bug) makes the job ``failed`` with a one-line reason, final, and ends its
-streams with ``{"end": "failed", "error": ...}``; the daemon and the other
-jobs go on. A failed job is not settled: the same ``dispatcher serve``
-command resumes it from its files, exactly (the disk full, say, once space
-is back). A job whose record cannot be read is a ``BrokenJob``: listed as
-failed with the reason, never run.
 """
 
 from __future__ import annotations
@@ -35,442 +21,42 @@ import asyncio
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from dispatcher.aio import cancel_and_wait
-from dispatcher.errors import ConfigError, DispatcherError, ExitCode, OutputWriteError
-from dispatcher.files.contracts import JobStatus
-from dispatcher.files.resume import RunState
-from dispatcher.files.writer import LineIndex
-from dispatcher.lifecycle import JobState
+from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.run.daemon import Daemon, peak_rss_mb
-from dispatcher.run.job import Job
-from dispatcher.serve.faults import StateDirHealth, is_disk_fault, log_crash, one_line
-from dispatcher.serve.groups import Groups
+from dispatcher.serve.bodies import BodyBudget
+from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
+from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.metrics import declare_service_metrics
-from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, Unreadable, now_iso
-from dispatcher.serve.results import Source
-from dispatcher.serve.spec import BadJob, JobSpec, check_tasks, write_rows
-from dispatcher.serve.step import StepControl, teaches_nothing
+from dispatcher.serve.registry import (
+    ROWS_FILE,
+    SETTLED_STATES,
+    JobRecord,
+    Registry,
+    Unreadable,
+    now_iso,
+)
+from dispatcher.serve.sending import Slots
+from dispatcher.serve.served import ServedJob
+from dispatcher.serve.spec import STORED, BadJob, JobSpec, check_tasks
 from dispatcher.settings.config import RunSettings
-from dispatcher.tasks.materialize import Rollout
+from dispatcher.settings.serve import ServeLimits
 
 log = structlog.get_logger("dispatcher.serve")
 
 DELAY_WINDOW = 10_000
-# Between hops of a job that made no progress (its agent down, say): 1 s, 2 s ... 60 s.
-HOP_PAUSE_BASE_S = 1.0
-HOP_PAUSE_CAP_S = 60.0
+
+AnyJob = ServedJob | FinalJob | BrokenJob
 
 
 class Conflict(Exception):
     """A submission that contradicts an existing job: a 409 with this message."""
-
-
-class ServedJob:
-    """One job of the service: its record, its ``Job`` while it runs, its groups."""
-
-    def __init__(self, service: Service, record: JobRecord) -> None:
-        self.service = service
-        self.record = record
-        folder = service.registry.job_dir(record.job_id)
-        spec = record.spec
-        self.output = folder / "rollouts.jsonl"
-        self.groups_path = folder / "groups.jsonl"
-        tasks = folder / "rows.jsonl" if spec.rows is not None else Path(str(spec.input))
-        self.settings = spec.settings(service.base, tasks, self.output)
-        self.paced = False
-        self.finished = False
-        self.final_status: dict[str, Any] | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.step = StepControl(spec.target_groups, spec.overprovision, spec.on_target)
-        self.step.when_satisfied(self._satisfied)
-        self.groups: Groups | None = Groups(
-            self.groups_path,
-            on_error=self._groups_failed,
-            group_filter=teaches_nothing if spec.group_filter is not None else None,
-            on_group=self.step.on_group,
-        )
-        self.output_index = LineIndex()
-        # Outcomes of the job's earlier hops (and, after a restart, of its files):
-        # its status counts every pass, not only the hop running now.
-        self.earlier_outcomes: Counter[str] = Counter()
-        self.job: Job | None = self._new_job()
-        self._cancelled = asyncio.Event()
-
-    def _new_job(self) -> Job:
-        """One hop of the job: a ``Job`` on its files, sharing its indexes and groups."""
-        spec, record = self.record.spec, self.record
-        assert self.groups is not None
-        return Job(
-            self.service.daemon,
-            self.settings,
-            rank=lambda: (-spec.priority, record.submitted_seq),
-            on_final=self.groups.on_final,
-            publish_endpoint=False,
-            output_index=self.output_index,
-            gate=self._gate,
-        )
-
-    @property
-    def job_id(self) -> str:
-        return self.record.job_id
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"job:{self.job_id}")
-
-    async def _run(self) -> None:
-        """The job's task: its hops, then its final state, whatever happens."""
-        structlog.contextvars.bind_contextvars(job_id=self.job_id)
-        try:
-            state, error = await self._hops()
-        except Exception as exc:
-            # The failure policy of a job's task: the job fails, with the reason.
-            # Nothing else awaits this task but shutdown, which must not be the
-            # first to hear of it.
-            log_crash("job_task_crashed", exc, job_id=self.job_id)
-            state, error = JobState.FAILED, self._crash_reason(exc)
-            self._release(self.job)
-        if self.groups is not None:
-            await self.groups.close()
-        await self._settle(state, error)
-
-    def _release(self, job: Job | None) -> None:
-        """What a hop that crashed half-way through its close still holds: its place
-        among the daemon's jobs and its files' lock (releasing twice is harmless)."""
-        if job is None:
-            return
-        self.service.daemon.jobs.discard(job)
-        if job.prepared is not None:
-            job.prepared.lock.release()
-
-    def _crash_reason(self, exc: Exception) -> str:
-        """The first error of the job (a row writer's, say), else the crash itself."""
-        if self.job is not None and self.job.fatal is not None:
-            self.service.disk_fault(self.job.fatal)
-            return str(self.job.fatal)
-        self.service.disk_fault(exc)
-        return one_line(exc)
-
-    async def _hops(self) -> tuple[JobState, str | None]:
-        """Hops until the job is final: failed attempts with attempts left (and
-        rollouts of an agent that was down) run again in a next hop, as
-        ``dispatcher run``'s job script would rerun it, after a pause when a
-        hop made no progress."""
-        hop = idle_hops = 0
-        while True:
-            job = self.job if hop == 0 and self.job is not None else self._next_job()
-            state, error = await self._hop(job, first=hop == 0)
-            if state is not JobState.INCOMPLETE or self._stopping() or self.step.satisfied:
-                break
-            idle_hops = 0 if job.final_this_run else idle_hops + 1
-            pause_s = min(HOP_PAUSE_CAP_S, HOP_PAUSE_BASE_S * 2 ** (idle_hops - 1))
-            if idle_hops and await self._paused(pause_s):
-                break
-            hop += 1
-        if self.step.satisfied and state is not JobState.FAILED:
-            state = JobState.SATISFIED
-        elif self._cancelled.is_set() and state is JobState.INCOMPLETE:
-            state = JobState.CANCELLED
-        return state, error
-
-    def _satisfied(self) -> None:
-        """The target is reached: nothing of the job starts again."""
-        step = self.step
-        log.info("job_satisfied", job_id=self.job_id, target_groups=step.target,
-                 groups_filtered=step.filtered, on_target=step.on_target)  # fmt: skip
-        if self.job is None:
-            return
-        if step.on_target == "cancel":
-            self.job.cancel("job satisfied")
-        else:
-            self.job.close_starts()
-
-    def _next_job(self) -> Job:
-        """The next hop's ``Job``; the last hop's outcomes join the earlier ones."""
-        if self.job is not None:
-            self.earlier_outcomes.update(self.job.outcomes)
-        self.job = self._new_job()
-        return self.job
-
-    async def _hop(self, job: Job, *, first: bool) -> tuple[JobState, str | None]:
-        """Open, dispatch and close one hop; its final state and error."""
-        try:
-            await job.open()
-        except DispatcherError as exc:
-            self.service.disk_fault(exc)
-            return JobState.FAILED, str(exc)
-        prepared = job.prepared
-        assert prepared is not None and self.groups is not None
-        structlog.contextvars.bind_contextvars(run_id=prepared.record.run_id)
-        try:
-            if first:
-                self.earlier_outcomes.update(file_outcomes(prepared.state))
-                missing = await asyncio.to_thread(
-                    self.groups.load,
-                    prepared.paths.materialized,
-                    prepared.paths.output,
-                    prepared.state,
-                )
-                self.step.reopen(self.groups.reopened)
-                await self.groups.open(missing)
-            log.info("job_started", job_id=self.job_id, **job.started_event())
-            await job.dispatch()
-        except Exception as exc:
-            log_crash("job_hop_crashed", exc, job_id=self.job_id)
-            job.fail(DispatcherError(f"job {self.job_id} failed: {one_line(exc)}"))
-        finally:
-            await job.close()
-            # Its files are closed: the daemon's figures (remaining, the
-            # budget's end) are the running jobs'. A run's one job stays, so
-            # its last scrape shows what it left.
-            job.daemon.jobs.discard(job)
-        error = job.fatal or job.daemon.fatal
-        if job.fatal is not None:
-            self.service.disk_fault(job.fatal)
-        return job.state.state, str(error) if error else None
-
-    def _groups_failed(self, exc: OSError) -> None:
-        """``groups.jsonl`` could not be written: the job stops, naming it."""
-        error = OutputWriteError(f"{self.groups_path}: write failed: {exc.strerror or exc}")
-        if self.job is not None:
-            self.job.fail(error)
-
-    def _stopping(self) -> bool:
-        return self._cancelled.is_set() or self.service.daemon.stop_requested.is_set()
-
-    async def _paused(self, delay_s: float) -> bool:
-        """Wait ``delay_s`` before the next hop, or until an agent comes back; True
-        when a cancel or stop came first."""
-        log.info("job_hop_paused", job_id=self.job_id, pause_s=round(delay_s, 3))
-        stops = {
-            asyncio.create_task(self._cancelled.wait()),
-            asyncio.create_task(self.service.daemon.stop_requested.wait()),
-        }
-        back = asyncio.create_task(self.service.daemon.load.agent_back.wait(delay_s))
-        done, pending = await asyncio.wait(
-            {*stops, back}, timeout=delay_s, return_when="FIRST_COMPLETED"
-        )
-        for task in pending:
-            await cancel_and_wait(task)
-        return bool(done & stops)
-
-    async def _settle(self, state: JobState, error: str | None) -> None:
-        """Record the final state, keep only the final status, wake the streams.
-
-        A record that cannot be saved fails the job (its file still says it is
-        unfinished, so a restart resumes it), and the streams end all the same."""
-        if state is JobState.FAILED and error is None:
-            error = "failed without a recorded reason"
-        self.record.state, self.record.error = state, error
-        if self.job is not None:
-            self.record.outcomes = dict(self.earlier_outcomes + self.job.outcomes)
-        if self.step.target is not None:
-            self.record.step = self.step.figures()
-        try:
-            await self.service.write(self.service.registry.save, self.record)
-        except OSError as exc:
-            log_crash("job_record_not_saved", exc, job_id=self.job_id)
-            reason = f"job.json not saved: {one_line(exc)}"
-            error = reason if state is not JobState.FAILED else f"{error}; {reason}"
-            state = JobState.FAILED
-            self.record.state, self.record.error = state, error
-        self.finished = True
-        try:
-            self.final_status = self.status()
-        finally:
-            log.info("job_finished", job_id=self.job_id, state=state.value, error=error)
-            self.output_index.grew.fire()
-            if self.groups is not None:
-                self.groups.index.grew.fire()
-            self.job = None
-            self.groups = None
-
-    async def _gate(self, rollout: Rollout) -> bool | None:
-        """Before each rollout starts: pacing, then step control (``Job``'s gate)."""
-        await self._pace()
-        while True:
-            start = self.step.admits(rollout.task_index)
-            job = self.job
-            if start is not False or job is None or job.idle.is_set():
-                # With nothing in flight no room can come in this hop: a next
-                # hop runs what the open groups still need first.
-                return start
-            await self._room_or_idle(job)
-
-    async def _room_or_idle(self, job: Job) -> None:
-        """Until a group completes (a filtered one frees room) or nothing is in flight."""
-        waits = {
-            asyncio.create_task(self.step.changed.wait(HOP_PAUSE_CAP_S)),
-            asyncio.create_task(job.idle.wait()),
-        }
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits:
-                await cancel_and_wait(task)
-
-    async def _pace(self) -> None:
-        """Admission pacing: wait while this job's policy version is more than K ahead."""
-        p, k = self.record.spec.policy_version, self.service.max_off_policy_steps
-        policy = self.service.daemon.policy
-        if p is None or k is None or policy is None or policy.version >= p - k:
-            return
-        self.paced = True
-        log.info("job_paced", job_id=self.job_id, policy_version=p, current=policy.version)
-        try:
-            await policy.reaches(p - k)
-        finally:
-            self.paced = False
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        if self.job is not None:
-            self.job.cancel("job cancelled")
-
-    # ---- what the API reads -----------------------------------------------------------
-
-    def status(self) -> dict[str, Any]:
-        """The job's ``contracts.JobStatus``, as JSON."""
-        if self.final_status is not None:
-            return self.final_status
-        return self._status().to_json()
-
-    def _status(self) -> JobStatus:
-        spec, record = self.record.spec, self.record
-        known: dict[str, Any] = {}
-        job = self.job
-        state = record.state or JobState.QUEUED
-        if job is not None and not self.finished:
-            state = job.state.state
-            if state is JobState.RUNNING and self.paced:
-                state = JobState.PACED
-            if self.step.satisfied:
-                state = JobState.SATISFIED
-        if job is not None:
-            outcomes = self.earlier_outcomes + job.outcomes
-            known.update(job.progress(), outcomes=dict(outcomes), eta_s=job.eta_s(self._rate(job)))
-        elif record.outcomes is not None:
-            known["outcomes"] = record.outcomes
-        if self.groups is not None:
-            known["groups_complete"] = len(self.groups.index)
-        if self.step.target is not None or spec.group_filter is not None:
-            known.update(self._step_figures())
-        if self.step.satisfied:
-            # What is left of its tasks will not run.
-            known["eta_s"] = None
-        return JobStatus(
-            job_id=self.job_id,
-            state=state,
-            final=self.finished,
-            priority=spec.priority,
-            policy_version=spec.policy_version,
-            rows_durable=len(self.output_index),
-            output=str(self.output),
-            submitted_at=record.submitted_at,
-            error=record.error,
-            metadata=spec.metadata,
-            **known,
-        )
-
-    def _step_figures(self) -> dict[str, Any]:
-        """The step's figures: live, or as the record kept them (a settled job)."""
-        if self.groups is None and self.record.step is not None:
-            return dict(self.record.step)
-        return self.step.figures()
-
-    @staticmethod
-    def _rate(job: Job) -> float:
-        elapsed_s = job.daemon.dispatch_seconds()
-        done = sum(job.outcomes.values())
-        return done / elapsed_s * 3600.0 if elapsed_s > 0 else 0.0
-
-    async def source(self) -> Source:
-        """Where the job's results are: its live indexes, or its files once finished."""
-        job, groups = self.job, self.groups
-        if job is not None and groups is not None and job.output_index is not None:
-            return Source(
-                self.output,
-                job.output_index,
-                self.groups_path,
-                groups.index,
-                self._end,
-                groups.completed_at.get,
-                self._end_error,
-                self._satisfied_seq,
-            )
-        rows = await asyncio.to_thread(LineIndex.scan, self.output)
-        group_index = await asyncio.to_thread(LineIndex.scan, self.groups_path)
-        return Source(
-            self.output, rows, self.groups_path, group_index, self._end, _unknown,
-            self._end_error, self._satisfied_seq,
-        )  # fmt: skip
-
-    def _satisfied_seq(self) -> int | None:
-        if self.step.satisfied_seq is None and self.record.step is not None:
-            seq = self.record.step.get("satisfied_seq")
-            return seq if isinstance(seq, int) else None
-        return self.step.satisfied_seq
-
-    def _end(self) -> str | None:
-        return self.record.state if self.finished else None
-
-    def _end_error(self) -> str | None:
-        return self.record.error if self.finished else None
-
-
-def _unknown(task: int) -> float | None:
-    return None
-
-
-class BrokenJob:
-    """A job whose record cannot be read: failed with the reason, never run.
-
-    Its id stays taken while its folder is there (a submit of it is a 409
-    naming the folder); once the operator moves the folder aside, the id can
-    be submitted again."""
-
-    def __init__(self, broken: Unreadable) -> None:
-        self.broken = broken
-        self.folder = broken.folder
-        self.output = broken.folder / "rollouts.jsonl"
-        self.groups_path = broken.folder / "groups.jsonl"
-        self.task: asyncio.Task[None] | None = None
-
-    @property
-    def job_id(self) -> str:
-        return self.broken.job_id
-
-    def status(self) -> dict[str, Any]:
-        return JobStatus(
-            job_id=self.job_id,
-            state=JobState.FAILED,
-            final=True,
-            output=str(self.output),
-            error=self.broken.reason,
-        ).to_json()
-
-    def cancel(self) -> None:
-        """Nothing of it runs."""
-
-    async def source(self) -> Source:
-        rows = await asyncio.to_thread(LineIndex.scan, self.output)
-        group_index = await asyncio.to_thread(LineIndex.scan, self.groups_path)
-        return Source(
-            self.output, rows, self.groups_path, group_index,
-            lambda: JobState.FAILED.value, _unknown, lambda: self.broken.reason,
-        )  # fmt: skip
-
-
-def file_outcomes(state: RunState) -> Counter[str]:
-    """A job's outcomes as its files tell them: successes and failed attempts by class."""
-    outcomes = Counter(state.failure_classes)
-    if state.successes:
-        outcomes["success"] = len(state.successes)
-    return outcomes
 
 
 class Service:
@@ -483,13 +69,19 @@ class Service:
         registry: Registry,
         max_off_policy_steps: int | None,
         input_root: Path,
+        limits: ServeLimits,
     ) -> None:
         self.daemon = daemon
         self.base = base
         self.registry = registry
         self.max_off_policy_steps = max_off_policy_steps
         self.input_root = input_root
-        self.jobs: dict[str, ServedJob | BrokenJob] = {}
+        self.limits = limits
+        # Results streams open now, against --max-streams.
+        self.streams = Slots(limits.max_streams)
+        # Request bodies being read and parsed, against --max-body-bytes-in-flight.
+        self.bodies = BodyBudget(limits.max_body_bytes_in_flight)
+        self.jobs: dict[str, AnyJob] = {}
         self.health = StateDirHealth(registry)
         # False until the registry is read (the API answers 503 until then).
         self.resumed = False
@@ -500,6 +92,10 @@ class Service:
         self._delay_histogram = declare_service_metrics(
             daemon.metrics.registry, self.job_counts, daemon.policy_version, daemon.pause
         )
+        # Bodies are parsed, checked and written in one thread: the memory of a
+        # body's objects is reused by the next, not kept in an allocator arena
+        # per worker thread.
+        self._bodies_thread = ThreadPoolExecutor(1, thread_name_prefix="serve-bodies")
         # One submission at a time: two racing bodies for one job_id must
         # not both create it.
         self._submitting = asyncio.Lock()
@@ -515,44 +111,83 @@ class Service:
                 log.error("job_unreadable", job_id=record.job_id, error=record.reason)
                 continue
             self._next_seq = max(self._next_seq, record.submitted_seq + 1)
+            if record.state in SETTLED_STATES:
+                # Its status and rows are read from its files when asked for.
+                self.jobs[record.job_id] = FinalJob.of(record, self.registry)
+                continue
+            record.state = record.error = record.outcomes = record.final_status = None
             served = ServedJob(self, record)
             self.jobs[record.job_id] = served
-            if record.state in SETTLED_STATES:
-                served.finished = True
-                served.job = served.groups = None
-                served.final_status = served.status()
-                continue
-            record.state = record.error = record.outcomes = None
             served.start()
             log.info("job_resumed", job_id=record.job_id)
         self.resumed = True
 
     async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """Accept a job: (201, status) new, (200, status) the same again; raises
-        ``BadJob`` (400) or ``Conflict`` (409)."""
-        spec = JobSpec.parse(body, self.base.agents).rooted(self.input_root, self.registry.root)
+        ``BadJob`` (400), ``TooBig`` (413) or ``Conflict`` (409)."""
+        loop = asyncio.get_running_loop()
+        spec, digest = await loop.run_in_executor(self._bodies_thread, self._parse, body)
+        del body
         async with self._submitting:
             existing = self.jobs.get(spec.job_id) if spec.job_id is not None else None
             if isinstance(existing, BrokenJob):
-                existing = self._still_broken(existing)
-            if isinstance(existing, ServedJob):
-                if existing.record.digest != spec.digest():
+                self._still_broken(existing)
+                existing = None
+            if existing is not None:
+                if existing.digest != digest:
                     raise Conflict(f"job_id: {spec.job_id!r} exists with a different body")
-                return 200, existing.status()
+                return 200, await self.status_of(existing)
             spec = spec.with_id()
             assert spec.job_id is not None
-            await self.write(check_tasks, spec, self._settings_for(spec), self.registry.scratch)
-            record = JobRecord(spec, spec.digest(), self._next_seq, now_iso())
-            await self.write(self._create, record)
+            settings = self._settings_for(spec)
+            await self.write(
+                check_tasks, spec, settings, self.registry.scratch, self.limits, on_bodies=True
+            )
+            # The rows go to the job's own file; its record keeps none of them.
+            rows = spec.rows
+            rows_file = ROWS_FILE if rows is not None else None
+            stored = spec.model_copy(update={"rows": None})
+            fields = {"spec": stored, "digest": digest, "submitted_seq": self._next_seq,
+                      "submitted_at": now_iso(), "rows_file": rows_file}  # fmt: skip
+            # Validated as read back: its rows are in its folder.
+            record = JobRecord.model_validate(fields, context=STORED)
+            del spec
+            await self.write(self._create, record, rows, on_bodies=True)
+            del rows
             self._next_seq += 1
             served = ServedJob(self, record)
-            self.jobs[spec.job_id] = served
+            self.jobs[record.job_id] = served
             served.start()
-        log.info("job_submitted", job_id=spec.job_id, priority=spec.priority,
-                 policy_version=spec.policy_version)  # fmt: skip
+        log.info("job_submitted", job_id=record.job_id, priority=stored.priority,
+                 policy_version=stored.policy_version)  # fmt: skip
         return 201, served.status()
 
-    def _still_broken(self, broken: BrokenJob) -> BrokenJob | None:
+    def _parse(self, body: bytes) -> tuple[JobSpec, str]:
+        """The body's spec, rooted, and its digest (blocking: a big body takes a while)."""
+        spec = JobSpec.parse(body, self.base.agents).rooted(self.input_root, self.registry.root)
+        return spec, spec.digest()
+
+    def finished(self, served: ServedJob) -> None:
+        """A job is final: keep what its status needs, the rest is in its files."""
+        if self.jobs.get(served.job_id) is served:
+            self.jobs[served.job_id] = FinalJob.of(served.record, self.registry)
+
+    async def status_of(self, job: AnyJob) -> dict[str, Any]:
+        """A job's status; a final job's is read from its record."""
+        if isinstance(job, FinalJob):
+            return await asyncio.to_thread(job.read_status, self.registry)
+        return job.status()
+
+    async def statuses(self) -> list[dict[str, Any]]:
+        """Every job's status: the live ones here on the loop, the final ones read
+        from their records in one thread hop."""
+        jobs = list(self.jobs.values())
+        finals = [job for job in jobs if isinstance(job, FinalJob)]
+        read = await asyncio.to_thread(lambda: [job.read_status(self.registry) for job in finals])
+        saved = dict(zip((job.job_id for job in finals), read, strict=True))
+        return [saved[job.job_id] if isinstance(job, FinalJob) else job.status() for job in jobs]
+
+    def _still_broken(self, broken: BrokenJob) -> None:
         """A broken job's id is a 409 while its folder is there; gone, it is free."""
         if broken.folder.exists():
             raise Conflict(
@@ -560,13 +195,17 @@ class Service:
                 f"({broken.broken.reason}); move {broken.folder} aside to submit it again"
             )
         del self.jobs[broken.job_id]
-        return None
 
-    async def write(self, write: Callable[..., Any], *args: Any) -> Any:
-        """Run a blocking write to the state directory in a thread, and keep its
-        health: a write that fails faults it (``/healthz``), one that works clears it."""
+    async def write(self, write: Callable[..., Any], *args: Any, on_bodies: bool = False) -> Any:
+        """Run a blocking write to the state directory in a thread (``on_bodies``: the
+        bodies' one thread), and keep its health: a write that fails faults it
+        (``/healthz``), one that works clears it."""
         try:
-            result = await asyncio.to_thread(write, *args)
+            if on_bodies:
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(self._bodies_thread, partial(write, *args))
+            else:
+                result = await asyncio.to_thread(write, *args)
         except OSError as exc:
             self.disk_fault(exc)
             raise
@@ -582,22 +221,20 @@ class Service:
         """The job's settings for a task file, with its output in the scratch folder."""
         return lambda tasks: spec.settings(self.base, tasks, self.registry.scratch / "x.jsonl")
 
-    def _create(self, record: JobRecord) -> None:
-        """The job's folder, record and rows (blocking); a folder already there is a 409."""
+    def _create(self, record: JobRecord, rows: list[dict[str, Any]] | None) -> None:
+        """The job's folder, rows and record (blocking); a folder already there is a 409."""
         try:
-            folder = self.registry.create(record)
+            self.registry.create(record, rows)
         except ConfigError as exc:
             raise Conflict(str(exc)) from None
-        if record.spec.rows is not None:
-            write_rows(record.spec.rows, folder / "rows.jsonl")
 
-    def cancel(self, job_id: str) -> dict[str, Any] | None:
-        served = self.jobs.get(job_id)
-        if served is None:
+    async def cancel(self, job_id: str) -> dict[str, Any] | None:
+        job = self.jobs.get(job_id)
+        if job is None:
             return None
-        served.cancel()
+        job.cancel()
         log.info("job_cancel_requested", job_id=job_id)
-        return served.status()
+        return await self.status_of(job)
 
     def delivered(self, born: list[float | None], group: bool) -> None:
         """A stream wrote lines that became durable at ``born``: record their delay."""
@@ -660,6 +297,7 @@ class Service:
         tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
         if tasks:
             await asyncio.wait(tasks)
+        self._bodies_thread.shutdown(wait=False, cancel_futures=True)
 
     def exit_code(self) -> ExitCode:
         if self.daemon.fatal is not None:
@@ -667,14 +305,16 @@ class Service:
         unsettled = [
             j
             for j in self.jobs.values()
-            if isinstance(j, BrokenJob) or j.record.state not in SETTLED_STATES
+            if isinstance(j, BrokenJob)
+            or not isinstance(j, FinalJob)
+            or j.state not in SETTLED_STATES
         ]
         return ExitCode.RESUMABLE if unsettled else ExitCode.DONE
 
     # ---- the daemon's view -------------------------------------------------------------
 
     def job_counts(self) -> dict[str, int]:
-        return dict(Counter(str(j.status()["state"]) for j in self.jobs.values()))
+        return dict(Counter(j.state.value for j in self.jobs.values()))
 
     def status(self) -> dict[str, Any]:
         daemon = self.daemon
@@ -691,6 +331,12 @@ class Service:
             "policy_version": daemon.policy_version(),
             "max_off_policy_steps": self.max_off_policy_steps,
             "jobs": self.job_counts(),
+            # Jobs held in memory whole (running); a final one holds a few fields.
+            "jobs_running_in_memory": len(running),
+            # What clients hold of the daemon now, against its bounds (contracts §12).
+            "streams_open": self.streams.open,
+            "request_bytes_held": self.bodies.held,
+            "requests_waiting": self.bodies.waiting,
             "progress": dict(progress),
             "outcomes": dict(outcomes),
             "rollouts_per_hour": daemon.metrics.rollouts_per_hour(),
@@ -710,4 +356,4 @@ class Service:
         }
 
 
-__all__ = ["BadJob", "BrokenJob", "Conflict", "ServedJob", "Service"]
+__all__ = ["BadJob", "BrokenJob", "Conflict", "FinalJob", "ServedJob", "Service"]

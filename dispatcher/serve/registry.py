@@ -4,13 +4,17 @@ Layout (crash-only, like a run's files):
 
     DIR/serve.lock              flock held by the daemon using DIR (exit 2 if taken)
     DIR/policy.json             the last policy version V a trainer set
-    DIR/jobs/<job_id>/job.json  the job's spec, submission order and, once final, state
-    DIR/jobs/<job_id>/rows.jsonl        the submitted rows (a job given ``input`` has none)
+    DIR/jobs/<job_id>/job.json  the job's spec (without rows), body digest, submission
+                                order and, once final, state and final status: one line
+    DIR/jobs/<job_id>/input.jsonl       the submitted rows (a job given ``input`` has none;
+                                        older daemons wrote rows.jsonl)
     DIR/jobs/<job_id>/rollouts.jsonl    the job's output and its §4 sidecars
     DIR/jobs/<job_id>/groups.jsonl      complete groups in completion order (groups.py)
 
-``job.json`` is written (atomically) before the job's first file, so a job
-whose record exists is a job the daemon accepted; after a kill -9 every
+A job's rows live in its files only: ``input.jsonl`` is written (atomically)
+first, then ``job.json`` (atomically) before any other file of the job, so a
+job whose record exists is a job the daemon accepted, with its rows (a
+folder with rows but no record is a submission a kill cut, reused); after a kill -9 every
 record not marked done, cancelled or satisfied is resumed.
 
 Damage is named, never a crash: a ``policy.json`` that cannot be read is a
@@ -22,20 +26,23 @@ while the other jobs go on; a stray file in ``jobs/`` is left alone.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 import structlog
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from dispatcher.errors import ConfigError
-from dispatcher.files.writer import RunLock, write_json_atomic
+from dispatcher.files.writer import RunLock, fsync_dir, write_json_atomic
 from dispatcher.lifecycle import JobState
-from dispatcher.serve.spec import JobSpec, first_error
+from dispatcher.serve.spec import STORED, JobSpec
 
 log = structlog.get_logger("dispatcher.serve")
 
@@ -43,80 +50,82 @@ log = structlog.get_logger("dispatcher.serve")
 SETTLED_STATES = frozenset({JobState.DONE, JobState.CANCELLED, JobState.SATISFIED})
 
 
-@dataclass
-class JobRecord:
-    """What ``job.json`` holds."""
+class JobRecord(BaseModel):
+    """What ``job.json`` holds: the job's spec without its rows (they are in
+    ``rows_file``, the job's own task file), its identity and, once final, how
+    it ended. Keys it does not know are kept (``extra``), as they were read."""
+
+    model_config = ConfigDict(extra="allow")
 
     spec: JobSpec
-    digest: str
-    submitted_seq: int
-    submitted_at: str
+    digest: StrictStr
+    submitted_seq: StrictInt
+    submitted_at: StrictStr
     state: JobState | None = None
-    error: str | None = None
+    error: StrictStr | None = None
     # Once final: the job's outcomes over all its passes, for its status after a restart.
-    outcomes: dict[str, int] | None = None
+    outcomes: dict[StrictStr, StrictInt] | None = None
     # Once final, a job with a target: its step's figures (``step.StepControl.figures``).
     step: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # A job submitted with inline rows: their file in the job's folder.
+    rows_file: StrictStr | None = None
+    # Once final: the status the job ended with, served from here from then on.
+    final_status: dict[str, Any] | None = None
 
     @property
     def job_id(self) -> str:
         assert self.spec.job_id is not None
         return self.spec.job_id
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.extra,
-            "spec": self.spec.model_dump(mode="json"),
-            "digest": self.digest,
-            "submitted_seq": self.submitted_seq,
-            "submitted_at": self.submitted_at,
-            "state": self.state,
-            "error": self.error,
-            "outcomes": self.outcomes,
-            **({"step": self.step} if self.step is not None else {}),
-        }
+    def to_json(self) -> bytes:
+        """The record as ``job.json``'s bytes: one compact line, no rows."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude={"spec"})
+        data["spec"] = self.spec.model_dump(mode="json", exclude={"rows"})
+        # Always present, even before the job is final: readers look for them.
+        for name in ("state", "error", "outcomes"):
+            data.setdefault(name, None)
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
 
     @classmethod
     def from_json(cls, data: Any) -> JobRecord:
         """The record ``job.json`` holds; ``BadRecord`` naming what is wrong."""
         if not isinstance(data, dict):
             raise BadRecord(f"not a JSON object but {type(data).__name__}")
+        spec = data.get("spec")
+        if isinstance(spec, dict) and spec.get("rows") is not None:
+            # Written before rows lived in their own file: they are in rows.jsonl.
+            spec = {**spec, "rows": None}
+            data = {"rows_file": LEGACY_ROWS_FILE, **data, "spec": spec}
         try:
-            spec = JobSpec.model_validate(data.get("spec"))
+            record = cls.model_validate(data, context=STORED)
         except ValidationError as exc:
-            raise BadRecord(f"spec: {first_error(exc)}") from None
-        if spec.job_id is None:
+            error = exc.errors()[0]
+            if error["loc"][:1] == ("spec",):
+                where = ".".join(str(part) for part in error["loc"][1:])
+                message = str(error["msg"]).removeprefix("Value error, ")
+                raise BadRecord(
+                    f"spec: {where}: {message}" if where else f"spec: {message}"
+                ) from None
+            where = ".".join(str(part) for part in error["loc"])
+            what = _KINDS.get(error["type"], str(error["msg"]))
+            raise BadRecord(f"{where}: {what}, got {_short(error['input'])}") from None
+        if record.spec.job_id is None:
             raise BadRecord("spec: no job_id")
-        fields: dict[str, Any] = {name: data.get(name) for name in _RECORD_TYPES}
-        for name, (kinds, what) in _RECORD_TYPES.items():
-            if type(fields[name]) not in kinds:
-                raise BadRecord(f"{name}: must be {what}, got {_short(fields[name])}")
-        if fields["state"] is not None:
-            try:
-                fields["state"] = JobState(fields["state"])
-            except ValueError:
-                states = ", ".join(s.value for s in JobState)
-                raise BadRecord(f"state: {_short(fields['state'])} is none of {states}") from None
-        known = {"spec", *_RECORD_TYPES}
-        return cls(
-            spec=spec,
-            **fields,
-            extra={k: v for k, v in data.items() if k not in known},
-        )
+        return record
 
 
-# The record's fields besides its spec: the types a field may have (``type`` is
-# matched exactly, so a bool is not an int), and how to say it.
-_RECORD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "digest": ((str,), "a string"),
-    "submitted_seq": ((int,), "an integer"),
-    "submitted_at": ((str,), "a string"),
-    "state": ((str, type(None)), "a string or null"),
-    "error": ((str, type(None)), "a string or null"),
-    "outcomes": ((dict, type(None)), "an object or null"),
-    "step": ((dict, type(None)), "an object or null"),
+# How a record's wrong field is named, by pydantic's error type.
+_KINDS = {
+    "int_type": "must be an integer",
+    "string_type": "must be a string",
+    "dict_type": "must be an object or null",
+    "enum": "is not a job state",
+    "missing": "missing",
 }
+
+# The task file of a job submitted with rows, in its folder; older daemons named it so.
+ROWS_FILE = "input.jsonl"
+LEGACY_ROWS_FILE = "rows.jsonl"
 
 
 class BadRecord(Exception):
@@ -194,8 +203,9 @@ class Registry:
             return Unreadable(folder.name, folder, reason)
         return record
 
-    def create(self, record: JobRecord) -> Path:
-        """Make the job's folder with its record in it; a folder already there is refused."""
+    def create(self, record: JobRecord, rows: list[dict[str, Any]] | None) -> Path:
+        """Make the job's folder with its rows file (when given rows) and its record in
+        it, each written atomically, the record last; a folder already there is refused."""
         folder = self.job_dir(record.job_id)
         try:
             folder.mkdir()
@@ -207,14 +217,17 @@ class Registry:
                     "this job_id again"
                 ) from None
         try:
-            write_json_atomic(folder / "job.json", record.to_json())
+            if rows is not None:
+                assert record.rows_file is not None
+                write_atomic(folder / record.rows_file, _jsonl(rows))
+            write_atomic(folder / "job.json", [record.to_json()])
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return folder
 
     def save(self, record: JobRecord) -> None:
-        write_json_atomic(self.job_dir(record.job_id) / "job.json", record.to_json())
+        write_atomic(self.job_dir(record.job_id) / "job.json", [record.to_json()])
 
     def all(self) -> list[JobRecord | Unreadable]:
         """Every job: the records in submission order, then the unreadable ones.
@@ -267,6 +280,35 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+# What a submission a kill cut before its record leaves: the folder is reused.
+_CUT_SUBMISSION = frozenset({".job.json.tmp", ROWS_FILE, f".{ROWS_FILE}.tmp"})
+
+
 def _holds_files(folder: Path) -> bool:
-    """Whether a job folder holds anything but an interrupted ``job.json`` write."""
-    return any(entry.name != ".job.json.tmp" for entry in folder.iterdir())
+    """Whether a job folder holds anything but what a submission cut before its
+    record leaves (its rows file, an interrupted write)."""
+    return any(entry.name not in _CUT_SUBMISSION for entry in folder.iterdir())
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> Iterator[bytes]:
+    for row in rows:
+        yield orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write, fsync, rename, fsync the directory (blocking): readers see the old
+    file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk must not leave a half-written temporary file taking its space.
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)

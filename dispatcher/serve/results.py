@@ -4,7 +4,10 @@ Rows are read back from the job's output file by line number, so the stream
 only ever shows what is durable, in commit order, and ``after=SEQ`` resumes
 it exactly. A row's line gets ``"_ng_seq": N`` spliced in front (its bytes
 are not parsed). With ``group=true`` the stream walks ``groups.jsonl``
-instead (``groups.py``) and sends each complete group with its rows.
+instead (``groups.py``) and sends each complete group with its rows; a
+group's line is sent in pieces when its rows are more than a chunk's bytes, so
+what a stream holds is bounded by the rows it carries, never by how many rows
+a group names.
 
 A live job's line indexes wake waiting streams the moment a batch is
 durable; a job that is no longer running is read from its files.
@@ -22,19 +25,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import orjson
+from typing import TypeVar
 
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
+from dispatcher.serve.lines import EndLine, encode, read_group
 
-# Lines read per chunk: big enough to amortize the thread hop, small enough
-# that a stream of multi-megabyte rows holds a bounded amount of memory.
+# Lines read per chunk at most: enough to amortize the thread hop. A chunk is
+# bounded in bytes too, by the bytes of the rows it carries (the stream's
+# buffer bound; one row bigger than it goes alone).
 CHUNK_LINES = 64
-CHUNK_BYTES = 8 * 1024 * 1024
 # Chunks up to this size are read on the loop, bigger ones in a thread.
 READ_ON_LOOP_BYTES = 64 * 1024
 # A stream wakes at least this often to check that its job is still running.
@@ -61,12 +64,22 @@ class Source:
 # A chunk of the stream, and when each of its lines became durable (for the
 # stream's delay; None for lines of an earlier daemon).
 Chunk = tuple[bytes, list[float | None]]
+_T = TypeVar("_T")
 
 
 async def stream(
-    source: Source, after: int, group: bool, wait: bool, filtered: bool = False
+    source: Source,
+    after: int,
+    group: bool,
+    wait: bool,
+    filtered: bool = False,
+    *,
+    chunk_bytes: int,
+    gone: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[Chunk]:
-    """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line."""
+    """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line.
+    A chunk carries at most ``chunk_bytes`` of rows, or one row bigger than that. A
+    waiting stream whose client is ``gone`` ends (checked at each wake)."""
     index = source.groups if group else source.rows
     next_seq = after + 1
     with _Reader(source.output) as rows, _Reader(source.groups_path) as groups:
@@ -78,60 +91,47 @@ async def stream(
             stop_at = satisfied if satisfied is not None and after < satisfied else None
             end = len(index) if stop_at is None else min(len(index), stop_at)
             if next_seq <= end:
-                last = _chunk_end(index, next_seq, end)
-                read = (
-                    functools.partial(_groups_chunk, groups, rows, source, filtered)
-                    if group
-                    else functools.partial(_rows_chunk, rows, index)
-                )
-                size = _chunk_bytes(source, group, next_seq, last)
-                chunk = await _read(read, next_seq, last, size)
+                last = _chunk_end(index, next_seq, end, chunk_bytes)
+                span = _span_bytes(index, next_seq, last)
+                if group:
+                    read_lines = functools.partial(groups.lines, index, next_seq, last)
+                    plan = _GroupPlan(source, filtered, chunk_bytes)
+                    lines = await _read(read_lines, span)
+                    for pieces, born, size in plan.chunks(lines, next_seq):
+                        fill = functools.partial(_groups_chunk, rows, source.rows, pieces, born)
+                        yield await _read(fill, size)
+                else:
+                    read = functools.partial(_rows_chunk, rows, index, next_seq, last)
+                    yield await _read(read, span)
                 next_seq = last + 1
-                yield chunk
                 continue
             if stop_at is not None:
                 if wait:
-                    yield _end_line(JobState.SATISFIED.value, None), []
+                    yield encode(EndLine(JobState.SATISFIED.value)), []
                 return
             if final is not None:
                 if wait:
-                    yield _end_line(final, source.final_error()), []
+                    yield encode(EndLine(final, source.final_error())), []
                 return
-            if not wait:
+            if not wait or gone():
                 return
             await index.grew.wait(IDLE_CHECK_S)
 
 
-def _end_line(state: str, error: str | None) -> bytes:
-    end: dict[str, str] = {"end": state}
-    if error is not None:
-        end["error"] = error
-    return orjson.dumps(end, option=orjson.OPT_APPEND_NEWLINE)
-
-
-async def _read(read: Callable[[int, int], Chunk], first: int, last: int, size: int) -> Chunk:
-    """Small chunks are read here (page-cache reads of microseconds: a thread hop
-    would cost more than it saves); big ones in a thread."""
+async def _read(read: Callable[[], _T], size: int) -> _T:
+    """Small reads (``size`` bytes) are done here (page-cache reads of microseconds:
+    a thread hop would cost more than it saves); big ones in a thread."""
     if size <= READ_ON_LOOP_BYTES:
-        return read(first, last)
-    return await asyncio.to_thread(read, first, last)
+        return read()
+    return await asyncio.to_thread(read)
 
 
-def _chunk_bytes(source: Source, group: bool, first: int, last: int) -> int:
-    """About how many bytes a chunk reads: its rows' span, or for groups an
-    estimate from the average row and group sizes (the rows are not known yet)."""
-    rows = source.rows
-    if not group:
-        start, end = rows.span(first, last)
-        return end - start
-    average_row = rows.end / max(1, len(rows))
-    rows_per_group = len(rows) / max(1, len(source.groups))
-    return int(average_row * rows_per_group * (last - first + 1))
-
-
-def _chunk_end(index: LineIndex, first: int, end: int) -> int:
+def _chunk_end(index: LineIndex, first: int, end: int, chunk_bytes: int) -> int:
+    """The last line of a chunk from ``first``: at most CHUNK_LINES lines and
+    ``chunk_bytes`` bytes, at least one line."""
     last = min(end, first + CHUNK_LINES - 1)
-    while last > first and index.span(first, last)[1] - index.span(first, first)[0] > CHUNK_BYTES:
+    start = index.span(first, first)[0]
+    while last > first and index.span(first, last)[1] - start > chunk_bytes:
         last = first + (last - first) // 2
     return last
 
@@ -156,6 +156,15 @@ class _Reader:
             self._fd = os.open(self._path, os.O_RDONLY)
         return os.pread(self._fd, end - start, start)
 
+    def lines(self, index: LineIndex, first: int, last: int) -> list[bytes]:
+        """Lines ``first``..``last`` of the file ``index`` indexes."""
+        return self.read(*index.span(first, last)).splitlines()
+
+
+def _span_bytes(index: LineIndex, first: int, last: int) -> int:
+    start, end = index.span(first, last)
+    return end - start
+
 
 def with_seq(line: bytes, seq: int) -> bytes:
     """A row's line with ``"_ng_seq": seq`` first, without parsing it."""
@@ -174,23 +183,52 @@ def _rows_chunk(reader: _Reader, index: LineIndex, first: int, last: int) -> Chu
     return b"".join(with_seq(line, first + i) + b"\n" for i, line in enumerate(lines)), born
 
 
-def _groups_chunk(
-    groups: _Reader, rows: _Reader, source: Source, filtered: bool, first: int, last: int
-) -> Chunk:
-    start, end = source.groups.span(first, last)
-    out = []
-    born: list[float | None] = []
-    for i, record in enumerate(groups.read(start, end).splitlines()):
-        group = orjson.loads(record)
-        flag = b""
-        if group.get("filtered") is True:
-            if not filtered:
+# A piece of a grouped chunk: literal bytes, or the seq of a row to read there.
+Piece = bytes | int
+
+
+class _GroupPlan:
+    """Group lines cut into chunks of at most ``chunk_bytes`` of rows each."""
+
+    def __init__(self, source: Source, filtered: bool, chunk_bytes: int) -> None:
+        self.source = source
+        self.filtered = filtered
+        self.chunk_bytes = chunk_bytes
+
+    def chunks(
+        self, lines: list[bytes], first: int
+    ) -> Iterator[tuple[list[Piece], list[float | None], int]]:
+        """(pieces, when each group ended in them became durable, bytes of rows)."""
+        pieces: list[Piece] = []
+        born: list[float | None] = []
+        size = 0
+        for i, raw in enumerate(lines):
+            group = read_group(raw)
+            if group.filtered and not self.filtered:
                 continue
-            flag = b',"filtered":true'
-        born.append(source.group_completed_at(group["task_index"]))
-        parts = [with_seq(rows.read(*source.rows.span(s, s)), s) for s in group["rows"]]
-        out.append(
-            b'{"_ng_seq":%d,"task_index":%d,"failures":%d%s,"rows":[%s]}\n'
-            % (first + i, group["task_index"], group["failures"], flag, b",".join(parts))
-        )
+            flag = b',"filtered":true' if group.filtered else b""
+            pieces.append(
+                b'{"_ng_seq":%d,"task_index":%d,"failures":%d%s,"rows":['
+                % (first + i, group.task_index, group.failures, flag)
+            )
+            for n, seq in enumerate(group.rows):
+                start, end = self.source.rows.span(seq, seq)
+                if size and size + (end - start) > self.chunk_bytes:
+                    yield pieces, born, size
+                    pieces, born, size = [], [], 0
+                pieces.extend((b"," if n else b"", seq))
+                size += end - start
+            pieces.append(b"]}\n")
+            born.append(self.source.group_completed_at(group.task_index))
+        if pieces:
+            yield pieces, born, size
+
+
+def _groups_chunk(
+    reader: _Reader, index: LineIndex, pieces: list[Piece], born: list[float | None]
+) -> Chunk:
+    """A grouped chunk's bytes: its literal pieces and its rows, read."""
+    out = [
+        p if isinstance(p, bytes) else with_seq(reader.read(*index.span(p, p)), p) for p in pieces
+    ]
     return b"".join(out), born

@@ -18,27 +18,43 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from dispatcher.admission.pause import DEFAULT_TTL_S, MAX_TTL_S
 from dispatcher.errors import ConfigError
+from dispatcher.serve.bodies import BadBody, load_json
 from dispatcher.settings.config import RunSettings
+from dispatcher.settings.serve import ServeLimits
 from dispatcher.tasks.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
 from dispatcher.tasks.materialize import materialize
-
-
-class BadBody(Exception):
-    """A request body that cannot be used: a 400 with this one-line message."""
 
 
 class BadJob(BadBody):
     """A job body that cannot be run: a 400 with this one-line message."""
 
 
+class TooBig(BadJob):
+    """A job whose files would outgrow ``--max-job-bytes``: a 413."""
+
+
+# Validating a record read back from ``job.json``: its rows are in its own file.
+STORED = {"stored": True}
+# A job's metadata is kept with its status for the daemon's life: a bound.
+MAX_METADATA_BYTES = 64 * 1024
+
+
 class JobSpec(BaseModel):
     """What a trainer submits; ``job_id`` makes the submission idempotent."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Strict: an integer is an integer (not true, "3" or 2.0).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     job_id: str | None = Field(
         default=None, pattern=ROLLOUT_ID_PATTERN, max_length=MAX_ROLLOUT_ID_LEN
@@ -59,7 +75,9 @@ class JobSpec(BaseModel):
     group_filter: Literal["nonzero_reward_std"] | None = None
 
     @model_validator(mode="after")
-    def _rows_or_input(self) -> JobSpec:
+    def _rows_or_input(self, info: ValidationInfo) -> JobSpec:
+        if info.context == STORED and self.rows is None:
+            return self  # its rows are in the job's folder
         if (self.rows is None) == (self.input is None):
             raise ValueError("give exactly one of rows or input")
         if self.rows is not None and not self.rows:
@@ -74,13 +92,20 @@ class JobSpec(BaseModel):
                     raise ValueError(f"{name}: only with target_groups")
         return self
 
+    @model_validator(mode="after")
+    def _small_metadata(self) -> JobSpec:
+        if self.metadata and len(orjson.dumps(self.metadata)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata: more than {MAX_METADATA_BYTES} bytes of JSON")
+        return self
+
     @classmethod
     def parse(cls, body: bytes, agents: dict[str, list[str]]) -> JobSpec:
-        """The spec of a request body; ``BadJob`` naming the field when it is not one."""
+        """The spec of a request body (blocking: big bodies take a while); ``BadJob``
+        naming the field when it is not one."""
         try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise BadJob(f"body: not valid JSON ({exc})") from None
+            data = load_json(body)
+        except BadBody as exc:
+            raise BadJob(str(exc)) from None
         if not isinstance(data, dict):
             raise BadJob("body: must be a JSON object")
         try:
@@ -167,10 +192,7 @@ class AdmissionChange(BaseModel):
     @classmethod
     def parse(cls, body: bytes) -> AdmissionChange:
         """The change a request body asks for; ``BadBody`` naming the field when it is not one."""
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise BadBody(f"body: not valid JSON ({exc})") from None
+        data = load_json(body)
         if not isinstance(data, dict):
             raise BadBody("body: must be a JSON object")
         try:
@@ -200,9 +222,14 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch: Path) -> None:
+def check_tasks(
+    spec: JobSpec,
+    settings: Callable[[Path], RunSettings],
+    scratch: Path,
+    limits: ServeLimits,
+) -> None:
     """Validate the job's rows or task file as ``dispatcher run`` would (blocking),
-    and its ``target_groups`` against its tasks.
+    its size against the daemon's bounds, and its ``target_groups`` against its tasks.
 
     Runs in ``scratch``, which is left empty: a bad job creates nothing.
     """
@@ -214,7 +241,9 @@ def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch:
         else:
             tasks = _readable_input(spec.input)
         try:
-            task_spec = settings(tasks).materialize_spec(None)
+            run_settings = settings(tasks)
+            _check_size(spec, tasks, run_settings, limits)
+            task_spec = run_settings.materialize_spec(None)
             # A task file's every line is a task: it names its model call. A
             # file that is not one (a log, a config) is refused at its first line.
             task_spec = replace(task_spec, require_params=spec.input is not None)
@@ -225,6 +254,36 @@ def check_tasks(spec: JobSpec, settings: Callable[[Path], RunSettings], scratch:
         raise BadJob(
             f"target_groups: {spec.target_groups} is more than the job's {result.tasks} tasks"
         )
+
+
+def _check_size(spec: JobSpec, tasks: Path, settings: RunSettings, limits: ServeLimits) -> None:
+    """Rows x repeats and input bytes x repeats against the daemon's bounds, before
+    anything of that size is written: one request must not fill the disk."""
+    repeats = settings.num_repeats
+    most = max(repeats.values(), default=1) if isinstance(repeats, dict) else repeats
+    rows = len(spec.rows) if spec.rows is not None else _lines(tasks)
+    if rows * most > limits.max_job_rollouts:
+        raise BadJob(
+            f"num_repeats: {rows} rows x {most} repeats = {rows * most} rollouts, more than "
+            f"the daemon's --max-job-rollouts {limits.max_job_rollouts}"
+        )
+    size = tasks.stat().st_size * most
+    if size > limits.max_job_bytes:
+        raise TooBig(
+            f"num_repeats: {tasks.stat().st_size} bytes of rows x {most} repeats = {size} "
+            f"bytes, more than the daemon's --max-job-bytes {limits.max_job_bytes}"
+        )
+
+
+def _lines(path: Path) -> int:
+    """How many lines a file holds (blocking), a last one without a newline included."""
+    count = 0
+    last = b"\n"
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
 
 
 def _readable_input(value: str | None) -> Path:

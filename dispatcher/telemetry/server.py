@@ -103,11 +103,17 @@ async def start_http_server(
     routes: Routes | None = None,
     max_body_bytes: int | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    header_timeout_s: float | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve the endpoints on the running loop; returns the runner and the bound port.
 
     Port 0 binds a free port. Stop with `await runner.cleanup()`. A busy port
-    raises OSError before anything is served.
+    raises OSError before anything is served. With ``header_timeout_s``, a
+    connection that has not sent a whole request's headers that long after it
+    connected (or after its last answer) is closed: aiohttp's keep-alive
+    timer runs from the connection's start and closes a connection whose
+    handler waits for a request, which is what a client that trickles its
+    headers (slowloris) leaves it doing.
     """
     app = build_app(
         metrics=metrics,
@@ -117,7 +123,10 @@ async def start_http_server(
         max_body_bytes=max_body_bytes,
     )
     # No access log: Prometheus scraping every few seconds would drown the log.
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    options: dict[str, Any] = {}
+    if header_timeout_s is not None:
+        options["keepalive_timeout"] = header_timeout_s
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **options)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()

@@ -1,0 +1,158 @@
+"""Jobs of ``dispatcher serve`` that do not run: final ones and broken ones.
+
+A ``FinalJob`` is what a job leaves once final, and what a settled job is
+after a restart: its id, state, error, submission order, body digest and the
+line of its target-th kept group, nothing more. Its status (saved in
+``job.json`` as it ended) and its rows are read from its files when asked
+for, so a daemon that ran thousands of jobs, or restarts on them, holds
+O(1) for each (contracts §12).
+
+A ``BrokenJob`` is a job whose record cannot be read: failed with the
+reason, never run. Its id stays taken while its folder is there (a submit of
+it is a 409 naming the folder); once the operator moves the folder aside,
+the id can be submitted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dispatcher.files.contracts import JobStatus
+from dispatcher.files.writer import LineIndex
+from dispatcher.lifecycle import JobState
+from dispatcher.serve.registry import JobRecord, Registry, Unreadable
+from dispatcher.serve.results import Source
+
+
+@dataclass
+class FinalJob:
+    """A final job: a few fields in memory, the rest in its folder."""
+
+    job_id: str
+    folder: Path
+    state: JobState
+    error: str | None
+    submitted_seq: int
+    digest: str
+    satisfied_seq: int | None = None
+    # Nothing runs for it.
+    task: asyncio.Task[None] | None = None
+    # The streams reading it now share one index of its files (gone with the last).
+    _shared: weakref.ref[Source] | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, record: JobRecord, registry: Registry) -> FinalJob:
+        assert record.state is not None
+        seq = (record.step or {}).get("satisfied_seq")
+        return cls(
+            job_id=record.job_id,
+            folder=registry.job_dir(record.job_id),
+            state=record.state,
+            error=record.error,
+            submitted_seq=record.submitted_seq,
+            digest=record.digest,
+            satisfied_seq=seq if type(seq) is int else None,
+        )
+
+    def read_status(self, registry: Registry) -> dict[str, Any]:
+        """Its status from ``job.json`` (blocking); what memory says of its end wins
+        (a record that could not be saved says less)."""
+        record = registry.read(self.folder)
+        status = _saved_status(record) if isinstance(record, JobRecord) else None
+        if status is None:
+            status = JobStatus(self.job_id, self.state, True, output=str(self.output)).to_json()
+        return {**status, "state": self.state.value, "final": True, "error": self.error}
+
+    @property
+    def output(self) -> Path:
+        return self.folder / "rollouts.jsonl"
+
+    def cancel(self) -> None:
+        """Nothing of it runs."""
+
+    async def source(self) -> Source:
+        shared = self._shared() if self._shared is not None else None
+        if shared is not None:
+            return shared
+        source = await _files_source(
+            self.folder, lambda: self.state.value, lambda: self.error, lambda: self.satisfied_seq
+        )
+        self._shared = weakref.ref(source)
+        return source
+
+
+def _saved_status(record: JobRecord) -> dict[str, Any] | None:
+    """The status a final record saved; for one of an older daemon, built from it."""
+    if record.final_status is not None:
+        return record.final_status
+    if record.state is None:
+        return None
+    spec = record.spec
+    status = JobStatus(
+        job_id=record.job_id,
+        state=record.state,
+        final=True,
+        priority=spec.priority,
+        policy_version=spec.policy_version,
+        outcomes=dict(record.outcomes or {}),
+        submitted_at=record.submitted_at,
+        error=record.error,
+        metadata=spec.metadata,
+    )
+    return {**status.to_json(), **(record.step or {})}
+
+
+class BrokenJob:
+    """A job whose record cannot be read: failed with the reason, never run."""
+
+    def __init__(self, broken: Unreadable) -> None:
+        self.broken = broken
+        self.folder = broken.folder
+        self.output = broken.folder / "rollouts.jsonl"
+        self.task: asyncio.Task[None] | None = None
+        self.state = JobState.FAILED
+
+    @property
+    def job_id(self) -> str:
+        return self.broken.job_id
+
+    def status(self) -> dict[str, Any]:
+        return JobStatus(
+            job_id=self.job_id,
+            state=JobState.FAILED,
+            final=True,
+            output=str(self.output),
+            error=self.broken.reason,
+        ).to_json()
+
+    def cancel(self) -> None:
+        """Nothing of it runs."""
+
+    async def source(self) -> Source:
+        return await _files_source(
+            self.folder, lambda: JobState.FAILED.value, lambda: self.broken.reason, lambda: None
+        )
+
+
+async def _files_source(
+    folder: Path,
+    final_state: Callable[[], str | None],
+    final_error: Callable[[], str | None],
+    satisfied_seq: Callable[[], int | None],
+) -> Source:
+    """A job's results read from its files, for this stream alone."""
+    output, groups = folder / "rollouts.jsonl", folder / "groups.jsonl"
+    rows = await asyncio.to_thread(LineIndex.scan, output)
+    group_index = await asyncio.to_thread(LineIndex.scan, groups)
+    return Source(
+        output, rows, groups, group_index, final_state, _unknown, final_error, satisfied_seq
+    )
+
+
+def _unknown(task: int) -> float | None:
+    return None

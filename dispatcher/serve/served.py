@@ -1,0 +1,443 @@
+"""A job of ``dispatcher serve`` while it runs: its hops, gate and live status.
+
+A ``ServedJob`` is one accepted job that is not final: its record
+(``registry.py``), a ``Job`` (``run/job.py``: the same files, resume contract
+and exit rules as ``dispatcher run``) driven in a task of its own, and its
+``Groups``. Jobs share the daemon's pool: a free slot goes to the job of
+highest priority, then to the earliest submitted (the pool's rank). A job
+whose ``policy_version`` p is more than K steps ahead of the trainer's
+version V starts nothing until V ≥ p − K; nothing in flight is ever
+cancelled for staleness (contracts §12).
+
+A job with ``target_groups`` has a ``StepControl`` (``step.py``): its gate
+starts a new group only while there is room under the overprovision bound,
+and once the target is reached the job starts nothing more (``finish``: what
+is in flight runs to its end; ``cancel``: it is cancelled) and ends
+``satisfied``.
+
+Once final, the job's record (with its final status) is saved and the
+service replaces it by a ``FinalJob`` (``final.py``): nothing of its rows,
+indexes or groups stays in memory.
+
+Failure policy of a job's task: whatever it raises (a file it cannot write,
+a bug) makes the job ``failed`` with a one-line reason, final, and ends its
+streams with ``{"end": "failed", "error": ...}``; the daemon and the other
+jobs go on. A failed job is not settled: the same ``dispatcher serve``
+command resumes it from its files, exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from dispatcher.aio import cancel_and_wait
+from dispatcher.errors import DispatcherError, OutputWriteError
+from dispatcher.files.contracts import JobStatus
+from dispatcher.files.resume import RunState
+from dispatcher.files.writer import LineIndex
+from dispatcher.lifecycle import JobState
+from dispatcher.run.daemon import Daemon
+from dispatcher.run.job import Job
+from dispatcher.serve.faults import log_crash, one_line
+from dispatcher.serve.groups import Groups
+from dispatcher.serve.registry import JobRecord, Registry
+from dispatcher.serve.results import Source
+from dispatcher.serve.step import StepControl, teaches_nothing
+from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.materialize import Rollout
+
+log = structlog.get_logger("dispatcher.serve")
+
+# Between hops of a job that made no progress (its agent down, say): 1 s, 2 s ... 60 s.
+HOP_PAUSE_BASE_S = 1.0
+HOP_PAUSE_CAP_S = 60.0
+
+
+class Host(Protocol):
+    """What a running job needs of the service that owns it."""
+
+    daemon: Daemon
+    base: RunSettings
+    registry: Registry
+    max_off_policy_steps: int | None
+
+    async def write(self, write: Callable[..., Any], *args: Any) -> Any: ...
+
+    def disk_fault(self, exc: BaseException) -> None: ...
+
+    def finished(self, served: ServedJob) -> None: ...
+
+
+class ServedJob:
+    """One job of the service: its record, its ``Job`` while it runs, its groups."""
+
+    def __init__(self, service: Host, record: JobRecord) -> None:
+        self.service = service
+        self.record = record
+        folder = service.registry.job_dir(record.job_id)
+        spec = record.spec
+        self.output = folder / "rollouts.jsonl"
+        self.groups_path = folder / "groups.jsonl"
+        # Its rows are in its folder (submitted inline) or in the file it named.
+        tasks = folder / record.rows_file if record.rows_file else Path(str(spec.input))
+        self.settings = spec.settings(service.base, tasks, self.output)
+        self.paced = False
+        self.finished = False
+        self.task: asyncio.Task[None] | None = None
+        self.step = StepControl(spec.target_groups, spec.overprovision, spec.on_target)
+        self.step.when_satisfied(self._satisfied)
+        self.groups: Groups | None = Groups(
+            self.groups_path,
+            on_error=self._groups_failed,
+            group_filter=teaches_nothing if spec.group_filter is not None else None,
+            on_group=self.step.on_group,
+        )
+        self.output_index = LineIndex()
+        # Outcomes of the job's earlier hops (and, after a restart, of its files):
+        # its status counts every pass, not only the hop running now.
+        self.earlier_outcomes: Counter[str] = Counter()
+        self.job: Job | None = self._new_job()
+        self._cancelled = asyncio.Event()
+
+    def _new_job(self) -> Job:
+        """One hop of the job: a ``Job`` on its files, sharing its indexes and groups."""
+        spec, record = self.record.spec, self.record
+        assert self.groups is not None
+        return Job(
+            self.service.daemon,
+            self.settings,
+            rank=lambda: (-spec.priority, record.submitted_seq),
+            on_final=self.groups.on_final,
+            publish_endpoint=False,
+            output_index=self.output_index,
+            gate=self._gate,
+        )
+
+    @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    @property
+    def digest(self) -> str:
+        return self.record.digest
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"job:{self.job_id}")
+
+    async def _run(self) -> None:
+        """The job's task: its hops, then its final state, whatever happens."""
+        structlog.contextvars.bind_contextvars(job_id=self.job_id)
+        try:
+            state, error = await self._hops()
+        except Exception as exc:
+            # The failure policy of a job's task: the job fails, with the reason.
+            # Nothing else awaits this task but shutdown, which must not be the
+            # first to hear of it.
+            log_crash("job_task_crashed", exc, job_id=self.job_id)
+            state, error = JobState.FAILED, self._crash_reason(exc)
+            self._release(self.job)
+        if self.groups is not None:
+            await self.groups.close()
+        await self._settle(state, error)
+
+    def _release(self, job: Job | None) -> None:
+        """What a hop that crashed half-way through its close still holds: its place
+        among the daemon's jobs and its files' lock (releasing twice is harmless)."""
+        if job is None:
+            return
+        self.service.daemon.jobs.discard(job)
+        if job.prepared is not None:
+            job.prepared.lock.release()
+
+    def _crash_reason(self, exc: Exception) -> str:
+        """The first error of the job (a row writer's, say), else the crash itself."""
+        if self.job is not None and self.job.fatal is not None:
+            self.service.disk_fault(self.job.fatal)
+            return str(self.job.fatal)
+        self.service.disk_fault(exc)
+        return one_line(exc)
+
+    async def _hops(self) -> tuple[JobState, str | None]:
+        """Hops until the job is final: failed attempts with attempts left (and
+        rollouts of an agent that was down) run again in a next hop, as
+        ``dispatcher run``'s job script would rerun it, after a pause when a
+        hop made no progress."""
+        hop = idle_hops = 0
+        while True:
+            job = self.job if hop == 0 and self.job is not None else self._next_job()
+            state, error = await self._hop(job, first=hop == 0)
+            if state is not JobState.INCOMPLETE or self._stopping() or self.step.satisfied:
+                break
+            idle_hops = 0 if job.final_this_run else idle_hops + 1
+            pause_s = min(HOP_PAUSE_CAP_S, HOP_PAUSE_BASE_S * 2 ** (idle_hops - 1))
+            if idle_hops and await self._paused(pause_s):
+                break
+            hop += 1
+        if self.step.satisfied and state is not JobState.FAILED:
+            state = JobState.SATISFIED
+        elif self._cancelled.is_set() and state is JobState.INCOMPLETE:
+            state = JobState.CANCELLED
+        return state, error
+
+    def _satisfied(self) -> None:
+        """The target is reached: nothing of the job starts again."""
+        step = self.step
+        log.info("job_satisfied", job_id=self.job_id, target_groups=step.target,
+                 groups_filtered=step.filtered, on_target=step.on_target)  # fmt: skip
+        if self.job is None:
+            return
+        if step.on_target == "cancel":
+            self.job.cancel("job satisfied")
+        else:
+            self.job.close_starts()
+
+    def _next_job(self) -> Job:
+        """The next hop's ``Job``; the last hop's outcomes join the earlier ones."""
+        if self.job is not None:
+            self.earlier_outcomes.update(self.job.outcomes)
+        self.job = self._new_job()
+        return self.job
+
+    async def _hop(self, job: Job, *, first: bool) -> tuple[JobState, str | None]:
+        """Open, dispatch and close one hop; its final state and error."""
+        try:
+            await job.open()
+        except DispatcherError as exc:
+            self.service.disk_fault(exc)
+            return JobState.FAILED, str(exc)
+        prepared = job.prepared
+        assert prepared is not None and self.groups is not None
+        structlog.contextvars.bind_contextvars(run_id=prepared.record.run_id)
+        try:
+            if first:
+                self.earlier_outcomes.update(file_outcomes(prepared.state))
+                missing = await asyncio.to_thread(
+                    self.groups.load,
+                    prepared.paths.materialized,
+                    prepared.paths.output,
+                    prepared.state,
+                )
+                self.step.reopen(self.groups.reopened)
+                await self.groups.open(missing)
+            log.info("job_started", job_id=self.job_id, **job.started_event())
+            await job.dispatch()
+        except Exception as exc:
+            log_crash("job_hop_crashed", exc, job_id=self.job_id)
+            job.fail(DispatcherError(f"job {self.job_id} failed: {one_line(exc)}"))
+        finally:
+            await job.close()
+            # Its files are closed: the daemon's figures (remaining, the
+            # budget's end) are the running jobs'. A run's one job stays, so
+            # its last scrape shows what it left.
+            job.daemon.jobs.discard(job)
+        error = job.fatal or job.daemon.fatal
+        if job.fatal is not None:
+            self.service.disk_fault(job.fatal)
+        return job.state.state, str(error) if error else None
+
+    def _groups_failed(self, exc: OSError) -> None:
+        """``groups.jsonl`` could not be written: the job stops, naming it."""
+        error = OutputWriteError(f"{self.groups_path}: write failed: {exc.strerror or exc}")
+        if self.job is not None:
+            self.job.fail(error)
+
+    def _stopping(self) -> bool:
+        return self._cancelled.is_set() or self.service.daemon.stop_requested.is_set()
+
+    async def _paused(self, delay_s: float) -> bool:
+        """Wait ``delay_s`` before the next hop, or until an agent comes back; True
+        when a cancel or stop came first."""
+        log.info("job_hop_paused", job_id=self.job_id, pause_s=round(delay_s, 3))
+        stops = {
+            asyncio.create_task(self._cancelled.wait()),
+            asyncio.create_task(self.service.daemon.stop_requested.wait()),
+        }
+        back = asyncio.create_task(self.service.daemon.load.agent_back.wait(delay_s))
+        done, pending = await asyncio.wait(
+            {*stops, back}, timeout=delay_s, return_when="FIRST_COMPLETED"
+        )
+        for task in pending:
+            await cancel_and_wait(task)
+        return bool(done & stops)
+
+    async def _settle(self, state: JobState, error: str | None) -> None:
+        """Record the final state and status in ``job.json``, hand the job over to
+        the service as final (it keeps nothing of its rows), wake the streams.
+
+        A record that cannot be saved fails the job (its file still says it is
+        unfinished, so a restart resumes it), and the streams end all the same."""
+        if state is JobState.FAILED and error is None:
+            error = "failed without a recorded reason"
+        self._record_final(state, error)
+        try:
+            await self.service.write(self.service.registry.save, self.record)
+        except OSError as exc:
+            log_crash("job_record_not_saved", exc, job_id=self.job_id)
+            reason = f"job.json not saved: {one_line(exc)}"
+            error = reason if state is not JobState.FAILED else f"{error}; {reason}"
+            state = JobState.FAILED
+            self._record_final(state, error)
+        self.finished = True
+        log.info("job_finished", job_id=self.job_id, state=state.value, error=error)
+        self.output_index.grew.fire()
+        if self.groups is not None:
+            self.groups.index.grew.fire()
+        self.job = None
+        self.groups = None
+        self.service.finished(self)
+
+    def _record_final(self, state: JobState, error: str | None) -> None:
+        """The record of the job as it ends: state, outcomes, step figures and status."""
+        record = self.record
+        record.state, record.error = state, error
+        if self.job is not None:
+            record.outcomes = dict(self.earlier_outcomes + self.job.outcomes)
+        if self.step.target is not None:
+            record.step = self.step.figures()
+        status = self._status()
+        status = replace(status, state=state, final=True, error=error, in_flight=0, committing=0)
+        record.final_status = status.to_json()
+
+    async def _gate(self, rollout: Rollout) -> bool | None:
+        """Before each rollout starts: pacing, then step control (``Job``'s gate)."""
+        await self._pace()
+        while True:
+            start = self.step.admits(rollout.task_index)
+            job = self.job
+            if start is not False or job is None or job.idle.is_set():
+                # With nothing in flight no room can come in this hop: a next
+                # hop runs what the open groups still need first.
+                return start
+            await self._room_or_idle(job)
+
+    async def _room_or_idle(self, job: Job) -> None:
+        """Until a group completes (a filtered one frees room) or nothing is in flight."""
+        waits = {
+            asyncio.create_task(self.step.changed.wait(HOP_PAUSE_CAP_S)),
+            asyncio.create_task(job.idle.wait()),
+        }
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                await cancel_and_wait(task)
+
+    async def _pace(self) -> None:
+        """Admission pacing: wait while this job's policy version is more than K ahead."""
+        p, k = self.record.spec.policy_version, self.service.max_off_policy_steps
+        policy = self.service.daemon.policy
+        if p is None or k is None or policy is None or policy.version >= p - k:
+            return
+        self.paced = True
+        log.info("job_paced", job_id=self.job_id, policy_version=p, current=policy.version)
+        try:
+            await policy.reaches(p - k)
+        finally:
+            self.paced = False
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        if self.job is not None:
+            self.job.cancel("job cancelled")
+
+    # ---- what the API reads -----------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The job's ``contracts.JobStatus``, as JSON."""
+        return self._status().to_json()
+
+    @property
+    def state(self) -> JobState:
+        record, job = self.record, self.job
+        if job is None or self.finished:
+            return record.state or JobState.QUEUED
+        state = job.state.state
+        if state is JobState.RUNNING and self.paced:
+            return JobState.PACED
+        return JobState.SATISFIED if self.step.satisfied else state
+
+    def _status(self) -> JobStatus:
+        spec, record = self.record.spec, self.record
+        known: dict[str, Any] = {}
+        job = self.job
+        state = self.state
+        if job is not None:
+            outcomes = self.earlier_outcomes + job.outcomes
+            known.update(job.progress(), outcomes=dict(outcomes), eta_s=job.eta_s(self._rate(job)))
+        elif record.outcomes is not None:
+            known["outcomes"] = record.outcomes
+        if self.groups is not None:
+            known["groups_complete"] = len(self.groups.index)
+        if self.step.target is not None or spec.group_filter is not None:
+            known.update(self._step_figures())
+        if self.step.satisfied:
+            # What is left of its tasks will not run.
+            known["eta_s"] = None
+        return JobStatus(
+            job_id=self.job_id,
+            state=state,
+            final=self.finished,
+            priority=spec.priority,
+            policy_version=spec.policy_version,
+            rows_durable=len(self.output_index),
+            output=str(self.output),
+            submitted_at=record.submitted_at,
+            error=record.error,
+            metadata=spec.metadata,
+            **known,
+        )
+
+    def _step_figures(self) -> dict[str, Any]:
+        """The step's figures: live, or as the record kept them (a settled job)."""
+        if self.groups is None and self.record.step is not None:
+            return dict(self.record.step)
+        return self.step.figures()
+
+    @staticmethod
+    def _rate(job: Job) -> float:
+        elapsed_s = job.daemon.dispatch_seconds()
+        done = sum(job.outcomes.values())
+        return done / elapsed_s * 3600.0 if elapsed_s > 0 else 0.0
+
+    async def source(self) -> Source:
+        """Where the job's results are: its live indexes (it is final only once it
+        is a ``FinalJob``, read from its files)."""
+        assert self.groups is not None
+        return Source(
+            self.output,
+            self.output_index,
+            self.groups_path,
+            self.groups.index,
+            self._end,
+            self.groups.completed_at.get,
+            self._end_error,
+            self._satisfied_seq,
+        )
+
+    def _satisfied_seq(self) -> int | None:
+        if self.step.satisfied_seq is None and self.record.step is not None:
+            seq = self.record.step.get("satisfied_seq")
+            return seq if isinstance(seq, int) else None
+        return self.step.satisfied_seq
+
+    def _end(self) -> str | None:
+        state = self.record.state
+        return state.value if self.finished and state is not None else None
+
+    def _end_error(self) -> str | None:
+        return self.record.error if self.finished else None
+
+
+def file_outcomes(state: RunState) -> Counter[str]:
+    """A job's outcomes as its files tell them: successes and failed attempts by class."""
+    outcomes = Counter(state.failure_classes)
+    if state.successes:
+        outcomes["success"] = len(state.successes)
+    return outcomes
