@@ -5,5 +5,5 @@
   time left is under the drain margin);
 - ``agent_load.py``: each agent's slots (a fixed cap or an adaptive limit)
   and what delivery saw of its health (retries, breakers, agents down);
-- ``bytebudget.py``: the commit queue's bound in bytes.
+- ``bytebudget.py``: the commit queue, bounded in count and in bytes.
 """

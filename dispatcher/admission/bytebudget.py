@@ -1,4 +1,4 @@
-"""A budget of bytes shared by waiters: the commit queue bounded by what it holds."""
+"""A budget of bytes shared by waiters, and the commit queue bounded by it in count and bytes."""
 
 from __future__ import annotations
 
@@ -60,3 +60,26 @@ class ByteBudget:
             self._waiters.popleft()
             self.held += size
             future.set_result(None)
+
+
+class CommitQueue:
+    """Answered rows waiting for their commit, bounded in count and in bytes."""
+
+    def __init__(self, slots: int, max_bytes: int) -> None:
+        self._slots = asyncio.Semaphore(slots)
+        self._bytes = ByteBudget(max_bytes)
+        self.committing = 0
+
+    async def enter(self, body_bytes: int) -> None:
+        await self._slots.acquire()
+        try:
+            await self._bytes.acquire(body_bytes)
+        except BaseException:
+            self._slots.release()
+            raise
+        self.committing += 1
+
+    def leave(self, body_bytes: int) -> None:
+        self.committing -= 1
+        self._bytes.release(body_bytes)
+        self._slots.release()

@@ -28,7 +28,7 @@ import aiohttp
 import structlog
 
 from dispatcher.admission.agent_load import AgentLoad
-from dispatcher.admission.bytebudget import ByteBudget
+from dispatcher.admission.bytebudget import CommitQueue
 from dispatcher.admission.pause import AdmissionPause
 from dispatcher.admission.pool import Budget, RolloutPool
 from dispatcher.aio import Wakeup, cancel_and_wait
@@ -77,29 +77,6 @@ class JobView(Protocol):
 
     def remaining(self) -> int: ...
     def at_agents(self) -> int: ...
-
-
-class CommitQueue:
-    """Answered rows waiting for their commit, bounded in count and in bytes."""
-
-    def __init__(self, slots: int, max_bytes: int) -> None:
-        self._slots = asyncio.Semaphore(slots)
-        self._bytes = ByteBudget(max_bytes)
-        self.committing = 0
-
-    async def enter(self, body_bytes: int) -> None:
-        await self._slots.acquire()
-        try:
-            await self._bytes.acquire(body_bytes)
-        except BaseException:
-            self._slots.release()
-            raise
-        self.committing += 1
-
-    def leave(self, body_bytes: int) -> None:
-        self.committing -= 1
-        self._bytes.release(body_bytes)
-        self._slots.release()
 
 
 class Daemon:
