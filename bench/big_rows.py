@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoopLag, dispatcher_server, median, run_child, write_tasks
+from _common import LoopLag, dispatcher_server, median, run_bodies, run_child, write_tasks
 
 MB = 1_000_000
 # (row bytes, concurrency, rollouts); the two cases.
@@ -71,6 +71,8 @@ async def stream_to_file(
                     ) as resp:
                         # Whole answers only: a row is never interleaved with another.
                         data = await resp.read()
+                    if resp.status != 200:
+                        raise SystemExit(f"the agent answered {resp.status}: {data[:200]!r}")
                     if validate:
                         check(data)
                     f.write(data + b"\n")
@@ -384,7 +386,7 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.baseline_child:
         url, tasks, out, concurrency, mode = opts.baseline_child
-        lines = Path(tasks).read_bytes().splitlines()
+        lines = run_bodies(Path(tasks))
         figures = asyncio.run(
             stream_to_file(url, lines, Path(out), int(concurrency), mode == "validate")
         )

@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server, median, run_child, write_tasks
+from _common import dispatcher_server, median, run_bodies, run_child, write_tasks
 
 GYM_NOTE = (
     "NeMo Gym collector: not run (its collector needs a Gym head server and config"
@@ -47,6 +47,8 @@ async def bare_client(url: str, lines: list[bytes], out: Path, concurrency: int)
                 for body in bodies:
                     async with session.post(f"{url}/run", data=body, headers=headers) as resp:
                         data = await resp.read()
+                    if resp.status != 200:
+                        raise SystemExit(f"the agent answered {resp.status}: {data[:200]!r}")
                     f.write(data + b"\n")
 
             started = time.perf_counter()
@@ -57,7 +59,7 @@ async def bare_client(url: str, lines: list[bytes], out: Path, concurrency: int)
 def bare_child(url: str, tasks: str, out: str, concurrency: str) -> int:
     import uvloop
 
-    lines = Path(tasks).read_bytes().splitlines()
+    lines = run_bodies(Path(tasks))
     seconds = uvloop.run(bare_client(url, lines, Path(out), int(concurrency)))
     Path(out).with_suffix(".json").write_bytes(orjson.dumps({"dispatch_s": seconds}))
     return 0
