@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/mypy dispatcher
 
 bench: $(STAMP)
-	$(BIN)/python bench/dispatch_overhead.py
+	$(BIN)/python bench/dispatch_overhead.py --telemetry-off --memory
 	$(BIN)/python bench/loop_lag.py
 	$(BIN)/python bench/resume_startup.py
 	$(BIN)/python bench/capture_overhead.py

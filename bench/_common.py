@@ -90,6 +90,17 @@ def write_tasks(path: Path, count: int, agent: str = "sim") -> None:
             f.write(b"\n".join(chunk) + b"\n")
 
 
+def run_bodies(tasks: Path) -> list[bytes]:
+    """Each task row as the dispatcher POSTs it to ``/run``: with its task and rollout
+    index (an agent answers a body without them 422, "not a run request")."""
+    bodies = []
+    for index, line in enumerate(tasks.read_bytes().splitlines()):
+        row = orjson.loads(line)
+        row.update({"_ng_task_index": index, "_ng_rollout_index": 0})
+        bodies.append(orjson.dumps(row))
+    return bodies
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoopLag, dispatcher_server, median, run_child, write_tasks
+from _common import LoopLag, dispatcher_server, median, run_bodies, run_child, write_tasks
 
 MB = 1_000_000
 # (row bytes, concurrency, rollouts); the two cases.
@@ -71,6 +71,8 @@ async def stream_to_file(
                     ) as resp:
                         # Whole answers only: a row is never interleaved with another.
                         data = await resp.read()
+                    if resp.status != 200:
+                        raise SystemExit(f"the agent answered {resp.status}: {data[:200]!r}")
                     if validate:
                         check(data)
                     f.write(data + b"\n")
@@ -146,7 +148,18 @@ def daemon(
     }
 
 
-def run_case(work: Path, row_bytes: int, concurrency: int, rollouts: int, repeat: int) -> None:
+# ``--variants`` names (the two baselines always run).
+VARIANT_KEYS = ("bytes", "validate", "never", "thread", "batch", "aggregate")
+
+
+def run_case(
+    work: Path,
+    row_bytes: int,
+    concurrency: int,
+    rollouts: int,
+    repeat: int,
+    wanted: set[str] | None = None,
+) -> None:
     tag = f"r{row_bytes // MB}mb-c{concurrency}"
     tasks = work / f"{tag}-tasks.jsonl"
     write_tasks(tasks, rollouts)
@@ -154,20 +167,29 @@ def run_case(work: Path, row_bytes: int, concurrency: int, rollouts: int, repeat
     with dispatcher_server("sim-agent", "--row-bytes", str(row_bytes)) as url:
         for n in range(repeat):
             # Interleaved, so the machine's other work weighs on each the same.
-            this = {
-                "baseline (bytes to file)": baseline(work, tasks, url, concurrency, tag),
+            variants: dict[str, Callable[[], dict[str, float]]] = {
+                "baseline (bytes to file)": lambda: baseline(work, tasks, url, concurrency, tag),
                 # What any reader that refuses a corrupt row must at least spend.
-                "  + validating each row": baseline(
+                "  + validating each row": lambda: baseline(
                     work, tasks, url, concurrency, tag, validate=True
                 ),
                 # The baseline does not fsync: compare like with like first.
-                "dispatcher --fsync never": daemon(work, tasks, url, concurrency, tag, "never"),
-                "  the same, thread worker": daemon(
+                "dispatcher --fsync never": lambda: daemon(
+                    work, tasks, url, concurrency, tag, "never"
+                ),
+                "  the same, thread worker": lambda: daemon(
                     work, tasks, url, concurrency, tag, "never", worker="thread"
                 ),
-                "dispatcher (fsync batch)": daemon(work, tasks, url, concurrency, tag, "batch"),
+                "dispatcher (fsync batch)": lambda: daemon(
+                    work, tasks, url, concurrency, tag, "batch"
+                ),
             }
-            if n == 0:
+            this = {
+                name: run()
+                for i, (name, run) in enumerate(variants.items())
+                if i < 2 or (wanted is None or VARIANT_KEYS[i] in wanted)
+            }
+            if n == 0 and (wanted is None or "aggregate" in wanted):
                 this["  + end-of-run aggregate"] = daemon(
                     work, tasks, url, concurrency, tag, "batch", aggregate=True
                 )
@@ -353,12 +375,18 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per case")
     parser.add_argument("--cases", default="2,20", help="row sizes in MB to run (2, 20; 0: none)")
     parser.add_argument(
+        "--variants",
+        help="dispatcher runs to make besides the two baselines, comma separated: never,"
+        " thread, batch, aggregate (default: all)",
+    )
+    parser.add_argument("--no-capture", action="store_true", help="skip the capture merge stall")
+    parser.add_argument(
         "--baseline-child", nargs=5, metavar=("URL", "TASKS", "OUT", "C", "bytes|validate")
     )
     opts = parser.parse_args()
     if opts.baseline_child:
         url, tasks, out, concurrency, mode = opts.baseline_child
-        lines = Path(tasks).read_bytes().splitlines()
+        lines = run_bodies(Path(tasks))
         figures = asyncio.run(
             stream_to_file(url, lines, Path(out), int(concurrency), mode == "validate")
         )
@@ -371,8 +399,10 @@ def main() -> int:
         wanted = {int(mb) * MB for mb in opts.cases.split(",") if mb}
         for row_bytes, concurrency, rollouts in cases:
             if row_bytes in wanted:
-                run_case(Path(tmp), row_bytes, concurrency, rollouts, opts.repeat)
-        capture_compare(Path(tmp))
+                wanted_variants = set(opts.variants.split(",")) if opts.variants else None
+                run_case(Path(tmp), row_bytes, concurrency, rollouts, opts.repeat, wanted_variants)
+        if not opts.no_capture:
+            capture_compare(Path(tmp))
     if opts.offload_compare:
         for row_bytes, count in ((2 * MB, 64), (20 * MB, 8)):
             offload_compare(row_bytes, count)

@@ -1,12 +1,17 @@
 """What the dispatcher costs on top of the HTTP calls it makes.
 
-In one run, against the same zero-latency simulated agent (its own process):
-  * a bare aiohttp client loop doing the same POSTs at the same concurrency,
-  * ``dispatcher run`` end to end (materialize, dispatch, durable rows),
-  * the daemon with telemetry on (metrics server, info logs) and off,
-  * peak RSS for a 1,000,000-row task file against a 10,000-row one.
-Rates are from the dispatch phase (``run_started`` → ``run_summary``).
-Figures are medians over ``--repeat`` rounds; the machine is noisy.
+Each round, against the same zero-latency simulated agent (its own process):
+  * the baseline: a bare aiohttp + uvloop client in its own process that keeps
+    ``--concurrency`` ``POST /run`` in flight and appends each answer to a file;
+  * ``dispatcher run`` end to end (materialize, dispatch, durable rows, a log
+    event per rollout, metrics, the files of record);
+  * with ``--telemetry-off``, the same without the metrics server and info logs.
+Rates are from each one's dispatch window (the dispatcher's ``dispatch_s``; the
+baseline's first request to its last answer); CPU is the whole process's (user +
+system, start-up included) per rollout. Each round prints its ratios to the
+baseline of the same round; the summary is the median of ``--repeat`` rounds
+(the machine is noisy: only ratios measured side by side mean much).
+``--memory`` adds peak RSS for a 1,000,000-row task file against a 10,000-row one.
 """
 
 from __future__ import annotations
@@ -22,33 +27,58 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server, median, run_child, write_tasks
+from _common import dispatcher_server, median, run_bodies, run_child, write_tasks
+
+GYM_NOTE = (
+    "NeMo Gym collector: not run (its collector needs a Gym head server and config"
+    " around the agent; tests/gym drives it, this bench does not)"
+)
 
 
-async def bare_loop(url: str, count: int, concurrency: int) -> float:
-    """Rollouts/s of a plain aiohttp client doing the same POSTs."""
-    body = orjson.dumps(
-        {
-            "agent_ref": {"name": "sim"},
-            "responses_create_params": {"input": [{"role": "user", "content": "Solve it."}]},
-            "_ng_task_index": 0,
-            "_ng_rollout_index": 0,
-        }
-    )
-    next_index = iter(range(count))
+async def bare_client(url: str, lines: list[bytes], out: Path, concurrency: int) -> float:
+    """The baseline's dispatch window: every task POSTed, each answer appended to ``out``."""
+    bodies = iter(lines)
     connector = aiohttp.TCPConnector(limit=concurrency)
+    headers = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession(connector=connector) as session:
+        with out.open("ab") as f:
 
-        async def worker() -> None:
-            for _ in next_index:
-                async with session.post(
-                    f"{url}/run", data=body, headers={"Content-Type": "application/json"}
-                ) as resp:
-                    orjson.loads(await resp.read())
+            async def worker() -> None:
+                for body in bodies:
+                    async with session.post(f"{url}/run", data=body, headers=headers) as resp:
+                        data = await resp.read()
+                    if resp.status != 200:
+                        raise SystemExit(f"the agent answered {resp.status}: {data[:200]!r}")
+                    f.write(data + b"\n")
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return count / (time.perf_counter() - started)
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return time.perf_counter() - started
+
+
+def bare_child(url: str, tasks: str, out: str, concurrency: str) -> int:
+    import uvloop
+
+    lines = run_bodies(Path(tasks))
+    seconds = uvloop.run(bare_client(url, lines, Path(out), int(concurrency)))
+    Path(out).with_suffix(".json").write_bytes(orjson.dumps({"dispatch_s": seconds}))
+    return 0
+
+
+def _figures(rows: int, dispatch_s: float, cpu_s: float, **extra: float) -> dict[str, float]:
+    return {"rate": rows / dispatch_s, "cpu_ms": cpu_s / rows * 1000, **extra}
+
+
+def baseline(work: Path, tasks: Path, url: str, concurrency: int, tag: str) -> dict[str, float]:
+    out = work / f"{tag}.jsonl"
+    args = [sys.executable, __file__, "--bare-child", url, str(tasks), str(out), str(concurrency)]
+    result = run_child(args, work / f"{tag}.log")
+    if result.returncode != 0:
+        raise SystemExit(f"bare client failed ({result.returncode}): {result.stderr[-2000:]!r}")
+    rows = sum(1 for _ in out.open("rb"))
+    out.unlink()
+    seconds = orjson.loads(out.with_suffix(".json").read_bytes())["dispatch_s"]
+    return _figures(rows, seconds, result.cpu_s)
 
 
 def daemon_run(
@@ -67,15 +97,15 @@ def daemon_run(
     if result.returncode != 0:
         raise SystemExit(f"dispatcher run failed ({result.returncode}): see {work / tag}.log")
     rows = sum(1 for _ in output.open("rb"))
-    manifest = orjson.loads((work / f"{tag}_manifest.json").read_bytes())
-    summary = manifest["last_run"]["summary"]
-    dispatch_s = summary["dispatch_s"]
-    return {
-        "rate": rows / dispatch_s,
-        "cpu_per_1000": result.cpu_s / rows * 1000,
-        "peak_rss_mb": summary["peak_rss_mb"],
-        "lag_p99_ms": (summary.get("event_loop_lag_p99_s") or 0.0) * 1000,
-    }
+    output.unlink()
+    summary = orjson.loads((work / f"{tag}_manifest.json").read_bytes())["last_run"]["summary"]
+    return _figures(
+        rows,
+        summary["dispatch_s"],
+        result.cpu_s,
+        peak_rss_mb=summary["peak_rss_mb"],
+        lag_p99_ms=(summary.get("event_loop_lag_p99_s") or 0.0) * 1000,
+    )
 
 
 def drained_rss(work: Path, rows: int, url: str) -> float:
@@ -95,57 +125,79 @@ def drained_rss(work: Path, rows: int, url: str) -> float:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--bare-child"]:
+        return bare_child(*sys.argv[2:6])
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rollouts", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--telemetry-off", action="store_true", help="also run without telemetry")
+    parser.add_argument("--memory", action="store_true", help="peak RSS vs task-file size")
     parser.add_argument("--big-rows", type=int, default=1_000_000)
     parser.add_argument("--small-rows", type=int, default=10_000)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     opts = parser.parse_args()
     if opts.smoke:
         opts.rollouts, opts.repeat, opts.big_rows, opts.small_rows = 2_000, 1, 20_000, 2_000
+    print(
+        f"dispatch overhead: {opts.rollouts} rollouts, concurrency {opts.concurrency},"
+        f" zero-latency agent; ratios to the bare client of the same round"
+    )
+    runs: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, dispatcher_server("sim-agent") as url:
         work = Path(tmp)
         tasks = work / "tasks.jsonl"
         write_tasks(tasks, opts.rollouts)
-        bare, off, on = [], [], []
         for i in range(opts.repeat):
-            bare.append(asyncio.run(bare_loop(url, opts.rollouts, opts.concurrency)))
-            off.append(daemon_run(work, tasks, url, opts.concurrency, False, f"off{i}"))
-            on.append(daemon_run(work, tasks, url, opts.concurrency, True, f"on{i}"))
-        small = drained_rss(work, opts.small_rows, url)
-        big = drained_rss(work, opts.big_rows, url)
-    report(opts, bare, off, on, small, big)
+            this = {
+                "bare aiohttp+uvloop client": baseline(work, tasks, url, opts.concurrency, f"b{i}"),
+                "dispatcher run": daemon_run(work, tasks, url, opts.concurrency, True, f"on{i}"),
+            }
+            if opts.telemetry_off:
+                this["  telemetry off"] = daemon_run(
+                    work, tasks, url, opts.concurrency, False, f"off{i}"
+                )
+            report_round(i, this)
+            for name, fig in this.items():
+                runs.setdefault(name, []).append(fig)
+        print(f"median of {opts.repeat} rounds:")
+        report_median(runs)
+        print(GYM_NOTE)
+        if opts.memory:
+            small = drained_rss(work, opts.small_rows, url)
+            big = drained_rss(work, opts.big_rows, url)
+            print("memory vs task-file size (budget 0: all rows streamed and drained)")
+            print(f"  {opts.small_rows:>9,} rows  peak RSS {small:7.1f} MB")
+            print(f"  {opts.big_rows:>9,} rows  peak RSS {big:7.1f} MB   ratio {big / small:.2f}")
     return 0
 
 
-def report(
-    opts: argparse.Namespace,
-    bare: list[float],
-    off: list[dict[str, float]],
-    on: list[dict[str, float]],
-    small: float,
-    big: float,
-) -> None:
-    def med(runs: list[dict[str, float]], key: str) -> float:
-        return median([r[key] for r in runs])
+def _ratios(fig: dict[str, float], base: dict[str, float]) -> dict[str, float]:
+    return {"rate_ratio": fig["rate"] / base["rate"], "cpu_ratio": fig["cpu_ms"] / base["cpu_ms"]}
 
-    bare_rate, on_rate, off_rate = median(bare), med(on, "rate"), med(off, "rate")
-    print(f"dispatch overhead: {opts.rollouts} rollouts, concurrency {opts.concurrency}, "
-          f"zero-latency agent, median of {opts.repeat}")  # fmt: skip
-    print(f"  bare aiohttp loop        {bare_rate:10.0f} rollouts/s")
-    print(f"  dispatcher (telemetry on) {on_rate:9.0f} rollouts/s  ratio {on_rate / bare_rate:.2f}")
-    print(
-        f"  dispatcher (telemetry off){off_rate:9.0f} rollouts/s  ratio {off_rate / bare_rate:.2f}"
-    )
-    print(f"  telemetry overhead        {(1 - on_rate / off_rate) * 100:9.1f} % of rate")
-    print(f"  CPU per 1,000 rollouts    {med(on, 'cpu_per_1000'):9.3f} s (daemon, telemetry on)")
-    print(f"  peak RSS                  {med(on, 'peak_rss_mb'):9.1f} MB (daemon, telemetry on)")
-    print(f"  event-loop lag p99        {med(on, 'lag_p99_ms'):9.2f} ms")
-    print("memory vs task-file size (budget 0: all rows streamed and drained)")
-    print(f"  {opts.small_rows:>9,} rows  peak RSS {small:7.1f} MB")
-    print(f"  {opts.big_rows:>9,} rows  peak RSS {big:7.1f} MB   ratio {big / small:.2f}")
+
+def report_round(i: int, this: dict[str, dict[str, float]]) -> None:
+    base = this["bare aiohttp+uvloop client"]
+    for name, fig in this.items():
+        fig.update(_ratios(fig, base))
+        print(
+            f"  round {i + 1}  {name:27s} {fig['rate']:7.0f} rollouts/s  CPU"
+            f" {fig['cpu_ms']:6.3f} ms/rollout  rate ratio {fig['rate_ratio']:.2f}"
+            f"  CPU ratio {fig['cpu_ratio']:.2f}"
+        )
+
+
+def report_median(runs: dict[str, list[dict[str, float]]]) -> None:
+    for name, figs in runs.items():
+        fig = {key: median([f[key] for f in figs]) for key in figs[0]}
+        extra = ""
+        if "peak_rss_mb" in fig:
+            extra = f"  peak RSS {fig['peak_rss_mb']:.1f} MB"
+            extra += f"  loop lag p99 {fig['lag_p99_ms']:.2f} ms"
+        print(
+            f"  {name:27s} {fig['rate']:7.0f} rollouts/s  CPU {fig['cpu_ms']:6.3f} ms/rollout"
+            f"  rate ratio {fig['rate_ratio']:.2f}  CPU ratio {fig['cpu_ratio']:.2f}{extra}"
+        )
 
 
 if __name__ == "__main__":

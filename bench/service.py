@@ -41,7 +41,10 @@ from _common import LoopLag, dispatcher_server
 
 async def bare_client(url: str, rollouts: int, concurrency: int) -> dict[str, float]:
     """The baseline: ``rollouts`` POST /run at ``concurrency``, answers read and dropped."""
-    body = orjson.dumps({"responses_create_params": {"input": "hi"}})
+    # The task and rollout index make it a run request (without them an agent answers 422).
+    body = orjson.dumps(
+        {"responses_create_params": {"input": "hi"}, "_ng_task_index": 0, "_ng_rollout_index": 0}
+    )
     left = rollouts
     in_flight = peak = 0
     connector = aiohttp.TCPConnector(limit=0)
@@ -55,7 +58,9 @@ async def bare_client(url: str, rollouts: int, concurrency: int) -> dict[str, fl
                 in_flight += 1
                 peak = max(peak, in_flight)
                 async with http.post(f"{url}/run", data=body) as r:
-                    await r.read()
+                    data = await r.read()
+                if r.status != 200:
+                    raise SystemExit(f"the agent answered {r.status}: {data[:200]!r}")
                 in_flight -= 1
 
         async with LoopLag() as lag:

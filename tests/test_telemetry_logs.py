@@ -319,3 +319,26 @@ def render_terminal(raw: str) -> list[str]:
             lines[-1] = current[:column] + char + current[column + 1 :]
             column += 1
     return lines
+
+
+def test_json_lines_keep_the_order_and_keys_of_the_processor_chain() -> None:
+    """The one-step JSON render gives the line the processor chain gave."""
+    stream = io.StringIO()
+    configure_logging("json", stream=stream)
+    structlog.contextvars.bind_contextvars(run_id="r1")
+    try:
+        log = get_logger("dispatcher.run").bind(job_id="j1")
+        log.log(logging.WARNING, "rollout_finished", outcome="agent_run_error", timestamp="x")
+        log.warn("deprecated_alias", logger="own")
+    finally:
+        structlog.contextvars.clear_contextvars()
+
+    first, second = json_lines(stream)
+    assert list(first) == ["event", "level", "timestamp", "logger", "job_id", "outcome", "run_id"]
+    assert (first["event"], first["level"], first["logger"]) == (
+        "rollout_finished",
+        "warning",
+        "dispatcher.run",
+    )
+    assert (first["job_id"], first["run_id"]) == ("j1", "r1")
+    assert (second["level"], second["logger"]) == ("warning", "own")

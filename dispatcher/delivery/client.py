@@ -10,7 +10,8 @@ spend nothing; only a rollout whose deadline ran out becomes a failure,
 marked ``_ng_failure_not_delivered`` so resume does not count it.
 
 Whatever happens becomes an ``Attempt`` value (``answers.py``: the values
-and the failure classes of an answer); nothing here raises for an agent's
+and the failure classes of an answer; ``exchange.py``: one HTTP exchange
+with a replica); nothing here raises for an agent's
 misbehaviour. The dispatcher's own faults (EMFILE, MemoryError, ...)
 raise ``LocalFault`` instead: they are not the agent's. A 404 or 405 to
 ``POST /run`` is neither: that replica serves no ``/run`` (a wrong URL); it
@@ -21,7 +22,6 @@ leaves routing, and when every replica of the agent does so ``run`` raises
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -33,52 +33,46 @@ import aiohttp
 from dispatcher import jsonx
 from dispatcher.aio import Wakeup
 from dispatcher.delivery.adaptive import AimdController, AimdPolicy, StartRateLimiter
-from dispatcher.delivery.answers import (  # the values an attempt becomes, re-exported
-    Attempt as Attempt,
-)
 from dispatcher.delivery.answers import (
-    Classified as Classified,
+    Attempt,
+    Classified,
+    Classifier,
+    Failure,
+    NotDelivered,
+    agent_reported_terminal,
+    body_excerpt,
+    classify_object,
+    classify_on_loop,
+    classify_response,
 )
-from dispatcher.delivery.answers import (
-    Classifier as Classifier,
-)
-from dispatcher.delivery.answers import (
-    Failure as Failure,
-)
-from dispatcher.delivery.answers import (
-    NotDelivered as NotDelivered,
-)
-from dispatcher.delivery.answers import (
-    agent_reported_terminal as agent_reported_terminal,
-)
-from dispatcher.delivery.answers import (
-    body_excerpt as body_excerpt,
-)
-from dispatcher.delivery.answers import (
-    classify_object as classify_object,
-)
-from dispatcher.delivery.answers import (
-    classify_on_loop as classify_on_loop,
-)
-from dispatcher.delivery.answers import (
-    classify_response as classify_response,
-)
-from dispatcher.delivery.faults import as_local_fault
-from dispatcher.delivery.limits import BodyLimitError, ResponseLimits, read_capped
+from dispatcher.delivery.exchange import ExchangeLimits, post_run
+from dispatcher.delivery.limits import ResponseLimits
 from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.delivery.replicas import BreakerPolicy, Replica, ReplicaSet
-from dispatcher.delivery.retry import BackoffPolicy, parse_retry_after
-from dispatcher.delivery.statuses import (
-    NO_RUN_STATUSES,
-    RATE_LIMITED,
-    RetryReason,
-    not_delivered_reason,
-)
+from dispatcher.delivery.retry import BackoffPolicy
+from dispatcher.delivery.statuses import NO_RUN_STATUSES, RATE_LIMITED, RetryReason
 from dispatcher.errors import ConfigError
 from dispatcher.outcome import Outcome
 
-# No timeout configured: skip building a timeout scope for every call.
-_NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+# What an attempt's values are, for those who import them from here.
+__all__ = [
+    "AgentClient",
+    "AgentMisconfigured",
+    "Attempt",
+    "Classified",
+    "Classifier",
+    "DeliveryObserver",
+    "DeliveryPolicy",
+    "Failure",
+    "NotDelivered",
+    "Sending",
+    "agent_reported_terminal",
+    "body_excerpt",
+    "classify_object",
+    "classify_on_loop",
+    "classify_response",
+    "no_run_message",
+]
 
 
 class AgentMisconfigured(ConfigError):
@@ -142,6 +136,9 @@ class AgentClient:
     ) -> None:
         self._session = session
         self._policy = policy
+        self._exchange = ExchangeLimits(
+            policy.rollout_timeout_s, policy.first_byte_timeout_s, policy.limits
+        )
         self._observer = observer
         self._clock = clock
         self._rng = rng or random.Random()
@@ -243,6 +240,7 @@ class AgentClient:
         """
         progress = progress or Sending()
         replicas = self.replica_sets[agent]
+        data = jsonx.dumps(body)  # once: every try sends the same bytes
         deadline = _Deadline(self._clock() + self._policy.deadline_s)
         last: Replica | None = None
         retry = 0
@@ -252,7 +250,7 @@ class AgentClient:
                 return self._deadline_attempt(replicas, last, retry)
             progress.sending = True
             try:
-                attempt, missed = await self._try(replica, body)
+                attempt, missed = await self._try(replica, data)
             finally:
                 progress.sending = False
             if attempt is not None and attempt.no_run:
@@ -335,7 +333,7 @@ class AgentClient:
         if delay_s > 0:
             await self._recovered[agent].wait(delay_s)
 
-    async def _try(self, replica: Replica, body: dict[str, Any]) -> Try:
+    async def _try(self, replica: Replica, data: bytes) -> Try:
         breaker = replica.breaker
         replica.stats.probes += breaker.on_send()
         replica.in_flight += 1
@@ -344,7 +342,9 @@ class AgentClient:
             replica.controller.on_in_flight(replica.in_flight)
         started_at, t0 = time.time(), time.perf_counter()
         try:
-            status, raw, missed, failure = await self._post(replica, body)
+            status, raw, missed, failure = await post_run(
+                self._session, replica.url, replica.run_url, data, self._exchange
+            )
         except BaseException:
             breaker.on_abandoned()
             raise
@@ -404,60 +404,6 @@ class AgentClient:
             replica.stats.opened += 1
             self._observer.replica_changed(replica, opened=True)
 
-    async def _post(
-        self, replica: Replica, body: dict[str, Any]
-    ) -> tuple[int, bytes, NotDelivered | None, Failure | None]:
-        """One HTTP exchange: (status, body, not delivered, failure of a delivered one)."""
-        policy = self._policy
-        rollout_scope = _timeout(policy.rollout_timeout_s)
-        try:
-            async with rollout_scope:
-                resp = await self._send(replica, body)
-                try:
-                    raw, failure = await _read_body(resp, policy.limits)
-                finally:
-                    resp.release()
-        except _NotDeliveredError as exc:
-            return 0, b"", exc.missed, None
-        except TimeoutError as exc:
-            message = f"no answer from {replica.url} within {policy.rollout_timeout_s} s"
-            return 0, b"", None, _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
-        except (aiohttp.ClientError, OSError) as exc:
-            _raise_if_local(exc)
-            message = f"reading the answer of {replica.url} failed: {exc}"
-            return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
-        reason = not_delivered_reason(resp.status, raw)
-        if reason is not None:
-            return resp.status, raw, _refused(reason, resp, raw), None
-        return resp.status, raw, None, failure
-
-    async def _send(self, replica: Replica, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST and wait for the status line; every way of getting none is not delivered."""
-        first_byte_s = self._policy.first_byte_timeout_s
-        try:
-            async with _timeout(first_byte_s):
-                return await self._session.post(
-                    replica.run_url,
-                    data=jsonx.dumps(body),
-                    headers={"Content-Type": "application/json"},
-                    # A redirect would re-send the task to a host nobody configured.
-                    allow_redirects=False,
-                )
-        # aiohttp's connect timeout is also a TimeoutError: test it first.
-        except aiohttp.ServerTimeoutError as exc:
-            missed = _no_answer(replica, RetryReason.CONNECT_TIMEOUT, exc)
-            raise _NotDeliveredError(missed) from exc
-        # The rollout timeout expiring meanwhile arrives as a CancelledError
-        # (not caught here) and becomes a TimeoutError in ``_post``.
-        except TimeoutError as exc:
-            missed = _no_answer(
-                replica, RetryReason.FIRST_BYTE_TIMEOUT, exc, f"after {first_byte_s} s"
-            )
-            raise _NotDeliveredError(missed) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            _raise_if_local(exc)
-            raise _NotDeliveredError(_no_answer(replica, RetryReason.NO_ANSWER, exc)) from exc
-
     def _deadline_attempt(
         self,
         replicas: ReplicaSet,
@@ -511,71 +457,10 @@ def _tell_controller(replica: Replica, attempt: Attempt) -> None:
         controller.on_congestion()
 
 
-class _NotDeliveredError(Exception):
-    def __init__(self, missed: NotDelivered) -> None:
-        super().__init__(missed.reason)
-        self.missed = missed
-
-
-def _timeout(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
-    return _NO_TIMEOUT if seconds is None else asyncio.timeout(seconds)
-
-
-def _raise_if_local(exc: BaseException) -> None:
-    fault = as_local_fault(exc)
-    if fault is not None:
-        raise fault from exc
-
-
-def _no_answer(
-    replica: Replica, reason: RetryReason, exc: BaseException, detail: str | None = None
-) -> NotDelivered:
-    message = f"no answer from {replica.url}: {detail or exc or type(exc).__name__}"
-    return NotDelivered(reason, _failure(Outcome.AGENT_REQUEST_FAILED, exc, message))
-
-
-def _refused(reason: RetryReason, resp: aiohttp.ClientResponse, raw: bytes) -> NotDelivered:
-    failure = Failure(
-        Outcome.AGENT_REQUEST_FAILED.value,
-        "ClientResponseError",
-        f"agent answered HTTP {resp.status}",
-        http_status=resp.status,
-        response_body=body_excerpt(raw),
-    )
-    retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time())
-    return NotDelivered(reason, failure, retry_after)
-
-
 def _with_retries(attempt: Attempt, retries: int) -> Attempt:
     if retries == 0:
         return attempt
     return replace(attempt, retries=retries)
-
-
-def _failure(outcome: Outcome, exc: BaseException, message: str) -> Failure:
-    return Failure(outcome.value, type(exc).__name__, message)
-
-
-async def _read_body(
-    resp: aiohttp.ClientResponse, limits: ResponseLimits
-) -> tuple[bytes, Failure | None]:
-    """The answer's body within the limits; a 2xx that breaks one is an ``agent_run_error``.
-
-    An error status keeps its own class, judged on the part of the body read.
-    """
-    try:
-        return await read_capped(resp, limits), None
-    except BodyLimitError as exc:
-        if not 200 <= resp.status < 300:
-            return exc.partial, None
-        failure = Failure(
-            Outcome.AGENT_RUN_ERROR.value,
-            exc.kind,
-            str(exc),
-            http_status=resp.status,
-            response_body=body_excerpt(exc.partial),
-        )
-        return exc.partial, failure
 
 
 def no_run_message(agent: str, urls: list[str]) -> str:

@@ -52,6 +52,15 @@ async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> b
 
     On a limit the connection is closed: the rest of the body is never read.
     """
+    content = resp.content
+    if content.is_eof() and content.exception() is None:
+        # The whole answer came with its status line (most small answers do):
+        # nothing to wait for, so no deadline and no chunk loop to pay for.
+        body = content.read_nowait()
+        if len(body) > limits.max_bytes:
+            resp.close()
+            raise BodyLimitError("ResponseTooLarge", _too_large(limits.max_bytes), _prefix([body]))
+        return body
     chunks: list[bytes] = []
     deadline = asyncio.timeout(limits.read_timeout_s)
     try:

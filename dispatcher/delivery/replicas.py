@@ -212,6 +212,9 @@ class ReplicaSet:
         None when no breaker admits a request now, or every one that does is
         at its cap (``at_cap`` tells the two apart).
         """
+        if len(self.replicas) == 1:  # most agents: the same answer, without the lists
+            only = self.replicas[0]
+            return only if only.routable() and only.has_room() else None
         start = next(self._turn)
         ordered = self.replicas[start:] + self.replicas[:start]
         ready = [r for r in ordered if r.routable() and r.has_room()]

@@ -1,0 +1,159 @@
+"""One HTTP exchange with a replica (contracts §3, §5): ``POST /run``, the status
+line, the body within its limits; whatever happens becomes values.
+
+``post_run`` returns ``(status, body, not delivered, failure)``: a try that
+reached no agent (no status line, a refusal that says it never ran) is a
+``NotDelivered`` for ``AgentClient`` to retry; a delivered answer that broke a
+limit or timed out is a ``Failure``. Only the dispatcher's own faults
+(EMFILE, MemoryError, ...) raise, as ``LocalFault``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from dispatcher.delivery.answers import Failure, NotDelivered, body_excerpt
+from dispatcher.delivery.faults import as_local_fault
+from dispatcher.delivery.limits import BodyLimitError, ResponseLimits, read_capped
+from dispatcher.delivery.retry import parse_retry_after
+from dispatcher.delivery.statuses import RetryReason, not_delivered_reason
+from dispatcher.outcome import Outcome
+
+Exchanged = tuple[int, bytes, NotDelivered | None, Failure | None]
+
+# No timeout configured: skip building a timeout scope for every call.
+_NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+# One headers mapping for every call: aiohttp copies it into the request.
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeLimits:
+    """The bounds of one exchange: the whole call, the status line, the body."""
+
+    rollout_timeout_s: float | None
+    first_byte_timeout_s: float | None
+    body: ResponseLimits
+
+
+async def post_run(
+    session: aiohttp.ClientSession, url: str, run_url: str, body: bytes, limits: ExchangeLimits
+) -> Exchanged:
+    """One HTTP exchange: (status, body, not delivered, failure of a delivered one)."""
+    try:
+        async with _timeout(limits.rollout_timeout_s):
+            resp = await _send(session, url, run_url, body, limits.first_byte_timeout_s)
+            try:
+                raw, failure = await _read_body(resp, limits.body)
+            finally:
+                resp.release()
+    except _NotDeliveredError as exc:
+        return 0, b"", exc.missed, None
+    except TimeoutError as exc:
+        message = f"no answer from {url} within {limits.rollout_timeout_s} s"
+        return 0, b"", None, _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
+    except (aiohttp.ClientError, OSError) as exc:
+        _raise_if_local(exc)
+        message = f"reading the answer of {url} failed: {exc}"
+        return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
+    reason = not_delivered_reason(resp.status, raw)
+    if reason is not None:
+        return resp.status, raw, _refused(reason, resp, raw), None
+    return resp.status, raw, None, failure
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    run_url: str,
+    body: bytes,
+    first_byte_s: float | None,
+) -> aiohttp.ClientResponse:
+    """POST and wait for the status line; every way of getting none is not delivered."""
+    try:
+        async with _timeout(first_byte_s):
+            return await session.post(
+                run_url,
+                data=body,
+                headers=_JSON_HEADERS,
+                # A redirect would re-send the task to a host nobody configured.
+                allow_redirects=False,
+            )
+    # aiohttp's connect timeout is also a TimeoutError: test it first.
+    except aiohttp.ServerTimeoutError as exc:
+        raise _NotDeliveredError(_no_answer(url, RetryReason.CONNECT_TIMEOUT, exc)) from exc
+    # The rollout timeout expiring meanwhile arrives as a CancelledError
+    # (not caught here) and becomes a TimeoutError in ``post_run``.
+    except TimeoutError as exc:
+        missed = _no_answer(url, RetryReason.FIRST_BYTE_TIMEOUT, exc, f"after {first_byte_s} s")
+        raise _NotDeliveredError(missed) from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        _raise_if_local(exc)
+        raise _NotDeliveredError(_no_answer(url, RetryReason.NO_ANSWER, exc)) from exc
+
+
+async def _read_body(
+    resp: aiohttp.ClientResponse, limits: ResponseLimits
+) -> tuple[bytes, Failure | None]:
+    """The answer's body within the limits; a 2xx that breaks one is an ``agent_run_error``.
+
+    An error status keeps its own class, judged on the part of the body read.
+    """
+    try:
+        return await read_capped(resp, limits), None
+    except BodyLimitError as exc:
+        if not 200 <= resp.status < 300:
+            return exc.partial, None
+        failure = Failure(
+            Outcome.AGENT_RUN_ERROR.value,
+            exc.kind,
+            str(exc),
+            http_status=resp.status,
+            response_body=body_excerpt(exc.partial),
+        )
+        return exc.partial, failure
+
+
+class _NotDeliveredError(Exception):
+    def __init__(self, missed: NotDelivered) -> None:
+        super().__init__(missed.reason)
+        self.missed = missed
+
+
+def _timeout(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
+    return _NO_TIMEOUT if seconds is None else asyncio.timeout(seconds)
+
+
+def _raise_if_local(exc: BaseException) -> None:
+    fault = as_local_fault(exc)
+    if fault is not None:
+        raise fault from exc
+
+
+def _no_answer(
+    url: str, reason: RetryReason, exc: BaseException, detail: str | None = None
+) -> NotDelivered:
+    message = f"no answer from {url}: {detail or exc or type(exc).__name__}"
+    return NotDelivered(reason, _failure(Outcome.AGENT_REQUEST_FAILED, exc, message))
+
+
+def _refused(reason: RetryReason, resp: aiohttp.ClientResponse, raw: bytes) -> NotDelivered:
+    failure = Failure(
+        Outcome.AGENT_REQUEST_FAILED.value,
+        "ClientResponseError",
+        f"agent answered HTTP {resp.status}",
+        http_status=resp.status,
+        response_body=body_excerpt(raw),
+    )
+    retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time())
+    return NotDelivered(reason, failure, retry_after)
+
+
+def _failure(outcome: Outcome, exc: BaseException, message: str) -> Failure:
+    return Failure(outcome.value, type(exc).__name__, message)
