@@ -272,7 +272,7 @@ class Audit:
 def audit_outputs(
     output: Path, expected: set[tuple[int, int]], max_attempts: int, *, complete: bool = True
 ) -> Audit:
-    """Check the resume contract (contracts §4, A5) on a run's files.
+    """Check the resume contract (contracts §4, §5) on a run's files.
 
     Every line of both files parses and ends in a newline; each expected key
     is in ``X.jsonl`` at most once, and (when ``complete``) exactly once or

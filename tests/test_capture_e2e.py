@@ -1,4 +1,4 @@
-"""Model-call capture end to end over real sockets (contracts §2, A6, A7).
+"""Model-call capture end to end over real sockets (contracts §2, §6, §7).
 
 The real ``dispatcher run`` CLI (a subprocess) → agent (in-process) → capture
 proxy (in-process, ``build_proxy_app``) → simulated model (in-process). Writes

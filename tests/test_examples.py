@@ -29,6 +29,7 @@ from tests.prometheus_helpers import require_binary
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "dispatcher" / "examples"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 CONTRACTS = ROOT / "docs" / "contracts.md"
 JOB = EXAMPLES / "kubernetes" / "job.yaml"
 OLDEST_KUBERNETES = (1, 27)
@@ -221,7 +222,8 @@ def run_flags() -> set[str]:
 
 def test_readme_flag_table_lists_every_run_flag_once() -> None:
     # Seven flags of `run` used to be missing from the table.
-    section = README.read_text().split("\n## Running it\n", 1)[1].split("\n## ", 1)[0]
+    section = (DOCS / "running.md").read_text().split("\n## Running it\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
     first_cells = [
         line.split(" | ", 1)[0] for line in section.splitlines() if line.startswith("| `--")
     ]
@@ -257,13 +259,32 @@ def test_readme_cites_the_contracts_by_links_that_resolve() -> None:
     assert inner and set(inner) <= anchors, set(inner) - anchors
 
 
+def resolves(page: Path, target: str) -> bool:
+    """A relative link of ``page``: its file exists and so does its heading."""
+    path, _, anchor = target.partition("#")
+    dest = (page.parent / path).resolve() if path else page
+    if not dest.exists():
+        return False
+    return not anchor or dest.suffix != ".md" or anchor in heading_anchors(dest.read_text())
+
+
+def test_every_link_between_the_readme_and_docs_resolves() -> None:
+    broken = [
+        f"{page.name}: {target}"
+        for page in [README, *sorted(DOCS.glob("*.md"))]
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+        if not re.match(r"^[a-z]+:", target) and not resolves(page, target)
+    ]
+    assert not broken, broken
+
+
 def test_the_code_cites_the_contracts_it_ships_not_a_document_it_does_not() -> None:
     cited: list[str] = []
     for path in sorted((ROOT / "dispatcher").rglob("*.py")) + sorted(
         (ROOT / "bench").rglob("*.py")
     ):
         text = path.read_text()
-        assert not re.search(r"DESIGN|\(A\d{1,2}\)", text), path
+        assert not re.search(r"DESIGN|[(,] ?A\d{1,2}\b", text), path
         cited += re.findall(r"contracts §(\d+)", text)
     assert cited and {int(n) for n in cited} <= set(range(1, 16))
 
@@ -275,7 +296,7 @@ def service_examples() -> list[str]:
     """The trainer's code blocks of the README's "Service mode" section (step control
     included): Python and curl; not the `dispatcher serve` command line (its agents are
     hosts of a cluster) nor the nginx configuration."""
-    section = README.read_text().split("\n## Service mode\n", 1)[1].split("\n## ", 1)[0]
+    section = (DOCS / "service.md").read_text()
     blocks: list[list[str]] = []
     previous = ""
     for line in section.splitlines():
@@ -405,3 +426,23 @@ def test_systemd_serve_unit_loads_its_token_as_a_credential() -> None:
     # The one thing it may say: the install path does not exist on this machine.
     said = [line for line in done.stderr.splitlines() if "is not executable" not in line]
     assert said == [], done.stderr
+
+
+def test_every_flag_serve_adds_to_run_is_documented_in_the_service_page() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "serve", "--help"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    serve_flags = set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]+)", shown)) - {"--help"}
+    page = (DOCS / "service.md").read_text()
+    own = serve_flags - run_flags()
+    missing = [f for f in sorted(own) if not re.search(rf"`[^`]*{f}\b[^`]*`", page)]
+    assert own and not missing, missing
+
+
+def test_the_layout_page_names_every_module() -> None:
+    page = (DOCS / "layout.md").read_text()
+    skip = ("__init__.py", "__main__.py")
+    modules = [p for p in (ROOT / "dispatcher").rglob("*.py") if p.name not in skip]
+    unnamed = [str(p.relative_to(ROOT)) for p in modules if not re.search(rf"\b{p.stem}\b", page)]
+    assert not unnamed, unnamed

@@ -106,7 +106,10 @@ async def test_the_installed_package_example_runs_as_written(tmp_path: Path) -> 
     out = await run_shell(script, tmp_path)
 
     assert re.search(r"\b80 rollouts\b", out), out
-    assert len(read_jsonl(tmp_path / "runs" / "x.jsonl")) == 80
+    rows = read_jsonl(tmp_path / "runs" / "x.jsonl")
+    assert len(rows) == 80
+    # The front page shows a row of this run: its keys are a real row's.
+    assert set(front_page_row()) == set(rows[0])
     assert (tmp_path / "rd-config").is_dir()
 
 
@@ -182,6 +185,46 @@ async def serve_until_listening(script: str, cwd: Path) -> str:
     return out
 
 
+async def test_the_slurm_example_runs_under_a_stand_in_for_slurm(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    """``sbatch`` here runs the job script at once, as a job of an hour; the successor
+    it queues is only recorded, and cancelled when the run is complete."""
+    one, _ = await sim_agent(latency_s=0.0)
+    two, _ = await sim_agent(latency_s=0.0)
+    script = example("dispatcher init rd-config\ncat > rollouts.toml")
+    script = replaced(script, {"http://10.0.0.11:8000": one, "http://10.0.0.12:8000": two})
+    (tmp_path / "tasks.jsonl").write_text(tasks_for(None, 3))
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    stand_ins = {
+        "sbatch": """
+            if [[ " $* " == *" --parsable "* ]]; then echo "$*" >> queued; echo 4243; exit 0; fi
+            export SLURM_JOB_ID=4242 SLURM_JOB_END_TIME=$(( $(date +%s) + 3600 ))
+            exec bash "$@"
+        """,
+        "scancel": 'echo "$*" >> cancelled',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\nset -eu\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+
+    out = await run_shell(f'PATH="{bin_dir}:$PATH"\n{script}', tmp_path)
+
+    assert len(read_jsonl(tmp_path / "runs" / "step1" / "rollouts.jsonl")) == 3 * 8, out
+    assert (tmp_path / "queued").read_text().count("--dependency=afterany:4242") == 1
+    assert (tmp_path / "cancelled").read_text().split() == ["4243"]
+
+
+def front_page_row() -> dict[str, object]:
+    """The row the README's "A row" shows."""
+    readme = (ROOT / "README.md").read_text()
+    shown = readme.split("\n## A row\n", 1)[1].split("\n    {\n", 1)[1]
+    text = "{\n" + shown.split("\n    }\n", 1)[0].replace("\n    ", "\n") + "\n}"
+    row: dict[str, object] = json.loads(text)
+    return row
+
+
 # Each example a reader can run, by a line of it only that example has, and what runs it.
 SERVICE_EXAMPLES = "test_examples.test_readme_service_and_step_control_examples_run_as_written"
 GYM_PATH = "gym.test_gym_readme.test_the_five_minute_path_runs_as_written"
@@ -192,6 +235,9 @@ RUN_BY = {
         "test_the_cluster_run_example_runs_with_its_hosts_replaced"
     ),
     "dispatcher capture-proxy": "test_the_capture_proxy_example_serves",
+    "sbatch rd-config/slurm/dispatch.sbatch": (
+        "test_the_slurm_example_runs_under_a_stand_in_for_slurm"
+    ),
     "head -c 32 /dev/urandom | base64 > api-token": (
         "test_the_serve_example_serves_with_its_hosts_replaced"
     ),

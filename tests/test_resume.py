@@ -1,4 +1,4 @@
-"""Crash-safe outputs, exact resume and graceful shutdown (contracts §4, A5, A10), via the real CLI.
+"""Crash-safe outputs, exact resume and graceful shutdown (contracts §4, §5, §10), via the real CLI.
 
 A scripted agent on 127.0.0.1 answers each task the way a test asks: success,
 HTTP 500, a malformed body, a kill-shaped answer, or a hold on a gate the test

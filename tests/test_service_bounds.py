@@ -305,12 +305,12 @@ async def gated_agent() -> AsyncIterator[FakeAgent]:
     await agent.close()
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SERVICE_DOC = Path(__file__).resolve().parent.parent / "docs" / "service.md"
 
 
-async def test_every_bound_is_in_serve_help_and_in_the_readme_table_once() -> None:
+async def test_every_bound_is_in_serve_help_and_in_the_docs_table_once() -> None:
     help_text = (await run_cli("serve", "--help")).stdout
-    section = README.read_text().split("\n### Bounds whatever the clients do\n", 1)[1]
+    section = SERVICE_DOC.read_text().split("\n### Bounds whatever the clients do\n", 1)[1]
     table = [line for line in section.split("\n#", 1)[0].splitlines() if line.startswith("| `--")]
     listed = [line.split("`")[1].split()[0] for line in table]
     assert sorted(listed) == sorted(SERVE_LIMIT_FLAGS)

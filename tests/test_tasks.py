@@ -1,4 +1,4 @@
-"""Materialization and rollout identity (contracts §1, A2)."""
+"""Materialization and rollout identity (contracts §1, §2)."""
 
 from __future__ import annotations
 

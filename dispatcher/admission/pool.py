@@ -1,4 +1,4 @@
-"""The bounded pool and the drain decision (contracts §9, A11).
+"""The bounded pool and the drain decision (contracts §9, §11).
 
 Each job's producer admits its rollouts one at a time, in input order: each
 first wins a concurrency slot, then the budget decides whether it starts or

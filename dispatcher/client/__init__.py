@@ -1,4 +1,4 @@
-"""Python client of ``dispatcher serve`` (contracts §12, A13): jobs, results, policy
+"""Python client of ``dispatcher serve`` (contracts §12, §13): jobs, results, policy
 version, step control and the admission pause.
 
 A trainer submits the rollouts of step N+1 while it consumes step N, so the

@@ -1,4 +1,4 @@
-"""HTTP client to agent servers (contracts §3, A5, A11): delivery, replicas, failure classes.
+"""HTTP client to agent servers (contracts §3, §5, §11): delivery, replicas, failure classes.
 
 An attempt is one rollout's ``POST {replica}/run`` until an agent answers.
 An answer is *delivered*; no answer, 429/502/503/504, or a 409 that says

@@ -1,4 +1,4 @@
-"""What an agent's HTTP status says about a try (contracts §5, A11), and the retry reasons."""
+"""What an agent's HTTP status says about a try (contracts §5, §11), and the retry reasons."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""JSON that several modules read, typed and defined here once (contracts §3, A4, A5).
+"""JSON that several modules read, typed and defined here once (contracts §3, §4, §5).
 
 - ``RunManifest``: ``X_manifest.json``. ``prepare`` writes it at the start of
   each hop, ``Job`` adds the hop's ``last_run`` and delivery history when

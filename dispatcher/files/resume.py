@@ -249,7 +249,7 @@ def spends_attempt(failure_row: dict[str, Any]) -> bool:
 
 
 def is_final(*, succeeded: bool, terminal: bool, counted_failures: int, max_attempts: int) -> bool:
-    """The one finality rule (contracts §5, A11), for the live run, resume, ``status``,
+    """The one finality rule (contracts §5, §11), for the live run, resume, ``status``,
     ``report``, ``merge`` and service mode alike: a (task, rollout) is final when it
     has a success, a terminal failure, or ``max_attempts`` counted failures."""
     return succeeded or terminal or counted_failures >= max_attempts

@@ -1,4 +1,4 @@
-"""Turn an attempt into the row written for it (contracts §4, A5, A15).
+"""Turn an attempt into the row written for it (contracts §4, §5, §15).
 
 Pure, except for one warning when an agent's result tries to set keys that
 are the dispatcher's own: those are dropped (the dispatcher's values win),

@@ -1,4 +1,4 @@
-"""Attach a rollout's captured model calls to its row (contracts §6, A7).
+"""Attach a rollout's captured model calls to its row (contracts §6, §7).
 
 For each finished rollout: wait until none of its writes is claimed (the proxy
 may still be writing the last call when the agent's answer arrives), read only

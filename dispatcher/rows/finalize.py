@@ -1,4 +1,4 @@
-"""Finalizing a rollout's row (contracts §6, A7): quiescence, capture merge, trajectory, one line.
+"""Finalizing a rollout's row (contracts §6, §7): quiescence, capture merge, trajectory, one line.
 
 ``Finalizer.finalize`` turns an attempt into the bytes appended to an output
 file. With a capture directory it waits until the rollout's model-call

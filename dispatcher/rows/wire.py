@@ -1,4 +1,4 @@
-"""Big answers kept as the bytes that will be written (contracts §3, A4).
+"""Big answers kept as the bytes that will be written (contracts §3, §4).
 
 A row of megabytes (token ids and logprobs of a long trajectory) costs about
 six times its size as Python objects, and parsing it holds the loop for tens

@@ -1,4 +1,4 @@
-"""The process: what every job of a daemon shares (contracts §9, A11, A12).
+"""The process: what every job of a daemon shares (contracts §9, §11, §12).
 
 ``Daemon`` owns the listener (/metrics, /healthz, /status and, in service
 mode, the jobs API), the signal handlers, the HTTP session to the agents, the

@@ -1,4 +1,4 @@
-"""One job: one output's files and state, driven on a ``Daemon`` (contracts §4, A5, A9).
+"""One job: one output's files and state, driven on a ``Daemon`` (contracts §4, §5, §9).
 
 ``Job`` owns everything of a single run: the lock and the prepared files, the
 row writers, the exact latency tracker, its ``Recorder`` (outcome counts and

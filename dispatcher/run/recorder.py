@@ -1,4 +1,4 @@
-"""The one place a job counts how its rollouts ended (contracts §5, A8, A15).
+"""The one place a job counts how its rollouts ended (contracts §5, §8, §15).
 
 ``Recorder.record`` takes every outcome a job's flights land with (and
 ``not_started`` every rollout the job did not start): it counts it, feeds the

@@ -1,4 +1,4 @@
-"""A job's body (contracts §12, A13), validated whole before anything touches the disk.
+"""A job's body (contracts §12, §13), validated whole before anything touches the disk.
 
 ``JobSpec.parse`` turns a request body into a spec or a ``BadJob`` whose one
 line names the field. ``check_tasks`` then runs the rows (or the task file)

@@ -2,7 +2,7 @@
 
 budget = job end time - now - reserve. The reserve leaves room for the
 rollouts still in flight when the budget runs out, the shutdown grace and
-the final writes (contracts §9, A10).
+the final writes (contracts §9, §10).
 
 The end time comes from ``SLURM_JOB_END_TIME`` (epoch seconds, set by recent
 Slurm versions), else from ``squeue -h -j $SLURM_JOB_ID -o %e``. Without

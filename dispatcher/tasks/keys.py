@@ -1,4 +1,4 @@
-"""Rollout identity (contracts §1, A2): the one place that knows how a rollout is named and keyed.
+"""Rollout identity (contracts §1, §2): the one place that knows how a rollout is named and keyed.
 
 Three names for one rollout live here and nowhere else:
 

@@ -1,4 +1,4 @@
-"""Task file → materialized rollouts (contracts §1, A2).
+"""Task file → materialized rollouts (contracts §1, §2).
 
 The task file may be far larger than memory, so it is streamed twice at most:
 once to validate and materialize into ``X_materialized_inputs.jsonl`` (before

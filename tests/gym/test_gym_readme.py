@@ -31,7 +31,7 @@ from tests.gym.conftest import (
 from tests.helpers import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTION = "### From `gym env start` to `dispatcher run` in five minutes\n"
+SECTION = "\n## A NeMo Gym agent in five minutes\n"
 
 
 def readme_blocks() -> list[str]:
