@@ -47,6 +47,8 @@ def prometheus() -> str:
 # (path prefix -> group), which share a module's or the session's setup and run on
 # one worker, in order: the packaging builds, and the NeMo Gym venv and stacks (two
 # stacks at once, each with its own Ray cluster, would compete for the CPUs).
+# A Gym stack runs Ray, which one machine runs one of at a time: the Gym modules
+# stay on one worker (tried side by side, the second stack never came up).
 SERIAL_GROUPS = {"tests/gym/": "gym", "tests/test_packaging.py": "packaging"}
 
 
