@@ -332,8 +332,8 @@ def daemon_child(argv: list[str]) -> int:
     offload.WORKER_KIND = worker
     if mode == "no-aggregate":
 
-        async def skipped(self: job.Job) -> None:
-            return None
+        async def skipped(self: job.Job) -> dict[str, str]:
+            return {}  # no agent's aggregation status: the status file says "pending"
 
         job.Job._write_aggregate_metrics = skipped  # type: ignore[method-assign]
     return cli.main(rest)
