@@ -20,7 +20,7 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -85,11 +85,18 @@ def _read_pid(fd: int) -> str:
 
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Write, fsync, rename, fsync the directory: readers see the old file or the new one."""
+    """``data`` as indented JSON, written atomically (``write_atomic``)."""
+    write_atomic(path, [orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)])
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write, fsync, rename, fsync the directory (blocking): readers see the old
+    file or the new one, never a part."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with tmp.open("wb") as f:
-            f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import orjson
 import structlog
 
 from dispatcher.files.contracts import DISPATCH_KEY
-from dispatcher.files.writer import fsync_dir
+from dispatcher.files.writer import write_atomic
 from dispatcher.tasks.keys import split_row
 
 log = structlog.get_logger("dispatcher.aggregate")
@@ -190,9 +189,7 @@ async def write_aggregate_metrics(
     if not entries:
         return None
     path = aggregate_metrics_path(output)
-    await asyncio.to_thread(
-        _write_atomically, path, orjson.dumps(entries, option=orjson.OPT_INDENT_2)
-    )
+    await asyncio.to_thread(write_atomic, path, [orjson.dumps(entries, option=orjson.OPT_INDENT_2)])
     log.info(
         "aggregate_metrics_written",
         path=str(path),
@@ -241,16 +238,6 @@ def _entry(name: str, metrics: Mapping[str, Any]) -> JsonObject:
     if metrics.get("perf_summary") is not None:
         entry["perf_summary"] = metrics["perf_summary"]
     return entry
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    with temporary.open("wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    fsync_dir(path.parent)
 
 
 def aggregation_states(path: Path | None, agents: Iterable[str]) -> dict[str, str]:

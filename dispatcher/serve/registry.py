@@ -26,11 +26,9 @@ while the other jobs go on; a stray file in ``jobs/`` is left alone.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from dispatcher.errors import ConfigError
-from dispatcher.files.writer import RunLock, fsync_dir, write_json_atomic
+from dispatcher.files.writer import RunLock, write_atomic, write_json_atomic
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.spec import STORED, JobSpec
 
@@ -293,22 +291,3 @@ def _holds_files(folder: Path) -> bool:
 def _jsonl(rows: list[dict[str, Any]]) -> Iterator[bytes]:
     for row in rows:
         yield orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
-
-
-def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write, fsync, rename, fsync the directory (blocking): readers see the old
-    file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with tmp.open("wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # A full disk must not leave a half-written temporary file taking its space.
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
