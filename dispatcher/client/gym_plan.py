@@ -10,35 +10,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dispatcher.client.wire import JobStatus
-from dispatcher.tasks.keys import (
-    AGENT_REF,
-    ATTEMPT_INDEX,
-    CAPTURE_ID,
-    ROLLOUT_ID,
-    ROLLOUT_INDEX,
-    TASK_INDEX,
-)
+from dispatcher.tasks.keys import RESERVED_RESULT_KEYS, TASK_INDEX
 
-# Keys of a durable row that are the dispatcher's, not the agent's answer.
-DISPATCHER_KEYS = frozenset(
-    {
-        "_ng_seq",
-        TASK_INDEX,
-        ROLLOUT_INDEX,
-        ATTEMPT_INDEX,
-        ROLLOUT_ID,
-        AGENT_REF,
-        CAPTURE_ID,
-        "_ng_dispatch",
-        "_ng_failure_not_delivered",
-        "_ng_policy_version_start",
-        "_ng_policy_version_end",
-        "_ng_run_id",
-        "ng_model_call_capture",
-        "ng_trajectory",
-        "ng_perf",
-    }
-)
+# Keys of a durable row that are the dispatcher's, not the agent's answer: those it
+# writes into every row, its stream's sequence number and policy versions, and the
+# trajectory it rewrites.
+DISPATCHER_KEYS = RESERVED_RESULT_KEYS | {
+    "_ng_seq",
+    "_ng_policy_version_start",
+    "_ng_policy_version_end",
+    "ng_trajectory",
+}
 # Gym's adaptive drain margin: the p75 of durations, once this many are known.
 _MARGIN_MIN_SAMPLES = 5
 _MARGIN_QUANTILE = 0.75

@@ -19,7 +19,6 @@ from dispatcher.files.contracts import (
     FAILURE_RESPONSE_BODY,
     FAILURE_TERMINAL,
     FAILURE_TYPE,
-    NOT_DELIVERED,
 )
 from dispatcher.outcome import Outcome
 from dispatcher.rows.failure_record import collector_record, environment_record
@@ -28,7 +27,7 @@ from dispatcher.tasks.keys import (
     ATTEMPT_INDEX,
     CAPTURE_ID,
     FAILURE_RECORD,
-    OMITTED_ROLLOUT,
+    RESERVED_RESULT_KEYS,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     RUN_ID,
@@ -38,29 +37,6 @@ from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger(__name__)
 
-# What the dispatcher writes into every row it builds from an agent's result:
-# identity, its stamp and the capture attachments. An agent cannot set them.
-# (``ng_trajectory`` is the agent's to send, §7.)
-RESERVED_RESULT_KEYS = frozenset(
-    {
-        TASK_INDEX,
-        ROLLOUT_INDEX,
-        ATTEMPT_INDEX,
-        ROLLOUT_ID,
-        AGENT_REF,
-        CAPTURE_ID,
-        DISPATCH_KEY,
-        "ng_model_call_capture",
-        "ng_perf",
-        # Whether a rollout reached an agent is the dispatcher's verdict (§11);
-        # an agent claiming otherwise would make resume never count its failure.
-        NOT_DELIVERED,
-        # The run, the failure record and the omitted mark are the dispatcher's (§15).
-        RUN_ID,
-        FAILURE_RECORD,
-        OMITTED_ROLLOUT,
-    }
-)
 # A success is never terminal: ``_ng_failure_terminal`` in one would read as a
 # final failure to anything that scans rows for it.
 RESERVED_SUCCESS_KEYS = RESERVED_RESULT_KEYS | {FAILURE_TERMINAL}

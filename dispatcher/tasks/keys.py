@@ -220,3 +220,27 @@ class FailureKeys(TypedDict):
 
 
 FAILURE_KEYS: Final = frozenset(FailureKeys.__annotations__)
+
+# What the dispatcher writes into every row it builds from an agent's result:
+# identity, its stamp and the capture attachments. An agent cannot set them.
+# (``ng_trajectory`` is the agent's to send, contracts §7.)
+RESERVED_RESULT_KEYS = frozenset(
+    {
+        TASK_INDEX,
+        ROLLOUT_INDEX,
+        ATTEMPT_INDEX,
+        ROLLOUT_ID,
+        AGENT_REF,
+        CAPTURE_ID,
+        DISPATCH_KEY,
+        "ng_model_call_capture",
+        "ng_perf",
+        # Whether a rollout reached an agent is the dispatcher's verdict (contracts §11);
+        # an agent claiming otherwise would make resume never count its failure.
+        NOT_DELIVERED,
+        # The run, the failure record and the omitted mark are the dispatcher's (contracts §15).
+        RUN_ID,
+        FAILURE_RECORD,
+        OMITTED_ROLLOUT,
+    }
+)
