@@ -421,3 +421,22 @@ class FakeAgent:
             raise
         finally:
             self.in_flight -= 1
+
+
+def indented_blocks(markdown: str) -> list[str]:
+    """The indented code blocks of a Markdown text (each after a blank line), in order."""
+    blocks: list[list[str]] = []
+    current: list[str] | None = None
+    previous = ""
+    for line in markdown.splitlines():
+        if line.startswith("    ") and (current is not None or not previous.strip()):
+            if current is None:
+                current = []
+                blocks.append(current)
+            current.append(line[4:])
+        elif not line.strip() and current is not None:
+            current.append("")
+        else:
+            current = None
+        previous = line
+    return ["\n".join(block).strip() + "\n" for block in blocks]

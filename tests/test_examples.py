@@ -23,7 +23,7 @@ from dispatcher.cli import parse_args
 from dispatcher.ops.init import example_files
 from dispatcher.settings.flags import add_run_arguments
 from tests.conftest import SimAgentFactory
-from tests.helpers import read_jsonl, run_cli, spawn_cli, wait_until
+from tests.helpers import indented_blocks, read_jsonl, run_cli, spawn_cli, wait_until
 from tests.prometheus_helpers import require_binary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -293,22 +293,10 @@ def test_the_code_cites_the_contracts_it_ships_not_a_document_it_does_not() -> N
 
 
 def service_examples() -> list[str]:
-    """The trainer's code blocks of the README's "Service mode" section (step control
+    """The trainer's code blocks of docs/service.md (step control
     included): Python and curl; not the `dispatcher serve` command line (its agents are
     hosts of a cluster) nor the nginx configuration."""
-    section = (DOCS / "service.md").read_text()
-    blocks: list[list[str]] = []
-    previous = ""
-    for line in section.splitlines():
-        if line.startswith("    ") and ((blocks and previous.startswith("    ")) or not previous):
-            if not previous:
-                blocks.append([])
-            blocks[-1].append(line[4:])
-        elif not line and blocks and previous.startswith("    "):
-            blocks[-1].append("")
-            continue
-        previous = line
-    codes = ["\n".join(block).strip() + "\n" for block in blocks]
+    codes = indented_blocks((DOCS / "service.md").read_text())
     return [code for code in codes if code.startswith("import ") or "\ncurl " in code]
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SimAgentFactory
-from tests.helpers import free_port, read_jsonl, wait_until
+from tests.helpers import free_port, indented_blocks, read_jsonl, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -36,23 +36,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def doc_blocks() -> list[str]:
     """Every indented code block of the README and docs/, as text."""
-    blocks: list[str] = []
-    for doc in DOCS:
-        current: list[str] | None = None
-        previous = ""
-        for line in doc.read_text().splitlines():
-            if line.startswith("    ") and (current is not None or not previous.strip()):
-                if current is None:
-                    current = []
-                    blocks.append("")
-                current.append(line[4:])
-                blocks[-1] = "\n".join(current) + "\n"
-            elif not line.strip() and current is not None:
-                current.append("")
-            else:
-                current = None
-            previous = line
-    return [block.strip() + "\n" for block in blocks]
+    return [block for doc in DOCS for block in indented_blocks(doc.read_text())]
 
 
 def example(first_line: str) -> str:

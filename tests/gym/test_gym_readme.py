@@ -28,7 +28,7 @@ from tests.gym.conftest import (
     start,
     wait_for,
 )
-from tests.helpers import read_jsonl
+from tests.helpers import indented_blocks, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "\n## A NeMo Gym agent in five minutes\n"
@@ -37,20 +37,7 @@ SECTION = "\n## A NeMo Gym agent in five minutes\n"
 def readme_blocks() -> list[str]:
     """The section's indented code blocks, in order."""
     text = (ROOT / "README.md").read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
-    blocks: list[list[str]] = []
-    in_block = False
-    for line in text.splitlines():
-        if line.startswith("    "):
-            if not in_block:
-                blocks.append([])
-            in_block = True
-            blocks[-1].append(line[4:])
-        elif not line:
-            if in_block:
-                blocks[-1].append("")
-        else:
-            in_block = False
-    return ["\n".join(block).strip() + "\n" for block in blocks]
+    return indented_blocks(text)
 
 
 def test_the_readme_blocks_are_found() -> None:
