@@ -12,6 +12,8 @@ system, start-up included) per rollout. Each round prints its ratios to the
 baseline of the same round; the summary is the median of ``--repeat`` rounds
 (the machine is noisy: only ratios measured side by side mean much).
 ``--memory`` adds peak RSS for a 1,000,000-row task file against a 10,000-row one.
+NeMo Gym 0.7.0's own collector runs in each round too where its venv is ready
+(``_gym_collector.py``; ``--no-gym`` leaves it out).
 """
 
 from __future__ import annotations
@@ -28,11 +30,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server, median, run_bodies, run_child, write_tasks
-
-GYM_NOTE = (
-    "NeMo Gym collector: not run (its collector needs a Gym head server and config"
-    " around the agent; tests/gym drives it, this bench does not)"
-)
+from _gym_collector import gym_collector
 
 
 async def bare_client(url: str, lines: list[bytes], out: Path, concurrency: int) -> float:
@@ -78,7 +76,7 @@ def baseline(work: Path, tasks: Path, url: str, concurrency: int, tag: str) -> d
     rows = sum(1 for _ in out.open("rb"))
     out.unlink()
     seconds = orjson.loads(out.with_suffix(".json").read_bytes())["dispatch_s"]
-    return _figures(rows, seconds, result.cpu_s)
+    return _figures(rows, seconds, result.cpu_s, wall_s=result.wall_s)
 
 
 def daemon_run(
@@ -103,6 +101,7 @@ def daemon_run(
         rows,
         summary["dispatch_s"],
         result.cpu_s,
+        wall_s=result.wall_s,
         peak_rss_mb=summary["peak_rss_mb"],
         lag_p99_ms=(summary.get("event_loop_lag_p99_s") or 0.0) * 1000,
     )
@@ -136,6 +135,7 @@ def main() -> int:
     parser.add_argument("--big-rows", type=int, default=1_000_000)
     parser.add_argument("--small-rows", type=int, default=10_000)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    parser.add_argument("--no-gym", action="store_true", help="leave NeMo Gym's collector out")
     opts = parser.parse_args()
     if opts.smoke:
         opts.rollouts, opts.repeat, opts.big_rows, opts.small_rows = 2_000, 1, 20_000, 2_000
@@ -144,7 +144,11 @@ def main() -> int:
         f" zero-latency agent; ratios to the bare client of the same round"
     )
     runs: dict[str, list[dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, dispatcher_server("sim-agent") as url:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        dispatcher_server("sim-agent") as url,
+        gym_collector(url, opts.no_gym) as gym,
+    ):
         work = Path(tmp)
         tasks = work / "tasks.jsonl"
         write_tasks(tasks, opts.rollouts)
@@ -157,12 +161,17 @@ def main() -> int:
                 this["  telemetry off"] = daemon_run(
                     work, tasks, url, opts.concurrency, False, f"off{i}"
                 )
+            if gym is not None:
+                this[gym.LABEL] = gym.collect(work, tasks, opts.concurrency, f"g{i}")
             report_round(i, this)
+            if gym is not None:
+                gym.report_round(i, this, opts.rollouts)
             for name, fig in this.items():
                 runs.setdefault(name, []).append(fig)
         print(f"median of {opts.repeat} rounds:")
         report_median(runs)
-        print(GYM_NOTE)
+        if gym is not None:
+            gym.report_median(runs, opts.rollouts)
         if opts.memory:
             small = drained_rss(work, opts.small_rows, url)
             big = drained_rss(work, opts.big_rows, url)
