@@ -113,6 +113,10 @@ def head_stub(agent_url: str) -> Iterator[_HeadServer]:
         server.server_close()
 
 
+class GymRunFailed(Exception):
+    """Gym's collector exited non-zero or wrote fewer rows than there are tasks."""
+
+
 @dataclass(frozen=True)
 class Sample:
     at_s: float
@@ -200,6 +204,16 @@ class GymCollector:
     head: _HeadServer
     LABEL = LABEL
 
+    def run_round(
+        self, this: dict[str, dict[str, float]], work: Path, tasks: Path, concurrency: int, tag: str
+    ) -> None:
+        """Gym's figures into the round's, unless its collector failed (then a line says so:
+        on a shared machine a run can die of something else, and the round's others stand)."""
+        try:
+            this[LABEL] = self.collect(work, tasks, concurrency, tag)
+        except GymRunFailed as exc:
+            print(f"  {LABEL}: left out of this round ({exc})")
+
     def collect(self, work: Path, tasks: Path, concurrency: int, tag: str) -> dict[str, float]:
         cwd = work / tag  # Hydra writes its outputs/ under the working directory
         cwd.mkdir()
@@ -209,17 +223,21 @@ class GymCollector:
         rows = sum(1 for _ in output.open("rb")) if output.exists() else 0
         expected = sum(1 for _ in tasks.open("rb"))
         if run.returncode != 0 or rows != expected:
-            tail = (work / f"{tag}.log").read_bytes()[-2000:]
-            raise SystemExit(f"Gym's collector: exit {run.returncode}, {rows} rows: {tail!r}")
+            tail = (work / f"{tag}.log").read_bytes()[-500:]
+            raise GymRunFailed(f"exit {run.returncode}, {rows} of {expected} rows; log: {tail!r}")
         self._check_asked()
         return _gym_figures(rows, run, dispatch_window(run.samples, _size(output)))
 
     def report_round(self, i: int, this: dict[str, dict[str, float]], rows: int) -> None:
-        add_ratios(this, rows)
-        report(f"round {i + 1}", this[LABEL], rows)
+        if LABEL in this:
+            add_ratios(this, rows)
+            report(f"round {i + 1}", this[LABEL], rows)
 
     def report_median(self, runs: dict[str, list[dict[str, float]]], rows: int) -> None:
-        report_median(runs[LABEL], rows)
+        if LABEL in runs:
+            report_median(runs[LABEL], rows)
+        else:
+            print(f"  {LABEL}: failed in every round")
 
     def _check_asked(self) -> None:
         unexpected = [ask for ask in self.head.asked if ask != f"GET {CONFIG_PATH}"]

@@ -162,7 +162,7 @@ def main() -> int:
                     work, tasks, url, opts.concurrency, False, f"off{i}"
                 )
             if gym is not None:
-                this[gym.LABEL] = gym.collect(work, tasks, opts.concurrency, f"g{i}")
+                gym.run_round(this, work, tasks, opts.concurrency, f"g{i}")
             report_round(i, this)
             if gym is not None:
                 gym.report_round(i, this, opts.rollouts)
