@@ -1,4 +1,5 @@
-"""`dispatcher run` against Gym's simple_agent behind Gym's vllm_model (chat dialect).
+"""`dispatcher run` against Gym's simple_agent behind Gym's vllm_model (chat dialect):
+the shared stack's ``string_match_simple_agent`` → ``policy_model``.
 
 Gym's capture writes the capture files; our rows must satisfy Gym's own readers.
 """
@@ -10,7 +11,7 @@ from pathlib import Path
 import orjson
 
 from tests.gym.checks import gym_validated_rows, health_check
-from tests.gym.conftest import AGENT, GymStack
+from tests.gym.conftest import GymStack
 from tests.helpers import read_jsonl
 
 MODEL_SERVER = "vllm_model"
@@ -79,7 +80,7 @@ def test_aggregate_metrics_are_written_and_gym_compare_reads_them(
 
     [entry] = orjson.loads((tmp_path / "ours" / "rollouts_aggregate_metrics.json").read_bytes())
     [gyms] = orjson.loads((tmp_path / "gym" / "rollouts_aggregate_metrics.json").read_bytes())
-    assert entry["agent_ref"] == {"name": AGENT}
+    assert entry["agent_ref"] == {"name": gym_stack.agent}
     assert entry.keys() >= {"agent_metrics", "key_metrics", "group_level_metrics"}
     # The same agent, tasks and (deterministic) model: the same metrics as Gym's own run.
     assert entry["key_metrics"] == gyms["key_metrics"]

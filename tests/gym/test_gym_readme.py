@@ -54,7 +54,9 @@ def shell(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedPr
     )  # fmt: skip
 
 
-def test_the_five_minute_path_runs_as_written(gym_venv: Path, tmp_path: Path) -> None:
+def test_the_five_minute_path_runs_as_written(
+    no_shared_stack: None, gym_venv: Path, tmp_path: Path
+) -> None:
     gym_block, run_block, trainer_block = readme_blocks()
     work = tmp_path / "work"
     work.mkdir()
