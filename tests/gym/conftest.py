@@ -168,6 +168,7 @@ class GymStack:
             capture_output=True,
             text=True,
             timeout=120,
+            cwd=self.root,
         )
 
     def gym_collect(self, output: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from dispatcher.settings.gym_head import fetch_global_config, gym_agents
-from tests.gym.checks import gym_validated_rows, health_check
+from tests.gym.checks import gym_verdicts
 from tests.gym.conftest import RESPONSES_MODEL, GymStack, dispatcher_cmd
 from tests.gym.dropin import (
     ask_directly,
@@ -42,8 +42,9 @@ def test_gyms_openai_model_works_on_our_sim_model(gym_stack: GymStack, tmp_path:
             "type": "responses_api_models", "name": RESPONSES_MODEL
         }  # fmt: skip
         assert call["response_metadata"]["status_code"] == 200
-    assert gym_validated_rows(gym_stack, run_dir / "rollouts.jsonl") == 10
-    assert health_check(gym_stack, run_dir)["healthy"] == 10
+    [verdicts] = gym_verdicts(gym_stack, run_dir)
+    assert verdicts.validated == 10
+    assert verdicts.health["healthy"] == 10
 
 
 def test_run_takes_its_agents_from_gyms_head_server(gym_stack: GymStack, tmp_path: Path) -> None:
