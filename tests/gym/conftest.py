@@ -17,8 +17,10 @@ Gym's own model-call capture is on (``+observability_enabled=true
 directory, keyed by rollout id, and ``dispatcher run --capture-dir`` reads it
 (such a run first clears the captures of exactly its own rollout ids).
 Ray runs one cluster per machine at a time: a test that starts a stack of its
-own asks for ``no_shared_stack`` first. The stack runs from the cached Gym venv
-of ``gym_env.py``; without Python 3.13 the whole directory is skipped.
+own asks for ``no_shared_stack`` first. The tests' Gym-side scripts (Gym's
+models and ``gym eval health-check``) run in one long-lived Python of the Gym
+venv, ``gym_interpreter`` (``interpreter.py``). The stack runs from the cached
+Gym venv of ``gym_env.py``; without Python 3.13 the whole directory is skipped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import pytest
 import yaml
 
 from tests.gym import gym_env
+from tests.gym.interpreter import GymInterpreter, ScriptResult
 from tests.helpers import wait_until
 
 CHAT_AGENT = "string_match_simple_agent"
@@ -140,6 +143,7 @@ class GymStack:
     """What a test needs of the running stack, seen through one of its agents."""
 
     venv: Path
+    interpreter: GymInterpreter
     root: Path
     agent: str
     agent_urls: dict[str, str]
@@ -162,14 +166,9 @@ class GymStack:
             cwd=self.root,
         )
 
-    def python(self, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.venv / "bin" / "python"), "-c", code, *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=self.root,
-        )
+    def python(self, code: str, *args: str) -> ScriptResult:
+        """A script in the Gym venv's Python, as ``python -c code args`` would run it."""
+        return self.interpreter.run(code, *args)
 
     def gym_collect(self, output: Path, *extra: str) -> subprocess.CompletedProcess[str]:
         """Gym's own collector against the running stack (``gym eval run --no-serve``)."""
@@ -241,8 +240,11 @@ class SharedStack:
     """The one stack of the session: started on first use, kept until ``stop``
     (after which the next use starts another)."""
 
-    def __init__(self, venv: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    def __init__(
+        self, venv: Path, interpreter: GymInterpreter, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
         self._venv = venv
+        self._interpreter = interpreter
         self._tmp_path_factory = tmp_path_factory
         self._procs: list[Proc] = []
         self._stack: GymStack | None = None
@@ -277,6 +279,7 @@ class SharedStack:
         wait_for(self._spawn(gym_args, root / "gym.log"), READY, 240)
         return GymStack(
             venv=self._venv,
+            interpreter=self._interpreter,
             root=root,
             agent=CHAT_AGENT,
             agent_urls={agent: f"http://127.0.0.1:{port}" for agent, port in agent_ports.items()},
@@ -294,8 +297,22 @@ class SharedStack:
 
 
 @pytest.fixture(scope="session")
-def shared_stack(gym_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStack]:
-    shared = SharedStack(gym_venv, tmp_path_factory)
+def gym_interpreter(
+    gym_venv: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GymInterpreter]:
+    """The Gym venv's Python for the session's Gym-side scripts (see ``interpreter.py``)."""
+    interpreter = GymInterpreter(gym_venv, tmp_path_factory.mktemp("gym-python") / "stderr.log")
+    try:
+        yield interpreter
+    finally:
+        interpreter.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_stack(
+    gym_venv: Path, gym_interpreter: GymInterpreter, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedStack]:
+    shared = SharedStack(gym_venv, gym_interpreter, tmp_path_factory)
     try:
         yield shared
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.gym.checks import GymVerdicts, gym_verdicts
+from tests.gym.checks import gym_verdicts
 from tests.gym.conftest import GymStack
 from tests.helpers import read_jsonl
 
@@ -30,43 +30,28 @@ def gyms_collection(gym_stack: GymStack, tmp_path_factory: pytest.TempPathFactor
     return output
 
 
-def _run_dir(gym_stack: GymStack, run_dir: Path, *extra: str) -> Path:
-    result = gym_stack.run(run_dir / "rollouts.jsonl", *extra)
+@pytest.fixture(scope="module")
+def uncaptured_run(gym_stack: GymStack, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of one ``dispatcher run`` without ``--capture-dir``, for the module's
+    tests that read such a run. Gym's health check adds its reports to it; neither the
+    module's tests nor ``gym eval compare`` read them."""
+    run_dir = tmp_path_factory.mktemp("uncaptured-run")
+    result = gym_stack.run(run_dir / "rollouts.jsonl")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def captured_run(gym_stack: GymStack, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The directory of one ``dispatcher run --capture-dir`` on Gym's capture directory."""
-    capture = ("--capture-dir", str(gym_stack.gym_capture_dir))
-    return _run_dir(gym_stack, tmp_path_factory.mktemp("captured-run"), *capture)
-
-
-@pytest.fixture(scope="module")
-def uncaptured_run(gym_stack: GymStack, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The directory of one ``dispatcher run`` without ``--capture-dir``."""
-    return _run_dir(gym_stack, tmp_path_factory.mktemp("uncaptured-run"))
-
-
-@pytest.fixture(scope="module")
-def verdicts(
-    gym_stack: GymStack, captured_run: Path, uncaptured_run: Path
-) -> dict[Path, GymVerdicts]:
-    """Gym's verdicts on both runs, from one Gym process (its start is the cost). The
-    health check adds its reports to each run directory; neither the module's tests
-    nor ``gym eval compare`` read them."""
-    runs = [captured_run, uncaptured_run]
-    return dict(zip(runs, gym_verdicts(gym_stack, *runs), strict=True))
-
-
-def test_rows_with_gyms_capture_pass_gyms_validators(
-    captured_run: Path, verdicts: dict[Path, GymVerdicts]
-) -> None:
-    rows = read_jsonl(captured_run / "rollouts.jsonl")
+def test_rows_with_gyms_capture_pass_gyms_validators(gym_stack: GymStack, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = gym_stack.run(
+        run_dir / "rollouts.jsonl", "--capture-dir", str(gym_stack.gym_capture_dir)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(run_dir / "rollouts.jsonl")
     assert len(rows) == 10
-    assert verdicts[captured_run].validated == 10
-    assert verdicts[captured_run].health == {
+    verdicts = gym_verdicts(gym_stack, run_dir)
+    assert verdicts.validated == 10
+    assert verdicts.health == {
         "checked": 10, "healthy": 10, "unhealthy": 0, "unobserved": 0
     }  # fmt: skip
     for row in rows:
@@ -86,12 +71,10 @@ def test_rows_with_gyms_capture_pass_gyms_validators(
         }
 
 
-def test_without_capture_no_row_is_unhealthy(
-    uncaptured_run: Path, verdicts: dict[Path, GymVerdicts]
-) -> None:
-    assert verdicts[uncaptured_run].validated == 10
-    health = verdicts[uncaptured_run].health
-    assert health["checked"] == 10 and health["unhealthy"] == 0
+def test_without_capture_no_row_is_unhealthy(gym_stack: GymStack, uncaptured_run: Path) -> None:
+    verdicts = gym_verdicts(gym_stack, uncaptured_run)
+    assert verdicts.validated == 10
+    assert verdicts.health["checked"] == 10 and verdicts.health["unhealthy"] == 0
     for row in read_jsonl(uncaptured_run / "rollouts.jsonl"):
         codes = {gap["code"] for gap in row["ng_trajectory"]["gaps"]}
         assert "model_calls_unavailable" in codes

@@ -42,7 +42,7 @@ def test_gyms_openai_model_works_on_our_sim_model(gym_stack: GymStack, tmp_path:
             "type": "responses_api_models", "name": RESPONSES_MODEL
         }  # fmt: skip
         assert call["response_metadata"]["status_code"] == 200
-    [verdicts] = gym_verdicts(gym_stack, run_dir)
+    verdicts = gym_verdicts(gym_stack, run_dir)
     assert verdicts.validated == 10
     assert verdicts.health["healthy"] == 10
 
