@@ -97,29 +97,36 @@ class Proc:
 
     popen: subprocess.Popen[bytes]
     log: Path
+    grace_s: float = 15
+    """How long ``stop`` lets the group exit on SIGTERM before SIGKILL."""
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
-    def stop(self, timeout_s: float = 15) -> None:
-        """Stop the whole group. Gym's own SIGINT shutdown takes 30-60 s (Ray); the stack
-        holds nothing worth a graceful stop, so its group gets SIGTERM, then SIGKILL."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout_s)
-        # Ray's workers share the group; none may outlive the stack.
+    def stop(self) -> None:
+        """Stop the whole group: SIGTERM, up to ``grace_s`` to exit, then SIGKILL."""
+        if self.grace_s > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(self.grace_s)
+        # Ray's processes share the group; none may outlive the stack.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait()
 
 
-def start(args: list[str], log: Path, cwd: Path) -> Proc:
+# A Gym stack holds nothing worth a graceful stop: its SIGINT shutdown takes
+# 30-60 s and its SIGTERM one about 3 s (Ray's), so its group is killed at once.
+GYM_GRACE_S = 0.0
+
+
+def start(args: list[str], log: Path, cwd: Path, grace_s: float = 15) -> Proc:
     with log.open("wb") as out:
         popen = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
         )
-    return Proc(popen, log)
+    return Proc(popen, log, grace_s)
 
 
 def wait_for(proc: Proc, pattern: re.Pattern[str], timeout_s: float) -> re.Match[str]:
@@ -276,7 +283,7 @@ class SharedStack:
         head_port = free_port()
         agent_ports = {agent: free_port() for agent in AGENTS.values()}
         gym_args = _gym_args(self._venv, proxy_url, root, head_port, agent_ports)
-        wait_for(self._spawn(gym_args, root / "gym.log"), READY, 240)
+        wait_for(self._spawn(gym_args, root / "gym.log", GYM_GRACE_S), READY, 240)
         return GymStack(
             venv=self._venv,
             interpreter=self._interpreter,
@@ -290,8 +297,8 @@ class SharedStack:
             tasks=site_packages(self._venv) / "resources_servers/string_match/data/example.jsonl",
         )
 
-    def _spawn(self, args: list[str], log: Path) -> Proc:
-        proc = start(args, log, log.parent)
+    def _spawn(self, args: list[str], log: Path, grace_s: float = 15) -> Proc:
+        proc = start(args, log, log.parent, grace_s)
         self._procs.append(proc)
         return proc
 
