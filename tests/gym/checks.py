@@ -1,8 +1,7 @@
 """Gym's verdicts on our rows: its TrajectoryRecord model and `gym eval health-check`.
 
-Both run in the session's Gym interpreter (``interpreter.py``), the health check
-through the `gym` CLI's own entry point: Gym's imports are paid once a session,
-not twice a run directory.
+Both run in one process forked from the session's Gym interpreter
+(``interpreter.py``), the health check through the `gym` CLI's own entry point.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ directory, keyed by rollout id, and ``dispatcher run --capture-dir`` reads it
 (such a run first clears the captures of exactly its own rollout ids).
 Ray runs one cluster per machine at a time: a test that starts a stack of its
 own asks for ``no_shared_stack`` first. The tests' Gym-side scripts (Gym's
-models and ``gym eval health-check``) run in one long-lived Python of the Gym
-venv, ``gym_interpreter`` (``interpreter.py``). The stack runs from the cached
+models) and ``gym`` commands other than ``gym env start`` run in processes
+forked from one long-lived, Gym-importing Python of the Gym venv,
+``gym_interpreter`` (``interpreter.py``). The stack runs from the cached
 Gym venv of ``gym_env.py``; without Python 3.13 the whole directory is skipped.
 """
 
@@ -164,20 +165,15 @@ class GymStack:
     def agent_url(self) -> str:
         return self.agent_urls[self.agent]
 
-    def gym(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.venv / "bin" / "gym"), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            cwd=self.root,
-        )
+    def gym(self, *args: str, timeout_s: float = 120) -> ScriptResult:
+        """A ``gym`` CLI command, run in the stack's directory."""
+        return self.interpreter.gym(*args, cwd=self.root, timeout_s=timeout_s)
 
     def python(self, code: str, *args: str) -> ScriptResult:
         """A script in the Gym venv's Python, as ``python -c code args`` would run it."""
-        return self.interpreter.run(code, *args)
+        return self.interpreter.run(code, *args, cwd=self.root)
 
-    def gym_collect(self, output: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    def gym_collect(self, output: Path, *extra: str) -> ScriptResult:
         """Gym's own collector against the running stack (``gym eval run --no-serve``)."""
         args = ["eval", "run", "--no-serve", "--agent", self.agent, "--input", str(self.tasks)]
         args += ["--output", str(output), "--num-repeats", "2", "--no-health-check"]
