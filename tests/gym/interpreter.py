@@ -1,8 +1,9 @@
 """One long-lived Python of the Gym venv that runs the tests' Gym-side scripts.
 
 Each script used to be a process of its own, and most of its time was the
-interpreter's start and Gym's imports (2-6 s on 2 cores, several seconds more
-for `gym eval`'s). Here they are paid once: the interpreter imports Gym, then
+interpreter's start and Gym's imports (on 2 cores, about 2 s for a script
+using Gym's models, about 6 s for a `gym eval` command). Here they are paid
+once: the interpreter imports Gym, then
 forks a child for every script, which runs it as ``python -c`` would
 (``__name__ == "__main__"``, ``sys.argv[1:]`` its arguments, its exit status
 from ``SystemExit`` or an uncaught exception, its own stdout and stderr) in a
