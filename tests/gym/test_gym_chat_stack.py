@@ -1,20 +1,44 @@
-"""`dispatcher run` against Gym's simple_agent behind Gym's vllm_model (chat dialect).
+"""`dispatcher run` against Gym's simple_agent behind Gym's vllm_model (chat dialect):
+the shared stack's ``string_match_simple_agent`` → ``policy_model``.
 
 Gym's capture writes the capture files; our rows must satisfy Gym's own readers.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import orjson
+import pytest
 
-from tests.gym.checks import gym_validated_rows, health_check
-from tests.gym.conftest import AGENT, GymStack
+from tests.gym.checks import gym_verdicts
+from tests.gym.conftest import GymStack
 from tests.helpers import read_jsonl
 
 MODEL_SERVER = "vllm_model"
 PERF_TOKEN_KEYS = {"prompt_tokens", "cached_prompt_tokens", "completion_tokens", "reasoning_tokens"}
+
+
+@pytest.fixture(scope="module")
+def gyms_collection(gym_stack: GymStack, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gym's own collector's ``rollouts.jsonl`` for the tasks (``gym eval run``), collected
+    once for the module: a test that changes its directory works on a copy."""
+    output = tmp_path_factory.mktemp("gyms-collection") / "rollouts.jsonl"
+    collected = gym_stack.gym_collect(output)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def uncaptured_run(gym_stack: GymStack, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of one ``dispatcher run`` without ``--capture-dir``, for the module's
+    tests that read such a run. Gym's health check adds its reports to it; neither the
+    module's tests nor ``gym eval compare`` read them."""
+    run_dir = tmp_path_factory.mktemp("uncaptured-run")
+    result = gym_stack.run(run_dir / "rollouts.jsonl")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
 
 
 def test_rows_with_gyms_capture_pass_gyms_validators(gym_stack: GymStack, tmp_path: Path) -> None:
@@ -25,8 +49,9 @@ def test_rows_with_gyms_capture_pass_gyms_validators(gym_stack: GymStack, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(run_dir / "rollouts.jsonl")
     assert len(rows) == 10
-    assert gym_validated_rows(gym_stack, run_dir / "rollouts.jsonl") == 10
-    assert health_check(gym_stack, run_dir) == {
+    verdicts = gym_verdicts(gym_stack, run_dir)
+    assert verdicts.validated == 10
+    assert verdicts.health == {
         "checked": 10, "healthy": 10, "unhealthy": 0, "unobserved": 0
     }  # fmt: skip
     for row in rows:
@@ -46,14 +71,11 @@ def test_rows_with_gyms_capture_pass_gyms_validators(gym_stack: GymStack, tmp_pa
         }
 
 
-def test_without_capture_no_row_is_unhealthy(gym_stack: GymStack, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    result = gym_stack.run(run_dir / "rollouts.jsonl")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert gym_validated_rows(gym_stack, run_dir / "rollouts.jsonl") == 10
-    verdicts = health_check(gym_stack, run_dir)
-    assert verdicts["checked"] == 10 and verdicts["unhealthy"] == 0
-    for row in read_jsonl(run_dir / "rollouts.jsonl"):
+def test_without_capture_no_row_is_unhealthy(gym_stack: GymStack, uncaptured_run: Path) -> None:
+    verdicts = gym_verdicts(gym_stack, uncaptured_run)
+    assert verdicts.validated == 10
+    assert verdicts.health["checked"] == 10 and verdicts.health["unhealthy"] == 0
+    for row in read_jsonl(uncaptured_run / "rollouts.jsonl"):
         codes = {gap["code"] for gap in row["ng_trajectory"]["gaps"]}
         assert "model_calls_unavailable" in codes
         assert "ng_perf" not in row
@@ -69,17 +91,13 @@ def test_capture_proxy_as_gyms_upstream_forwards_but_cannot_attribute(gym_stack:
 
 
 def test_aggregate_metrics_are_written_and_gym_compare_reads_them(
-    gym_stack: GymStack, tmp_path: Path
+    gym_stack: GymStack, uncaptured_run: Path, gyms_collection: Path, tmp_path: Path
 ) -> None:
-    ours, theirs = tmp_path / "ours" / "rollouts.jsonl", tmp_path / "gym" / "rollouts.jsonl"
-    result = gym_stack.run(ours)
-    assert result.returncode == 0, result.stderr[-3000:]
-    collected = gym_stack.gym_collect(theirs)
-    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    ours, theirs = uncaptured_run / "rollouts.jsonl", gyms_collection
 
-    [entry] = orjson.loads((tmp_path / "ours" / "rollouts_aggregate_metrics.json").read_bytes())
-    [gyms] = orjson.loads((tmp_path / "gym" / "rollouts_aggregate_metrics.json").read_bytes())
-    assert entry["agent_ref"] == {"name": AGENT}
+    [entry] = orjson.loads((uncaptured_run / "rollouts_aggregate_metrics.json").read_bytes())
+    [gyms] = orjson.loads((theirs.parent / "rollouts_aggregate_metrics.json").read_bytes())
+    assert entry["agent_ref"] == {"name": gym_stack.agent}
     assert entry.keys() >= {"agent_metrics", "key_metrics", "group_level_metrics"}
     # The same agent, tasks and (deterministic) model: the same metrics as Gym's own run.
     assert entry["key_metrics"] == gyms["key_metrics"]
@@ -90,10 +108,11 @@ def test_aggregate_metrics_are_written_and_gym_compare_reads_them(
     assert compared.returncode == 0, compared.stdout[-3000:] + compared.stderr[-3000:]
 
 
-def test_a_gym_output_directory_is_adopted_on_resume(gym_stack: GymStack, tmp_path: Path) -> None:
+def test_a_gym_output_directory_is_adopted_on_resume(
+    gym_stack: GymStack, gyms_collection: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(gyms_collection.parent, tmp_path / "run")
     output = tmp_path / "run" / "rollouts.jsonl"
-    collected = gym_stack.gym_collect(output)
-    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
     gym_rows = read_jsonl(output)
     assert len(gym_rows) == 10 and not (tmp_path / "run" / "rollouts_manifest.json").exists()
     # Lose one row, as a Gym hop killed before writing it would.

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from tests.gym.conftest import (
+    GYM_GRACE_S,
     LISTENING,
     READY,
     Proc,
@@ -54,7 +55,9 @@ def shell(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedPr
     )  # fmt: skip
 
 
-def test_the_five_minute_path_runs_as_written(gym_venv: Path, tmp_path: Path) -> None:
+def test_the_five_minute_path_runs_as_written(
+    no_shared_stack: None, gym_venv: Path, tmp_path: Path
+) -> None:
     gym_block, run_block, trainer_block = readme_blocks()
     work = tmp_path / "work"
     work.mkdir()
@@ -77,7 +80,7 @@ def test_the_five_minute_path_runs_as_written(gym_venv: Path, tmp_path: Path) ->
         env = {k: v for k, v in env.items() if not k.startswith("DISPATCHER_")}
         offline = f" +uv_venv_dir={_venv_links(tmp_path, gym_venv)} +skip_venv_if_present=true"
         gym_args = ["bash", "-euo", "pipefail", "-c", gym_block.rstrip() + offline]
-        gym = _start_with_env(gym_args, tmp_path / "gym.log", work, env)
+        gym = _start_with_env(gym_args, tmp_path / "gym.log", work, env, GYM_GRACE_S)
         procs.append(gym)
         wait_for(gym, READY, 240)
         assert "servers ready" in gym.text()
@@ -106,9 +109,11 @@ def test_the_five_minute_path_runs_as_written(gym_venv: Path, tmp_path: Path) ->
             proc.stop()
 
 
-def _start_with_env(args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> Proc:
+def _start_with_env(
+    args: list[str], log: Path, cwd: Path, env: dict[str, str], grace_s: float = 15
+) -> Proc:
     with log.open("wb") as out:
         popen = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True
         )
-    return Proc(popen, log)
+    return Proc(popen, log, grace_s)

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from dispatcher.sim.model import SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import DIALECT_PATHS, agent_trajectory, request_body
 from dispatcher.trajectory.build import build_trajectory
 from dispatcher.trajectory.observations import observed_from
+from tests.gym.interpreter import GymInterpreter
 from tests.helpers import serve
 
 _TRAJECTORIES = """
@@ -55,13 +55,8 @@ print(checked)
 """
 
 
-def run_in_gym(venv: Path, code: str, data: Path) -> str:
-    result = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", code, str(data)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def run_in_gym(interpreter: GymInterpreter, code: str, data: Path) -> str:
+    result = interpreter.run(code, str(data))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip()
 
@@ -93,7 +88,7 @@ def call(call_id: str, *, status: int = 200, tools: int = 0) -> CapturedCall:
 
 
 def test_every_trajectory_we_build_is_a_gym_trajectory_record(
-    gym_venv: Path, tmp_path: Path
+    gym_interpreter: GymInterpreter, tmp_path: Path
 ) -> None:
     calls = [call("a", tools=2), call("b", status=500), call("c")]
     own = agent_trajectory(
@@ -109,12 +104,12 @@ def test_every_trajectory_we_build_is_a_gym_trajectory_record(
     data = tmp_path / "trajectories.jsonl"
     data.write_bytes(b"".join(orjson.dumps(t) + b"\n" for t in trajectories))
 
-    assert run_in_gym(gym_venv, _TRAJECTORIES, data) == "ok"
+    assert run_in_gym(gym_interpreter, _TRAJECTORIES, data) == "ok"
 
 
 @pytest.mark.parametrize("tool_calls", [0, 2])
 async def test_every_sim_model_answer_passes_the_sdks_and_gyms_models(
-    gym_venv: Path, tmp_path: Path, tool_calls: int
+    gym_interpreter: GymInterpreter, tmp_path: Path, tool_calls: int
 ) -> None:
     app = build_sim_model_app(SimModelConfig(tool_calls=tool_calls, reasoning_tokens=3))
     runner, url = await serve(app)
@@ -130,7 +125,7 @@ async def test_every_sim_model_answer_passes_the_sdks_and_gyms_models(
     data = tmp_path / "answers.jsonl"
     data.write_bytes(b"".join(orjson.dumps(a) + b"\n" for a in answers))
 
-    assert run_in_gym(gym_venv, _ANSWERS, data) == "6"
+    assert run_in_gym(gym_interpreter, _ANSWERS, data) == "6"
 
 
 _JOIN = """
@@ -150,7 +145,9 @@ print(json.dumps({"refs": refs, "gaps": gaps}))
 """
 
 
-def test_observations_join_as_gyms_join_does(gym_venv: Path, tmp_path: Path) -> None:
+def test_observations_join_as_gyms_join_does(
+    gym_interpreter: GymInterpreter, tmp_path: Path
+) -> None:
     server = {"type": "responses_api_models", "name": "policy_model"}
 
     def record(call_id: str, session: str | None = None, response_id: str | None = None) -> Any:
@@ -185,7 +182,7 @@ def test_observations_join_as_gyms_join_does(gym_venv: Path, tmp_path: Path) -> 
     data.write_bytes(orjson.dumps(orjson.dumps(case).decode()) + b"\n")
     data.write_bytes(data.read_bytes() + b"".join(orjson.dumps(r) + b"\n" for r in records))
 
-    gyms = orjson.loads(run_in_gym(gym_venv, _JOIN, data))
+    gyms = orjson.loads(run_in_gym(gym_interpreter, _JOIN, data))
 
     calls = [
         parse_record(orjson.dumps(r), call_index=i, include_payloads=False)
@@ -215,7 +212,7 @@ print(json.dumps(record["ng_model_call_capture"]))
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_gyms_collector_reads_our_proxys_capture_files(
-    gym_venv: Path, tmp_path: Path, stream: bool
+    gym_interpreter: GymInterpreter, tmp_path: Path, stream: bool
 ) -> None:
     model, model_url = await serve(build_sim_model_app(SimModelConfig(reasoning_tokens=3)))
     proxy, proxy_url = await serve(build_proxy_app(model_url, tmp_path / "captures"))
@@ -230,7 +227,7 @@ async def test_gyms_collector_reads_our_proxys_capture_files(
         await proxy.cleanup()
         await model.cleanup()
 
-    capture = orjson.loads(run_in_gym(gym_venv, _GYM_MERGE, tmp_path / "captures"))
+    capture = orjson.loads(run_in_gym(gym_interpreter, _GYM_MERGE, tmp_path / "captures"))
 
     assert "gaps" not in capture, capture["gaps"]
     assert capture["metrics"]["num_calls"] == 4
