@@ -7,6 +7,7 @@ from pathlib import Path
 
 import orjson
 
+from dispatcher.commands import command_help
 from dispatcher.ops import serve_status
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, collect_status, render_status
 from dispatcher.settings.args import positive_int
@@ -15,7 +16,7 @@ from dispatcher.settings.args import positive_int
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "status",
-        help="where a run stands: expected, succeeded, failed, left to run",
+        help=command_help("status"),
         description=(
             "Read a run's output files (without changing them) and report expected rollouts, "
             "successes, failures by class, what resume would run and why, coverage per agent "
