@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
+import gc
 import importlib
 import re
 import sys
@@ -128,8 +129,18 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return parser  # pragma: no cover - the parser always has subcommands
 
 
+def _end_startup() -> None:
+    """Turn the cyclic GC back on if ``python -m dispatcher`` kept it off for the
+    imports; what they built lives as long as the process, so it is frozen out
+    of every later pass (as ``tune_gc`` does once a run is set up)."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    _end_startup()
     # Logs go to stderr: server commands print their URL on stdout for scripts.
     configure_logging(None)
     try:

@@ -362,9 +362,7 @@ def _error_response(status: int, kind: str, message: str) -> web.Response:
 
 def add_parser(subparsers: Any) -> None:
     """Register ``capture-proxy --listen HOST:PORT --upstream URL --capture-dir DIR``."""
-    p = subparsers.add_parser(
-        "capture-proxy", help=command_help("capture-proxy")
-    )
+    p = subparsers.add_parser("capture-proxy", help=command_help("capture-proxy"))
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--upstream", required=True, help="model server root URL, e.g. http://h:8000")
     p.add_argument("--capture-dir", required=True, type=Path, help="where capture files go")
