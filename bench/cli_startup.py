@@ -1,8 +1,10 @@
 """CPU a ``python -m dispatcher COMMAND`` process spends before and around its work.
 
 The test suite and users start hundreds of short ``dispatcher`` processes
-(``run`` that stops at a config check, ``status``, ``validate``); their
-start-up is mostly imports. Each command is run ``--runs`` times, the commands
+(``run`` that stops at a config check or runs a few rollouts, ``status``,
+``validate``); most of their CPU is start-up, mostly imports. The last case
+is a whole ``run`` of one rollout against a ``sim-agent`` (in its own process,
+started once). Each command is run ``--runs`` times, the commands
 interleaved round by round so a change in the machine's load touches them
 alike. The baseline, measured in the same rounds, is a bare interpreter
 importing the libraries the dispatcher cannot start without::
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, run_child
+from _common import dispatcher_server, median, run_child
 
 BASELINE_IMPORTS = "import aiohttp, pydantic, structlog, prometheus_client, uvloop"
 DEAD_AGENT = "a=http://127.0.0.1:9"  # the discard port: refused at once
@@ -41,11 +43,15 @@ class Case:
     cpus: list[float] = field(default_factory=list)
 
 
-def cases(work: Path) -> list[Case]:
+def cases(work: Path, agent_url: str) -> list[Case]:
     tasks = work / "tasks.jsonl"
     tasks.write_text('{"agent_ref": {"name": "a"}, "responses_create_params": {"input": "hi"}}\n')
     dispatcher = [sys.executable, "-m", "dispatcher"]
     run_flags = ["--input", str(tasks), "--output", str(work / "out" / "x.jsonl")]
+    whole_run = [
+        "--input", str(tasks), "--output", str(work / "ok" / "x.jsonl"),
+        "--agent", f"a={agent_url}", "--metrics-listen", "off", "--log-format", "json", "--fresh",
+    ]  # fmt: skip
     return [
         Case("baseline (imports only)", [sys.executable, "-c", BASELINE_IMPORTS], 0),
         Case("dispatcher --version", [*dispatcher, "--version"], 0),
@@ -61,6 +67,7 @@ def cases(work: Path) -> list[Case]:
             2,
         ),
         Case("status (missing run)", [*dispatcher, "status", str(work / "missing" / "x.jsonl")], 2),
+        Case("run (1 rollout, sim agent)", [*dispatcher, "run", *whole_run], 0),
     ]
 
 
@@ -106,9 +113,12 @@ def main() -> None:
     opts = parser.parse_args()
     runs = 3 if opts.smoke else opts.runs
     compile_package()
-    with tempfile.TemporaryDirectory(prefix="cli-startup-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="cli-startup-") as tmp,
+        dispatcher_server("sim-agent") as agent_url,
+    ):
         work = Path(tmp)
-        all_cases = cases(work)
+        all_cases = cases(work, agent_url)
         measure(all_cases, runs, work)
     report(all_cases, runs)
 
