@@ -25,8 +25,8 @@ def add_parser(subparsers: Any) -> None:
 
 async def _run_command(args: argparse.Namespace) -> int:
     settings, shard = run_settings(args)
-    # The run's machinery is imported once the settings are valid: a bad
-    # setting (the most common start of a `run` process) exits without it.
+    # The run's machinery is imported once the settings are valid: a run
+    # stopped by a bad setting exits without loading it.
     from dispatcher.run.one_job import Dispatcher
 
     configure_logging(settings.log_format, level=settings.log_level)
