@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/service.py
 	$(BIN)/python bench/latency_window.py
 	$(BIN)/python bench/step_control.py
+	$(BIN)/python bench/cli_startup.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
@@ -56,6 +57,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/latency_window.py --smoke
 	$(BIN)/python bench/step_control.py --smoke
 	$(BIN)/python bench/service_hostile.py --smoke
+	$(BIN)/python bench/cli_startup.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output

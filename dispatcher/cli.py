@@ -5,21 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
+import gc
+import importlib
 import re
 import sys
-from collections.abc import Coroutine, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Collection, Coroutine, Iterable, Sequence
+from typing import Any, NoReturn
 
 import structlog
 
 from dispatcher import __version__
-from dispatcher.aio import tune_gc
+from dispatcher.commands import COMMANDS
 from dispatcher.errors import DispatcherError, ExitCode
-from dispatcher.settings.flags import add_run_arguments, budget_seconds, run_epilog, run_settings
 from dispatcher.telemetry.logs import configure_logging, flush_logs
-
-if TYPE_CHECKING:
-    pass
 
 
 class CliParser(argparse.ArgumentParser):
@@ -70,51 +68,34 @@ def closest(word: str, known: Iterable[str]) -> str | None:
     return near[0] if near else None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser, with the flags of ``commands`` (default: every command).
+
+    The others get a parser with their name and help line only: enough for
+    ``dispatcher --help`` and for refusing an unknown command, without
+    importing their modules.
+    """
     parser = CliParser(
         prog="dispatcher", description="Run the rollout side of LLM reinforcement-learning jobs."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_run_parser(sub)
-    for module in _command_modules():
-        module.add_parser(sub)
+    for command in COMMANDS:
+        if commands is None or command.name in commands:
+            importlib.import_module(command.module).add_parser(sub)
+        else:
+            sub.add_parser(command.name, help=command.help)
     return parser
 
 
-def _command_modules() -> list[Any]:
-    from dispatcher.capture import proxy
-    from dispatcher.ops import init, merge, report, validate
-    from dispatcher.ops import status_command as status
-    from dispatcher.serve import command as serve
-    from dispatcher.sim import agent, model
+def chosen_command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not an option.
 
-    return [serve, agent, model, proxy, status, report, merge, validate, init]
-
-
-def _add_run_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "run",
-        help="dispatch a task file to agent servers",
-        epilog=run_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_run_arguments(p)
-    p.set_defaults(handler=_run_command, is_async=True)
-
-
-async def _run_command(args: argparse.Namespace) -> int:
-    from dispatcher.run.one_job import Dispatcher
-
-    settings, shard = run_settings(args)
-    configure_logging(settings.log_format, level=settings.log_level)
-    tune_gc()
-    dispatcher = Dispatcher(
-        settings,
-        budget_s=budget_seconds(settings),
-        shard_filter=shard.contains if shard is not None else None,
-    )
-    return int(await dispatcher.run())
+    The top-level options (``--help``, ``--version``) take no value, so that
+    word is the one argparse takes for COMMAND; when it is not a command,
+    argparse refuses it whatever is built.
+    """
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
 def _run_async(coro: Coroutine[Any, Any, int]) -> int:
@@ -128,7 +109,9 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line; an unknown flag is reported by its subcommand, with a suggestion."""
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    chosen = chosen_command(words)
+    parser = build_parser(commands=() if chosen is None else (chosen,))
     args, extras = parser.parse_known_args(argv)
     if extras:
         # Unknown flags surface at the top level, which knows only its own
@@ -146,8 +129,18 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return parser  # pragma: no cover - the parser always has subcommands
 
 
+def _end_startup() -> None:
+    """Turn the cyclic GC back on if ``python -m dispatcher`` kept it off for the
+    imports; what they built lives as long as the process, so it is frozen out
+    of every later pass (as ``tune_gc`` does once a run is set up)."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    _end_startup()
     # Logs go to stderr: server commands print their URL on stdout for scripts.
     configure_logging(None)
     try:

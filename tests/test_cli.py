@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dispatcher.cli import build_parser, closest, main, parse_args, suggestion
+from dispatcher.cli import build_parser, chosen_command, closest, main, parse_args, suggestion
+from dispatcher.commands import COMMANDS
 from tests.conftest import SimAgentFactory
 from tests.helpers import run_cli, write_tasks
 
@@ -92,3 +96,48 @@ async def test_typo_through_the_real_cli(tmp_path: Path, sim_agent: SimAgentFact
 )
 def test_suggestion_reads_choices_quoted_or_not(message: str) -> None:
     assert suggestion(message, []) == " (did you mean run?)"
+
+
+def test_every_command_registers_under_its_name_and_help_line() -> None:
+    # The top-level parser lists commands from the table without importing them:
+    # each module must register the same name, and `--help` show the same line.
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert isinstance(sub, argparse._SubParsersAction)
+    assert list(sub.choices) == [c.name for c in COMMANDS]
+    shown = {action.dest: action.help for action in sub._choices_actions}
+    assert shown == {c.name: c.help for c in COMMANDS}
+    assert all(callable(parser.get_default("handler")) for parser in sub.choices.values())
+
+
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (["run", "--input", "t"], "run"),
+        (["--version"], None),
+        (["--help", "status"], "status"),
+        (["rnu", "--x"], "rnu"),
+        ([], None),
+    ],
+)
+def test_chosen_command_is_the_first_word_that_is_not_an_option(
+    argv: list[str], command: str | None
+) -> None:
+    assert chosen_command(argv) == command
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    # Importing every command's module to build the parser was most of the
+    # start-up of each short `dispatcher` process; `status` of a run needs
+    # neither the HTTP stack nor the metrics library (nor the service's modules).
+    modules = [c.module for c in COMMANDS]
+    unneeded = [*modules, "aiohttp", "prometheus_client", "dispatcher.ops.serve_status"]
+    probe = (
+        "import sys\n"
+        "from dispatcher.cli import parse_args\n"
+        "parse_args(['status', 'x.jsonl'])\n"
+        f"print(sorted(m for m in {unneeded!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.strip() == "['dispatcher.ops.status_command']"

@@ -10,8 +10,8 @@ import orjson
 import pytest
 import structlog
 
-from dispatcher.telemetry import ProgressLine, configure_logging, format_progress, reset_logging
-from dispatcher.telemetry.progress import fit_progress
+from dispatcher.telemetry.logs import configure_logging, reset_logging
+from dispatcher.telemetry.progress import ProgressLine, fit_progress, format_progress
 from tests.conftest import SimAgentFactory
 from tests.helpers import log_events, run_args, run_cli, write_tasks
 from tests.test_telemetry_logs import TTY, render_terminal, snapshot

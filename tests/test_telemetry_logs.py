@@ -15,15 +15,17 @@ import pytest
 import structlog
 
 from dispatcher.outcome import Outcome
-from dispatcher.telemetry import (
-    ProgressLine,
+from dispatcher.telemetry.logs import (
     configure_logging,
-    estimate_eta_s,
-    format_progress,
     get_logger,
-    progress_fields,
     reset_logging,
     resolve_log_format,
+)
+from dispatcher.telemetry.progress import (
+    ProgressLine,
+    estimate_eta_s,
+    format_progress,
+    progress_fields,
 )
 from tests.helpers import wait_until
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.outcome import Outcome
-from dispatcher.telemetry import Metrics, RateWindow
+from dispatcher.telemetry.metrics import Metrics, RateWindow
 
 # family name (as the parser reports it) -> (type, label names of its samples)
 EXPECTED_FAMILIES = {

@@ -13,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.outcome import Outcome
-from dispatcher.telemetry import Metrics, start_http_server
+from dispatcher.telemetry.metrics import Metrics
+from dispatcher.telemetry.server import start_http_server
 from tests.prometheus_helpers import PrometheusServer, require_binary, running_prometheus
 
 CONFIG = Path(__file__).resolve().parent.parent / "dispatcher" / "examples"

@@ -13,7 +13,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dispatcher.telemetry import LoopLagMonitor, Metrics, parse_listen, start_http_server
+from dispatcher.telemetry.discovery import parse_listen
+from dispatcher.telemetry.lag import LoopLagMonitor
+from dispatcher.telemetry.metrics import Metrics
+from dispatcher.telemetry.server import start_http_server
 from tests.helpers import wait_until
 from tests.prometheus_helpers import require_binary
 

@@ -37,6 +37,7 @@ from yarl import URL
 
 from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange, encode_record
 from dispatcher.capture.store import BeforeWrite, CaptureStore
+from dispatcher.commands import command_help
 from dispatcher.delivery.limits import ProxyLimits, RecordBudget
 from dispatcher.errors import ConfigError
 from dispatcher.settings.args import positive_int
@@ -361,9 +362,7 @@ def _error_response(status: int, kind: str, message: str) -> web.Response:
 
 def add_parser(subparsers: Any) -> None:
     """Register ``capture-proxy --listen HOST:PORT --upstream URL --capture-dir DIR``."""
-    p = subparsers.add_parser(
-        "capture-proxy", help="record the model calls of each rollout on their way to the model"
-    )
+    p = subparsers.add_parser("capture-proxy", help=command_help("capture-proxy"))
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--upstream", required=True, help="model server root URL, e.g. http://h:8000")
     p.add_argument("--capture-dir", required=True, type=Path, help="where capture files go")

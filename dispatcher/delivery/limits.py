@@ -17,8 +17,12 @@ from __future__ import annotations
 import asyncio
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import aiohttp
+if TYPE_CHECKING:
+    # Annotations only: the settings read this module's defaults, and a run
+    # stopped by a bad setting need not load the HTTP client.
+    import aiohttp
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 600.0

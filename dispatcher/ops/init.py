@@ -15,6 +15,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
+from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError
 
 # Job scripts keep their execute bit, which package data does not carry.
@@ -74,7 +75,7 @@ def run_init(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "init",
-        help="write the example config, Prometheus/Grafana files and job scripts into DIR",
+        help=command_help("init"),
         description=(
             "Write the examples that ship with the package into DIR: example.toml (the run's "
             "settings), prometheus.yml and prometheus/alerts.yml, grafana-dashboard.json, and "

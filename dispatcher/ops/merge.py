@@ -40,6 +40,7 @@ from typing import IO, Any
 
 import orjson
 
+from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.files.resume import OutputPaths, RunState, iter_lines
 from dispatcher.ops.runfiles import lock_status, read_manifest
@@ -422,7 +423,7 @@ def _render_problems(result: MergeResult) -> list[str]:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "merge",
-        help="combine shard output sets into one, checking every rollout is present once",
+        help=command_help("merge"),
         description=(
             "Concatenate the output sets of shards (X.jsonl, X_failures.jsonl, "
             "X_materialized_inputs.jsonl of each) into one set. Exit 0 when every expected "

@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from dispatcher.commands import command_help
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
 from dispatcher.files.resume import OutputPaths, RunState, iter_rows
@@ -429,7 +430,7 @@ def _k_value(entry: dict[str, Any], k: int) -> str | None:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "report",
-        help="timing, limit hits, start deciles, reward and pass@k of a run",
+        help=command_help("report"),
         description=(
             "Read a run's rows (without changing them) and report rollout duration "
             "percentiles, attempts that hit the per-rollout limit, how outcomes vary with "

@@ -30,6 +30,11 @@ NO_AGENT = "<none>"
 _MTIME_SLACK_S = 2.0
 
 
+def is_state_dir(path: Path) -> bool:
+    """``path`` is a ``dispatcher serve`` state directory (it has a jobs/ folder), not a run."""
+    return (path / "jobs").is_dir()
+
+
 def require_run(output: Path) -> OutputPaths:
     """The run's paths; a clear error when ``output`` names no run (nothing materialized)."""
     paths = OutputPaths.for_output(output)

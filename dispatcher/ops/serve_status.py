@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.errors import ConfigError, ExitCode
-from dispatcher.ops.runfiles import LockStatus, lock_status
+from dispatcher.ops.runfiles import LockStatus, is_state_dir, lock_status
 from dispatcher.ops.status import RunStatus, Standing, collect_status
 from dispatcher.ops.table import format_table
 from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, Unreadable
@@ -105,10 +105,6 @@ class StateDirStatus:
             "policy_version": self.policy_version,
             "jobs": [job.to_json() for job in self.jobs],
         }
-
-
-def is_state_dir(path: Path) -> bool:
-    return (path / "jobs").is_dir()
 
 
 def collect_state_dir(state_dir: Path) -> StateDirStatus:

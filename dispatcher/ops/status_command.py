@@ -7,7 +7,8 @@ from pathlib import Path
 
 import orjson
 
-from dispatcher.ops import serve_status
+from dispatcher.commands import command_help
+from dispatcher.ops.runfiles import is_state_dir
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, collect_status, render_status
 from dispatcher.settings.args import positive_int
 
@@ -15,7 +16,7 @@ from dispatcher.settings.args import positive_int
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "status",
-        help="where a run stands: expected, succeeded, failed, left to run",
+        help=command_help("status"),
         description=(
             "Read a run's output files (without changing them) and report expected rollouts, "
             "successes, failures by class, what resume would run and why, coverage per agent "
@@ -41,16 +42,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run_status(args: argparse.Namespace) -> int:
-    if serve_status.is_state_dir(args.output):
-        jobs = serve_status.collect_state_dir(args.output)
-        if args.json:
-            print(orjson.dumps(jobs.to_json(), option=orjson.OPT_INDENT_2).decode())
-        else:
-            print(serve_status.render_state_dir(jobs), end="")
-        return int(jobs.exit_code)
+    if is_state_dir(args.output):
+        return _state_dir_status(args)
     status = collect_status(args.output, args.max_attempts)
     if args.json:
         print(orjson.dumps(status.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
         print(render_status(status), end="")
     return int(status.exit_code)
+
+
+def _state_dir_status(args: argparse.Namespace) -> int:
+    # Imported for a state directory only: it brings the service's job registry
+    # and job models, which `status` of a run (the common case) never reads.
+    from dispatcher.ops import serve_status
+
+    jobs = serve_status.collect_state_dir(args.output)
+    if args.json:
+        print(orjson.dumps(jobs.to_json(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(serve_status.render_state_dir(jobs), end="")
+    return int(jobs.exit_code)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from dispatcher.commands import command_help
 from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.files.contracts import RunManifest
@@ -221,7 +222,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     parser = subparsers.add_parser(
         "validate",
-        help="check a run's settings, task file and agents without running it",
+        help=command_help("validate"),
         description=(
             "Takes the flags of `dispatcher run`. Checks the settings, reads the whole task "
             "file, asks each agent replica once, and reads the earlier run's files; prints "

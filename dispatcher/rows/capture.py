@@ -9,6 +9,13 @@ agent's own keys and reward are never touched.
 A bad line costs only itself (``model_call_capture_records_unreadable`` with
 ``count=N``); everything that prevents a complete picture is a gap on the row,
 never an exception in the run loop.
+
+``dispatcher.trajectory`` is imported at the first row that has a trajectory
+(a capture directory, or an agent that sends its own): building its pydantic
+models (Gym's schema) was ~15 ms of every ``run`` and ``serve`` process's
+start-up, and most runs' rows carry none. An import is safe when a worker
+thread and the loop get there at once; a deferred model build
+(``defer_build``) is not, in every pydantic this package accepts.
 """
 
 from __future__ import annotations
@@ -25,8 +32,6 @@ from dispatcher.capture.records import CapturedCall, parse_record, token_fields
 from dispatcher.capture.store import capture_path, clear_rollouts, has_claims, incomplete_path
 from dispatcher.capture.tokens import TokenCounts
 from dispatcher.files.contracts import FAILURE_CLASS
-from dispatcher.trajectory.build import build_trajectory, compute_perf, gap, trajectory_task_id
-from dispatcher.trajectory.observations import observed_from
 
 JsonObject = dict[str, Any]
 
@@ -126,6 +131,8 @@ async def _wait_and_read(
 
 
 def _gaps(snapshot: _Snapshot, pending: bool) -> list[JsonObject]:
+    from dispatcher.trajectory.build import gap  # at first use: see the module docstring
+
     gaps = []
     if pending:
         gaps.append(gap(PENDING))
@@ -196,6 +203,8 @@ async def attach_capture(
     )
     trajectory = row.get("ng_trajectory")
     if observability and isinstance(trajectory, dict):
+        from dispatcher.trajectory.build import compute_perf  # imported by _attach_trajectory
+
         perf = compute_perf(trajectory, total_latency_ms=total_latency_ms)
         if perf is not None:
             row["ng_perf"] = perf
@@ -222,6 +231,10 @@ def _attach_trajectory(
     captured: tuple[Sequence[CapturedCall] | None, bool],
     gaps: list[JsonObject],
 ) -> None:
+    # At first use: see the module docstring.
+    from dispatcher.trajectory.build import build_trajectory, gap, trajectory_task_id
+    from dispatcher.trajectory.observations import observed_from
+
     result = agent_result or {}
     calls, include_payloads = captured
     try:

@@ -22,7 +22,7 @@ import signal
 import ssl
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import structlog
@@ -48,7 +48,9 @@ from dispatcher.telemetry.logs import flush_logs
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.progress import ProgressLine, progress_fields
 from dispatcher.telemetry.run_gauges import declare_run_gauges
-from dispatcher.telemetry.server import Routes, start_http_server
+
+if TYPE_CHECKING:
+    from dispatcher.telemetry.server import Routes
 
 log = structlog.get_logger("dispatcher.run")
 
@@ -375,6 +377,10 @@ class Daemon:
         listen = resolve_listen(self.settings.metrics_listen)
         if listen is None:
             return
+        # The HTTP server (aiohttp.web, ~25 ms of CPU to import) is loaded only when the
+        # process listens: a run with `--metrics-listen off` never needs it.
+        from dispatcher.telemetry.server import start_http_server
+
         host, port = listen
         try:
             runner, bound = await start_http_server(

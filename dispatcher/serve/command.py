@@ -18,6 +18,7 @@ from pathlib import Path
 
 import structlog
 
+from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.latency.window import LatencyWindow
 from dispatcher.run.daemon import Daemon, PolicyClock
@@ -47,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     parser = subparsers.add_parser(
         "serve",
-        help="a daemon for a whole training run: jobs over HTTP, rows streamed back",
+        help=command_help("serve"),
         description=(
             "Serves the jobs API (POST/GET/DELETE /v1/jobs, /v1/jobs/ID/results, /v1/policy), "
             "/metrics, /healthz and /status on --listen. Each job is a run of its own under "

@@ -34,6 +34,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from dispatcher.commands import command_help
 from dispatcher.files.contracts import NO_PERSIST
 from dispatcher.sim.model_client import agent_trajectory, call_model
 from dispatcher.tasks.keys import ATTEMPT_INDEX, TASK_INDEX, rollout_id_for
@@ -322,7 +323,7 @@ def reward_p(text: str) -> float | None:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("sim-agent", help="run a simulated agent server")
+    p = subparsers.add_parser("sim-agent", help=command_help("sim-agent"))
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--latency", choices=("fixed", "lognormal"), default="fixed")
     p.add_argument("--latency-s", type=float, default=0.0, help="fixed latency or lognormal median")

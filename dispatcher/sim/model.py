@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError
 from dispatcher.sim.dialects import EVENTS, RESPONSES, JsonObject, SimModelConfig
 from dispatcher.sim.model_client import DIALECT_PATHS, ModelCallError, call_model
@@ -166,7 +167,7 @@ async def _handle_stats(request: web.Request) -> web.Response:
 
 def add_parser(subparsers: Any) -> None:
     """Register ``sim-model --listen HOST:PORT [knobs]``."""
-    p = subparsers.add_parser("sim-model", help="run a simulated OpenAI-compatible model server")
+    p = subparsers.add_parser("sim-model", help=command_help("sim-model"))
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
     p.add_argument("--model", default="sim-model", help="model name used when a request has none")
     p.add_argument("--latency-ms", type=float, default=0.0, help="delay before each answer")

@@ -12,6 +12,7 @@ is logged (``metrics_listening``), recorded in the manifest
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -20,8 +21,6 @@ from typing import Any
 
 import orjson
 import structlog
-
-from dispatcher.telemetry.server import parse_listen
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +34,31 @@ def resolve_listen(value: str) -> tuple[str, int] | None:
     if value.strip().lower() == AUTO:
         return AUTO_HOST, 0
     return parse_listen(value)
+
+
+def parse_listen(value: str) -> tuple[str, int] | None:
+    """Parse `--metrics-listen`: "HOST:PORT" (IPv6 as "[::1]:PORT") or "off"."""
+    text = value.strip()
+    if text.lower() == "off":
+        return None
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text:
+        raise ValueError(f"expected HOST:PORT or 'off' for the metrics address, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        _check_ipv6(host, value)
+    elif ":" in host:
+        raise ValueError(f"put an IPv6 metrics address in brackets ([::1]:9464), got {value!r}")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"metrics port must be a number from 0 to 65535, got {value!r}")
+    return host, int(port_text)
+
+
+def _check_ipv6(host: str, value: str) -> None:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise ValueError(f"not an IPv6 address in the metrics address {value!r}") from None
 
 
 def sd_file_for(output: Path, sd_dir: Path | None) -> Path:

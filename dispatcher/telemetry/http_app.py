@@ -10,7 +10,7 @@ import sys
 from aiohttp import web
 
 from dispatcher.errors import ConfigError
-from dispatcher.telemetry.server import parse_listen
+from dispatcher.telemetry.discovery import parse_listen
 
 
 def listen_address(value: str) -> tuple[str, int]:

@@ -7,7 +7,6 @@ a sign the loop is blocked.
 
 from __future__ import annotations
 
-import ipaddress
 import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,31 +25,6 @@ StatusFn = Callable[[], Mapping[str, Any]]
 HealthFn = Callable[[], bool]
 # Adds more routes to the application (service mode's jobs API).
 Routes = Callable[[web.Application], None]
-
-
-def parse_listen(value: str) -> tuple[str, int] | None:
-    """Parse `--metrics-listen`: "HOST:PORT" (IPv6 as "[::1]:PORT") or "off"."""
-    text = value.strip()
-    if text.lower() == "off":
-        return None
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text:
-        raise ValueError(f"expected HOST:PORT or 'off' for the metrics address, got {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        _check_ipv6(host, value)
-    elif ":" in host:
-        raise ValueError(f"put an IPv6 metrics address in brackets ([::1]:9464), got {value!r}")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"metrics port must be a number from 0 to 65535, got {value!r}")
-    return host, int(port_text)
-
-
-def _check_ipv6(host: str, value: str) -> None:
-    try:
-        ipaddress.IPv6Address(host)
-    except ValueError:
-        raise ValueError(f"not an IPv6 address in the metrics address {value!r}") from None
 
 
 def build_app(
