@@ -136,7 +136,7 @@ class AgentClient:
     ) -> None:
         self._session = session
         self._policy = policy
-        self._exchange = ExchangeLimits(
+        self._exchange = ExchangeLimits.of(
             policy.rollout_timeout_s, policy.first_byte_timeout_s, policy.limits
         )
         self._observer = observer
@@ -343,7 +343,7 @@ class AgentClient:
         started_at, t0 = time.time(), time.perf_counter()
         try:
             status, raw, missed, failure = await post_run(
-                self._session, replica.url, replica.run_url, data, self._exchange
+                self._session, replica.url, replica.run_target, data, self._exchange
             )
         except BaseException:
             breaker.on_abandoned()
