@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,12 +38,14 @@ JsonObject = dict[str, Any]
 
 SUFFIX = "_aggregate_metrics.json"
 # What Gym's collector leaves out before sending rows to /aggregate_metrics.
-_HEAVY_KEYS = (
-    "response",
-    "responses_create_params",
-    "ng_agent_observations",
-    "ng_model_call_capture",
-    "ng_trajectory",
+_HEAVY_KEYS = frozenset(
+    {
+        "response",
+        "responses_create_params",
+        "ng_agent_observations",
+        "ng_model_call_capture",
+        "ng_trajectory",
+    }
 )
 
 
@@ -147,8 +150,10 @@ def _parsed(answer: bytes) -> JsonObject | None:
 def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
     """A row without payloads (keeping the response's usage and incomplete_details)
     and without outsized values, serialized."""
+    # Every row of a run has the same keys: each one's JSON is encoded once. A
+    # kept value is joined from the row's own bytes, without a copy first.
     parts = [
-        orjson.dumps(key) + b":" + bytes(raw)
+        _member(key) + raw
         for key, raw in row.items()
         if key not in _HEAVY_KEYS and len(raw) <= MAX_VALUE_BYTES
     ]
@@ -156,6 +161,12 @@ def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
     if response:
         parts.append(b'"response":' + orjson.dumps(response))
     return b"{" + b",".join(parts) + b"}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _member(key: str) -> bytes:
+    """``"key":``, as JSON."""
+    return orjson.dumps(key) + b":"
 
 
 def _response_kept(raw: msgspec.Raw | None) -> dict[str, Any] | None:
