@@ -231,8 +231,11 @@ class AgentClient:
         body: dict[str, Any],
         rollout_id: str,
         progress: Sending | None = None,
+        data: bytes | None = None,
     ) -> Attempt:
         """Deliver one rollout; retries not-delivered tries until the delivery deadline.
+
+        ``data`` is ``body`` already encoded, when the caller has it.
 
         ``progress.sending`` is true only while a request is at a replica: a
         rollout waiting for a backoff or a replica runs nowhere, and shutdown
@@ -240,7 +243,8 @@ class AgentClient:
         """
         progress = progress or Sending()
         replicas = self.replica_sets[agent]
-        data = jsonx.dumps(body)  # once: every try sends the same bytes
+        if data is None:
+            data = jsonx.dumps(body)  # once: every try sends the same bytes
         deadline = _Deadline(self._clock() + self._policy.deadline_s)
         last: Replica | None = None
         retry = 0

@@ -133,7 +133,7 @@ class Flight:
         """The agent's answer, with a place in the commit queue."""
         rollout, parts = self.rollout, self._parts
         attempt = await parts.agents.run(
-            rollout.agent, rollout.body, rollout.rollout_id, self.delivery
+            rollout.agent, rollout.body, rollout.rollout_id, self.delivery, rollout.wire
         )
         # Backpressure: past the queue's bounds the rollout keeps its agent
         # slots, so no new rollout starts until rows are written.
