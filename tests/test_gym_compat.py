@@ -225,3 +225,18 @@ def test_aggregate_rows_leave_out_outsized_values_and_stream_without_holding_the
     assert sent[0]["response"] == {"usage": {"input_tokens": 3}}
     # A few rows' worth at a time, never the file (the old way held it all, parsed).
     assert peak < output.stat().st_size / 4, (peak, output.stat().st_size)
+
+
+def test_aggregate_spool_skips_the_last_replica_of_a_single_replica_agent(tmp_path: Path) -> None:
+    output = tmp_path / "x.jsonl"
+    rows = [
+        {"reward": 1.0, "agent_ref": {"name": name}, "_ng_dispatch": {"replica": f"http://{name}"}}
+        for name in ("one", "two")
+    ]
+    output.write_bytes(b"".join(json.dumps(row).encode() + b"\n" for row in rows))
+    with contextlib.ExitStack() as spools:
+        grouped = spool_by_agent(output, spools, single_replica={"one"})
+        sent = json.loads(b"".join(grouped["one"].body_chunks()))["verify_responses"]
+    assert grouped["one"].last_replica is None  # one replica: nothing to order
+    assert grouped["two"].last_replica == "http://two"
+    assert sent == [rows[0]]

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+from dispatcher import jsonx
 from dispatcher.errors import ConfigError
 from dispatcher.tasks.materialize import (
     MaterializeResult,
@@ -224,6 +225,20 @@ def test_rollout_from_materialized_row() -> None:
     assert retry.body["_ng_attempt_index"] == 2
     assert retry.agent == "a"
     assert "_ng_attempt_index" not in materialized
+
+
+def test_a_first_attempt_is_sent_as_its_materialized_line(tmp_path: Path) -> None:
+    """The line's own bytes go to the agent: the same bytes encoding the body gives."""
+    values = {"f": 0.1, "e": 1e16, "u": 'héllo \u2028 \\ "q"', "big": 2**70, "n": [None, True]}
+    tasks = write_lines(tmp_path / "tasks.jsonl", [jsonx.dumps(row(**values)).decode()])
+    out = tmp_path / "materialized.jsonl"
+    materialize(spec_for(tasks), out)
+    line = out.read_bytes()
+    first = Rollout.from_materialized(jsonx.loads(line), 0, None, line)
+    assert first.wire == jsonx.dumps(first.body)
+    # A retry or a captured attempt carries more keys: its body is encoded.
+    assert Rollout.from_materialized(jsonx.loads(line), 1, None, line).wire is None
+    assert Rollout.from_materialized(jsonx.loads(line), 0, "t0k3n", line).wire is None
 
 
 def test_own_rollout_id_is_kept_verbatim(tmp_path: Path) -> None:

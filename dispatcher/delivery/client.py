@@ -136,7 +136,7 @@ class AgentClient:
     ) -> None:
         self._session = session
         self._policy = policy
-        self._exchange = ExchangeLimits(
+        self._exchange = ExchangeLimits.of(
             policy.rollout_timeout_s, policy.first_byte_timeout_s, policy.limits
         )
         self._observer = observer
@@ -231,8 +231,11 @@ class AgentClient:
         body: dict[str, Any],
         rollout_id: str,
         progress: Sending | None = None,
+        data: bytes | None = None,
     ) -> Attempt:
         """Deliver one rollout; retries not-delivered tries until the delivery deadline.
+
+        ``data`` is ``body`` already encoded, when the caller has it.
 
         ``progress.sending`` is true only while a request is at a replica: a
         rollout waiting for a backoff or a replica runs nowhere, and shutdown
@@ -240,7 +243,8 @@ class AgentClient:
         """
         progress = progress or Sending()
         replicas = self.replica_sets[agent]
-        data = jsonx.dumps(body)  # once: every try sends the same bytes
+        if data is None:
+            data = jsonx.dumps(body)  # once: every try sends the same bytes
         deadline = _Deadline(self._clock() + self._policy.deadline_s)
         last: Replica | None = None
         retry = 0
@@ -343,7 +347,7 @@ class AgentClient:
         started_at, t0 = time.time(), time.perf_counter()
         try:
             status, raw, missed, failure = await post_run(
-                self._session, replica.url, replica.run_url, data, self._exchange
+                self._session, replica.url, replica.run_target, data, self._exchange
             )
         except BaseException:
             breaker.on_abandoned()

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from dispatcher.delivery.answers import Failure, NotDelivered, body_excerpt
+from dispatcher.delivery.deadlines import Deadlines
 from dispatcher.delivery.faults import as_local_fault
 from dispatcher.delivery.limits import BodyLimitError, ResponseLimits, read_capped
 from dispatcher.delivery.retry import parse_retry_after
@@ -38,17 +40,29 @@ class ExchangeLimits:
     """The bounds of one exchange: the whole call, the status line, the body."""
 
     rollout_timeout_s: float | None
-    first_byte_timeout_s: float | None
+    # The first-byte timeout: every call's deadline on one shared timer.
+    first_byte: Deadlines | None
     body: ResponseLimits
+
+    @classmethod
+    def of(
+        cls, rollout_timeout_s: float | None, first_byte_s: float | None, body: ResponseLimits
+    ) -> ExchangeLimits:
+        first_byte = Deadlines(first_byte_s) if first_byte_s is not None else None
+        return cls(rollout_timeout_s, first_byte, body)
 
 
 async def post_run(
-    session: aiohttp.ClientSession, url: str, run_url: str, body: bytes, limits: ExchangeLimits
+    session: aiohttp.ClientSession,
+    url: str,
+    run_url: str | URL,
+    body: bytes,
+    limits: ExchangeLimits,
 ) -> Exchanged:
     """One HTTP exchange: (status, body, not delivered, failure of a delivered one)."""
     try:
         async with _timeout(limits.rollout_timeout_s):
-            resp = await _send(session, url, run_url, body, limits.first_byte_timeout_s)
+            resp = await _send(session, url, run_url, body, limits.first_byte)
             try:
                 raw, failure = await _read_body(resp, limits.body)
             finally:
@@ -71,13 +85,13 @@ async def post_run(
 async def _send(
     session: aiohttp.ClientSession,
     url: str,
-    run_url: str,
+    run_url: str | URL,
     body: bytes,
-    first_byte_s: float | None,
+    first_byte: Deadlines | None,
 ) -> aiohttp.ClientResponse:
     """POST and wait for the status line; every way of getting none is not delivered."""
     try:
-        async with _timeout(first_byte_s):
+        async with _NO_TIMEOUT if first_byte is None else first_byte.scope():
             return await session.post(
                 run_url,
                 data=body,
@@ -91,6 +105,7 @@ async def _send(
     # The rollout timeout expiring meanwhile arrives as a CancelledError
     # (not caught here) and becomes a TimeoutError in ``post_run``.
     except TimeoutError as exc:
+        first_byte_s = first_byte.seconds if first_byte is not None else None
         missed = _no_answer(url, RetryReason.FIRST_BYTE_TIMEOUT, exc, f"after {first_byte_s} s")
         raise _NotDeliveredError(missed) from exc
     except (aiohttp.ClientError, OSError) as exc:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
+from yarl import URL
+
 from dispatcher.delivery.adaptive import AimdController
 from dispatcher.urls import redact_url, replica_names
 
@@ -136,12 +138,15 @@ class Replica:
     # It answered 404/405 to ``POST /run``: a wrong URL, out of routing for good.
     no_run: bool = False
     run_url: str = field(init=False)
+    # ``run_url`` parsed once: aiohttp would parse the string again on every call.
+    run_target: URL = field(init=False)
     shown: InitVar[str | None] = None
 
     def __post_init__(self, shown: str | None) -> None:
         # Credentials stay in ``run_url`` only: ``url`` is what every view,
         # log, metric label and row shows, so it carries them masked.
         self.run_url = f"{self.url}/run"
+        self.run_target = URL(self.run_url)
         self.url = shown if shown is not None else redact_url(self.url)
 
     @property

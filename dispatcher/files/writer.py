@@ -214,12 +214,17 @@ class RowWriter:
         Returns the row's line number (from 1) when the writer keeps a
         ``LineIndex``, else None.
         """
+        return await self.submit(line)
+
+    def submit(self, line: bytes) -> asyncio.Future[int | None]:
+        """Queue ``line`` (``append_line`` without the wait): a future of its line number,
+        set once the line is durable. Raises ``OutputWriteError`` at once after a failure."""
         if self._error is not None:
             raise self._error
         future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         self._pending.append((line, future))
         self._wakeup.set()
-        return await future
+        return future
 
     async def close(self) -> None:
         """Write what is queued, then close."""

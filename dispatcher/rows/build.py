@@ -108,22 +108,30 @@ def _result_row(
     run_id: str | None,
 ) -> dict[str, Any]:
     identity = identity_keys(rollout, run_id)
-    kept = {k: v for k, v in result.items() if k not in reserved}
-    dropped = _forged_keys(result, reserved, {**identity, CAPTURE_ID: rollout.capture_id})
+    row = {k: v for k, v in result.items() if k not in reserved}
+    dropped = _forged_keys(result, reserved, identity, rollout.capture_id)
     if dropped:
         log.warning("agent_result_reserved_keys", rollout_id=rollout.rollout_id, keys=dropped)
-    return {**kept, **identity, DISPATCH_KEY: dispatch_stamp(rollout, attempt, dropped)}
+    row.update(identity)
+    row[DISPATCH_KEY] = dispatch_stamp(rollout, attempt, dropped)
+    return row
 
 
 def _forged_keys(
-    result: dict[str, Any], reserved: frozenset[str], ours: dict[str, Any]
+    result: dict[str, Any],
+    reserved: frozenset[str],
+    identity: dict[str, Any],
+    capture_id: str | None,
 ) -> list[str]:
     # An echo of the dispatcher's own value (or a null) is no attempt to set it.
-    return sorted(
-        key
-        for key in reserved.intersection(result)
-        if result[key] is not None and result[key] != ours.get(key)
-    )
+    forged = []
+    for key in reserved.intersection(result):
+        value = result[key]
+        ours = capture_id if key == CAPTURE_ID else identity.get(key)
+        if value is not None and value != ours:
+            forged.append(key)
+    forged.sort()
+    return forged
 
 
 def _agent_reported_row(

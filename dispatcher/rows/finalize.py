@@ -40,6 +40,14 @@ class Finalizer:
         # The run's id, on every row (contracts §15); set once the run's files are open.
         self.run_id: str | None = None
 
+    def pauses(self, attempt: Attempt) -> bool:
+        """Whether ``finalize`` awaits anything (capture, a worker) for this attempt;
+        otherwise it runs to its end without giving the loop a turn."""
+        return self.settings.capture_dir is not None or self._big(attempt)
+
+    def _big(self, attempt: Attempt) -> bool:
+        return attempt.body_bytes > self.settings.offload_bytes
+
     async def finalize(
         self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None = None
     ) -> tuple[bytes | None, dict[str, Any] | None, dict[str, Any]]:
@@ -55,7 +63,7 @@ class Finalizer:
             return None, None, {}
         if extra:
             row.update(extra)
-        big = attempt.body_bytes > self.settings.offload_bytes
+        big = self._big(attempt)
         if self.settings.capture_dir is not None:
             line, capture = await self._attach_capture(rollout, attempt, row, big)
         elif big:

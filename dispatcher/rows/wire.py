@@ -198,9 +198,14 @@ def _splittable(raw: bytes) -> bool:
 
 def row_line(row: Mapping[str, Any]) -> bytes:
     """The line appended for ``row``: one JSON object and its newline."""
-    if any(isinstance(value, msgspec.Raw) for value in row.values()):
-        return _joined_line(row)
-    return jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+    try:
+        # Most rows hold no kept value: try the plain encoder before looking.
+        return jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        # orjson refuses a ``msgspec.Raw`` at once, before it encodes what follows.
+        if not any(isinstance(value, msgspec.Raw) for value in row.values()):
+            raise
+    return _joined_line(row)
 
 
 def _joined_line(row: Mapping[str, Any]) -> bytes:

@@ -16,8 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import tempfile
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Container,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,12 +46,14 @@ JsonObject = dict[str, Any]
 
 SUFFIX = "_aggregate_metrics.json"
 # What Gym's collector leaves out before sending rows to /aggregate_metrics.
-_HEAVY_KEYS = (
-    "response",
-    "responses_create_params",
-    "ng_agent_observations",
-    "ng_model_call_capture",
-    "ng_trajectory",
+_HEAVY_KEYS = frozenset(
+    {
+        "response",
+        "responses_create_params",
+        "ng_agent_observations",
+        "ng_model_call_capture",
+        "ng_trajectory",
+    }
 )
 
 
@@ -69,11 +80,15 @@ class AgentRows:
     spool: BinaryIO
     rows: int = 0
     last_replica: str | None = None
+    # Off for an agent of one replica: there is no other to ask first, and
+    # decoding every row's stamp for it was a third of the pass.
+    track_replica: bool = True
 
     def add(self, row: Mapping[str, msgspec.Raw]) -> None:
         self.spool.write((b"," if self.rows else b"") + stripped(row))
         self.rows += 1
-        self.last_replica = _replica(row) or self.last_replica
+        if self.track_replica:
+            self.last_replica = _replica(row) or self.last_replica
 
     def body_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """The request body, a chunk at a time (blocking reads of the spool)."""
@@ -84,9 +99,12 @@ class AgentRows:
         yield b"]}"
 
 
-def spool_by_agent(output: Path, spools: contextlib.ExitStack) -> dict[str, AgentRows]:
+def spool_by_agent(
+    output: Path, spools: contextlib.ExitStack, single_replica: Container[str] = ()
+) -> dict[str, AgentRows]:
     """Each agent's success rows, stripped, spooled beside ``output`` to files
-    that ``spools`` closes (blocking: run it in a thread).
+    that ``spools`` closes (blocking: run it in a thread). The agents named in
+    ``single_replica`` get no ``last_replica``.
 
     One pass: rows are split at their top level without decoding the values,
     and only the kept, small values are copied, so memory stays flat however
@@ -102,7 +120,7 @@ def spool_by_agent(output: Path, spools: contextlib.ExitStack) -> dict[str, Agen
             if name not in agents:
                 spool = tempfile.TemporaryFile(dir=output.parent)  # noqa: SIM115 (spools closes it)
                 spools.enter_context(spool)
-                agents[name] = AgentRows(spool)
+                agents[name] = AgentRows(spool, track_replica=name not in single_replica)
             agents[name].add(row)
     return agents
 
@@ -147,8 +165,10 @@ def _parsed(answer: bytes) -> JsonObject | None:
 def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
     """A row without payloads (keeping the response's usage and incomplete_details)
     and without outsized values, serialized."""
+    # Every row of a run has the same keys: each one's JSON is encoded once. A
+    # kept value is joined from the row's own bytes, without a copy first.
     parts = [
-        orjson.dumps(key) + b":" + bytes(raw)
+        _member(key) + raw
         for key, raw in row.items()
         if key not in _HEAVY_KEYS and len(raw) <= MAX_VALUE_BYTES
     ]
@@ -156,6 +176,12 @@ def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
     if response:
         parts.append(b'"response":' + orjson.dumps(response))
     return b"{" + b",".join(parts) + b"}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _member(key: str) -> bytes:
+    """``"key":``, as JSON."""
+    return orjson.dumps(key) + b":"
 
 
 def _response_kept(raw: msgspec.Raw | None) -> dict[str, Any] | None:
@@ -179,7 +205,8 @@ async def write_aggregate_metrics(
     entries: list[JsonObject] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
     with contextlib.ExitStack() as spools:
-        grouped = await asyncio.to_thread(spool_by_agent, output, spools)
+        single = {name for name, urls in agents.items() if len(urls) <= 1}
+        grouped = await asyncio.to_thread(spool_by_agent, output, spools, single)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for name, found in sorted(grouped.items()):
                 urls = _replicas_to_ask(agents.get(name) or (), found.last_replica)

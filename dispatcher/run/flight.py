@@ -11,7 +11,9 @@ whose result is a ``Landing``, which its job alone records:
    stalls or rows are huge) and frees its agent slots;
 3. committing: the ``Finalizer`` builds its line and ``write`` appends it.
    The commit is shielded: a cancel that arrives meanwhile waits for it to
-   end, so a written row is always counted.
+   end, so a written row is always counted. A plain row is built without a
+   pause, so only its write can meet a cancel and only the write is
+   shielded: the commit runs in the flight's own task, not in one more.
 
 A fault of our own at any step puts the rollout back (a ``Landing`` with a
 ``fault``) instead of writing a row. The flight knows its job only through
@@ -24,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -37,6 +39,8 @@ from dispatcher.rows.finalize import Finalizer
 from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger("dispatcher.run")
+
+T = TypeVar("T")
 
 # Keys every row carries in service mode (contracts §12).
 POLICY_VERSION_START = "_ng_policy_version_start"
@@ -55,8 +59,9 @@ class FlightParts:
     agents: AgentClient
     commit_queue: CommitQueue
     finalizer: Finalizer
-    # Appends an attempt's line to its file; the output's line number for a success.
-    write: Callable[[Outcome, bytes | None], Awaitable[int | None]]
+    # Queues an attempt's line for its file; resolves to the output's line number
+    # for a success once the line is durable.
+    write: Callable[[Outcome, bytes], Awaitable[int | None]]
     policy_version: Callable[[], int | None]
     # Told once, when the rollout's agent slots are freed.
     left_agent: Callable[[Rollout], None]
@@ -108,12 +113,11 @@ class Flight:
             return Landing(Outcome.CANCELLED, self.elapsed_s(), error=exc)
         finally:
             self.leave_agent()
-        commit = asyncio.ensure_future(self._commit(attempt, version_start))
         try:
-            return await asyncio.shield(commit)
-        except asyncio.CancelledError:
-            # The row may be on its way to disk: it must be counted, not lost.
-            return await commit
+            if self._parts.finalizer.pauses(attempt):
+                # Its row is built across awaits (capture, a worker): shield all of it.
+                return await _to_the_end(self._commit(attempt, version_start))
+            return await self._commit(attempt, version_start)
         finally:
             self._parts.commit_queue.leave(attempt.body_bytes)
 
@@ -129,7 +133,7 @@ class Flight:
         """The agent's answer, with a place in the commit queue."""
         rollout, parts = self.rollout, self._parts
         attempt = await parts.agents.run(
-            rollout.agent, rollout.body, rollout.rollout_id, self.delivery
+            rollout.agent, rollout.body, rollout.rollout_id, self.delivery, rollout.wire
         )
         # Backpressure: past the queue's bounds the rollout keeps its agent
         # slots, so no new rollout starts until rows are written.
@@ -149,13 +153,23 @@ class Flight:
             log.error("answer_handling_failed", rollout_id=rollout.rollout_id, exc_info=exc)
             return Landing(Outcome.REQUEUED, attempt.duration_s, attempt, fault=fault)
         try:
-            seq = await parts.write(attempt.outcome, line)
+            seq = None if line is None else await _to_the_end(parts.write(attempt.outcome, line))
         except OutputWriteError as exc:
             return Landing(Outcome.CANCELLED, attempt.duration_s, error=exc)
         except Exception as exc:
             error = DispatcherError(f"committing {rollout.rollout_id} failed: {exc!r}")
             return Landing(Outcome.CANCELLED, attempt.duration_s, error=error)
         return Landing(attempt.outcome, attempt.duration_s, attempt, row, capture, seq)
+
+
+async def _to_the_end(step: Awaitable[T]) -> T:
+    """Await ``step`` to its end, even when the flight is cancelled meanwhile."""
+    inner = asyncio.ensure_future(step)
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        # The row may be on its way to disk: it must be counted, not lost.
+        return await inner
 
 
 def _policy_keys(start: int | None, end: int | None) -> dict[str, Any]:

@@ -333,13 +333,11 @@ class Job:
 
     # ---- the parts flights use -----------------------------------------------------
 
-    async def _write(self, outcome: Outcome, line: bytes | None) -> int | None:
-        """Append an attempt's line to its file; the output's line number for a success."""
-        if line is None:
-            return None
+    def _write(self, outcome: Outcome, line: bytes) -> asyncio.Future[int | None]:
+        """Queue an attempt's line for its file; the output's line number for a success."""
         output, failures = self.writers
         writer = output if outcome is Outcome.SUCCESS else failures
-        return await writer.append_line(line)
+        return writer.submit(line)
 
     def requeue(self, rollout: Rollout, fault: LocalFault, duration_s: float) -> None:
         """Put a rollout back after our own fault: no row, no attempt spent, a smaller pool."""

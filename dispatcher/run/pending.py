@@ -131,9 +131,8 @@ def _read_at(
         f.seek(offset)
         line = f.readline()
         key = materialized_key(line)
-        batch.append(
-            Rollout.from_materialized(jsonx.loads(line), state.attempt_index(key), capture_token)
-        )
+        attempt = state.attempt_index(key)
+        batch.append(Rollout.from_materialized(jsonx.loads(line), attempt, capture_token, line))
     return batch
 
 
@@ -157,7 +156,8 @@ def _read_batch(
         if state.is_final(key) or (skip and at in skip):
             continue
         row = jsonx.loads(line)
-        batch.append(Rollout.from_materialized(row, state.attempt_index(key), capture_token))
+        attempt = state.attempt_index(key)
+        batch.append(Rollout.from_materialized(row, attempt, capture_token, line))
         if len(batch) >= READ_BATCH_ROWS:
             break
     return batch

@@ -18,7 +18,7 @@ import itertools
 import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -76,6 +76,9 @@ class Rollout:
     agent: str
     body: dict[str, Any]
     capture_id: str | None = None
+    # ``body`` as JSON when it is its materialized line unchanged (the line's own
+    # bytes: not encoded again for the agent); None when it must be encoded.
+    wire: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> int:
@@ -83,8 +86,13 @@ class Rollout:
 
     @classmethod
     def from_materialized(
-        cls, row: dict[str, Any], attempt_index: int, capture_token: str | None = None
+        cls,
+        row: dict[str, Any],
+        attempt_index: int,
+        capture_token: str | None = None,
+        line: bytes | None = None,
     ) -> Rollout:
+        """The rollout of a materialized row (``line``: the bytes it was decoded from)."""
         body = dict(row)
         if attempt_index > 0:
             body[ATTEMPT_INDEX] = attempt_index
@@ -92,6 +100,7 @@ class Rollout:
         capture_id = None if capture_token is None else f"{rollout_id}.{capture_token}"
         if capture_id is not None:
             body[CAPTURE_ID] = capture_id
+        unchanged = line is not None and attempt_index == 0 and capture_id is None
         return cls(
             task_index=row[TASK_INDEX],
             rollout_index=row[ROLLOUT_INDEX],
@@ -100,6 +109,7 @@ class Rollout:
             agent=row[AGENT_REF]["name"],
             body=body,
             capture_id=capture_id,
+            wire=line.rstrip(b"\r\n") if unchanged and line is not None else None,
         )
 
 
