@@ -19,6 +19,7 @@ from aiohttp import web
 from dispatcher.run.one_job import Dispatcher
 from dispatcher.settings.config import load_settings
 from dispatcher.telemetry.http_app import start_site
+from tests.cli_fork import can_fork, start_forked
 
 
 async def wait_until(
@@ -117,7 +118,14 @@ async def start_cli(
     preexec_fn: Callable[[], None] | None = None,
     cwd: Path | None = None,
 ) -> asyncio.subprocess.Process:
-    """Start ``dispatcher ARGS`` as a subprocess (the test's loop keeps serving meanwhile)."""
+    """Start ``dispatcher ARGS`` as a subprocess (the test's loop keeps serving meanwhile).
+
+    It is forked from a warm interpreter that has the CLI imported (``tests/cli_fork.py``)
+    unless the run needs a new one.
+    """
+    full_env = cli_env(env)
+    if can_fork(full_env, preexec_fn):
+        return await start_forked(list(args), full_env, cwd)  # type: ignore[return-value]
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -125,7 +133,7 @@ async def start_cli(
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=cli_env(env),
+        env=full_env,
         preexec_fn=preexec_fn,
         cwd=cwd,
     )
