@@ -421,3 +421,17 @@ async def test_a_batch_of_big_rows_is_appended_whole(tmp_path: Path) -> None:
     await writer.close()
     assert (tmp_path / "x.jsonl").read_bytes() == b"".join(lines)
     assert writer.rows_written == 5
+
+
+async def test_a_batch_that_reaches_its_bytes_is_committed_without_waiting_out_the_window(
+    tmp_path: Path,
+) -> None:
+    # Big rows: the commit queue's byte bound lets few more in while the window
+    # waits, so a batch of max_bytes goes at once (a 10-minute window would time out).
+    writer = store.RowWriter(tmp_path / "x.jsonl", "batch", interval_s=600, max_bytes=1000)
+    writer.open()
+    first = writer.submit(b'{"n":1}\n')
+    big = writer.submit(b'{"x":"%s"}\n' % (b"y" * 1000))
+    assert await asyncio.wait_for(asyncio.gather(first, big), 30) == [None, None]
+    await writer.close()
+    assert writer.rows_written == 2

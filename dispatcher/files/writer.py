@@ -163,7 +163,7 @@ class RowWriter:
 
     ``append`` returns once the row is on disk by the fsync policy:
     ``always`` fsyncs each batch as soon as the previous one is done,
-    ``batch`` gathers rows for up to ``interval_s`` or ``max_rows`` first,
+    ``batch`` gathers rows for up to ``interval_s``, ``max_rows`` or ``max_bytes`` first,
     ``never`` writes without fsync. Writes and fsyncs run in a thread.
     """
 
@@ -174,6 +174,7 @@ class RowWriter:
         *,
         interval_s: float = 0.05,
         max_rows: int = 256,
+        max_bytes: int = 4 << 20,
         on_error: Callable[[OutputWriteError], None] | None = None,
         index: LineIndex | None = None,
     ) -> None:
@@ -181,6 +182,11 @@ class RowWriter:
         self._policy = policy
         self._interval_s = interval_s if policy == "batch" else 0.0
         self._max_rows = max_rows
+        # Big rows: a batch this size gains nothing by waiting (its write and fsync
+        # outweigh one more fsync), and the commit queue's byte bound would let
+        # few more rows in meanwhile: the window only held them up.
+        self._max_bytes = max_bytes
+        self._pending_bytes = 0
         self._on_error = on_error
         self.index = index
         self._fd: int | None = None
@@ -223,6 +229,7 @@ class RowWriter:
             raise self._error
         future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         self._pending.append((line, future))
+        self._pending_bytes += len(line)
         self._wakeup.set()
         return future
 
@@ -265,13 +272,18 @@ class RowWriter:
                     await asyncio.to_thread(self._commit, batch)
                 except BaseException:
                     self._pending = batch + self._pending  # failed by _flush_loop
+                    self._pending_bytes += sum(len(line) for line, _ in batch)
                     raise
             if self._closing and not self._pending:
                 return
 
     async def _gather_window(self) -> None:
         deadline = asyncio.get_running_loop().time() + self._interval_s
-        while len(self._pending) < self._max_rows and not self._closing:
+        while (
+            len(self._pending) < self._max_rows
+            and self._pending_bytes < self._max_bytes
+            and not self._closing
+        ):
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return
@@ -281,6 +293,7 @@ class RowWriter:
 
     def _take_batch(self) -> list[tuple[bytes, asyncio.Future[int | None]]]:
         batch, self._pending = self._pending, []
+        self._pending_bytes = 0
         return batch
 
     def _commit(self, batch: list[tuple[bytes, asyncio.Future[int | None]]]) -> None:
