@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import os
 import sys
 import tempfile
 import time
@@ -129,7 +128,6 @@ def daemon(
         "--output", str(output), "--agent", f"sim={url}", "--concurrency", str(concurrency),
         "--log-format", "json", "--log-level", "warning", "--fresh",
         "--metrics-listen", "127.0.0.1:0", "--fsync", fsync,
-        *os.environ.get("BIGROWS_EXTRA", "").split(),
     ]  # fmt: skip
     result = run_child(args, work / f"{tag}.log")
     if result.returncode != 0:
