@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,19 +13,22 @@ from dispatcher.files.writer import LineIndex
 from dispatcher.serve import results
 
 
-def job_files(tmp_path: Path, rows: list[dict[str, Any]]) -> results.Source:
-    """A finished job of ``rows``, one group per row."""
+def job_files(tmp_path: Path, rows: list[dict[str, Any]], live: bool = False) -> results.Source:
+    """A finished job of ``rows``, one group per row: written by an earlier daemon, or
+    ``live``, by this one just now."""
     lines = [orjson.dumps(row) + b"\n" for row in rows]
     output = tmp_path / "rows.jsonl"
     output.write_bytes(b"".join(lines))
-    index = LineIndex()
-    index.add(0, [len(line) for line in lines])
     groups = [orjson.dumps({"task_index": n, "rows": [n + 1], "failures": 0}) + b"\n"
               for n in range(len(rows))]  # fmt: skip
     groups_path = tmp_path / "groups.jsonl"
     groups_path.write_bytes(b"".join(groups))
-    group_index = LineIndex()
-    group_index.add(0, [len(line) for line in groups])
+    if live:
+        index, group_index = LineIndex(), LineIndex()
+        index.add(0, [len(line) for line in lines])
+        group_index.add(0, [len(line) for line in groups])
+    else:
+        index, group_index = LineIndex.scan(output), LineIndex.scan(groups_path)
     return results.Source(
         output, index, groups_path, group_index, lambda: "done", lambda task: None
     )
@@ -41,13 +44,13 @@ async def streamed(source: results.Source, group: bool) -> list[dict[str, Any]]:
 @pytest.fixture
 def thread_hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     hops: list[str] = []
-    real = asyncio.to_thread
 
-    async def counted(fn: Any, *args: Any) -> Any:
-        hops.append(getattr(fn, "func", fn).__name__)
-        return await real(fn, *args)
+    class Counted(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            hops.append(getattr(fn, "func", fn).__name__)
+            return super().submit(fn, *args, **kwargs)
 
-    monkeypatch.setattr(asyncio, "to_thread", counted)
+    monkeypatch.setattr(results, "_READERS", Counted(max_workers=1))
     return hops
 
 
@@ -75,3 +78,16 @@ async def test_big_rows_are_read_in_a_thread(
     assert [(row["_ng_seq"], row["n"], row["text"] == big) for row in rows] == [
         (1, 0, True), (2, 1, True), (3, 2, True)
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("group", [False, True])
+async def test_a_live_jobs_new_lines_are_read_on_the_loop_whatever_their_size(
+    tmp_path: Path, thread_hops: list[str], group: bool
+) -> None:
+    # Just written, so in the page cache: a thread hop would only wait for the GIL
+    # and the loop, which held group deliveries for hundreds of ms at 10,000 in flight.
+    big = "x" * (results.READ_ON_LOOP_BYTES + 1)
+    source = job_files(tmp_path, [{"text": big, "n": n} for n in range(3)], live=True)
+    items = await streamed(source, group)
+    assert thread_hops == []
+    assert len(items) == 4 and items[-1] == {"end": "done"}

@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -40,6 +42,14 @@ from dispatcher.serve.lines import EndLine, encode, read_group
 CHUNK_LINES = 64
 # Chunks up to this size are read on the loop, bigger ones in a thread.
 READ_ON_LOOP_BYTES = 64 * 1024
+# Streams' big reads have threads of their own: in the default executor they
+# queued behind the row writers' fsyncs, which held a group's delivery for
+# hundreds of ms at 10,000 in flight (bench/service.py).
+_READERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="stream-read")
+# Lines made durable this recently are read on the loop whatever their size: a
+# chunk is at most the stream's buffer (256 KiB by default) and these are in the
+# page cache, just written.
+HOT_S = 60.0
 # A stream wakes at least this often to check that its job is still running.
 IDLE_CHECK_S = 1.0
 
@@ -93,16 +103,18 @@ async def stream(
             if next_seq <= end:
                 last = _chunk_end(index, next_seq, end, chunk_bytes)
                 span = _span_bytes(index, next_seq, last)
+                # A live job's new lines: its rows were written moments ago.
+                hot = _written_lately(index, next_seq)
                 if group:
                     read_lines = functools.partial(groups.lines, index, next_seq, last)
                     plan = _GroupPlan(source, filtered, chunk_bytes)
-                    lines = await _read(read_lines, span)
+                    lines = await _read(read_lines, span, hot)
                     for pieces, born, size in plan.chunks(lines, next_seq):
                         fill = functools.partial(_groups_chunk, rows, source.rows, pieces, born)
-                        yield await _read(fill, size)
+                        yield await _read(fill, size, hot)
                 else:
                     read = functools.partial(_rows_chunk, rows, index, next_seq, last)
-                    yield await _read(read, span)
+                    yield await _read(read, span, hot)
                 next_seq = last + 1
                 continue
             if stop_at is not None:
@@ -118,12 +130,21 @@ async def stream(
             await index.grew.wait(IDLE_CHECK_S)
 
 
-async def _read(read: Callable[[], _T], size: int) -> _T:
-    """Small reads (``size`` bytes) are done here (page-cache reads of microseconds:
-    a thread hop would cost more than it saves); big ones in a thread."""
-    if size <= READ_ON_LOOP_BYTES:
+async def _read(read: Callable[[], _T], size: int, hot: bool) -> _T:
+    """Small reads (``size`` bytes) and reads of lines written lately (``hot``) are done
+    here: page-cache reads of microseconds, where a thread hop would cost more than it
+    saves (on a busy loop, a hop waits for the GIL and a turn of the loop, each way:
+    at 10,000 in flight, group deliveries waited hundreds of ms). Others, which may
+    go to the disk, in a thread."""
+    if hot or size <= READ_ON_LOOP_BYTES:
         return read()
-    return await asyncio.to_thread(read)
+    return await asyncio.get_running_loop().run_in_executor(_READERS, read)
+
+
+def _written_lately(index: LineIndex, seq: int) -> bool:
+    """Whether line ``seq`` was made durable by this process in the last HOT_S seconds."""
+    durable_at = index.durable_since(seq)
+    return durable_at is not None and time.monotonic() - durable_at < HOT_S
 
 
 def _chunk_end(index: LineIndex, first: int, end: int, chunk_bytes: int) -> int:
