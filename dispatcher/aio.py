@@ -60,8 +60,8 @@ def tune_gc() -> None:
     A generation-1 pass walks every object that outlived one young pass: all
     the rollouts in flight. At 10,000 in flight it took 483 ms and collected
     nothing (``bench/service.py --concurrency 10000 --latency-s 10``), once
-    every 50 young passes; it now comes once every 1,000 (about every ten
-    minutes at that load), which leaves cycles that outlive a young pass
+    every 50 young passes; it now comes once every 1,000 (twenty times more
+    rarely), which leaves cycles that outlive a young pass
     waiting longer to be freed, not uncollected.
     """
     gc.collect()
