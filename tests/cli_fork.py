@@ -115,6 +115,8 @@ class _Server:
         )
         assert self.proc.stdout is not None
         if self.proc.stdout.readline() != b"ready\n":
+            self.proc.kill()
+            self.proc.wait()
             raise RuntimeError("the warm CLI server did not start")
         atexit.register(self.close)
 
@@ -138,17 +140,32 @@ def _python_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def can_fork(env: Mapping[str, str], preexec_fn: object) -> bool:
-    """Whether a run with ``env`` can be a child of the warm server."""
+    """Whether a run with ``env`` can be a child of the warm server (started here at
+    its first use; where it cannot start, every run gets a new interpreter)."""
     if os.environ.get(ENABLE_ENV, "1") == "0" or preexec_fn is not None:
         return False
-    return _python_env(env) == _python_env(os.environ)  # what the server starts with
+    if _python_env(env) != _python_env(os.environ):  # what the server starts with
+        return False
+    return _started()
+
+
+_unavailable = False
+
+
+def _started() -> bool:
+    global _server, _unavailable
+    if _server is None and not _unavailable:
+        try:
+            _server = _Server()
+        except (OSError, RuntimeError, AttributeError) as exc:  # no pidfds, say
+            _unavailable = True
+            sys.stderr.write(f"the warm CLI server is unavailable, so new interpreters: {exc}\n")
+    return _server is not None
 
 
 async def start_forked(args: list[str], env: Mapping[str, str], cwd: Path | None) -> ForkedCli:
     """``python -m dispatcher ARGS`` as a child of the warm server, stdout and stderr piped."""
-    global _server
-    if _server is None:
-        _server = _Server()
+    assert _started() and _server is not None
     loop = asyncio.get_running_loop()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -192,6 +209,7 @@ def _preload() -> None:
 def _serve(path: str) -> tuple[dict[str, Any], list[int]]:
     """Fork a child per request until this process's stdin closes; in a child,
     return its request and its stdin, stdout and stderr."""
+    os.close(os.pidfd_open(os.getpid()))  # this kernel has pidfds, or no "ready"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
