@@ -165,7 +165,8 @@ def _started() -> bool:
 
 async def start_forked(args: list[str], env: Mapping[str, str], cwd: Path | None) -> ForkedCli:
     """``python -m dispatcher ARGS`` as a child of the warm server, stdout and stderr piped."""
-    assert _started() and _server is not None
+    if not _started() or _server is None:  # can_fork said yes: it has started
+        raise RuntimeError("the warm CLI server is not running")
     loop = asyncio.get_running_loop()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()

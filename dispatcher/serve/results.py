@@ -40,7 +40,8 @@ from dispatcher.serve.lines import EndLine, encode, read_group
 # bounded in bytes too, by the bytes of the rows it carries (the stream's
 # buffer bound; one row bigger than it goes alone).
 CHUNK_LINES = 64
-# Chunks up to this size are read on the loop, bigger ones in a thread.
+# Chunks up to this size are read on the loop, bigger ones in a thread unless
+# their lines were written lately (HOT_S).
 READ_ON_LOOP_BYTES = 64 * 1024
 # Streams' big reads have threads of their own: in the default executor they
 # queued behind the row writers' fsyncs, which held a group's delivery for
