@@ -45,9 +45,7 @@ async def _forked(*args: str, cwd: Path | None = None) -> tuple[int, str, str]:
         ["status", "nowhere.jsonl"],
     ],
 )
-async def test_output_and_exit_code_are_a_new_interpreters(
-    args: list[str], tmp_path: Path
-) -> None:
+async def test_output_and_exit_code_are_a_new_interpreters(args: list[str], tmp_path: Path) -> None:
     assert await _forked(*args, cwd=tmp_path) == await _fresh(*args, cwd=tmp_path)
 
 

@@ -83,7 +83,7 @@ async def test_a_startup_that_fails_half_way_releases_the_lock_session_and_write
     lock = RunLock(OutputPaths.for_output(tmp_path / "x.jsonl").lock)
     lock.acquire()  # not held any more
     lock.release()
-    assert dispatcher.daemon.agents._session.closed
+    assert dispatcher.daemon.agents._pool.closed
     assert all(w._flusher is None for w in dispatcher.job.writers)
     pending = {t.get_name() for t in asyncio.all_tasks()} - {asyncio.current_task().get_name()}  # type: ignore[union-attr]
     assert not [name for name in pending if name.startswith(("writer:", "ticker", "budget"))]

@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-import aiohttp
-
 from dispatcher import jsonx
 from dispatcher.aio import Wakeup
 from dispatcher.delivery.adaptive import AimdController, AimdPolicy, StartRateLimiter
@@ -46,6 +44,7 @@ from dispatcher.delivery.answers import (
     classify_response,
 )
 from dispatcher.delivery.exchange import ExchangeLimits, post_run
+from dispatcher.delivery.http1 import Http1Pool
 from dispatcher.delivery.limits import ResponseLimits
 from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.delivery.replicas import BreakerPolicy, Replica, ReplicaSet
@@ -127,14 +126,14 @@ class AgentClient:
     def __init__(
         self,
         agents: dict[str, list[str]],
-        session: aiohttp.ClientSession,
+        pool: Http1Pool,
         policy: DeliveryPolicy,
         observer: DeliveryObserver,
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        self._session = session
+        self._pool = pool
         self._policy = policy
         self._exchange = ExchangeLimits.of(
             policy.rollout_timeout_s, policy.first_byte_timeout_s, policy.limits
@@ -209,7 +208,7 @@ class AgentClient:
         breaker = replica.breaker
         replica.stats.probes += breaker.on_send()
         try:
-            answer = await probe_run(self._session, replica.run_url, timeout_s)
+            answer = await probe_run(self._pool, replica.run_target, timeout_s)
         except BaseException:
             breaker.on_abandoned()
             raise
@@ -347,7 +346,7 @@ class AgentClient:
         started_at, t0 = time.time(), time.perf_counter()
         try:
             status, raw, missed, failure = await post_run(
-                self._session, replica.url, replica.run_target, data, self._exchange
+                self._pool, replica.url, replica.run_target, data, self._exchange
             )
         except BaseException:
             breaker.on_abandoned()

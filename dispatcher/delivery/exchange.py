@@ -16,13 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-from yarl import URL
-
 from dispatcher.delivery.answers import Failure, NotDelivered, body_excerpt
 from dispatcher.delivery.deadlines import Deadlines
 from dispatcher.delivery.faults import as_local_fault
-from dispatcher.delivery.limits import BodyLimitError, ResponseLimits, read_capped
+from dispatcher.delivery.http1 import Connection, ConnectTimeout, Http1Pool, Target
+from dispatcher.delivery.limits import BodyLimitError, ResponseLimits
 from dispatcher.delivery.retry import parse_retry_after
 from dispatcher.delivery.statuses import RetryReason, not_delivered_reason
 from dispatcher.outcome import Outcome
@@ -31,8 +29,6 @@ Exchanged = tuple[int, bytes, NotDelivered | None, Failure | None]
 
 # No timeout configured: skip building a timeout scope for every call.
 _NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
-# One headers mapping for every call: aiohttp copies it into the request.
-_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,54 +49,42 @@ class ExchangeLimits:
 
 
 async def post_run(
-    session: aiohttp.ClientSession,
-    url: str,
-    run_url: str | URL,
-    body: bytes,
-    limits: ExchangeLimits,
+    pool: Http1Pool, url: str, target: Target, body: bytes, limits: ExchangeLimits
 ) -> Exchanged:
     """One HTTP exchange: (status, body, not delivered, failure of a delivered one)."""
+    conn: Connection | None = None
     try:
         async with _timeout(limits.rollout_timeout_s):
-            resp = await _send(session, url, run_url, body, limits.first_byte)
-            try:
-                raw, failure = await _read_body(resp, limits.body)
-            finally:
-                resp.release()
+            conn = await _send(pool, url, target, body, limits)
+            raw, failure = await _read_body(conn, limits.body)
     except _NotDeliveredError as exc:
         return 0, b"", exc.missed, None
     except TimeoutError as exc:
         message = f"no answer from {url} within {limits.rollout_timeout_s} s"
         return 0, b"", None, _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
-    except (aiohttp.ClientError, OSError) as exc:
+    except OSError as exc:
         _raise_if_local(exc)
         message = f"reading the answer of {url} failed: {exc}"
         return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
-    reason = not_delivered_reason(resp.status, raw)
+    finally:
+        if conn is not None:
+            pool.release(conn, target)
+    reason = not_delivered_reason(conn.status, raw)
     if reason is not None:
-        return resp.status, raw, _refused(reason, resp, raw), None
-    return resp.status, raw, None, failure
+        return conn.status, raw, _refused(reason, conn, raw), None
+    return conn.status, raw, None, failure
 
 
 async def _send(
-    session: aiohttp.ClientSession,
-    url: str,
-    run_url: str | URL,
-    body: bytes,
-    first_byte: Deadlines | None,
-) -> aiohttp.ClientResponse:
+    pool: Http1Pool, url: str, target: Target, body: bytes, limits: ExchangeLimits
+) -> Connection:
     """POST and wait for the status line; every way of getting none is not delivered."""
+    first_byte = limits.first_byte
     try:
         async with _NO_TIMEOUT if first_byte is None else first_byte.scope():
-            return await session.post(
-                run_url,
-                data=body,
-                headers=_JSON_HEADERS,
-                # A redirect would re-send the task to a host nobody configured.
-                allow_redirects=False,
-            )
-    # aiohttp's connect timeout is also a TimeoutError: test it first.
-    except aiohttp.ServerTimeoutError as exc:
+            return await pool.post(target, body, limits.body.max_bytes)
+    # A connect timeout is also a TimeoutError: test it first.
+    except ConnectTimeout as exc:
         raise _NotDeliveredError(_no_answer(url, RetryReason.CONNECT_TIMEOUT, exc)) from exc
     # The rollout timeout expiring meanwhile arrives as a CancelledError
     # (not caught here) and becomes a TimeoutError in ``post_run``.
@@ -108,28 +92,26 @@ async def _send(
         first_byte_s = first_byte.seconds if first_byte is not None else None
         missed = _no_answer(url, RetryReason.FIRST_BYTE_TIMEOUT, exc, f"after {first_byte_s} s")
         raise _NotDeliveredError(missed) from exc
-    except (aiohttp.ClientError, OSError) as exc:
+    except OSError as exc:
         _raise_if_local(exc)
         raise _NotDeliveredError(_no_answer(url, RetryReason.NO_ANSWER, exc)) from exc
 
 
-async def _read_body(
-    resp: aiohttp.ClientResponse, limits: ResponseLimits
-) -> tuple[bytes, Failure | None]:
+async def _read_body(conn: Connection, limits: ResponseLimits) -> tuple[bytes, Failure | None]:
     """The answer's body within the limits; a 2xx that breaks one is an ``agent_run_error``.
 
     An error status keeps its own class, judged on the part of the body read.
     """
     try:
-        return await read_capped(resp, limits), None
+        return await conn.body(limits.read_timeout_s), None
     except BodyLimitError as exc:
-        if not 200 <= resp.status < 300:
+        if not 200 <= conn.status < 300:
             return exc.partial, None
         failure = Failure(
             Outcome.AGENT_RUN_ERROR.value,
             exc.kind,
             str(exc),
-            http_status=resp.status,
+            http_status=conn.status,
             response_body=body_excerpt(exc.partial),
         )
         return exc.partial, failure
@@ -158,15 +140,15 @@ def _no_answer(
     return NotDelivered(reason, _failure(Outcome.AGENT_REQUEST_FAILED, exc, message))
 
 
-def _refused(reason: RetryReason, resp: aiohttp.ClientResponse, raw: bytes) -> NotDelivered:
+def _refused(reason: RetryReason, conn: Connection, raw: bytes) -> NotDelivered:
     failure = Failure(
         Outcome.AGENT_REQUEST_FAILED.value,
         "ClientResponseError",
-        f"agent answered HTTP {resp.status}",
-        http_status=resp.status,
+        f"agent answered HTTP {conn.status}",
+        http_status=conn.status,
         response_body=body_excerpt(raw),
     )
-    retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time())
+    retry_after = parse_retry_after(conn.header(b"retry-after"), time.time())
     return NotDelivered(reason, failure, retry_after)
 
 

@@ -14,8 +14,6 @@ import resource
 import time
 from collections.abc import Callable
 
-import aiohttp
-
 from dispatcher.errors import DispatcherError
 
 _LOCAL_ERRNOS = {
@@ -56,8 +54,6 @@ def as_local_fault(exc: BaseException) -> LocalFault | None:
 
 
 def _errno_of(exc: BaseException) -> int | None:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return exc.os_error.errno
     if isinstance(exc, OSError):
         return exc.errno
     cause = exc.__cause__ or exc.__context__

@@ -1,10 +1,10 @@
-"""Bounded reads of agent answers: a size cap (decompressed) and a deadline for the body.
+"""Bounds on agent answers: a size cap (decompressed) and a deadline for the body.
 
 An agent is a peer we do not control. Without a cap, an endless chunked body
 or a small gzip answer that inflates a thousandfold grows the dispatcher's
-memory until the OOM killer ends the run. aiohttp (3.10 and later) inflates a
-compressed body in bounded pieces as it is read, so counting the bytes read
-counts the decompressed size, and stopping there bounds memory at the cap.
+memory until the OOM killer ends the run. The agent client (``http1.py``)
+inflates a compressed body in bounded steps as it arrives and counts the
+inflated bytes, so stopping at the cap bounds memory there.
 
 The deadline covers the body only, from the status line to its last byte: an
 answer that trickles a byte at a time would otherwise hold a rollout slot
@@ -14,15 +14,8 @@ the whole call, body included).
 
 from __future__ import annotations
 
-import asyncio
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    # Annotations only: the settings read this module's defaults, and a run
-    # stopped by a bad setting need not load the HTTP client.
-    import aiohttp
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 600.0
@@ -51,52 +44,7 @@ class BodyLimitError(Exception):
         self.partial = partial
 
 
-async def read_capped(resp: aiohttp.ClientResponse, limits: ResponseLimits) -> bytes:
-    """The whole (decompressed) body; ``BodyLimitError`` once it is too large or too slow.
-
-    On a limit the connection is closed: the rest of the body is never read.
-    """
-    content = resp.content
-    if content.is_eof() and content.exception() is None:
-        # The whole answer came with its status line (most small answers do):
-        # nothing to wait for, so no deadline and no chunk loop to pay for.
-        body = content.read_nowait()
-        if len(body) > limits.max_bytes:
-            resp.close()
-            raise BodyLimitError("ResponseTooLarge", _too_large(limits.max_bytes), _prefix([body]))
-        return body
-    chunks: list[bytes] = []
-    deadline = asyncio.timeout(limits.read_timeout_s)
-    try:
-        async with deadline:
-            size = await _read_into(resp, limits.max_bytes, chunks)
-    except TimeoutError:
-        if not deadline.expired():
-            raise  # another deadline's (the rollout timeout's), not ours
-        resp.close()
-        message = f"the answer's body did not arrive within {limits.read_timeout_s} s"
-        raise BodyLimitError("ResponseReadTimeout", message, _prefix(chunks)) from None
-    except BodyLimitError:
-        resp.close()
-        raise
-    if size < JOIN_OFF_LOOP_BYTES:
-        return b"".join(chunks)
-    return await asyncio.to_thread(b"".join, chunks)
-
-
-async def _read_into(resp: aiohttp.ClientResponse, max_bytes: int, chunks: list[bytes]) -> int:
-    """Append the body's chunks to ``chunks``; returns its size."""
-    size = 0
-    async for chunk in resp.content.iter_any():
-        size += len(chunk)
-        if size > max_bytes:
-            chunks.append(chunk)
-            raise BodyLimitError("ResponseTooLarge", _too_large(max_bytes), _prefix(chunks))
-        chunks.append(chunk)
-    return size
-
-
-def _prefix(chunks: list[bytes]) -> bytes:
+def partial_prefix(chunks: list[bytes]) -> bytes:
     """The first ``PARTIAL_KEEP_BYTES`` read, without joining the whole body."""
     kept: list[bytes] = []
     size = 0
@@ -108,7 +56,7 @@ def _prefix(chunks: list[bytes]) -> bytes:
     return b"".join(kept)
 
 
-def _too_large(max_bytes: int) -> str:
+def too_large_message(max_bytes: int) -> str:
     return f"the answer is larger than --max-response-bytes ({max_bytes} bytes, decompressed)"
 
 

@@ -20,9 +20,9 @@ import asyncio
 from dataclasses import dataclass
 from enum import StrEnum
 
-import aiohttp
-
 from dispatcher.delivery.faults import as_local_fault
+from dispatcher.delivery.http1 import Connection, Http1Pool, Target
+from dispatcher.delivery.limits import BodyLimitError
 from dispatcher.delivery.statuses import BODY_EXCERPT_BYTES, NO_RUN_STATUSES, not_delivered_reason
 
 PROBE_BODY = b"{}"
@@ -45,23 +45,22 @@ class ProbeAnswer:
     status: int | None = None
 
 
-async def probe_run(session: aiohttp.ClientSession, run_url: str, timeout_s: float) -> ProbeAnswer:
-    """``POST {run_url}`` with ``{}`` within ``timeout_s``: what the answer says of the replica."""
+async def probe_run(pool: Http1Pool, target: Target, timeout_s: float) -> ProbeAnswer:
+    """``POST /run`` with ``{}`` within ``timeout_s``: what the answer says of the replica."""
+    conn: Connection | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.post(
-                run_url,
-                data=PROBE_BODY,
-                headers={"Content-Type": "application/json"},
-                allow_redirects=False,
-            ) as resp:
-                raw = await resp.content.read(BODY_EXCERPT_BYTES)
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            conn = await pool.post(target, PROBE_BODY, BODY_EXCERPT_BYTES)
+            raw = await _excerpt(conn)
+    except (OSError, TimeoutError) as exc:
         fault = as_local_fault(exc)
         if fault is not None:
             return ProbeAnswer(ProbeResult.LOCAL_FAULT, fault.message)
         return ProbeAnswer(ProbeResult.NO_ANSWER, str(exc) or type(exc).__name__)
-    status = resp.status
+    finally:
+        if conn is not None:
+            pool.release(conn, target)
+    status = conn.status
     if status in NO_RUN_STATUSES:
         result = ProbeResult.NO_RUN
     elif not_delivered_reason(status, raw) is not None:
@@ -69,3 +68,11 @@ async def probe_run(session: aiohttp.ClientSession, run_url: str, timeout_s: flo
     else:
         result = ProbeResult.REACHABLE
     return ProbeAnswer(result, f"HTTP {status}", status)
+
+
+async def _excerpt(conn: Connection) -> bytes:
+    """The body's first ``BODY_EXCERPT_BYTES``: all a probe's answer is judged on."""
+    try:
+        return await conn.body(None)
+    except BodyLimitError as exc:
+        return exc.partial

@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
-from yarl import URL
-
 from dispatcher.delivery.adaptive import AimdController
+from dispatcher.delivery.http1 import Target
 from dispatcher.urls import redact_url, replica_names
 
 Clock = Callable[[], float]
@@ -137,16 +136,14 @@ class Replica:
     controller: AimdController | None = None
     # It answered 404/405 to ``POST /run``: a wrong URL, out of routing for good.
     no_run: bool = False
-    run_url: str = field(init=False)
-    # ``run_url`` parsed once: aiohttp would parse the string again on every call.
-    run_target: URL = field(init=False)
+    # ``POST {url}/run`` with its request head built once (credentials and all).
+    run_target: Target = field(init=False)
     shown: InitVar[str | None] = None
 
     def __post_init__(self, shown: str | None) -> None:
-        # Credentials stay in ``run_url`` only: ``url`` is what every view,
+        # Credentials stay in ``run_target`` only: ``url`` is what every view,
         # log, metric label and row shows, so it carries them masked.
-        self.run_url = f"{self.url}/run"
-        self.run_target = URL(self.run_url)
+        self.run_target = Target.of(f"{self.url}/run")
         self.url = shown if shown is not None else redact_url(self.url)
 
     @property

@@ -20,9 +20,8 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from dispatcher.commands import command_help
+from dispatcher.delivery.http1 import Http1Pool, Target
 from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.files.contracts import RunManifest
@@ -174,10 +173,13 @@ async def probe_agents(agents: dict[str, list[str]], report: Report) -> None:
         for name, replicas in sorted(agents.items())
         for url, shown in zip(replicas, replica_names(replicas), strict=True)
     ]
-    async with aiohttp.ClientSession() as session:
+    pool = Http1Pool(connect_timeout_s=None)
+    try:
         answers = await asyncio.gather(
-            *(probe_run(session, f"{url}/run", PROBE_TIMEOUT_S) for _, url, _ in urls)
+            *(probe_run(pool, Target.of(f"{url}/run"), PROBE_TIMEOUT_S) for _, url, _ in urls)
         )
+    finally:
+        await pool.close()
     for (name, _, shown), answer in zip(urls, answers, strict=True):
         # Some errors quote the URL they were given, credentials and all.
         detail = redact_url(str(answer.detail))

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 import structlog
 
 from dispatcher.admission.agent_load import AgentLoad
@@ -35,6 +34,7 @@ from dispatcher.aio import Wakeup, cancel_and_wait
 from dispatcher.delivery.adaptive import AimdPolicy
 from dispatcher.delivery.client import AgentClient, DeliveryPolicy
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, fd_limit
+from dispatcher.delivery.http1 import Http1Pool
 from dispatcher.delivery.limits import ResponseLimits
 from dispatcher.delivery.replicas import BreakerPolicy
 from dispatcher.delivery.retry import BackoffPolicy
@@ -164,15 +164,12 @@ class Daemon:
     async def start(self, status: StatusFn) -> None:
         """The session to the agents, the pool and the telemetry loops."""
         self.concurrency = self._usable_concurrency()
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.concurrency or 0),
-            # No total: the rollout timeout, when set, bounds a call. The
-            # connect timeout keeps a black-holed address from hanging one.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s),
-        )
-        self._stack.push_async_callback(session.close)
+        # The rollout timeout, when set, bounds a call. The connect timeout
+        # keeps a black-holed address from hanging one.
+        pool = Http1Pool(connect_timeout_s=self.settings.connect_timeout_s)
+        self._stack.push_async_callback(pool.close)
         self._agents = AgentClient(
-            self.settings.agents, session, delivery_policy(self.settings), self.load
+            self.settings.agents, pool, delivery_policy(self.settings), self.load
         )
         self.load.attach(self._agents)
         self._pool = RolloutPool(

@@ -1,0 +1,410 @@
+"""The agent calls' HTTP/1.1 client: ``POST /run`` to a known replica, thousands a second.
+
+aiohttp's client builds a request object, a headers multidict, a URL, a
+response object, a stream reader and a timer for every call: about six times
+the CPU that one POST to one known server needs (``bench/dispatch_overhead.py``
+prints both). This client keeps only what an agent call needs:
+
+- keep-alive connections per replica, the most recently used taken first;
+- each replica's request head built once (``Target``), with the Basic
+  credentials its URL carries, and TLS for an ``https`` replica;
+- the answer parsed by httptools (llhttp, the parser uvicorn uses): status,
+  headers, a Content-Length, chunked or read-until-close body, 1xx skipped;
+- a gzip or deflate answer inflated as it arrives, in bounded steps, so the
+  body cap (``ResponseLimits.max_bytes``) counts inflated bytes and memory
+  stays under it whatever the agent sends;
+- no redirects, no proxies from the environment, no cookies.
+
+Everything that is not an agent call (the service, the capture proxy, the
+trainer's client) uses aiohttp.
+
+Errors are ``OSError``s, as the socket's own are: ``Disconnected`` for an
+answer cut short or not HTTP, ``ConnectTimeout`` (a ``TimeoutError``) for a
+connection not made in time, and whatever ``connect`` raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ssl
+import zlib
+from dataclasses import dataclass
+from typing import cast
+
+import httptools
+from yarl import URL
+
+from dispatcher import __version__
+from dispatcher.delivery.limits import (
+    JOIN_OFF_LOOP_BYTES,
+    BodyLimitError,
+    partial_prefix,
+    too_large_message,
+)
+
+# Bodies up to this size go out in one write with their head: a copy is cheaper
+# than a second system call. Bigger ones are written as they are.
+_JOIN_BODY_BYTES = 64 * 1024
+# Content-Encodings inflated; wbits 47 reads a gzip or a zlib header.
+_INFLATED = frozenset({b"gzip", b"x-gzip", b"deflate"})
+_GZIP_OR_ZLIB = 47
+_RAW_DEFLATE = -zlib.MAX_WBITS
+
+
+class Disconnected(ConnectionError):
+    """The agent closed the connection, or sent what is not HTTP, before its answer was whole."""
+
+
+class ConnectTimeout(TimeoutError):
+    """No connection to the replica within the connect timeout."""
+
+
+class _AfterAnswer(Exception):
+    """Raised in a parser callback to stop at bytes that follow a whole answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a ``POST`` goes: host, port, TLS, and the request head up to its length."""
+
+    host: str
+    port: int
+    tls: bool
+    head: bytes
+    # ``scheme://host:port``: the key of its idle connections (a str caches its hash).
+    origin: str
+
+    @classmethod
+    def of(cls, url: str) -> Target:
+        """The target of ``url`` (``scheme://[user:password@]host[:port]/path``)."""
+        parsed = URL(url)
+        host = parsed.raw_host or ""
+        port = parsed.port or 0
+        shown = f"[{host}]" if ":" in host else host
+        lines = [
+            f"POST {parsed.raw_path or '/'} HTTP/1.1",
+            f"Host: {shown if parsed.is_default_port() else f'{shown}:{port}'}",
+            f"User-Agent: rollout-dispatcher/{__version__}",
+            "Accept: */*",
+            "Accept-Encoding: gzip, deflate",
+            "Content-Type: application/json",
+        ]
+        if parsed.user is not None:
+            secret = f"{parsed.user}:{parsed.password or ''}".encode()
+            lines.append(f"Authorization: Basic {base64.b64encode(secret).decode()}")
+        head = "\r\n".join([*lines, "Content-Length: "]).encode("latin-1")
+        origin = f"{parsed.scheme}://{shown}:{port}"
+        return cls(host, port, parsed.scheme == "https", head, origin)
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; during a call, its answer: ``status``, headers, body."""
+
+    def __init__(self, pool: Http1Pool) -> None:
+        self._pool = pool
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._head: asyncio.Future[None] | None = None
+        self._end: asyncio.Future[None] | None = None
+        self._reset(0)
+        self.closed = False
+
+    def _reset(self, max_bytes: int) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._max_bytes = max_bytes
+        self._inflate: _Inflater | None = None
+        self._until_close = False
+        self._interim = False
+        self._complete = False
+        # Read while the answer ends: llhttp forgets it once the callback returns.
+        self._keep_alive = False
+        self._error: BaseException | None = None
+
+    # ---- one call ------------------------------------------------------------------
+
+    async def send(self, head: bytes, body: bytes, max_bytes: int) -> None:
+        """Write the request; return once the answer's status line and headers are in."""
+        assert self._transport is not None
+        self._reset(max_bytes)
+        self._head = self._pool.loop.create_future()
+        length = b"%d\r\n\r\n" % len(body)
+        if len(body) <= _JOIN_BODY_BYTES:
+            self._transport.write(head + length + body)
+        else:
+            self._transport.write(head + length)
+            self._transport.write(body)
+        await self._head
+
+    def header(self, name: bytes) -> str | None:
+        """The answer's header ``name`` (lower case), or None."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value.decode("latin-1")
+        return None
+
+    async def body(self, read_timeout_s: float | None) -> bytes:
+        """The whole (inflated) body; ``BodyLimitError`` when too large or too slow."""
+        if not self._complete and self._error is None:
+            self._end = self._pool.loop.create_future()
+            deadline = asyncio.timeout(read_timeout_s)
+            try:
+                async with deadline:
+                    await self._end
+            except TimeoutError:
+                if not deadline.expired():
+                    raise  # another deadline's (the rollout timeout's), not ours
+                self.close()
+                message = f"the answer's body did not arrive within {read_timeout_s} s"
+                raise BodyLimitError("ResponseReadTimeout", message, self._prefix()) from None
+        if self._error is not None:
+            raise self._error
+        chunks, self._chunks = self._chunks, []
+        if self._size < JOIN_OFF_LOOP_BYTES:
+            return b"".join(chunks)
+        # bytes.join lets go of the GIL while it copies a big body: off the loop.
+        return await asyncio.to_thread(b"".join, chunks)
+
+    def reusable(self) -> bool:
+        """Was the answer read whole, on a connection the agent keeps alive?"""
+        return self._complete and self._error is None and not self.closed and self._keep_alive
+
+    def idle(self) -> None:
+        """Between calls: any byte that arrives now is a fault of the agent's."""
+        self._head = self._end = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+
+    # ---- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses: no isinstance.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head is None:
+            # Bytes nobody asked for: not a server to send another call to.
+            self.close()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self._complete:
+                self.close()  # bytes after a whole answer (on_message_begin): it stands
+            else:
+                self._fail(Disconnected(f"the agent's answer is not HTTP/1.1 ({exc})"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool.forget(self)
+        if self._head is None or self._complete:
+            return
+        if self._head.done() and self._until_close and exc is None:
+            self._finish()  # a body without a length ends when the connection does
+            return
+        where = "before its answer" if not self._head.done() else "before its answer's end"
+        self._fail(Disconnected(f"the agent closed the connection {where}"))
+
+    # ---- httptools callbacks ---------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            # A second answer to one request: never read as the next call's.
+            raise _AfterAnswer
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            # 100 Continue and the like come before the answer: skip them.
+            self._interim = True
+            self.headers = []
+            return
+        self.status = status
+        framed = False
+        for name, value in self.headers:
+            key = name.lower()
+            if key == b"content-encoding" and value.strip().lower() in _INFLATED:
+                self._inflate = _Inflater(value.strip().lower() == b"deflate")
+            elif key in (b"content-length", b"transfer-encoding"):
+                framed = True
+        self._until_close = not framed
+        _wake(self._head)
+
+    def on_body(self, chunk: bytes) -> None:
+        if self._error is not None:
+            return
+        if self._inflate is None:
+            self.take(chunk)
+            return
+        try:
+            self._inflate.feed(chunk, self)
+        except zlib.error as exc:
+            self._fail(Disconnected(f"the agent's answer does not inflate ({exc})"))
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._keep_alive = self._parser.should_keep_alive()
+        self._finish()
+
+    # ---- the body as it arrives ---------------------------------------------------
+
+    def room(self) -> int:
+        """Bytes the body may still grow by before it breaks the cap."""
+        return self._max_bytes - self._size
+
+    def take(self, chunk: bytes) -> None:
+        """Keep a piece of the (inflated) body; past the cap, the call fails."""
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if self._size > self._max_bytes:
+            error = BodyLimitError(
+                "ResponseTooLarge", too_large_message(self._max_bytes), self._prefix()
+            )
+            self._fail(error)
+
+    def _prefix(self) -> bytes:
+        return partial_prefix(self._chunks)
+
+    def _finish(self) -> None:
+        if self._inflate is not None and self._error is None:
+            self._inflate.flush(self)
+        self._complete = True
+        _wake(self._end)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._chunks = []
+        self.close()
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
+        _wake(self._end)
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+class _Inflater:
+    """A Content-Encoding undone in steps no bigger than the body's room under its cap."""
+
+    def __init__(self, deflate: bool) -> None:
+        self._zlib = zlib.decompressobj(_GZIP_OR_ZLIB)
+        # "deflate" is zlib-wrapped by the standard, raw by some servers: the
+        # first chunk tells which.
+        self._retry_raw = deflate
+
+    def feed(self, chunk: bytes, into: Connection) -> None:
+        try:
+            self._steps(chunk, into)
+        except zlib.error:
+            if not self._retry_raw:
+                raise
+            self._zlib = zlib.decompressobj(_RAW_DEFLATE)
+            self._steps(chunk, into)
+        self._retry_raw = False
+
+    def _steps(self, data: bytes, into: Connection) -> None:
+        while data and into.room() >= 0:
+            # max_length 0 means no bound: room + 1 is at least 1 here.
+            into.take(self._zlib.decompress(data, into.room() + 1))
+            data = self._zlib.unconsumed_tail
+
+    def flush(self, into: Connection) -> None:
+        rest = self._zlib.flush()
+        if rest:
+            into.take(rest)
+
+
+class Http1Pool:
+    """Keep-alive connections to the replicas, each reused by one call at a time.
+
+    ``post`` returns the connection holding the answer; ``release`` gives it
+    back (kept when its answer was read whole and the agent keeps it alive,
+    else closed). At most ``max_idle`` connections per replica wait idle.
+    """
+
+    def __init__(self, connect_timeout_s: float | None, max_idle: int = 1024) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle
+        self._idle: dict[str, list[Connection]] = {}
+        self._open: set[Connection] = set()
+        self._tls: ssl.SSLContext | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None
+        return self._loop
+
+    async def post(self, target: Target, body: bytes, max_bytes: int) -> Connection:
+        """``POST`` ``body``; the connection once the answer's status line is in."""
+        conn = self._reused(target) or await self._connect(target)
+        try:
+            await conn.send(target.head, body, max_bytes)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def release(self, conn: Connection, target: Target) -> None:
+        idle = self._idle.setdefault(target.origin, [])
+        if conn.reusable() and len(idle) < self.max_idle:
+            conn.idle()
+            idle.append(conn)
+        else:
+            conn.close()
+
+    def forget(self, conn: Connection) -> None:
+        self._open.discard(conn)
+
+    async def close(self) -> None:
+        """Close every connection, idle or in a call."""
+        self.closed = True
+        self._idle.clear()
+        for conn in list(self._open):
+            conn.close()
+        # Let the transports' close callbacks run before the loop goes.
+        await asyncio.sleep(0)
+
+    def _reused(self, target: Target) -> Connection | None:
+        idle = self._idle.get(target.origin)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self, target: Target) -> Connection:
+        loop = self._loop = asyncio.get_running_loop()
+        tls = self._tls_context() if target.tls else None
+        conn = Connection(self)
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.create_connection(lambda: conn, target.host, target.port, ssl=tls)
+        except TimeoutError:
+            conn.close()
+            raise ConnectTimeout(
+                f"no connection to {target.host}:{target.port} within {self.connect_timeout_s} s"
+            ) from None
+        self._open.add(conn)
+        return conn
+
+    def _tls_context(self) -> ssl.SSLContext:
+        # Made on first use: loading the system's CA store costs ~35 ms.
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls

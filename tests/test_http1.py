@@ -1,0 +1,370 @@
+"""The agent calls' HTTP/1.1 client (``delivery/http1.py``) against real servers on 127.0.0.1:
+keep-alive, framing, encodings, credentials, caps and agents that break HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import gzip
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool, Target
+from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError
+from tests.helpers import serve, wait_until
+
+MAX = 64 * 1024 * 1024
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[Http1Pool]:
+    pool = Http1Pool(connect_timeout_s=5.0)
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[str]]]:
+    """A TCP server that runs a script per connection: answers no HTTP library would send."""
+    servers: list[asyncio.Server] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def start(script: Script) -> str:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                await script(reader, writer)
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(server)
+        port = server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/run"
+
+    yield start
+    for server in servers:
+        server.close()
+    for writer in writers:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    for server in servers:
+        await server.wait_closed()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request off the wire: its head and its body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return head, await reader.readexactly(length)
+
+
+async def call(pool: Http1Pool, url: str, body: bytes = b"{}", max_bytes: int = MAX) -> bytes:
+    target = Target.of(url)
+    conn = await pool.post(target, body, max_bytes)
+    try:
+        return await conn.body(None)
+    finally:
+        pool.release(conn, target)
+
+
+async def counting_app() -> tuple[web.Application, list[Any]]:
+    """An agent that echoes the body and remembers which connection each call came on."""
+    peers: list[Any] = []
+
+    async def run(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.Response(body=await request.read())
+
+    app = web.Application()
+    app.router.add_post("/run", run)
+    return app, peers
+
+
+async def test_connections_are_kept_alive_and_reused(pool: Http1Pool) -> None:
+    app, peers = await counting_app()
+    runner, url = await serve(app)
+    try:
+        answers = [await call(pool, f"{url}/run", b'{"n":%d}' % i) for i in range(5)]
+    finally:
+        await runner.cleanup()
+    assert answers == [b'{"n":%d}' % i for i in range(5)]
+    assert len(set(peers)) == 1, "every call after the first reuses the first connection"
+
+
+async def test_concurrent_calls_each_get_a_connection_and_all_are_kept(pool: Http1Pool) -> None:
+    app, peers = await counting_app()
+    runner, url = await serve(app)
+    try:
+        await asyncio.gather(*(call(pool, f"{url}/run", b"%d" % i) for i in range(8)))
+        await asyncio.gather(*(call(pool, f"{url}/run", b"%d" % i) for i in range(8)))
+    finally:
+        await runner.cleanup()
+    assert len(peers) == 16
+    assert len(set(peers)) == 8
+
+
+async def test_an_answer_with_connection_close_is_not_reused(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    connections = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    url = await scripted(script)
+    assert [await call(pool, url) for _ in range(3)] == [b"ok"] * 3
+    assert connections == 3
+
+
+async def test_a_connection_the_agent_closed_while_idle_is_not_used_again(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    closed: list[asyncio.Event] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # a keep-alive answer, then the agent's idle timeout
+        closed.append(asyncio.Event())
+
+    url = await scripted(script)
+    target = Target.of(url)
+    first = await pool.post(target, b"{}", MAX)
+    assert await first.body(None) == b"ok"
+    pool.release(first, target)
+    await wait_until(lambda: first.closed)
+    assert await call(pool, url) == b"ok"
+    assert len(closed) == 2
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'3\r\n{"a\r\n5\r\n":1}\n\r\n0\r\n\r\n',
+        b'HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n{"a":1}\n',
+    ],
+    ids=["chunked", "after-100-continue"],
+)
+async def test_framings_an_agent_may_use(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]], answer: bytes
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(answer)
+
+    url = await scripted(script)
+    assert await call(pool, url) == b'{"a":1}\n'
+    assert await call(pool, url) == b'{"a":1}\n', "and the connection serves the next call"
+
+
+async def test_a_body_without_a_length_ends_with_the_connection(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100_000)
+        await writer.drain()
+        writer.close()
+
+    url = await scripted(script)
+    assert await call(pool, url) == b"x" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("encoding", "encode"),
+    [
+        ("gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("deflate", lambda data: zlib.compress(data)[2:-4]),  # raw deflate, as some servers send
+    ],
+    ids=["gzip", "deflate", "raw-deflate"],
+)
+async def test_an_encoded_answer_is_inflated(
+    pool: Http1Pool, encoding: str, encode: Callable[[bytes], bytes]
+) -> None:
+    body = b'{"text":"' + b"abc" * 50_000 + b'"}'
+
+    async def run(request: web.Request) -> web.Response:
+        assert "gzip" in request.headers["Accept-Encoding"]
+        return web.Response(body=encode(body), headers={"Content-Encoding": encoding})
+
+    app = web.Application()
+    app.router.add_post("/run", run)
+    runner, url = await serve(app)
+    try:
+        assert await call(pool, f"{url}/run") == body
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_cap_counts_inflated_bytes_and_stops_there(pool: Http1Pool) -> None:
+    bomb = gzip.compress(b"0" * 20_000_000)
+
+    async def run(request: web.Request) -> web.Response:
+        return web.Response(body=bomb, headers={"Content-Encoding": "gzip"})
+
+    app = web.Application()
+    app.router.add_post("/run", run)
+    runner, url = await serve(app)
+    try:
+        with pytest.raises(BodyLimitError) as caught:
+            await call(pool, f"{url}/run", max_bytes=1_000_000)
+    finally:
+        await runner.cleanup()
+    assert caught.value.kind == "ResponseTooLarge"
+    assert caught.value.partial == b"0" * 16 * 1024
+
+
+async def test_credentials_in_the_url_become_basic_auth_and_the_host_header_has_the_port(
+    pool: Http1Pool,
+) -> None:
+    seen: list[tuple[str, str, str]] = []
+
+    async def run(request: web.Request) -> web.Response:
+        auth = request.headers.get("Authorization", "")
+        seen.append((auth, request.headers["Host"], request.path))
+        return web.Response(text="{}")
+
+    app = web.Application()
+    app.router.add_post("/agent/run", run)
+    runner, url = await serve(app)
+    try:
+        with_secret = url.replace("http://", "http://user:s3cr%40t@")
+        await call(pool, f"{with_secret}/agent/run")
+    finally:
+        await runner.cleanup()
+    secret = base64.b64encode(b"user:s3cr@t").decode()
+    assert seen == [(f"Basic {secret}", url.removeprefix("http://"), "/agent/run")]
+
+
+@pytest.mark.parametrize(
+    ("reply", "where"),
+    [
+        (b"", "before its answer"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "not HTTP"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"a"', "before its answer's end"),
+    ],
+    ids=["closed", "not-http", "cut-short"],
+)
+async def test_an_agent_that_breaks_http_is_a_disconnected_error(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]], reply: bytes, where: str
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    url = await scripted(script)
+    with pytest.raises(Disconnected, match=where):
+        await call(pool, url)
+
+
+async def test_bytes_sent_between_calls_close_the_connection(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    connections = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale")
+        await reader.read()
+
+    url = await scripted(script)
+    target = Target.of(url)
+    conn = await pool.post(target, b"{}", MAX)
+    assert await conn.body(None) == b"ok"
+    pool.release(conn, target)
+    await wait_until(lambda: conn.closed)
+    assert await call(pool, url) == b"ok"
+    assert connections == 2
+
+
+@pytest.mark.parametrize("size", [1_000, JOIN_OFF_LOOP_BYTES + 1])
+async def test_a_big_body_is_joined_in_a_thread_a_small_one_on_the_loop(
+    pool: Http1Pool, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for start in range(0, size, 65_536):  # arrives in many pieces
+            await response.write(body[start : start + 65_536])
+        await response.write_eof()
+        return response
+
+    hops: list[Any] = []
+    real = asyncio.to_thread
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        hops.append(fn)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    app = web.Application()
+    app.router.add_post("/run", answer)
+    runner, url = await serve(app)
+    try:
+        read = await call(pool, f"{url}/run")
+    finally:
+        await runner.cleanup()
+    assert read == body
+    assert len(hops) == (size >= JOIN_OFF_LOOP_BYTES)
+
+
+@pytest.mark.parametrize(("size", "max_bytes"), [(3_000, 10_000), (3_000, 1_000)])
+async def test_an_answer_that_arrived_whole_is_read_at_once_and_still_capped(
+    pool: Http1Pool, monkeypatch: pytest.MonkeyPatch, size: int, max_bytes: int
+) -> None:
+    body = bytes(range(256)) * (size // 256) + b"y" * (size % 256)
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=body)
+
+    def no_deadline(*args: Any) -> Any:
+        raise AssertionError("a body already read needs no deadline")
+
+    app = web.Application()
+    app.router.add_post("/run", answer)
+    runner, url = await serve(app)
+    target = Target.of(f"{url}/run")
+    conn: Connection | None = None
+    try:
+        conn = await pool.post(target, b"{}", max_bytes)
+        await wait_until(lambda: conn is not None and (conn.reusable() or conn.closed))
+        monkeypatch.setattr(asyncio, "timeout", no_deadline)
+        if size <= max_bytes:
+            assert await conn.body(None) == body
+        else:
+            with pytest.raises(BodyLimitError) as caught:
+                await conn.body(None)
+            assert caught.value.kind == "ResponseTooLarge"
+            assert caught.value.partial == body[:1_000] or caught.value.partial == body
+    finally:
+        if conn is not None:
+            pool.release(conn, target)
+        await runner.cleanup()
