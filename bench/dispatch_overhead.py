@@ -3,6 +3,8 @@
 Each round, against the same zero-latency simulated agent (its own process):
   * the baseline: a bare aiohttp + uvloop client in its own process that keeps
     ``--concurrency`` ``POST /run`` in flight and appends each answer to a file;
+  * the same bare client on the dispatcher's own HTTP/1.1 client
+    (``delivery/http1.py``): the floor of what the dispatcher could reach;
   * ``dispatcher run`` end to end (materialize, dispatch, durable rows, a log
     event per rollout, metrics, the files of record);
   * with ``--telemetry-off``, the same without the metrics server and info logs.
@@ -54,11 +56,38 @@ async def bare_client(url: str, lines: list[bytes], out: Path, concurrency: int)
             return time.perf_counter() - started
 
 
-def bare_child(url: str, tasks: str, out: str, concurrency: str) -> int:
+async def own_client(url: str, lines: list[bytes], out: Path, concurrency: int) -> float:
+    """``bare_client`` on the dispatcher's own HTTP/1.1 client (``delivery/http1.py``):
+    what the HTTP calls alone cost the dispatcher, the rest of its work left out."""
+    from dispatcher.delivery.http1 import Http1Pool, Target
+
+    bodies = iter(lines)
+    pool = Http1Pool(connect_timeout_s=None)
+    target = Target.of(f"{url}/run")
+    with out.open("ab") as f:
+
+        async def worker() -> None:
+            for body in bodies:
+                conn = await pool.post(target, body, 1 << 26)
+                data = await conn.body(None)
+                pool.release(conn, target)
+                if conn.status != 200:
+                    raise SystemExit(f"the agent answered {conn.status}: {data[:200]!r}")
+                f.write(data + b"\n")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    await pool.close()
+    return seconds
+
+
+def bare_child(kind: str, url: str, tasks: str, out: str, concurrency: str) -> int:
     import uvloop
 
+    client = own_client if kind == "own" else bare_client
     lines = run_bodies(Path(tasks))
-    seconds = uvloop.run(bare_client(url, lines, Path(out), int(concurrency)))
+    seconds = uvloop.run(client(url, lines, Path(out), int(concurrency)))
     Path(out).with_suffix(".json").write_bytes(orjson.dumps({"dispatch_s": seconds}))
     return 0
 
@@ -67,9 +96,12 @@ def _figures(rows: int, dispatch_s: float, cpu_s: float, **extra: float) -> dict
     return {"rate": rows / dispatch_s, "cpu_ms": cpu_s / rows * 1000, **extra}
 
 
-def baseline(work: Path, tasks: Path, url: str, concurrency: int, tag: str) -> dict[str, float]:
+def baseline(
+    work: Path, tasks: Path, url: str, concurrency: int, tag: str, kind: str = "aiohttp"
+) -> dict[str, float]:
     out = work / f"{tag}.jsonl"
-    args = [sys.executable, __file__, "--bare-child", url, str(tasks), str(out), str(concurrency)]
+    args = [sys.executable, __file__, "--bare-child", kind, url, str(tasks), str(out)]
+    args.append(str(concurrency))
     result = run_child(args, work / f"{tag}.log")
     if result.returncode != 0:
         raise SystemExit(f"bare client failed ({result.returncode}): {result.stderr[-2000:]!r}")
@@ -125,7 +157,7 @@ def drained_rss(work: Path, rows: int, url: str) -> float:
 
 def main() -> int:
     if sys.argv[1:2] == ["--bare-child"]:
-        return bare_child(*sys.argv[2:6])
+        return bare_child(*sys.argv[2:7])
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rollouts", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -155,6 +187,9 @@ def main() -> int:
         for i in range(opts.repeat):
             this = {
                 "bare aiohttp+uvloop client": baseline(work, tasks, url, opts.concurrency, f"b{i}"),
+                "  the same on our HTTP client": baseline(
+                    work, tasks, url, opts.concurrency, f"o{i}", kind="own"
+                ),
                 "dispatcher run": daemon_run(work, tasks, url, opts.concurrency, True, f"on{i}"),
             }
             if opts.telemetry_off:
