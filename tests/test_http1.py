@@ -368,3 +368,18 @@ async def test_an_answer_that_arrived_whole_is_read_at_once_and_still_capped(
         if conn is not None:
             pool.release(conn, target)
         await runner.cleanup()
+
+
+async def test_headers_that_never_end_are_cut_at_the_head_limit(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        while True:
+            writer.write(b"X-Pad: " + b"y" * 1000 + b"\r\n")
+            await writer.drain()
+
+    url = await scripted(script)
+    with pytest.raises(Disconnected, match="without ending its headers"):
+        await call(pool, url)

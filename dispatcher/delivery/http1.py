@@ -50,6 +50,9 @@ _JOIN_BODY_BYTES = 64 * 1024
 _INFLATED = frozenset({b"gzip", b"x-gzip", b"deflate"})
 _GZIP_OR_ZLIB = 47
 _RAW_DEFLATE = -zlib.MAX_WBITS
+# What an answer may send before its headers end (llhttp itself sets no bound):
+# an agent that sends headers forever is cut here, not at the memory's end.
+MAX_HEAD_BYTES = 256 * 1024
 
 
 class Disconnected(ConnectionError):
@@ -118,6 +121,7 @@ class Connection(asyncio.Protocol):
         self._max_bytes = max_bytes
         self._inflate: _Inflater | None = None
         self._until_close = False
+        self._head_bytes = 0
         self._interim = False
         self._complete = False
         # Read while the answer ends: llhttp forgets it once the callback returns.
@@ -192,6 +196,14 @@ class Connection(asyncio.Protocol):
             # Bytes nobody asked for: not a server to send another call to.
             self.close()
             return
+        if not self._head.done():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                message = (
+                    f"the agent's answer sent {MAX_HEAD_BYTES} bytes without ending its headers"
+                )
+                self._fail(Disconnected(message))
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
