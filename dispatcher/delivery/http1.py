@@ -196,14 +196,8 @@ class Connection(asyncio.Protocol):
             # Bytes nobody asked for: not a server to send another call to.
             self.close()
             return
-        if not self._head.done():
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                message = (
-                    f"the agent's answer sent {MAX_HEAD_BYTES} bytes without ending its headers"
-                )
-                self._fail(Disconnected(message))
-                return
+        if not self._head.done() and self._head_too_big(len(data)):
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -211,6 +205,14 @@ class Connection(asyncio.Protocol):
                 self.close()  # bytes after a whole answer (on_message_begin): it stands
             else:
                 self._fail(Disconnected(f"the agent's answer is not HTTP/1.1 ({exc})"))
+
+    def _head_too_big(self, size: int) -> bool:
+        self._head_bytes += size
+        if self._head_bytes <= MAX_HEAD_BYTES:
+            return False
+        limit = f"{MAX_HEAD_BYTES} bytes"
+        self._fail(Disconnected(f"the agent's answer sent {limit} without ending its headers"))
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
