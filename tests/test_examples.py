@@ -434,3 +434,14 @@ def test_the_layout_page_names_every_module() -> None:
     modules = [p for p in (ROOT / "dispatcher").rglob("*.py") if p.name not in skip]
     unnamed = [str(p.relative_to(ROOT)) for p in modules if not re.search(rf"\b{p.stem}\b", page)]
     assert not unnamed, unnamed
+
+
+def test_the_readmes_benchmark_commands_name_scripts_and_flags_that_exist() -> None:
+    """The figures' commands are cited, not run here (`make bench-smoke` runs each
+    script in CI): each names a script in bench/ and only flags that script defines."""
+    commands = re.findall(r"`python (bench/\w+\.py)([^`]*)`", README.read_text())
+    assert len(commands) >= 3
+    for script, args in commands:
+        text = (ROOT / script).read_text()
+        flags = [word for word in args.split() if word.startswith("--")]
+        assert all(f'"{flag}"' in text for flag in flags), (script, flags)
