@@ -31,10 +31,11 @@ async def test_agent_and_start_rate_caps_hold_in_auto_mode(
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(read_jsonl(output)) == 200
     assert stats.max_in_flight <= 6
-    # Starts leave at least 1.02/40 s apart (the unit test holds that exactly);
-    # the agent's clock sees them after a send that a busy loop may delay, so a
-    # second at the agent can catch one or two more. Uncapped, it would see ~120.
-    assert stats.max_per_s <= 42
+    # Starts leave at least 1.02/40 s apart (the unit test holds that exactly).
+    # The agent's clock sees them after a send that a busy loop may delay, and
+    # stamps them when its own process gets the CPU: on a loaded machine (the
+    # whole suite on 2 cores) a second at the agent caught 43. Uncapped: ~120.
+    assert stats.max_per_s <= 45
     view = summary_of(result.stderr)["concurrency"]["sim"]
     assert view["mode"] == "auto" and view["cap"] == 6 and view["limit"] <= 6
 
