@@ -57,6 +57,7 @@ async def post_run(
         async with _timeout(limits.rollout_timeout_s):
             conn = await _send(pool, url, target, body, limits)
             raw, failure = await _read_body(conn, limits.body)
+            return _answered(conn, raw, failure)
     except _NotDeliveredError as exc:
         return 0, b"", exc.missed, None
     except TimeoutError as exc:
@@ -67,8 +68,12 @@ async def post_run(
         message = f"reading the answer of {url} failed: {exc}"
         return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
     finally:
+        # After the answer is judged: the connection's status and headers are its.
         if conn is not None:
             pool.release(conn, target)
+
+
+def _answered(conn: Connection, raw: bytes, failure: Failure | None) -> Exchanged:
     reason = not_delivered_reason(conn.status, raw)
     if reason is not None:
         return conn.status, raw, _refused(reason, conn, raw), None

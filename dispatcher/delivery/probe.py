@@ -51,7 +51,7 @@ async def probe_run(pool: Http1Pool, target: Target, timeout_s: float) -> ProbeA
     try:
         async with asyncio.timeout(timeout_s):
             conn = await pool.post(target, PROBE_BODY, BODY_EXCERPT_BYTES)
-            raw = await _excerpt(conn)
+            status, raw = conn.status, await _excerpt(conn)
     except (OSError, TimeoutError) as exc:
         fault = as_local_fault(exc)
         if fault is not None:
@@ -60,7 +60,6 @@ async def probe_run(pool: Http1Pool, target: Target, timeout_s: float) -> ProbeA
     finally:
         if conn is not None:
             pool.release(conn, target)
-    status = conn.status
     if status in NO_RUN_STATUSES:
         result = ProbeResult.NO_RUN
     elif not_delivered_reason(status, raw) is not None:
