@@ -383,3 +383,66 @@ async def test_headers_that_never_end_are_cut_at_the_head_limit(
     url = await scripted(script)
     with pytest.raises(Disconnected, match="without ending its headers"):
         await call(pool, url)
+
+
+async def test_a_long_body_that_arrives_after_its_head_is_read_whole_and_the_connection_kept(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    body = bytes(range(256)) * 12_000  # ~3 MB: the head first, the body in later reads
+    connections = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
+            await writer.drain()
+            for start in range(10, len(body), 1_000_000):
+                writer.write(body[start : start + 1_000_000])
+                await writer.drain()
+
+    url = await scripted(script)
+    assert [await call(pool, url) for _ in range(3)] == [body] * 3
+    assert connections == 1
+
+
+async def test_bytes_past_a_long_body_leave_the_answer_whole_and_close_the_connection(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    body = b"z" * 200_000
+    connections = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        writer.write(body + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale")
+        await reader.read()
+
+    url = await scripted(script)
+    assert await call(pool, url) == body
+    assert await call(pool, url) == body
+    assert connections == 2
+
+
+async def test_a_long_gzip_body_after_its_head_is_inflated(
+    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    body = b'{"t":"' + b"abcdefgh" * 400_000 + b'"}'
+    packed = gzip.compress(body)
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
+        writer.write(head % len(packed))
+        await writer.drain()
+        for start in range(0, len(packed), 1000):
+            writer.write(packed[start : start + 1000])
+        await writer.drain()
+        await reader.read()
+
+    url = await scripted(script)
+    assert await call(pool, url) == body
