@@ -439,7 +439,7 @@ def test_the_layout_page_names_every_module() -> None:
 def test_the_readmes_benchmark_commands_name_scripts_and_flags_that_exist() -> None:
     """The figures' commands are cited, not run here (`make bench-smoke` runs each
     script in CI): each names a script in bench/ and only flags that script defines."""
-    commands = re.findall(r"`python (bench/\w+\.py)([^`]*)`", README.read_text())
+    commands = re.findall(r"`\.venv/bin/python (bench/\w+\.py)([^`]*)`", README.read_text())
     assert len(commands) >= 3
     for script, args in commands:
         text = (ROOT / script).read_text()
