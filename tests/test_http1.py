@@ -446,3 +446,18 @@ async def test_a_long_gzip_body_after_its_head_is_inflated(
 
     url = await scripted(script)
     assert await call(pool, url) == body
+
+
+async def test_a_call_made_after_the_pool_closed_does_not_leave_its_connection_open() -> None:
+    app, _ = await counting_app()
+    runner, url = await serve(app)
+    pool = Http1Pool(connect_timeout_s=5.0)
+    target = Target.of(f"{url}/run")
+    try:
+        await pool.close()  # shutdown began; a call already on its way still runs
+        conn = await pool.post(target, b"{}", MAX)
+        assert await conn.body(None) == b"{}"
+        pool.release(conn, target)
+        await wait_until(lambda: conn.closed)
+    finally:
+        await runner.cleanup()

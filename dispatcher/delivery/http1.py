@@ -376,7 +376,8 @@ class Http1Pool:
 
     def release(self, conn: Connection, target: Target) -> None:
         idle = self._idle.setdefault(target.origin, [])
-        if conn.reusable() and len(idle) < self.max_idle:
+        # A call that ends after ``close`` (shutdown) must not leave its connection open.
+        if conn.reusable() and not self.closed and len(idle) < self.max_idle:
             conn.idle()
             idle.append(conn)
         else:
