@@ -29,33 +29,44 @@ async def pool() -> AsyncIterator[Http1Pool]:
     await pool.close()
 
 
-@pytest.fixture
-async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[str]]]:
-    """A TCP server that runs a script per connection: answers no HTTP library would send."""
-    servers: list[asyncio.Server] = []
-    writers: list[asyncio.StreamWriter] = []
+class Scripted:
+    """TCP servers that run a script per connection (answers no HTTP library would
+    send), and how many connections they took."""
 
-    async def start(script: Script) -> str:
+    def __init__(self) -> None:
+        self.connections = 0
+        self._servers: list[asyncio.Server] = []
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __call__(self, script: Script) -> str:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            writers.append(writer)
+            self.connections += 1
+            self._writers.append(writer)
             with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
                 await script(reader, writer)
             writer.close()
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(server)
+        self._servers.append(server)
         port = server.sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}/run"
 
-    yield start
-    for server in servers:
-        server.close()
-    for writer in writers:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    for server in servers:
-        await server.wait_closed()
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for writer in self._writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Scripted]:
+    servers = Scripted()
+    yield servers
+    await servers.close()
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -115,13 +126,9 @@ async def test_concurrent_calls_each_get_a_connection_and_all_are_kept(pool: Htt
 
 
 async def test_an_answer_with_connection_close_is_not_reused(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
-    connections = 0
-
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
@@ -129,11 +136,11 @@ async def test_an_answer_with_connection_close_is_not_reused(
 
     url = await scripted(script)
     assert [await call(pool, url) for _ in range(3)] == [b"ok"] * 3
-    assert connections == 3
+    assert scripted.connections == 3
 
 
 async def test_a_connection_the_agent_closed_while_idle_is_not_used_again(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
     closed: list[asyncio.Event] = []
 
@@ -164,7 +171,7 @@ async def test_a_connection_the_agent_closed_while_idle_is_not_used_again(
     ids=["chunked", "after-100-continue"],
 )
 async def test_framings_an_agent_may_use(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]], answer: bytes
+    pool: Http1Pool, scripted: Scripted, answer: bytes
 ) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -177,7 +184,7 @@ async def test_framings_an_agent_may_use(
 
 
 async def test_a_body_without_a_length_ends_with_the_connection(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -266,7 +273,7 @@ async def test_credentials_in_the_url_become_basic_auth_and_the_host_header_has_
     ids=["closed", "not-http", "cut-short"],
 )
 async def test_an_agent_that_breaks_http_is_a_disconnected_error(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]], reply: bytes, where: str
+    pool: Http1Pool, scripted: Scripted, reply: bytes, where: str
 ) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -280,13 +287,9 @@ async def test_an_agent_that_breaks_http_is_a_disconnected_error(
 
 
 async def test_bytes_sent_between_calls_close_the_connection(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
-    connections = 0
-
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
@@ -300,7 +303,7 @@ async def test_bytes_sent_between_calls_close_the_connection(
     pool.release(conn, target)
     await wait_until(lambda: conn.closed)
     assert await call(pool, url) == b"ok"
-    assert connections == 2
+    assert scripted.connections == 2
 
 
 @pytest.mark.parametrize("size", [1_000, JOIN_OFF_LOOP_BYTES + 1])
@@ -371,7 +374,7 @@ async def test_an_answer_that_arrived_whole_is_read_at_once_and_still_capped(
 
 
 async def test_headers_that_never_end_are_cut_at_the_head_limit(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -386,14 +389,11 @@ async def test_headers_that_never_end_are_cut_at_the_head_limit(
 
 
 async def test_a_long_body_that_arrives_after_its_head_is_read_whole_and_the_connection_kept(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
     body = bytes(range(256)) * 12_000  # ~3 MB: the head first, the body in later reads
-    connections = 0
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
         while True:
             await read_request(reader)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
@@ -404,18 +404,15 @@ async def test_a_long_body_that_arrives_after_its_head_is_read_whole_and_the_con
 
     url = await scripted(script)
     assert [await call(pool, url) for _ in range(3)] == [body] * 3
-    assert connections == 1
+    assert scripted.connections == 1
 
 
 async def test_bytes_past_a_long_body_leave_the_answer_whole_and_close_the_connection(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
     body = b"z" * 200_000
-    connections = 0
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
         await writer.drain()
@@ -425,11 +422,11 @@ async def test_bytes_past_a_long_body_leave_the_answer_whole_and_close_the_conne
     url = await scripted(script)
     assert await call(pool, url) == body
     assert await call(pool, url) == body
-    assert connections == 2
+    assert scripted.connections == 2
 
 
 async def test_a_long_gzip_body_after_its_head_is_inflated(
-    pool: Http1Pool, scripted: Callable[[Script], Awaitable[str]]
+    pool: Http1Pool, scripted: Scripted
 ) -> None:
     body = b'{"t":"' + b"abcdefgh" * 400_000 + b'"}'
     packed = gzip.compress(body)
