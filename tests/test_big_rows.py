@@ -68,7 +68,12 @@ CLASSIFIERS = {"thread": classify_big, "process": offload.classify_in_process}
 def merged_line(raw: bytes, worker: str = "thread") -> bytes:
     outcome, result, failure = CLASSIFIERS[worker](200, raw)
     assert outcome is Outcome.SUCCESS and failure is None and result is not None
-    return row_line({**result, **OURS})
+    return joined(row_line({**result, **OURS}))
+
+
+def joined(line: store.Line) -> bytes:
+    """A line as the bytes it puts in the file."""
+    return line if isinstance(line, bytes) else b"".join(line.parts)
 
 
 @pytest.mark.parametrize("worker", CLASSIFIERS)
@@ -109,7 +114,7 @@ def test_bodies_the_splitter_cannot_vouch_for_take_the_full_parse(body: bytes) -
     outcome, result, _ = classify_big(200, body)
     assert outcome is Outcome.SUCCESS and result is not None
     assert not isinstance(result, WireResult)
-    line = row_line({**result, **OURS})
+    line = joined(row_line({**result, **OURS}))
     assert line.count(b"\n") == 1
     assert json.loads(line) == {**json.loads(body), **OURS}
 
@@ -156,7 +161,7 @@ def test_spans_find_values_between_any_whitespace_and_escaped_keys() -> None:
         ('k"x\\', b'"s\\""'),
         ("n", b'{"m":[]}'),
     ]
-    assert json.loads(row_line({**wire_result(body, split), **OURS})) == {
+    assert json.loads(joined(row_line({**wire_result(body, split), **OURS}))) == {
         **json.loads(body),
         **OURS,
     }
@@ -166,7 +171,22 @@ def test_a_joined_line_is_the_encoders_line() -> None:
     _, result, _ = classify_big(200, big_body())
     assert result is not None
     row = {**result, **OURS, "ünï": ["\u2028", 1.5, None]}
-    assert row_line(row) == msgspec.json.encode(row) + b"\n"
+    assert joined(row_line(row)) == msgspec.json.encode(row) + b"\n"
+
+
+def test_a_big_kept_value_is_written_from_the_body_not_copied() -> None:
+    # Joining a slice of the body copies the row with the GIL held (bytes.join
+    # lets go of it only for bytes parts): the loop stalled 60 ms per 20 MB row.
+    raw = big_body()
+    _, result, _ = classify_big(200, raw)
+    assert result is not None
+    line = row_line({**result, **OURS})
+    assert isinstance(line, store.Pieces)
+    (big,) = [part for part in line.parts if isinstance(part, memoryview)]
+    assert big.nbytes > 300_000
+    small = [part for part in line.parts if part is not big]
+    assert all(isinstance(part, bytes) and len(part) < 10_000 for part in small)
+    assert len(line) == len(joined(line)) == len(msgspec.json.encode({**result, **OURS})) + 1
 
 
 def test_the_dispatchers_own_keys_class_a_big_answer() -> None:
@@ -359,7 +379,7 @@ async def test_a_big_capture_merged_in_a_worker_gives_the_same_row(tmp_path: Pat
         finalizer._merge_in_worker, lambda: merge(in_worker), in_worker
     )
     assert summary.num_calls == 50 and summary.gaps == []
-    assert orjson.loads(line) == orjson.loads(row_line(on_loop))
+    assert orjson.loads(joined(line)) == orjson.loads(joined(row_line(on_loop)))
 
 
 # ---- the commit queue's byte budget ----------------------------------------------
@@ -411,6 +431,49 @@ def test_a_batch_is_written_as_its_big_rows_and_its_small_ones_joined() -> None:
     assert chunks[1] is big
     assert [len(chunk) for chunk in chunks] == [2, len(big), len(big), len(big), 1]
     assert b"".join(chunks) == b"".join([b"1", b"2", big, *small, b"3"])
+
+
+def test_a_batch_writes_pieces_as_they_are_between_its_joined_small_rows() -> None:
+    pieces = store.Pieces((b'{"a":', memoryview(b"1" * 10), b"}\n"), 17)
+    chunks = list(store._chunks([b"1", pieces, b"2", b"3"]))
+    assert chunks == [b"1", pieces, b"23"]
+
+
+async def test_big_rows_in_pieces_are_appended_whole_between_others(tmp_path: Path) -> None:
+    _, result, _ = classify_big(200, big_body())
+    assert result is not None
+    big = [row_line({**result, **OURS, "n": n}) for n in range(3)]
+    assert all(isinstance(line, store.Pieces) for line in big)
+    lines = [b'{"n":"a"}\n', big[0], big[1], b'{"n":"b"}\n', big[2]]
+    writer = store.RowWriter(tmp_path / "x.jsonl", "batch")
+    writer.open()
+    await asyncio.gather(*(writer.append_line(line) for line in lines))
+    await writer.close()
+    assert (tmp_path / "x.jsonl").read_bytes() == b"".join(joined(line) for line in lines)
+
+
+def test_pieces_are_written_whole_past_short_writes_and_the_iovec_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_writev = os.writev
+    calls: list[int] = []
+
+    def short_writev(fd: int, buffers: list[memoryview]) -> int:
+        # What a write(2) interrupted by a signal, or a full pipe, returns.
+        calls.append(len(buffers))
+        return real_writev(fd, [memoryview(b"".join(buffers))[:7]])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    monkeypatch.setattr(store, "IOV_MAX", 3)
+    parts = (b"abc", memoryview(b"defghijklmnop"), b"", b"qr", memoryview(b"stuvwxyz"), b"\n")
+    path = tmp_path / "x"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        store._writev_all(fd, parts)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"abcdefghijklmnopqrstuvwxyz\n"
+    assert max(calls) == 3 and len(calls) >= 4  # 6 parts, 27 bytes, 7 a call
 
 
 async def test_a_batch_of_big_rows_is_appended_whole(tmp_path: Path) -> None:

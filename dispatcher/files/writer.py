@@ -1,7 +1,8 @@
 """Output files (contracts §4): the run lock, the manifest and the durable row writer.
 
-Rows are appended whole by ``write(2)`` on an ``O_APPEND`` descriptor, a batch
-at a time, and the rollout counts as done only once its batch is written (and fsynced, by
+Rows are appended whole by ``write(2)`` (a big row in ``Pieces`` by
+``writev(2)``) on an ``O_APPEND`` descriptor, a batch at a time, and the
+rollout counts as done only once its batch is written (and fsynced, by
 policy). A write that fails truncates the file back to its last good size, so
 what is on disk always parses; the writer then refuses further rows.
 
@@ -21,8 +22,9 @@ import fcntl
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import orjson
 import structlog
@@ -38,6 +40,29 @@ from dispatcher.files.resume import OutputPaths
 FsyncPolicy = Literal["always", "batch", "never"]
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """A row's line kept as its pieces, in order: written by ``writev(2)``, never joined.
+
+    A big row's kept values are slices of the agent's body (``rows/wire.py``).
+    ``bytes.join`` lets go of the GIL only when every part is ``bytes``: joining
+    slices copies the whole row with the GIL held, and the event loop waits
+    (about 60 ms for a 20 MB row in ``bench/big_rows.py`` on 2 cores, where
+    each fresh page of the copy faults). ``writev`` copies them into the page cache
+    with the GIL released, and no joined copy is ever made.
+    """
+
+    parts: tuple[bytes | memoryview, ...]
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+
+# One row's line: one JSON object and its newline.
+Line: TypeAlias = bytes | Pieces
 
 
 class RunLock:
@@ -191,7 +216,7 @@ class RowWriter:
         self.index = index
         self._fd: int | None = None
         self._size = 0
-        self._pending: list[tuple[bytes, asyncio.Future[int | None]]] = []
+        self._pending: list[tuple[Line, asyncio.Future[int | None]]] = []
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._error: OutputWriteError | None = None
@@ -214,7 +239,7 @@ class RowWriter:
         """Queue one row and wait until it is durable; raises ``OutputWriteError``."""
         await self.append_line(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
 
-    async def append_line(self, line: bytes) -> int | None:
+    async def append_line(self, line: Line) -> int | None:
         """``append`` for a row already serialized: one JSON object and its newline.
 
         Returns the row's line number (from 1) when the writer keeps a
@@ -222,7 +247,7 @@ class RowWriter:
         """
         return await self.submit(line)
 
-    def submit(self, line: bytes) -> asyncio.Future[int | None]:
+    def submit(self, line: Line) -> asyncio.Future[int | None]:
         """Queue ``line`` (``append_line`` without the wait): a future of its line number,
         set once the line is durable. Raises ``OutputWriteError`` at once after a failure."""
         if self._error is not None:
@@ -291,12 +316,12 @@ class RowWriter:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
 
-    def _take_batch(self) -> list[tuple[bytes, asyncio.Future[int | None]]]:
+    def _take_batch(self) -> list[tuple[Line, asyncio.Future[int | None]]]:
         batch, self._pending = self._pending, []
         self._pending_bytes = 0
         return batch
 
-    def _commit(self, batch: list[tuple[bytes, asyncio.Future[int | None]]]) -> None:
+    def _commit(self, batch: list[tuple[Line, asyncio.Future[int | None]]]) -> None:
         """Write one batch (in a thread) and settle its futures on the loop."""
         lines = [line for line, _ in batch]
         error: OutputWriteError | None = None
@@ -315,7 +340,7 @@ class RowWriter:
 
     def _written(
         self,
-        batch: list[tuple[bytes, asyncio.Future[int | None]]],
+        batch: list[tuple[Line, asyncio.Future[int | None]]],
         start: int,
         error: OutputWriteError | None,
     ) -> None:
@@ -352,10 +377,13 @@ class RowWriter:
         log.error("output_changed_under_run", path=str(self.path), problem=problem)
         return self._error
 
-    def _write_all(self, lines: list[bytes]) -> None:
+    def _write_all(self, lines: list[Line]) -> None:
         assert self._fd is not None
         size = sum(len(line) for line in lines)
         for chunk in _chunks(lines):
+            if isinstance(chunk, Pieces):
+                _writev_all(self._fd, chunk.parts)
+                continue
             view = memoryview(chunk)
             while view:
                 view = view[os.write(self._fd, view) :]
@@ -379,12 +407,12 @@ class RowWriter:
 JOIN_BYTES = 1 << 20
 
 
-def _chunks(lines: list[bytes]) -> Iterator[bytes]:
+def _chunks(lines: list[Line]) -> Iterator[Line]:
     """A batch as few writes, without copying its big rows once more."""
     small: list[bytes] = []
     size = 0
     for line in lines:
-        if len(line) >= JOIN_BYTES:
+        if isinstance(line, Pieces) or len(line) >= JOIN_BYTES:
             if small:
                 yield b"".join(small)
                 small, size = [], 0
@@ -397,6 +425,21 @@ def _chunks(lines: list[bytes]) -> Iterator[bytes]:
             small, size = [], 0
     if small:
         yield b"".join(small)
+
+
+# writev(2) takes at most this many buffers a call (POSIX's minimum is 16).
+IOV_MAX = os.sysconf("SC_IOV_MAX")
+
+
+def _writev_all(fd: int, parts: Iterable[bytes | memoryview]) -> None:
+    """Write ``parts`` in order, resuming after a short write."""
+    views = [memoryview(part) for part in parts]
+    while views:
+        written = os.writev(fd, views[:IOV_MAX])
+        while views and written >= views[0].nbytes:
+            written -= views.pop(0).nbytes
+        if written:
+            views[0] = views[0][written:]
 
 
 class _ChangedUnderUs(Exception):

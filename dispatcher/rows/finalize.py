@@ -22,6 +22,7 @@ from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.delivery.client import Attempt
 from dispatcher.files.contracts import FAILURE_CLASS, FAILURE_TERMINAL, NOT_DELIVERED
+from dispatcher.files.writer import Line
 from dispatcher.rows.build import build_row
 from dispatcher.rows.capture import CaptureSummary, attach_agent_trajectory, attach_capture
 from dispatcher.rows.offload import off_loop
@@ -50,7 +51,7 @@ class Finalizer:
 
     async def finalize(
         self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None = None
-    ) -> tuple[bytes | None, dict[str, Any] | None, dict[str, Any]]:
+    ) -> tuple[Line | None, dict[str, Any] | None, dict[str, Any]]:
         """The line to append for this attempt (capture attached), what ``Job.record``
         reads of its row, and the capture's figures. ``extra`` keys are added
         to the row (the policy versions of service mode).
@@ -71,14 +72,15 @@ class Finalizer:
         else:
             line, capture = _plain_line(rollout, attempt, row), {}
         if isinstance(attempt.result, WireResult):
-            # Its kept values are slices of the agent's body: let the body go,
-            # so only the line waits for the commit (1x, not 2x, its size).
+            # Its kept values are slices of the agent's body: only the line waits
+            # for the commit, and a big line's pieces are the body itself
+            # (1x its size, never 2x).
             attempt.result.clear()
         return line, row_facts(row), capture
 
     async def _attach_capture(
         self, rollout: Rollout, attempt: Attempt, row: dict[str, Any], big: bool
-    ) -> tuple[bytes, dict[str, Any]]:
+    ) -> tuple[Line, dict[str, Any]]:
         """Attach the captured calls and serialize; a big merge runs in a worker thread.
 
         The quiescence wait stays here, on the loop: a worker must not sleep
@@ -143,7 +145,7 @@ def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:
     return result.decoded() if isinstance(result, WireResult) else result
 
 
-def _plain_line(rollout: Rollout, attempt: Attempt, row: dict[str, Any]) -> bytes:
+def _plain_line(rollout: Rollout, attempt: Attempt, row: dict[str, Any]) -> Line:
     """A row without capture: the agent's own trajectory normalized as Gym's collector
     does (its model calls then read as unobserved), then serialized."""
     attach_agent_trajectory(
@@ -157,7 +159,7 @@ def _plain_line(rollout: Rollout, attempt: Attempt, row: dict[str, Any]) -> byte
 
 def _merge_in_worker(
     merge: Callable[[], Coroutine[Any, Any, CaptureSummary]], row: dict[str, Any]
-) -> tuple[bytes, CaptureSummary]:
+) -> tuple[Line, CaptureSummary]:
     """Run the capture merge on a loop of this worker thread, then serialize the row."""
     summary = asyncio.run(merge())
     return row_line(row), summary

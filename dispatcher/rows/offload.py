@@ -5,9 +5,9 @@ and ``--offload-compare``): a thread that validates a big body holds
 the GIL for each of the parser's C calls, and the loop waits for them; the
 child process (``jsonworker.py``) holds no lock of ours. What crosses to it is
 the body, written to a pipe with the GIL released; what comes back is where
-each top-level value lies. The row is then joined from slices of the body the
-loop already holds, in one worker thread: ``bytes.join`` lets go of the GIL
-while it copies.
+each top-level value lies. The row's line is then made in one worker thread
+from the body the loop already holds: its big values are not copied but
+written from the body by ``writev(2)`` (``files.writer.Pieces``).
 
 One thread and one process: the machine's other core serves the agents'
 sockets and the loop, and one core validates over 500 MB/s, more than the

@@ -25,6 +25,7 @@ import orjson
 
 from dispatcher import jsonx
 from dispatcher.delivery.client import Classified, classify_object, classify_response
+from dispatcher.files.writer import Line, Pieces
 from dispatcher.rows.build import RESERVED_SUCCESS_KEYS
 from dispatcher.tasks.keys import split_row
 
@@ -196,7 +197,7 @@ def _splittable(raw: bytes) -> bool:
     return True
 
 
-def row_line(row: Mapping[str, Any]) -> bytes:
+def row_line(row: Mapping[str, Any]) -> Line:
     """The line appended for ``row``: one JSON object and its newline."""
     try:
         # Most rows hold no kept value: try the plain encoder before looking.
@@ -205,17 +206,33 @@ def row_line(row: Mapping[str, Any]) -> bytes:
         # orjson refuses a ``msgspec.Raw`` at once, before it encodes what follows.
         if not any(isinstance(value, msgspec.Raw) for value in row.values()):
             raise
-    return _joined_line(row)
+    return _kept_line(row)
 
 
-def _joined_line(row: Mapping[str, Any]) -> bytes:
-    """A row with kept values: they are copied into the line as they are, by one
-    ``bytes.join``, which lets go of the GIL while it copies a big line."""
-    parts: list[bytes | msgspec.Raw] = []
+# A kept value this big stays where it lies in the agent's body, a piece of
+# the line of its own (``Pieces``); the rest of the line is joined around it.
+PIECE_BYTES = 64 << 10
+
+
+def _kept_line(row: Mapping[str, Any]) -> Line:
+    """A row with kept values, copied into the line as they are.
+
+    Big ones are not copied at all: the line is then ``Pieces``, written by
+    ``writev(2)`` from the body itself, with the GIL released.
+    """
+    pieces: list[bytes | memoryview] = []
+    run: list[bytes | msgspec.Raw] = []
     sep = b"{"
     for key, value in row.items():
-        parts.append(sep + _ENCODER.encode(key) + b":")
-        parts.append(value if isinstance(value, msgspec.Raw) else _ENCODER.encode(value))
+        run.append(sep + _ENCODER.encode(key) + b":")
         sep = b","
-    parts.append(b"}\n" if parts else b"{}\n")
-    return b"".join(parts)
+        if isinstance(value, msgspec.Raw) and len(value) >= PIECE_BYTES:
+            pieces += (b"".join(run), memoryview(value))
+            run = []
+        else:
+            run.append(value if isinstance(value, msgspec.Raw) else _ENCODER.encode(value))
+    run.append(b"}\n" if row else b"{}\n")
+    if not pieces:
+        return b"".join(run)
+    pieces.append(b"".join(run))
+    return Pieces(tuple(pieces), sum(memoryview(piece).nbytes for piece in pieces))

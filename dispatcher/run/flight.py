@@ -34,6 +34,7 @@ from dispatcher.admission.pool import Slots
 from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt, Sending
 from dispatcher.delivery.faults import LocalFault, as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
+from dispatcher.files.writer import Line
 from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import Finalizer
 from dispatcher.tasks.materialize import Rollout
@@ -61,7 +62,7 @@ class FlightParts:
     finalizer: Finalizer
     # Queues an attempt's line for its file; resolves to the output's line number
     # for a success once the line is durable.
-    write: Callable[[Outcome, bytes], Awaitable[int | None]]
+    write: Callable[[Outcome, Line], Awaitable[int | None]]
     policy_version: Callable[[], int | None]
     # Told once, when the rollout's agent slots are freed.
     left_agent: Callable[[Rollout], None]

@@ -37,7 +37,7 @@ from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
-from dispatcher.files.writer import LineIndex, RowWriter
+from dispatcher.files.writer import Line, LineIndex, RowWriter
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.lifecycle import JobState, Lifecycle
 from dispatcher.outcome import Outcome
@@ -333,7 +333,7 @@ class Job:
 
     # ---- the parts flights use -----------------------------------------------------
 
-    def _write(self, outcome: Outcome, line: bytes) -> asyncio.Future[int | None]:
+    def _write(self, outcome: Outcome, line: Line) -> asyncio.Future[int | None]:
         """Queue an attempt's line for its file; the output's line number for a success."""
         output, failures = self.writers
         writer = output if outcome is Outcome.SUCCESS else failures
