@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+import uvloop
 from aiohttp import web
 
+from dispatcher.delivery import http1
 from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool, Target
 from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError
 from tests.helpers import serve, wait_until
@@ -458,3 +460,59 @@ async def test_a_call_made_after_the_pool_closed_does_not_leave_its_connection_o
         await wait_until(lambda: conn.closed)
     finally:
         await runner.cleanup()
+
+
+def test_a_flood_of_answer_bytes_is_read_a_bounded_amount_per_turn_of_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the daemon's loop (uvloop), libuv reads a ready socket several times
+    # over in one turn: answers already in the sockets' buffers were read 4 MB
+    # a turn, and the loop ran nothing else meanwhile (40 to 100 ms at 16
+    # answers of 20 MB).
+    monkeypatch.setattr(http1, "READ_BYTES_PER_TURN", 256 * 1024)
+    calls, body = 8, b"x" * (2 * 1024 * 1024)
+    turn, ticking = 0, True
+    read: dict[int, int] = {}
+    largest_read = 0
+    received = Connection.data_received
+
+    def counted(self: Connection, data: bytes) -> None:
+        nonlocal largest_read
+        read[turn] = read.get(turn, 0) + len(data)
+        largest_read = max(largest_read, len(data))
+        received(self, data)
+
+    monkeypatch.setattr(Connection, "data_received", counted)
+
+    def tick() -> None:
+        # A callback that schedules itself runs once per turn of the loop.
+        nonlocal turn
+        turn += 1
+        if ticking:
+            asyncio.get_running_loop().call_soon(tick)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        # Loopback's buffers take the whole answer before the client reads much.
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async def flood() -> list[bytes]:
+        nonlocal ticking
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/run"
+        pool = Http1Pool(connect_timeout_s=5.0)
+        asyncio.get_running_loop().call_soon(tick)
+        try:
+            return await asyncio.gather(*(call(pool, url) for _ in range(calls)))
+        finally:
+            ticking = False
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    assert uvloop.run(flood()) == [body] * calls
+    # Past the bound, a connection that was ready in the same turn reads once more.
+    assert max(read.values()) <= http1.READ_BYTES_PER_TURN + calls * largest_read, read
