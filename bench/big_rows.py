@@ -215,6 +215,7 @@ def _figures(figs: list[dict[str, float]]) -> str:
         f" ({fig['ratio']:4.2f})  peak RSS {fig['peak_rss_mb']:6.1f} MB"
         f"  loop lag p99 {fig['lag_p99_ms']:6.1f} ms, max {fig['lag_max_ms']:6.1f} ms"
         f"  CPU {fig['cpu_s']:5.1f} s  ratios {[round(f['ratio'], 2) for f in figs]}"
+        f"  lag p99s {[round(f['lag_p99_ms'], 1) for f in figs]}"
     )
 
 
