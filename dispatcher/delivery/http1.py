@@ -408,10 +408,11 @@ class Http1Pool:
         """Count bytes read; past ``READ_BYTES_PER_TURN`` in this turn of the loop,
         each connection that reads waits for the next turn.
 
-        libuv reads a ready socket up to 32 times in one turn: sixteen agents
-        answering 20 MB at once kept the loop copying for 40 to 100 ms before
-        any timer or other callback ran. Bounded, each turn copies a few
-        megabytes and the answers arrive as fast, over more turns.
+        libuv reads every ready socket, several times over, in one turn (4 MB
+        a turn with eight 2 MB answers waiting): sixteen agents answering
+        20 MB at once kept the loop copying for 40 to 100 ms before any timer
+        or other callback ran. Bounded, each turn copies a few megabytes and
+        the answers arrive as fast, over more turns.
         (Pausing every connection still receiving, not only those that read,
         was measured to stall more: ``bench/big_rows.py``.)
         """
