@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from dispatcher.delivery.http1 import Http1Pool
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.resume import OutputPaths
 from dispatcher.files.writer import LineIndex, RowWriter, RunLock
@@ -133,3 +134,23 @@ async def test_a_daemon_task_that_dies_ends_the_run_at_once_naming_it(tmp_path: 
     finally:
         await agent.close()
     assert read_jsonl(tmp_path / "x.jsonl") == []
+
+
+async def test_the_agent_connections_of_a_wave_are_all_kept_for_the_next(
+    tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Kept idle were at most 1,024 per replica: a wave of 10,000 calls in flight
+    # then closed 9 in 10 of its connections, and the next wave opened them again.
+    pools: list[Http1Pool] = []
+
+    class Recorded(Http1Pool):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(daemon_module, "Http1Pool", Recorded)
+    dispatcher = in_process_run(tmp_path, agent_url, 2, concurrency=5000)
+    await dispatcher.run()
+    assert dispatcher.state == "finished"
+    concurrency = dispatcher.daemon.concurrency  # below 5,000 where descriptors are few
+    assert [pool.max_idle for pool in pools] == [concurrency]

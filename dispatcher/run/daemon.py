@@ -166,7 +166,12 @@ class Daemon:
         self.concurrency = self._usable_concurrency()
         # The rollout timeout, when set, bounds a call. The connect timeout
         # keeps a black-holed address from hanging one.
-        pool = Http1Pool(connect_timeout_s=self.settings.connect_timeout_s)
+        # Every connection a wave of calls opened is kept for the next wave: with
+        # fewer kept, each wave at 10,000 in flight reconnected 9 in 10 calls.
+        pool = Http1Pool(
+            connect_timeout_s=self.settings.connect_timeout_s,
+            max_idle=self.concurrency or fd_limit(),
+        )
         self._stack.push_async_callback(pool.close)
         self._agents = AgentClient(
             self.settings.agents, pool, delivery_policy(self.settings), self.load
