@@ -165,9 +165,9 @@ class Daemon:
         """The session to the agents, the pool and the telemetry loops."""
         self.concurrency = self._usable_concurrency()
         # The rollout timeout, when set, bounds a call. The connect timeout
-        # keeps a black-holed address from hanging one.
-        # Every connection a wave of calls opened is kept for the next wave: with
-        # fewer kept, each wave at 10,000 in flight reconnected 9 in 10 calls.
+        # keeps a black-holed address from hanging one. Every connection a wave
+        # of calls opened is kept for the next wave: with fewer kept, each wave
+        # at 10,000 in flight reconnected 9 in 10 calls.
         pool = Http1Pool(
             connect_timeout_s=self.settings.connect_timeout_s,
             max_idle=self.concurrency or fd_limit(),
