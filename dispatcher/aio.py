@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 from typing import Any
 
@@ -24,25 +23,39 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None, *, reraise: bool = Tru
 
 
 class Wakeup:
-    """Wakes every waiter at once; firing costs nothing while nobody waits."""
+    """Wakes every waiter at once; firing costs nothing while nobody waits.
+
+    Each waiter awaits a future of its own, which ``fire`` resolves: the waiter runs
+    in the next turn of the loop. (``wait_for`` on an Event took three turns on
+    Python 3.11, its inner task's and its done callback's, and at 10,000 in flight a
+    turn lasts tens of ms; it also swallowed a cancellation that met a fire.)
+    """
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
-        self._waiting = 0
+        self._waiters: set[asyncio.Future[None]] = set()
 
     async def wait(self, timeout_s: float) -> None:
         """Until fired, or ``timeout_s`` passed."""
-        self._waiting += 1
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _wake, waiter)
+        self._waiters.add(waiter)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), timeout_s)
+            await waiter
         finally:
-            self._waiting -= 1
+            timer.cancel()
+            self._waiters.discard(waiter)
 
     def fire(self) -> None:
-        if self._waiting:
-            self._event.set()
-            self._event = asyncio.Event()
+        if self._waiters:
+            waiters, self._waiters = self._waiters, set()
+            for waiter in waiters:
+                _wake(waiter)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def tune_gc() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from dispatcher.aio import cancel_and_wait
 from dispatcher.files.writer import LineIndex
 from dispatcher.serve import results
 
@@ -91,3 +93,38 @@ async def test_a_live_jobs_new_lines_are_read_on_the_loop_whatever_their_size(
     items = await streamed(source, group)
     assert thread_hops == []
     assert len(items) == 4 and items[-1] == {"end": "done"}
+
+
+@pytest.mark.parametrize("group", [False, True])
+async def test_a_waiting_stream_has_a_new_line_one_turn_of_the_loop_after_it_is_indexed(
+    tmp_path: Path, group: bool
+) -> None:
+    # At 10,000 in flight a turn of the loop is tens of ms: every turn between a
+    # group's line and its delivery is felt by the trainer. The stream waits on the
+    # index's Wakeup, which once woke it in three turns (a task inside wait_for).
+    source = job_files(tmp_path, [], live=True)
+    source = results.Source(
+        source.output, source.rows, source.groups_path, source.groups, lambda: None,
+        lambda task: None,
+    )  # fmt: skip
+    got: list[bytes] = []
+
+    async def consume() -> None:
+        async for chunk, _ in results.stream(source, 0, group, wait=True, chunk_bytes=1 << 20):
+            got.append(chunk)
+
+    reader = asyncio.create_task(consume())
+    try:
+        for _ in range(3):
+            await asyncio.sleep(0)  # the stream is waiting
+        row = orjson.dumps({"reward": 1}) + b"\n"
+        line = orjson.dumps({"task_index": 0, "rows": [1], "failures": 0}) + b"\n"
+        source.output.write_bytes(row)
+        source.groups_path.write_bytes(line)
+        source.rows.add(0, [len(row)])
+        source.groups.add(0, [len(line)])
+        await asyncio.sleep(0)
+        assert len(got) == 1
+        assert orjson.loads(got[0])["_ng_seq"] == 1
+    finally:
+        await cancel_and_wait(reader)
