@@ -247,3 +247,44 @@ def test_every_example_a_reader_can_run_is_run_by_a_test() -> None:
         path = ROOT / "tests" / (module.replace(".", "/") or Path(__file__).stem)
         source = path.with_suffix(".py").read_text()
         assert re.search(rf"^(async )?def {name}\(", source, flags=re.MULTILINE), runner
+
+
+# A bench command in a table cell: `bench/NAME.py ARGS`, with or without `.venv/bin/python`.
+BENCH_COMMAND = re.compile(r"`(?:\.venv/bin/python )?(bench/[a-z_]+\.py)((?: [^`]*)?)`")
+# Runs a bench script until its arguments are parsed, then exits 0: what it would
+# measure is not run, but a flag the script no longer takes fails as it would.
+PARSE_ONLY = """
+import argparse, runpy, sys
+parse = argparse.ArgumentParser.parse_args
+def parsed(self, *args, **kwargs):
+    parse(self, *args, **kwargs)
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parsed
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def bench_commands() -> list[tuple[str, str]]:
+    found = {
+        (script, args.strip())
+        for doc in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")
+        for script, args in BENCH_COMMAND.findall(doc.read_text())
+    }
+    return sorted(found)
+
+
+def test_the_docs_show_bench_commands() -> None:
+    scripts = {script for script, _ in bench_commands()}
+    assert {"bench/dispatch_overhead.py", "bench/big_rows.py", "bench/service.py"} <= scripts
+
+
+@pytest.mark.parametrize(("script", "args"), bench_commands())
+async def test_each_bench_command_shown_takes_its_arguments(script: str, args: str) -> None:
+    assert (ROOT / script).is_file(), f"{script} does not exist"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", PARSE_ONLY, str(ROOT / script), *args.split(),
+        cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await proc.communicate()
+    assert proc.returncode == 0, f"{script} {args}: {err.decode()[-500:]}"
