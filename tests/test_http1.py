@@ -115,6 +115,20 @@ async def test_connections_are_kept_alive_and_reused(pool: Http1Pool) -> None:
     assert len(set(peers)) == 1, "every call after the first reuses the first connection"
 
 
+async def test_a_connection_kept_idle_holds_nothing_of_its_last_answer(pool: Http1Pool) -> None:
+    # At 10,000 in flight an idle connection may wait a whole wave for its next
+    # call: what it holds meanwhile is walked by every young GC pass of the wave.
+    app, _ = await counting_app()
+    runner, url = await serve(app)
+    try:
+        assert await call(pool, f"{url}/run", b'{"n":1}') == b'{"n":1}'
+        (idle,) = pool._idle[Target.of(url).origin]
+        assert idle.headers == [] and idle._chunks == []
+        assert await call(pool, f"{url}/run", b'{"n":2}') == b'{"n":2}'
+    finally:
+        await runner.cleanup()
+
+
 async def test_concurrent_calls_each_get_a_connection_and_all_are_kept(pool: Http1Pool) -> None:
     app, peers = await counting_app()
     runner, url = await serve(app)

@@ -113,13 +113,18 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._head: asyncio.Future[None] | None = None
         self._end: asyncio.Future[None] | None = None
+        # An answer's headers and body pieces: the lists are kept and cleared, call
+        # after call (at 10,000 in flight, each object a call leaves alive is walked
+        # by the young GC passes of the next wave).
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._chunks: list[bytes] = []
         self._reset(0)
         self.closed = False
 
     def _reset(self, max_bytes: int) -> None:
         self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self._chunks: list[bytes] = []
+        self.headers.clear()
+        self._chunks.clear()
         self._size = 0
         self._max_bytes = max_bytes
         self._inflate: _Inflater | None = None
@@ -169,9 +174,11 @@ class Connection(asyncio.Protocol):
                 raise BodyLimitError("ResponseReadTimeout", message, self._prefix()) from None
         if self._error is not None:
             raise self._error
-        chunks, self._chunks = self._chunks, []
         if self._size < JOIN_OFF_LOOP_BYTES:
-            return b"".join(chunks)
+            body = b"".join(self._chunks)
+            self._chunks.clear()
+            return body
+        chunks, self._chunks = self._chunks, []
         # bytes.join lets go of the GIL while it copies a big body: off the loop.
         return await asyncio.to_thread(b"".join, chunks)
 
@@ -180,8 +187,10 @@ class Connection(asyncio.Protocol):
         return self._complete and self._error is None and not self.closed and self._keep_alive
 
     def idle(self) -> None:
-        """Between calls: any byte that arrives now is a fault of the agent's."""
+        """Between calls: any byte that arrives now is a fault of the agent's. The
+        last answer's headers are let go (they may wait a whole wave for the next call)."""
         self._head = self._end = None
+        self.headers.clear()
 
     def close(self) -> None:
         self.closed = True
@@ -253,7 +262,7 @@ class Connection(asyncio.Protocol):
         if status < 200:
             # 100 Continue and the like come before the answer: skip them.
             self._interim = True
-            self.headers = []
+            self.headers.clear()
             return
         self.status = status
         framed = False
@@ -312,7 +321,7 @@ class Connection(asyncio.Protocol):
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._chunks = []
+        self._chunks.clear()
         self.close()
         if self._head is not None and not self._head.done():
             self._head.set_exception(error)
