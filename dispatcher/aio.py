@@ -38,7 +38,7 @@ class Wakeup:
         """Until fired, or ``timeout_s`` passed."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _wake, waiter)
+        timer = loop.call_later(timeout_s, wake, waiter)
         self._waiters.add(waiter)
         try:
             await waiter
@@ -50,11 +50,12 @@ class Wakeup:
         if self._waiters:
             waiters, self._waiters = self._waiters, set()
             for waiter in waiters:
-                _wake(waiter)
+                wake(waiter)
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
+def wake(waiter: asyncio.Future[None] | None) -> None:
+    """Resolve ``waiter`` unless there is none or it is done (cancelled, timed out)."""
+    if waiter is not None and not waiter.done():
         waiter.set_result(None)
 
 

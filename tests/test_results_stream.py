@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,7 @@ async def test_a_waiting_stream_has_a_new_line_one_turn_of_the_loop_after_it_is_
     # At 10,000 in flight a turn of the loop is tens of ms: every turn between a
     # group's line and its delivery is felt by the trainer. The stream waits on the
     # index's Wakeup, which once woke it in three turns (a task inside wait_for).
-    source = job_files(tmp_path, [], live=True)
-    source = results.Source(
-        source.output, source.rows, source.groups_path, source.groups, lambda: None,
-        lambda task: None,
-    )  # fmt: skip
+    source = dataclasses.replace(job_files(tmp_path, [], live=True), final_state=lambda: None)
     got: list[bytes] = []
 
     async def consume() -> None:

@@ -36,6 +36,7 @@ import httptools
 from yarl import URL
 
 from dispatcher import __version__
+from dispatcher.aio import wake
 from dispatcher.delivery.limits import (
     JOIN_OFF_LOOP_BYTES,
     BodyLimitError,
@@ -113,9 +114,8 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._head: asyncio.Future[None] | None = None
         self._end: asyncio.Future[None] | None = None
-        # An answer's headers and body pieces: the lists are kept and cleared, call
-        # after call (at 10,000 in flight, each object a call leaves alive is walked
-        # by the young GC passes of the next wave).
+        # An answer's headers and body pieces, in two lists kept and cleared call
+        # after call.
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
         self._reset(0)
@@ -273,7 +273,7 @@ class Connection(asyncio.Protocol):
             elif key in (b"content-length", b"transfer-encoding"):
                 framed = True
         self._until_close = not framed
-        _wake(self._head)
+        wake(self._head)
 
     def on_body(self, chunk: bytes) -> None:
         if self._error is not None:
@@ -316,7 +316,7 @@ class Connection(asyncio.Protocol):
         if self._inflate is not None and self._error is None:
             self._inflate.flush(self)
         self._complete = True
-        _wake(self._end)
+        wake(self._end)
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
@@ -325,12 +325,7 @@ class Connection(asyncio.Protocol):
         self.close()
         if self._head is not None and not self._head.done():
             self._head.set_exception(error)
-        _wake(self._end)
-
-
-def _wake(waiter: asyncio.Future[None] | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
+        wake(self._end)
 
 
 class _Inflater:
