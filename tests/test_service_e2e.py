@@ -114,6 +114,12 @@ def lint_metrics(promtool: str, text: str) -> None:
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
+def log_events(proc: CliProcess) -> list[dict[str, Any]]:
+    """The JSON log events a daemon wrote to stderr."""
+    lines = b"".join(proc.stderr).splitlines()
+    return [orjson.loads(line) for line in lines if line.startswith(b"{")]
+
+
 def rows(count: int, **extra: Any) -> list[dict[str, Any]]:
     return [{"agent_ref": {"name": "sim"}, "question": i, **extra} for i in range(count)]
 
@@ -159,6 +165,11 @@ async def test_three_jobs_by_priority_every_row_streamed_once_in_groups(
             assert group["failures"] == 0
             assert {r["_ng_task_index"] for r in group["rows"]} == {group["task_index"]}
             assert sorted(r["_ng_rollout_index"] for r in group["rows"]) == [0, 1]
+    # A job's rollouts all run in one context, copied once: each event still
+    # names its own job and run.
+    finished = [e for e in log_events(serve.proc) if e["event"] == "rollout_finished"]
+    assert Counter(e["job_id"] for e in finished) == {"first": 1, "high": 4, "mid": 4, "low": 4}
+    assert all(e["run_id"] for e in finished)
 
 
 async def test_a_consumer_that_reconnects_with_after_misses_and_repeats_nothing(

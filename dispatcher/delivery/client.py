@@ -64,6 +64,7 @@ __all__ = [
     "DeliveryPolicy",
     "Failure",
     "NotDelivered",
+    "Progress",
     "Sending",
     "agent_reported_terminal",
     "body_excerpt",
@@ -111,8 +112,14 @@ class DeliveryObserver(Protocol):
 Try = tuple[Attempt | None, NotDelivered | None]
 
 
-class Sending:
+class Progress(Protocol):
     """Whether a rollout's request is at a replica now (see ``AgentClient.run``)."""
+
+    sending: bool
+
+
+class Sending:
+    """A ``Progress`` of its own, for a caller that keeps none."""
 
     __slots__ = ("sending",)
 
@@ -229,7 +236,7 @@ class AgentClient:
         agent: str,
         body: dict[str, Any],
         rollout_id: str,
-        progress: Sending | None = None,
+        progress: Progress | None = None,
         data: bytes | None = None,
     ) -> Attempt:
         """Deliver one rollout; retries not-delivered tries until the delivery deadline.
@@ -244,11 +251,12 @@ class AgentClient:
         replicas = self.replica_sets[agent]
         if data is None:
             data = jsonx.dumps(body)  # once: every try sends the same bytes
-        deadline = _Deadline(self._clock() + self._policy.deadline_s)
+        # Waits for room or pacing push the deadline back (``_ready_replica``).
+        deadline_at = self._clock() + self._policy.deadline_s
         last: Replica | None = None
         retry = 0
         while True:
-            replica = await self._ready_replica(replicas, last, deadline)
+            replica, deadline_at = await self._ready_replica(replicas, last, deadline_at)
             if replica is None:
                 return self._deadline_attempt(replicas, last, retry)
             progress.sending = True
@@ -265,7 +273,7 @@ class AgentClient:
             assert missed is not None
             delay_s = self._retry_delay(replicas, replica, retry, missed)
             # A retry that would start past the deadline is not made.
-            if self._clock() + delay_s >= deadline.at:
+            if self._clock() + delay_s >= deadline_at:
                 return self._deadline_attempt(replicas, replica, retry, missed)
             self._observer.retrying(replica, rollout_id, missed.reason, delay_s, retry)
             if missed.retry_after_s is not None:
@@ -275,9 +283,10 @@ class AgentClient:
             last, retry = replica, retry + 1
 
     async def _ready_replica(
-        self, replicas: ReplicaSet, last: Replica | None, deadline: _Deadline
-    ) -> Replica | None:
-        """The replica to send to now, after any wait for one; None past the deadline."""
+        self, replicas: ReplicaSet, last: Replica | None, deadline_at: float
+    ) -> tuple[Replica | None, float]:
+        """The replica to send to now, after any wait for one (None past the
+        deadline), and the deadline pushed back by the time waits did not count."""
         while True:
             if replicas.all_no_run():
                 raise AgentMisconfigured(no_run_message(replicas.agent, replicas.urls()))
@@ -285,23 +294,20 @@ class AgentClient:
             if replica is None:
                 if replicas.at_cap():
                     # Waiting for room under a cap is not time spent delivering.
-                    deadline.at += await self._wait_for_room(replicas.agent)
-                elif not await self._wait_for_replica(replicas.agent, deadline.at):
-                    return None
+                    deadline_at += await self._wait_for_room(replicas.agent)
+                elif not await self._wait_for_replica(replicas.agent, deadline_at):
+                    return None, deadline_at
                 continue
-            if await self._paced(replica, deadline):
-                return replica
-
-    async def _paced(self, replica: Replica, deadline: _Deadline) -> bool:
-        """Keep to ``--max-starts-per-s``; False when the replica is no longer free after."""
-        if self._starts is None:
-            return True
-        paced_s = await self._starts.acquire()
-        if paced_s <= 0:
-            return True
-        deadline.at += paced_s
-        # Others may have filled it, or taken its probe, meanwhile.
-        return replica.routable() and replica.has_room()
+            if self._starts is None:
+                return replica, deadline_at
+            # Kept to ``--max-starts-per-s``: the pacing wait is not spent delivering.
+            paced_s = await self._starts.acquire()
+            if paced_s <= 0:
+                return replica, deadline_at
+            deadline_at += paced_s
+            # Others may have filled it, or taken its probe, meanwhile.
+            if replica.routable() and replica.has_room():
+                return replica, deadline_at
 
     def _retry_delay(
         self, replicas: ReplicaSet, failed: Replica, retry: int, missed: NotDelivered
@@ -430,13 +436,6 @@ class AgentClient:
         return Attempt(
             Outcome.AGENT_REQUEST_FAILED, url, time.time(), 0.0, None, failure, retries=retry
         )
-
-
-@dataclass
-class _Deadline:
-    """A rollout's delivery deadline; waits for room or pacing push it back."""
-
-    at: float
 
 
 def _is_congestion(missed: NotDelivered) -> bool:

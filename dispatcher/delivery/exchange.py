@@ -51,11 +51,25 @@ class ExchangeLimits:
 async def post_run(
     pool: Http1Pool, url: str, target: Target, body: bytes, limits: ExchangeLimits
 ) -> Exchanged:
-    """One HTTP exchange: (status, body, not delivered, failure of a delivered one)."""
-    conn: Connection | None = None
+    """One HTTP exchange: (status, body, not delivered, failure of a delivered one).
+
+    The call waits here for its answer, one coroutine deep (no helper for the
+    head, none in the pool): at 10,000 in flight every frame a waiting call
+    holds is walked by each young GC pass (``aio.tune_gc``).
+    """
+    conn = pool.reused(target)
     try:
         async with _timeout(limits.rollout_timeout_s):
-            conn = await _send(pool, url, target, body, limits)
+            # Until the status line, whatever goes wrong is not delivered.
+            try:
+                if conn is None:
+                    conn = await pool.connect(target)
+                async with _NO_TIMEOUT if limits.first_byte is None else limits.first_byte.scope():
+                    await conn.send(target.head, body, limits.body.max_bytes)
+            # The rollout timeout expiring meanwhile arrives as a CancelledError
+            # (not caught here) and becomes a TimeoutError below.
+            except (OSError, TimeoutError) as exc:
+                raise _NotDeliveredError(_head_missed(url, exc, limits)) from exc
             raw, failure = await _read_body(conn, limits.body)
             return _answered(conn, raw, failure)
     except _NotDeliveredError as exc:
@@ -69,6 +83,7 @@ async def post_run(
         return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
     finally:
         # After the answer is judged: the connection's status and headers are its.
+        # One whose answer is not whole (a cancel, a timeout, an error) is closed.
         if conn is not None:
             pool.release(conn, target)
 
@@ -80,26 +95,17 @@ def _answered(conn: Connection, raw: bytes, failure: Failure | None) -> Exchange
     return conn.status, raw, None, failure
 
 
-async def _send(
-    pool: Http1Pool, url: str, target: Target, body: bytes, limits: ExchangeLimits
-) -> Connection:
-    """POST and wait for the status line; every way of getting none is not delivered."""
-    first_byte = limits.first_byte
-    try:
-        async with _NO_TIMEOUT if first_byte is None else first_byte.scope():
-            return await pool.post(target, body, limits.body.max_bytes)
+def _head_missed(url: str, exc: OSError | TimeoutError, limits: ExchangeLimits) -> NotDelivered:
+    """Why no status line came: every way of getting none is not delivered, but
+    the dispatcher's own faults (EMFILE, ...) raise ``LocalFault``."""
     # A connect timeout is also a TimeoutError: test it first.
-    except ConnectTimeout as exc:
-        raise _NotDeliveredError(_no_answer(url, RetryReason.CONNECT_TIMEOUT, exc)) from exc
-    # The rollout timeout expiring meanwhile arrives as a CancelledError
-    # (not caught here) and becomes a TimeoutError in ``post_run``.
-    except TimeoutError as exc:
-        first_byte_s = first_byte.seconds if first_byte is not None else None
-        missed = _no_answer(url, RetryReason.FIRST_BYTE_TIMEOUT, exc, f"after {first_byte_s} s")
-        raise _NotDeliveredError(missed) from exc
-    except OSError as exc:
-        _raise_if_local(exc)
-        raise _NotDeliveredError(_no_answer(url, RetryReason.NO_ANSWER, exc)) from exc
+    if isinstance(exc, ConnectTimeout):
+        return _no_answer(url, RetryReason.CONNECT_TIMEOUT, exc)
+    if isinstance(exc, TimeoutError):
+        first_byte_s = limits.first_byte.seconds if limits.first_byte is not None else None
+        return _no_answer(url, RetryReason.FIRST_BYTE_TIMEOUT, exc, f"after {first_byte_s} s")
+    _raise_if_local(exc)
+    return _no_answer(url, RetryReason.NO_ANSWER, exc)
 
 
 async def _read_body(conn: Connection, limits: ResponseLimits) -> tuple[bytes, Failure | None]:

@@ -138,18 +138,19 @@ class Connection(asyncio.Protocol):
 
     # ---- one call ------------------------------------------------------------------
 
-    async def send(self, head: bytes, body: bytes, max_bytes: int) -> None:
-        """Write the request; return once the answer's status line and headers are in."""
+    def send(self, head: bytes, body: bytes, max_bytes: int) -> asyncio.Future[None]:
+        """Write the request; the future is done once the answer's status line and
+        headers are in. (A future, not a coroutine: one object less per call in flight.)"""
         assert self._transport is not None
         self._reset(max_bytes)
-        self._head = self._pool.loop.create_future()
+        self._head = answered = self._pool.loop.create_future()
         length = b"%d\r\n\r\n" % len(body)
         if len(body) <= _JOIN_BODY_BYTES:
             self._transport.write(head + length + body)
         else:
             self._transport.write(head + length)
             self._transport.write(body)
-        await self._head
+        return answered
 
     def header(self, name: bytes) -> str | None:
         """The answer's header ``name`` (lower case), or None."""
@@ -387,8 +388,11 @@ class Http1Pool:
         return self._loop
 
     async def post(self, target: Target, body: bytes, max_bytes: int) -> Connection:
-        """``POST`` ``body``; the connection once the answer's status line is in."""
-        conn = self._reused(target) or await self._connect(target)
+        """``POST`` ``body``; the connection once the answer's status line is in.
+
+        (The agent calls do the same inline: ``exchange.post_run``.)
+        """
+        conn = self.reused(target) or await self.connect(target)
         try:
             await conn.send(target.head, body, max_bytes)
         except BaseException:
@@ -444,7 +448,8 @@ class Http1Pool:
         # Let the transports' close callbacks run before the loop goes.
         await asyncio.sleep(0)
 
-    def _reused(self, target: Target) -> Connection | None:
+    def reused(self, target: Target) -> Connection | None:
+        """An idle connection to ``target``, the most recently used first; None if none."""
         idle = self._idle.get(target.origin)
         while idle:
             conn = idle.pop()
@@ -452,7 +457,8 @@ class Http1Pool:
                 return conn
         return None
 
-    async def _connect(self, target: Target) -> Connection:
+    async def connect(self, target: Target) -> Connection:
+        """A new connection to ``target`` (``ConnectTimeout`` past the connect timeout)."""
         loop = self._loop = asyncio.get_running_loop()
         tls = self._tls_context() if target.tls else None
         conn = Connection(self)

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from dispatcher.admission.pool import Slots
-from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt, Sending
+from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt
 from dispatcher.delivery.faults import LocalFault, as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.writer import Line
@@ -66,6 +66,8 @@ class FlightParts:
     policy_version: Callable[[], int | None]
     # Told once, when the rollout's agent slots are freed.
     left_agent: Callable[[Rollout], None]
+    # Told once, when the flight's task is done (also one cancelled before it ran).
+    landed: Callable[[Flight, asyncio.Task[Landing]], None]
 
 
 @dataclass(slots=True)
@@ -86,17 +88,23 @@ class Landing:
 
 
 class Flight:
-    """Owns one admitted rollout from its slots to its ``Landing``."""
+    """Owns one admitted rollout from its slots to its ``Landing``.
 
-    __slots__ = ("_parts", "_slots", "at_agent", "delivery", "rollout", "started", "task")
+    A flight is as small as it can be: at 10,000 in flight, every object one
+    holds is walked by each young GC pass (``aio.tune_gc``). So it is its own
+    ``AgentClient.run`` progress (``sending``), its done callback is a bound
+    method, and the whole agent call is one coroutine deep here.
+    """
+
+    __slots__ = ("_parts", "_slots", "at_agent", "rollout", "sending", "started", "task")
 
     def __init__(self, rollout: Rollout, slots: Slots, parts: FlightParts) -> None:
         self.rollout = rollout
         self._parts = parts
         self._slots = slots
         self.at_agent = True
-        # Sending only while its request is at a replica, not while it waits to retry.
-        self.delivery = Sending()
+        # True only while its request is at a replica, not while it waits to retry.
+        self.sending = False
         self.started = time.perf_counter()
         self.task: asyncio.Task[Landing] | None = None
 
@@ -104,9 +112,15 @@ class Flight:
         return time.perf_counter() - self.started
 
     async def fly(self) -> Landing:
-        version_start = self._parts.policy_version()
+        rollout, parts = self.rollout, self._parts
+        version_start = parts.policy_version()
         try:
-            attempt = await self._at_agent()
+            attempt = await parts.agents.run(
+                rollout.agent, rollout.body, rollout.rollout_id, self, rollout.wire
+            )
+            # Backpressure: past the queue's bounds the rollout keeps its agent
+            # slots, so no new rollout starts until rows are written.
+            await parts.commit_queue.enter(attempt.body_bytes)
         except LocalFault as fault:
             return Landing(Outcome.REQUEUED, self.elapsed_s(), fault=fault)
         except AgentMisconfigured as exc:
@@ -115,12 +129,16 @@ class Flight:
         finally:
             self.leave_agent()
         try:
-            if self._parts.finalizer.pauses(attempt):
+            if parts.finalizer.pauses(attempt):
                 # Its row is built across awaits (capture, a worker): shield all of it.
                 return await _to_the_end(self._commit(attempt, version_start))
             return await self._commit(attempt, version_start)
         finally:
-            self._parts.commit_queue.leave(attempt.body_bytes)
+            parts.commit_queue.leave(attempt.body_bytes)
+
+    def land(self, task: asyncio.Task[Landing]) -> None:
+        """The task's done callback: its job records the landing."""
+        self._parts.landed(self, task)
 
     def leave_agent(self) -> None:
         """Free the slots and leave the job's in-flight count, once: also for a task
@@ -129,17 +147,6 @@ class Flight:
             self.at_agent = False
             self._slots.release()
             self._parts.left_agent(self.rollout)
-
-    async def _at_agent(self) -> Attempt:
-        """The agent's answer, with a place in the commit queue."""
-        rollout, parts = self.rollout, self._parts
-        attempt = await parts.agents.run(
-            rollout.agent, rollout.body, rollout.rollout_id, self.delivery, rollout.wire
-        )
-        # Backpressure: past the queue's bounds the rollout keeps its agent
-        # slots, so no new rollout starts until rows are written.
-        await parts.commit_queue.enter(attempt.body_bytes)
-        return attempt
 
     async def _commit(self, attempt: Attempt, version_start: int | None) -> Landing:
         rollout, parts = self.rollout, self._parts

@@ -28,7 +28,7 @@ async def settle(flights: Collection[Flight], grace_s: float, reason: str, log: 
     while True:
         # One whose answer was "not delivered" meanwhile goes back to waiting:
         # look again at each short step of the grace.
-        waiting = {f.task for f in flights if f.at_agent and not f.delivery.sending and f.task}
+        waiting = {f.task for f in flights if f.at_agent and not f.sending and f.task}
         await cancel(waiting, reason, log)
         at_agents = {f.task for f in flights if f.at_agent and f.task is not None}
         if not at_agents or time.monotonic() >= deadline:

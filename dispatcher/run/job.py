@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -91,6 +92,7 @@ class Job:
         # moved with the in-flight gauge in ``_launch`` and ``_left_agent``.
         self._at_agents = 0
         self._parts: FlightParts | None = None
+        self._context: contextvars.Context | None = None
         self.writers: tuple[RowWriter, ...] = ()
         self._shard_filter = shard_filter
         self._rank = rank
@@ -274,8 +276,14 @@ class Job:
         self.daemon.metrics.rollout_started(rollout.agent)
         self.flights.add(flight)
         self._idle.clear()
-        flight.task = task = asyncio.create_task(flight.fly(), name=f"rollout:{rollout.rollout_id}")
-        task.add_done_callback(lambda t: self._landed(flight, t))
+        # Every flight of the job runs in the one context copied here (no flight
+        # binds a context variable): a copy per task and per callback would be
+        # two more objects per rollout in flight for each GC pass to walk.
+        if self._context is None:
+            self._context = contextvars.copy_context()
+        name = f"rollout:{rollout.rollout_id}"
+        flight.task = task = asyncio.create_task(flight.fly(), name=name, context=self._context)
+        task.add_done_callback(flight.land, context=self._context)
 
     def _flight_parts(self) -> FlightParts:
         if self._parts is None:
@@ -287,6 +295,7 @@ class Job:
                 write=self._write,
                 policy_version=daemon.policy_version,
                 left_agent=self._left_agent,
+                landed=self._landed,
             )
         return self._parts
 
