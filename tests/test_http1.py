@@ -530,3 +530,132 @@ def test_a_flood_of_answer_bytes_is_read_a_bounded_amount_per_turn_of_the_loop(
     assert uvloop.run(flood()) == [body] * calls
     # Past the bound, a connection that was ready in the same turn reads once more.
     assert max(read.values()) <= http1.READ_BYTES_PER_TURN + calls * largest_read, read
+
+
+def test_a_wave_of_answers_wakes_a_bounded_number_of_calls_per_turn_of_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An agent answers in waves: calls started together end together, libuv
+    # reads every ready socket in one turn, and each call woken runs its
+    # rollout's next steps in the turn after: thousands at once held every
+    # timer for 50 to 100 ms at 10,000 in flight.
+    monkeypatch.setattr(http1, "ANSWERS_PER_TURN", 3)
+    calls = 12
+    turn, ticking = 0, True
+    woken: dict[int, int] = {}
+    arrived = 0
+    all_in = asyncio.Event()
+
+    def tick() -> None:
+        nonlocal turn
+        turn += 1
+        if ticking:
+            asyncio.get_running_loop().call_soon(tick)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal arrived
+        await read_request(reader)
+        arrived += 1
+        if arrived == calls:
+            all_in.set()
+        await all_in.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async def one(pool: Http1Pool, url: str) -> bytes:
+        target = Target.of(url)
+        conn = await pool.post(target, b"{}", MAX)
+        woken[turn] = woken.get(turn, 0) + 1
+        try:
+            return await conn.body(None)
+        finally:
+            pool.release(conn, target)
+
+    async def wave() -> list[bytes]:
+        nonlocal ticking
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/run"
+        pool = Http1Pool(connect_timeout_s=5.0)
+        asyncio.get_running_loop().call_soon(tick)
+        try:
+            return await asyncio.gather(*(one(pool, url) for _ in range(calls)))
+        finally:
+            ticking = False
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    assert uvloop.run(wave()) == [b"ok"] * calls
+    assert sum(woken.values()) == calls
+    assert max(woken.values()) <= 3, woken
+
+
+async def test_calls_past_a_turns_bound_are_woken_in_the_turns_after_first_come_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(http1, "ANSWERS_PER_TURN", 2)
+    pool = Http1Pool(connect_timeout_s=5.0)
+    heads = [asyncio.get_running_loop().create_future() for _ in range(5)]
+    for head in heads:
+        pool.answered(head)
+    done = [[h.done() for h in heads]]
+    for _ in range(3):
+        await asyncio.sleep(0)
+        done.append([h.done() for h in heads])
+    assert done == [
+        [True, True, False, False, False],
+        [True, True, True, True, False],
+        [True, True, True, True, True],
+        [True, True, True, True, True],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("answer", "body"),
+    [
+        (b"HTTP/1.1 200 OK\r\n\r\nwhole", b"whole"),  # read until close: ends whole
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", None),  # cut short
+    ],
+    ids=["until-close", "cut-short"],
+)
+async def test_a_head_whose_call_waits_for_its_turn_stands_when_the_connection_then_ends(
+    pool: Http1Pool,
+    scripted: Scripted,
+    monkeypatch: pytest.MonkeyPatch,
+    answer: bytes,
+    body: bytes | None,
+) -> None:
+    # Past a turn's bound the call waits to be woken (``Http1Pool.answered``);
+    # its head is in: the connection's end is its body's, and it was delivered.
+    held: list[asyncio.Future[None]] = []
+    monkeypatch.setattr(Http1Pool, "answered", lambda self, head: held.append(head))
+    lost = asyncio.Event()
+    connection_lost = Connection.connection_lost
+
+    def noted(self: Connection, exc: Exception | None) -> None:
+        connection_lost(self, exc)
+        lost.set()
+
+    monkeypatch.setattr(Connection, "connection_lost", noted)
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    target = Target.of(await scripted(script))
+    posted = asyncio.create_task(pool.post(target, b"{}", MAX))
+    await lost.wait()
+    assert len(held) == 1 and not held[0].done()
+    held[0].set_result(None)
+    conn = await posted
+    assert conn.status == 200
+    if body is not None:
+        assert await conn.body(None) == body
+    else:
+        with pytest.raises(Disconnected, match="before its answer's end"):
+            await conn.body(None)
+    pool.release(conn, target)
