@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Coroutine
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -72,3 +74,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return serial_group(nodeid)
 
     return SerialGroups(config, log)
+
+
+@pytest.fixture
+def no_signal_handlers() -> Iterator[None]:
+    """``Dispatcher.run`` installs SIGTERM/SIGINT handlers on the test's loop: remove them."""
+    yield
+    loop = asyncio.get_event_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)

@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,24 @@ def free_port() -> int:
     _HELD_PORTS.append(sock)
     port: int = sock.getsockname()[1]
     return port
+
+
+@contextlib.asynccontextmanager
+async def sim_agent_process(*args: str) -> AsyncIterator[str]:
+    """``dispatcher sim-agent ARGS`` in its own process (its limits and objects are not
+    this process's); yields its base URL."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dispatcher", "sim-agent", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await proc.stdout.readline()).decode()
+    assert "listening on " in line, line
+    try:
+        yield line.rsplit(" ", 1)[-1].strip()
+    finally:
+        proc.terminate()
+        await proc.wait()
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:

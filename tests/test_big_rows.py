@@ -35,9 +35,9 @@ from dispatcher.rows.wire import Split, WireResult, classify_big, row_line, spli
 from dispatcher.sim.agent import TOKENS_KEY, token_logprobs_json
 from tests.helpers import FakeAgent, in_process_run, read_jsonl, run_args, run_cli
 from tests.test_capture_finalize import USAGE, chat_answer, exchange_line, write_lines
-from tests.test_delivery_faults import agent_url, no_signal_handlers
+from tests.test_delivery_faults import agent_url
 
-__all__ = ["agent_url", "no_signal_handlers"]
+__all__ = ["agent_url"]
 
 OURS = {
     "_ng_task_index": 7,

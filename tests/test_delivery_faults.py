@@ -7,12 +7,9 @@ building fail, while a real agent answers from its own process.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import resource
-import signal
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,31 +21,14 @@ from dispatcher.errors import ExitCode
 from dispatcher.files.resume import OutputPaths
 from dispatcher.rows import finalize as finalizer
 from dispatcher.run import daemon
-from tests.helpers import in_process_run, read_jsonl
+from tests.helpers import in_process_run, read_jsonl, sim_agent_process
 
 
 @pytest.fixture
 async def agent_url() -> AsyncIterator[str]:
     """A sim agent in its own process: our descriptor limit must not be its limit."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dispatcher", "sim-agent", "--latency-s", "0.2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = (await proc.stdout.readline()).decode()
-    assert "listening on " in line, line
-    yield line.rsplit(" ", 1)[-1].strip()
-    proc.terminate()
-    await proc.wait()
-
-
-@pytest.fixture
-def no_signal_handlers() -> Iterator[None]:
-    """``Dispatcher.run`` installs SIGTERM/SIGINT handlers on the test's loop: remove them."""
-    yield
-    loop = asyncio.get_event_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
+    async with sim_agent_process("--latency-s", "0.2") as url:
+        yield url
 
 
 def open_fds() -> int:

@@ -11,39 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import signal
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.helpers import in_process_run, wait_until
+from tests.helpers import in_process_run, sim_agent_process, wait_until
 
 
 @pytest.fixture
 async def holding_agent() -> AsyncIterator[str]:
     """A sim agent in its own process that answers each call after ten minutes."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dispatcher", "sim-agent", "--latency-s", "600",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = (await proc.stdout.readline()).decode()
-    assert "listening on " in line, line
-    yield line.rsplit(" ", 1)[-1].strip()
-    proc.terminate()
-    await proc.wait()
-
-
-@pytest.fixture
-def no_signal_handlers() -> Iterator[None]:
-    """``Dispatcher.run`` installs SIGTERM/SIGINT handlers on the test's loop: remove them."""
-    yield
-    loop = asyncio.get_event_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
+    async with sim_agent_process("--latency-s", "600") as url:
+        yield url
 
 
 async def objects_with_in_flight(
