@@ -384,14 +384,15 @@ class Http1Pool:
         self._tls: ssl.SSLContext | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
-        # For ``took_in``: bytes read since the count last started again (below
-        # the bound it carries over, which only brings a pause early), and the
+        # For ``took_in``: bytes read since the count last started again, and the
         # connections that wait for the next turn.
         self._turn_bytes = 0
         self._paused: list[Connection] = []
         # For ``answered``: calls woken in this turn, and those that wait for the next.
         self._turn_answers = 0
         self._waking: deque[asyncio.Future[None]] = deque()
+        # ``_next_turn`` is due at the next turn (both bounds start again there).
+        self._turn_due = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -439,10 +440,8 @@ class Http1Pool:
         if self._turn_bytes <= READ_BYTES_PER_TURN:
             return
         conn.pause_reading()
-        if not self._paused:
-            # Runs at the next turn: the count starts again from there.
-            self.loop.call_soon(self._next_turn)
         self._paused.append(conn)
+        self._next_turn_soon(self.loop)
 
     def answered(self, head: asyncio.Future[None]) -> None:
         """Wake the call whose answer's head is in: at most ``ANSWERS_PER_TURN``
@@ -456,26 +455,32 @@ class Http1Pool:
         --latency-s 10``). Bounded, the turns are short and as many answers
         are handled a second: the work is the same, spread over more turns.
         """
-        if self._turn_answers == 0:
-            # Runs at the next turn: its count starts again from there.
-            head.get_loop().call_soon(self._next_answers)
         if self._turn_answers < ANSWERS_PER_TURN:
             self._turn_answers += 1
             wake(head)
         else:
             self._waking.append(head)
+        self._next_turn_soon(head.get_loop())
 
-    def _next_answers(self) -> None:
+    def _next_turn_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._turn_due:
+            self._turn_due = True
+            loop.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        """A new turn: the paused connections read again (the byte count starts
+        again only after a pause: below the bound it carries over, which only
+        brings a pause early) and the calls waiting to be woken are, in order."""
+        self._turn_due = False
+        if self._paused:
+            paused, self._paused = self._paused, []
+            self._turn_bytes = 0
+            for conn in paused:
+                conn.resume_reading()
         self._turn_answers = 0
         waking = self._waking
         for _ in range(min(len(waking), ANSWERS_PER_TURN)):
             self.answered(waking.popleft())
-
-    def _next_turn(self) -> None:
-        paused, self._paused = self._paused, []
-        self._turn_bytes = 0
-        for conn in paused:
-            conn.resume_reading()
 
     async def close(self) -> None:
         """Close every connection, idle or in a call."""
