@@ -30,7 +30,7 @@ _BIG_INT_ERROR = "Integer exceeds 64-bit range"
 _SUPPORTED = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SORT_KEYS
 
 
-def loads(raw: bytes | str) -> Any:
+def loads(raw: bytes | bytearray | str) -> Any:
     """Parse like ``orjson.loads`` (raising its ``JSONDecodeError``), integers kept exact."""
     try:
         return _DECODER.decode(raw)

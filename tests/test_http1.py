@@ -82,7 +82,9 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, await reader.readexactly(length)
 
 
-async def call(pool: Http1Pool, url: str, body: bytes = b"{}", max_bytes: int = MAX) -> bytes:
+async def call(
+    pool: Http1Pool, url: str, body: bytes = b"{}", max_bytes: int = MAX
+) -> bytes | bytearray:
     target = Target.of(url)
     conn = await pool.post(target, body, max_bytes)
     try:
@@ -423,10 +425,13 @@ async def test_a_long_body_that_arrives_after_its_head_is_read_whole_and_the_con
     assert scripted.connections == 1
 
 
+@pytest.mark.parametrize(
+    "size", [200_000, 2 * http1.DIRECT_BODY_BYTES], ids=["through-the-parser", "direct"]
+)
 async def test_bytes_past_a_long_body_leave_the_answer_whole_and_close_the_connection(
-    pool: Http1Pool, scripted: Scripted
+    pool: Http1Pool, scripted: Scripted, size: int
 ) -> None:
-    body = b"z" * 200_000
+    body = b"z" * size
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -661,3 +666,100 @@ async def test_a_head_whose_call_waits_for_its_turn_stands_when_the_connection_t
         with pytest.raises(Disconnected, match="before its answer's end"):
             await conn.body(None)
     pool.release(conn, target)
+
+
+# ---- a big body of known length, read straight into a buffer of its own --------------
+
+BIG = bytes(range(256)) * (2 * http1.DIRECT_BODY_BYTES // 256) + b"end"  # ~2 MB
+
+
+def on_each_loop(loop: str, main: Callable[[], Awaitable[None]]) -> None:
+    """``main`` on asyncio's own loop or on uvloop (they read sockets their own ways)."""
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+
+
+@contextlib.asynccontextmanager
+async def big_answers(
+    answers: list[bytes], with_head: int, close_after: int | None = None
+) -> AsyncIterator[str]:
+    """A server answering each request with the next of ``answers``: its head with
+    its first ``with_head`` bytes in one write, the rest in pieces; the connection
+    closed after ``close_after`` bytes of the body, if given."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for body in answers:
+            await read_request(reader)
+            end = len(body) if close_after is None else close_after
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+            writer.write(body[:with_head])
+            for start in range(with_head, end, 300_000):
+                writer.write(body[start : min(start + 300_000, end)])
+                await writer.drain()
+            if close_after is not None:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(script, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/run"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize(
+    "with_head", [0, 10, len(BIG)], ids=["head-alone", "head-and-its-start", "head-and-all"]
+)
+def test_a_big_body_of_known_length_is_read_into_a_buffer_of_its_own_and_the_next_answer_read(
+    loop: str, with_head: int
+) -> None:
+    # However the body arrives, it is read whole; the connection then reads a
+    # small answer (through the parser again) and another big one.
+    answers = [BIG, b'{"small": 1}', BIG[::-1]]
+
+    async def main() -> None:
+        pool = Http1Pool(connect_timeout_s=5.0)
+        async with big_answers(answers, with_head) as url:
+            try:
+                got = [await call(pool, url) for _ in answers]
+            finally:
+                await pool.close()
+        assert got == answers
+        # The big ones went straight into their buffers: nothing was joined.
+        assert [type(body) for body in got] == [bytearray, bytes, bytearray]
+
+    on_each_loop(loop, main)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_big_body_cut_short_is_a_disconnected_error(loop: str) -> None:
+    async def main() -> None:
+        pool = Http1Pool(connect_timeout_s=5.0)
+        async with big_answers([BIG], 10, close_after=len(BIG) // 2) as url:
+            target = Target.of(url)
+            try:
+                conn = await pool.post(target, b"{}", MAX)
+                with pytest.raises(Disconnected, match="before its answer's end"):
+                    await conn.body(None)
+                assert conn.closed
+                pool.release(conn, target)
+            finally:
+                await pool.close()
+
+    on_each_loop(loop, main)
+
+
+def test_a_big_body_over_the_cap_is_refused_with_its_start_kept() -> None:
+    async def main() -> None:
+        pool = Http1Pool(connect_timeout_s=5.0)
+        async with big_answers([BIG], 10) as url:
+            try:
+                with pytest.raises(BodyLimitError) as caught:
+                    await call(pool, url, max_bytes=len(BIG) - 1)
+            finally:
+                await pool.close()
+        assert caught.value.kind == "ResponseTooLarge"
+        assert BIG.startswith(caught.value.partial) and caught.value.partial
+
+    on_each_loop("uvloop", main)

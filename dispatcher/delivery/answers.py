@@ -15,6 +15,7 @@ import orjson
 
 from dispatcher import jsonx
 from dispatcher.delivery.faults import LocalFault
+from dispatcher.delivery.limits import Body
 from dispatcher.delivery.statuses import BODY_EXCERPT_BYTES, RetryReason, not_delivered_reason
 from dispatcher.files.contracts import (
     FAILURE_CLASS,
@@ -92,10 +93,10 @@ Classified = tuple[Outcome, dict[str, Any] | None, Failure | None]
 _REDIRECT_NOTE = " (redirects are not followed)"
 
 
-Classifier = Callable[[int, bytes], Awaitable[Classified]]
+Classifier = Callable[[int, Body], Awaitable[Classified]]
 
 
-async def classify_on_loop(status: int, raw: bytes) -> Classified:
+async def classify_on_loop(status: int, raw: Body) -> Classified:
     """``classify_response`` in place; running out of memory there is our fault (§11)."""
     try:
         return classify_response(status, raw)
@@ -103,7 +104,7 @@ async def classify_on_loop(status: int, raw: bytes) -> Classified:
         raise LocalFault("MemoryError", "out of memory reading an answer") from exc
 
 
-def classify_response(status: int, raw: bytes) -> Classified:
+def classify_response(status: int, raw: Body) -> Classified:
     """Class an HTTP answer (§3, §5): a result, an agent-reported failure, or ours."""
     if not 200 <= status < 300:
         failure_class = (
@@ -126,7 +127,7 @@ def classify_response(status: int, raw: bytes) -> Classified:
     return classify_object(status, raw, result)
 
 
-def classify_object(status: int, raw: bytes, result: Any) -> Classified:
+def classify_object(status: int, raw: Body, result: Any) -> Classified:
     """Class a 2xx answer's parsed body (``raw`` only for a failure's excerpt)."""
     if not isinstance(result, dict):
         kind = type(result).__name__
@@ -143,7 +144,7 @@ def classify_object(status: int, raw: bytes, result: Any) -> Classified:
 
 
 def _protocol_violation(
-    status: int, raw: bytes, type_name: str, message: str
+    status: int, raw: Body, type_name: str, message: str
 ) -> tuple[Outcome, None, Failure]:
     failure = Failure(
         Outcome.PROTOCOL_VIOLATION.value,
@@ -156,7 +157,7 @@ def _protocol_violation(
     return Outcome.PROTOCOL_VIOLATION, None, failure
 
 
-def body_excerpt(raw: bytes) -> str:
+def body_excerpt(raw: Body) -> str:
     """At most 2000 characters decoded from at most the first 8000 bytes, ``…`` if longer."""
     text = raw[:BODY_EXCERPT_BYTES].decode("utf-8", errors="replace")
     if len(raw) > BODY_EXCERPT_BYTES or len(text) > BODY_EXCERPT_CHARS:

@@ -20,12 +20,12 @@ from dispatcher.delivery.answers import Failure, NotDelivered, body_excerpt
 from dispatcher.delivery.deadlines import Deadlines
 from dispatcher.delivery.faults import as_local_fault
 from dispatcher.delivery.http1 import Connection, ConnectTimeout, Http1Pool, Target
-from dispatcher.delivery.limits import BodyLimitError, ResponseLimits
+from dispatcher.delivery.limits import Body, BodyLimitError, ResponseLimits
 from dispatcher.delivery.retry import parse_retry_after
 from dispatcher.delivery.statuses import RetryReason, not_delivered_reason
 from dispatcher.outcome import Outcome
 
-Exchanged = tuple[int, bytes, NotDelivered | None, Failure | None]
+Exchanged = tuple[int, Body, NotDelivered | None, Failure | None]
 
 # No timeout configured: skip building a timeout scope for every call.
 _NO_TIMEOUT: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
@@ -88,7 +88,7 @@ async def post_run(
             pool.release(conn, target)
 
 
-def _answered(conn: Connection, raw: bytes, failure: Failure | None) -> Exchanged:
+def _answered(conn: Connection, raw: Body, failure: Failure | None) -> Exchanged:
     reason = not_delivered_reason(conn.status, raw)
     if reason is not None:
         return conn.status, raw, _refused(reason, conn, raw), None
@@ -108,7 +108,7 @@ def _head_missed(url: str, exc: OSError | TimeoutError, limits: ExchangeLimits) 
     return _no_answer(url, RetryReason.NO_ANSWER, exc)
 
 
-async def _read_body(conn: Connection, limits: ResponseLimits) -> tuple[bytes, Failure | None]:
+async def _read_body(conn: Connection, limits: ResponseLimits) -> tuple[Body, Failure | None]:
     """The answer's body within the limits; a 2xx that breaks one is an ``agent_run_error``.
 
     An error status keeps its own class, judged on the part of the body read.
@@ -151,7 +151,7 @@ def _no_answer(
     return NotDelivered(reason, _failure(Outcome.AGENT_REQUEST_FAILED, exc, message))
 
 
-def _refused(reason: RetryReason, conn: Connection, raw: bytes) -> NotDelivered:
+def _refused(reason: RetryReason, conn: Connection, raw: Body) -> NotDelivered:
     failure = Failure(
         Outcome.AGENT_REQUEST_FAILED.value,
         "ClientResponseError",

@@ -10,6 +10,8 @@ prints both). This client keeps only what an agent call needs:
   credentials its URL carries, and TLS for an ``https`` replica;
 - the answer parsed by httptools (llhttp, the parser uvicorn uses): status,
   headers, a Content-Length, chunked or read-until-close body, 1xx skipped;
+- a big body of known length read straight into a buffer of its own
+  (``Connection.get_buffer``): the kernel's copy is its only one;
 - a gzip or deflate answer inflated as it arrives, in bounded steps, so the
   body cap (``ResponseLimits.max_bytes``) counts inflated bytes and memory
   stays under it whatever the agent sends;
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
 import ssl
 import zlib
 from collections import deque
@@ -40,6 +43,8 @@ from dispatcher import __version__
 from dispatcher.aio import wake
 from dispatcher.delivery.limits import (
     JOIN_OFF_LOOP_BYTES,
+    PARTIAL_KEEP_BYTES,
+    Body,
     BodyLimitError,
     partial_prefix,
     too_large_message,
@@ -61,6 +66,33 @@ READ_BYTES_PER_TURN = 2 * 1024 * 1024
 # Calls woken by their answer in one turn of the loop; the others in the turns
 # after, in the order their answers came (``Http1Pool.answered``).
 ANSWERS_PER_TURN = 64
+# A body at least this big, of known length and not inflated, is read straight
+# into a buffer of its size. Through the parser, each byte was copied twice on
+# the loop (the read's bytes, then the parser's piece) and once more to join
+# the pieces: 36% of the loop's CPU with 20 MB answers (``perf``).
+DIRECT_BODY_BYTES = 1024 * 1024
+# One read into a direct body takes at most this much (a turn's reads stay short).
+DIRECT_READ_BYTES = 1024 * 1024
+# A direct body's last bytes are read through the scratch buffer, with any that
+# follow them in the socket: bytes past an answer close its connection, as they
+# do through the parser, and are never left there for the next call to read.
+_DIRECT_TAIL_BYTES = 64 * 1024
+# Every other read lands here first; one buffer serves the whole pool, as the
+# loop hands each read to its connection before it makes the next.
+_SCRATCH_BYTES = 256 * 1024
+
+# ``bytearray(n)`` zeroes its n bytes first: 8 ms for 20 MB here, on the loop,
+# for bytes the socket's read then overwrites. The C API leaves them as they
+# are; a direct body is handed on only once every byte of it is read.
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_new_bytearray.restype = ctypes.py_object
+
+
+def unfilled_bytearray(size: int) -> bytearray:
+    """A bytearray of ``size`` bytes, not zeroed: for a read to fill whole."""
+    buffer: bytearray = _new_bytearray(None, size)
+    return buffer
 
 
 class Disconnected(ConnectionError):
@@ -109,7 +141,7 @@ class Target:
         return cls(host, port, parsed.scheme == "https", head, origin)
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.BufferedProtocol):
     """One keep-alive connection; during a call, its answer: ``status``, headers, body."""
 
     def __init__(self, pool: Http1Pool) -> None:
@@ -130,6 +162,9 @@ class Connection(asyncio.Protocol):
         self.headers.clear()
         self._chunks.clear()
         self._size = 0
+        # A direct body: its buffer, and whether the last read went into it.
+        self._direct: memoryview | None = None
+        self._into_direct = False
         self._max_bytes = max_bytes
         self._inflate: _Inflater | None = None
         self._until_close = False
@@ -163,7 +198,7 @@ class Connection(asyncio.Protocol):
                 return value.decode("latin-1")
         return None
 
-    async def body(self, read_timeout_s: float | None) -> bytes:
+    async def body(self, read_timeout_s: float | None) -> Body:
         """The whole (inflated) body; ``BodyLimitError`` when too large or too slow."""
         if not self._complete and self._error is None:
             self._end = self._pool.loop.create_future()
@@ -179,6 +214,10 @@ class Connection(asyncio.Protocol):
                 raise BodyLimitError("ResponseReadTimeout", message, self._prefix()) from None
         if self._error is not None:
             raise self._error
+        if self._direct is not None:
+            body, self._direct = self._direct.obj, None
+            assert isinstance(body, bytearray)
+            return body
         if self._size < JOIN_OFF_LOOP_BYTES:
             body = b"".join(self._chunks)
             self._chunks.clear()
@@ -208,7 +247,40 @@ class Connection(asyncio.Protocol):
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance.
         self._transport = cast(asyncio.Transport, transport)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        direct = self._direct
+        left = len(direct) - self._size if direct is not None else 0
+        self._into_direct = left > _DIRECT_TAIL_BYTES
+        if self._into_direct:
+            assert direct is not None
+            read = min(DIRECT_READ_BYTES, left - _DIRECT_TAIL_BYTES)
+            return direct[self._size : self._size + read]
+        return self._pool.scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into_direct:
+            self._size += nbytes
+            self._pool.took_in(self, nbytes)
+            return
+        data = self._pool.scratch[:nbytes]
+        direct = self._direct
+        if direct is not None and not self._complete:
+            # The direct body's tail; the bytes after it go to the parser.
+            tail = min(nbytes, len(direct) - self._size)
+            direct[self._size : self._size + tail] = data[:tail]
+            self._size += tail
+            self._pool.took_in(self, tail)
+            if self._size < len(direct):
+                return
+            # The parser saw the head only: a fresh one reads what comes next.
+            self._parser = httptools.HttpResponseParser(self)
+            self._finish()
+            data = data[tail:]
+            if not data:
+                return
+        self.data_received(data)
+
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._head is None:
             # Bytes nobody asked for: not a server to send another call to.
             self.close()
@@ -272,13 +344,21 @@ class Connection(asyncio.Protocol):
             return
         self.status = status
         framed = False
+        length = -1
         for name, value in self.headers:
             key = name.lower()
             if key == b"content-encoding" and value.strip().lower() in _INFLATED:
                 self._inflate = _Inflater(value.strip().lower() == b"deflate")
             elif key in (b"content-length", b"transfer-encoding"):
                 framed = True
+                # (llhttp has refused a length that is not one number, or two of them.)
+                if key == b"content-length" and value.strip().isdigit():
+                    length = int(value)
         self._until_close = not framed
+        if self._inflate is None and DIRECT_BODY_BYTES <= length <= self._max_bytes:
+            self._direct = memoryview(unfilled_bytearray(length))
+            # Asked now: the parser that knows it does not see the body's end.
+            self._keep_alive = self._parser.should_keep_alive()
         if self._head is not None:
             self._pool.answered(self._head)
 
@@ -308,6 +388,11 @@ class Connection(asyncio.Protocol):
 
     def take(self, chunk: bytes) -> None:
         """Keep a piece of the (inflated) body; past the cap, the call fails."""
+        if self._direct is not None:
+            # The body's start, read with its head (the parser stops at its length).
+            self._direct[self._size : self._size + len(chunk)] = chunk
+            self._size += len(chunk)
+            return
         self._chunks.append(chunk)
         self._size += len(chunk)
         if self._size > self._max_bytes:
@@ -317,6 +402,8 @@ class Connection(asyncio.Protocol):
             self._fail(error)
 
     def _prefix(self) -> bytes:
+        if self._direct is not None:
+            return bytes(self._direct[: min(self._size, PARTIAL_KEEP_BYTES)])
         return partial_prefix(self._chunks)
 
     def _finish(self) -> None:
@@ -329,6 +416,7 @@ class Connection(asyncio.Protocol):
         if self._error is None:
             self._error = error
         self._chunks.clear()
+        self._direct = None
         self.close()
         # A head already in stands, even while its call waits for its turn to
         # be woken: the error is its body's, and the answer was delivered.
@@ -393,6 +481,7 @@ class Http1Pool:
         self._waking: deque[asyncio.Future[None]] = deque()
         # ``_next_turn`` is due at the next turn (both bounds start again there).
         self._turn_due = False
+        self.scratch = memoryview(bytearray(_SCRATCH_BYTES))
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

@@ -35,6 +35,11 @@ class ResponseLimits:
     read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
 
 
+# An answer's body: a big one read straight into its own buffer is a bytearray
+# (``http1.DIRECT_BODY_BYTES``); each reader only reads it.
+Body = bytes | bytearray
+
+
 class BodyLimitError(Exception):
     """The answer's body broke a limit; ``partial`` is what was read before it did."""
 

@@ -22,7 +22,7 @@ from enum import StrEnum
 
 from dispatcher.delivery.faults import as_local_fault
 from dispatcher.delivery.http1 import Connection, Http1Pool, Target
-from dispatcher.delivery.limits import BodyLimitError
+from dispatcher.delivery.limits import Body, BodyLimitError
 from dispatcher.delivery.statuses import BODY_EXCERPT_BYTES, NO_RUN_STATUSES, not_delivered_reason
 
 PROBE_BODY = b"{}"
@@ -69,7 +69,7 @@ async def probe_run(pool: Http1Pool, target: Target, timeout_s: float) -> ProbeA
     return ProbeAnswer(result, f"HTTP {status}", status)
 
 
-async def _excerpt(conn: Connection) -> bytes:
+async def _excerpt(conn: Connection) -> Body:
     """The body's first ``BODY_EXCERPT_BYTES``: all a probe's answer is judged on."""
     try:
         return await conn.body(None)

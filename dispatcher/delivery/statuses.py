@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from dispatcher.delivery.limits import Body
+
 # Statuses after which the rollout most likely never ran (§5).
 REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
 # A 409 whose body says this is NeMo Gym's agent refusing work during a checkpoint.
@@ -29,12 +31,12 @@ RATE_LIMITED = RetryReason.HTTP_429
 BODY_EXCERPT_BYTES = 8000
 
 
-def is_admission_closed(status: int, raw: bytes) -> bool:
+def is_admission_closed(status: int, raw: Body) -> bool:
     """A NeMo Gym agent's ``409 {"detail": "admission_closed"}``: not delivered (§11)."""
     return status == 409 and ADMISSION_CLOSED in raw[:BODY_EXCERPT_BYTES]
 
 
-def not_delivered_reason(status: int, raw: bytes) -> RetryReason | None:
+def not_delivered_reason(status: int, raw: Body) -> RetryReason | None:
     """The retry reason of an HTTP answer that was not delivered, or None if it was."""
     if status in REQUEST_FAILED_STATUSES:
         return RetryReason(f"http_{status}")

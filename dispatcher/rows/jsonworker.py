@@ -31,6 +31,7 @@ from typing import IO, Any
 
 from dispatcher.delivery.client import Classified, classify_response
 from dispatcher.delivery.faults import LocalFault
+from dispatcher.delivery.limits import Body
 from dispatcher.rows.wire import Split, split_body
 
 _LENGTH = struct.Struct("!Q")
@@ -59,7 +60,7 @@ class WorkerProcess:
     def pid(self) -> int | None:
         return self._child.pid if self._child is not None else None
 
-    def split(self, raw: bytes) -> Split | Classified:
+    def split(self, raw: Body) -> Split | Classified:
         """``raw`` handed to the child, its answer back; ``LocalFault`` if the child is gone."""
         with self._lock:
             child = self._started()
@@ -92,7 +93,7 @@ class WorkerProcess:
             _widen(self._child.stdin.fileno())
         return self._child
 
-    def _exchange(self, child: subprocess.Popen[bytes], raw: bytes) -> Answer:
+    def _exchange(self, child: subprocess.Popen[bytes], raw: Body) -> Answer:
         assert child.stdin is not None and child.stdout is not None
         _write_frame(child.stdin.fileno(), raw)
         answer: Answer = pickle.loads(_read_frame(child.stdout))
@@ -119,7 +120,7 @@ def _widen(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
-def _write_frame(fd: int, data: bytes) -> None:
+def _write_frame(fd: int, data: Body) -> None:
     os.write(fd, _LENGTH.pack(len(data)))
     view = memoryview(data)
     while view:

@@ -25,6 +25,7 @@ from typing import ParamSpec, TypeVar
 
 from dispatcher.delivery.client import Classified, classify_object, classify_on_loop
 from dispatcher.delivery.faults import LocalFault, as_local_fault
+from dispatcher.delivery.limits import Body
 from dispatcher.rows.jsonworker import WorkerProcess
 from dispatcher.rows.wire import Split, classify_big, wire_result
 
@@ -81,7 +82,7 @@ async def _run_in(pool: ThreadPoolExecutor, call: Callable[[], T]) -> T:
         raise fault or LocalFault("bug", f"a worker raised {exc!r}") from exc
 
 
-def classify_in_process(status: int, raw: bytes) -> Classified:
+def classify_in_process(status: int, raw: Body) -> Classified:
     """``classify_big`` with the validation in the worker process (blocking: a thread calls it)."""
     answer = _process.split(raw)
     if isinstance(answer, Split):
@@ -99,7 +100,7 @@ class AnswerClassifier:
         if self.worker not in WORKER_KINDS:
             raise ValueError(f"worker must be one of {WORKER_KINDS}, got {self.worker!r}")
 
-    async def __call__(self, status: int, raw: bytes) -> Classified:
+    async def __call__(self, status: int, raw: Body) -> Classified:
         # A small body parses faster than a hop to a worker and back; an error
         # status only reads an excerpt of its body.
         if len(raw) <= self.offload_bytes or not 200 <= status < 300:

@@ -25,6 +25,7 @@ import orjson
 
 from dispatcher import jsonx
 from dispatcher.delivery.client import Classified, classify_object, classify_response
+from dispatcher.delivery.limits import Body
 from dispatcher.files.writer import Line, Pieces
 from dispatcher.rows.build import RESERVED_SUCCESS_KEYS
 from dispatcher.tasks.keys import split_row
@@ -77,7 +78,7 @@ class Split:
     own: dict[str, Any]
 
 
-def classify_big(status: int, raw: bytes) -> Classified:
+def classify_big(status: int, raw: Body) -> Classified:
     """``classify_response`` for a big 2xx body, without parsing its values.
 
     Runs in a worker. Falls back to the full parse when the body holds
@@ -92,7 +93,7 @@ def classify_big(status: int, raw: bytes) -> Classified:
     return classify_object(status, raw, wire_result(raw, split))
 
 
-def split_body(raw: bytes) -> Split | None:
+def split_body(raw: Body) -> Split | None:
     """Validate ``raw`` and find its top-level values; None when only the full parse will do."""
     if not _splittable(raw):
         return None
@@ -106,7 +107,7 @@ def split_body(raw: bytes) -> Split | None:
     return Split(spans, own)
 
 
-def wire_result(raw: bytes, split: Split) -> WireResult:
+def wire_result(raw: Body, split: Split) -> WireResult:
     """The result a split stands for: kept values are slices of ``raw`` (no copy)."""
     view = memoryview(raw)
     result = WireResult()
@@ -122,7 +123,7 @@ def _is_own(key: str) -> bool:
 _WHITESPACE = b" \t\n\r"
 
 
-def _spans(raw: bytes, top: dict[str, msgspec.Raw]) -> list[tuple[str, int, int]] | None:
+def _spans(raw: Body, top: dict[str, msgspec.Raw]) -> list[tuple[str, int, int]] | None:
     """Each value's place in ``raw``, walking the top level token by token.
 
     None unless the walk meets every decoded value exactly where it lies and
@@ -142,20 +143,20 @@ def _spans(raw: bytes, top: dict[str, msgspec.Raw]) -> list[tuple[str, int, int]
     return spans if end >= 0 and _skip(raw, end) == len(raw) else None
 
 
-def _value_start(raw: bytes, pos: int) -> int:
+def _value_start(raw: Body, pos: int) -> int:
     """Where the value after the key at ``pos`` and its colon begins, or -1."""
     key_end = _string_end(raw, _skip(raw, pos)) if pos >= 0 else -1
     colon_end = _token(raw, key_end, b":")
     return _skip(raw, colon_end) if colon_end >= 0 else -1
 
 
-def _skip(raw: bytes, pos: int) -> int:
+def _skip(raw: Body, pos: int) -> int:
     while pos < len(raw) and raw[pos] in _WHITESPACE:
         pos += 1
     return pos
 
 
-def _token(raw: bytes, pos: int, token: bytes) -> int:
+def _token(raw: Body, pos: int, token: bytes) -> int:
     """The position after ``token`` (whitespace before it skipped), or -1."""
     if pos < 0:
         return -1
@@ -163,7 +164,7 @@ def _token(raw: bytes, pos: int, token: bytes) -> int:
     return pos + 1 if raw.startswith(token, pos) else -1
 
 
-def _string_end(raw: bytes, pos: int) -> int:
+def _string_end(raw: Body, pos: int) -> int:
     """The position after the JSON string that starts at ``pos``, or -1."""
     if not raw.startswith(b'"', pos):
         return -1
@@ -176,7 +177,7 @@ def _string_end(raw: bytes, pos: int) -> int:
     return -1
 
 
-def _splittable(raw: bytes) -> bool:
+def _splittable(raw: Body) -> bool:
     """True when splitting ``raw`` at its top level is exactly as strict as orjson.
 
     The splitter does not check UTF-8 inside strings, nor surrogate escapes,

@@ -85,7 +85,7 @@ def row_key(row: Mapping[str, Any] | None) -> int | None:
 _TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def split_row(data: bytes | msgspec.Raw) -> dict[str, msgspec.Raw] | None:
+def split_row(data: bytes | bytearray | msgspec.Raw) -> dict[str, msgspec.Raw] | None:
     """A JSON object split at its top level, each value left as its bytes; None if
     it is not one (a torn line). No value is decoded, so a row of megabytes costs
     one scan, not its Python objects."""
