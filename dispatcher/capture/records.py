@@ -30,6 +30,7 @@ import orjson
 
 from dispatcher.capture.streams import reassemble
 from dispatcher.capture.tokens import TokenCounts, normalize_usage
+from dispatcher.delivery.inflate import GZIP_OR_ZLIB, INFLATED
 
 JsonObject = dict[str, Any]
 
@@ -168,10 +169,9 @@ def _json_body(body: bytes) -> tuple[JsonObject | None, str | None]:
 
 
 def _decoded(body: bytes, encoding: str) -> bytes:
-    if encoding in ("gzip", "deflate", "x-gzip"):
+    if encoding.encode("latin-1", "replace") in INFLATED:
         try:
-            # wbits 47 accepts both gzip and zlib framing.
-            return zlib.decompress(body, 47)
+            return zlib.decompress(body, GZIP_OR_ZLIB)
         except zlib.error:
             return body
     return body

@@ -12,9 +12,9 @@ prints both). This client keeps only what an agent call needs:
   headers, a Content-Length, chunked or read-until-close body, 1xx skipped;
 - a big body of known length read straight into a buffer of its own
   (``Connection.get_buffer``): the kernel's copy is its only one;
-- a gzip or deflate answer inflated as it arrives, in bounded steps, so the
-  body cap (``ResponseLimits.max_bytes``) counts inflated bytes and memory
-  stays under it whatever the agent sends;
+- a gzip or deflate answer inflated as it arrives, in bounded steps
+  (``inflate.py``), so the body cap (``ResponseLimits.max_bytes``) counts
+  inflated bytes and memory stays under it whatever the agent sends;
 - no redirects, no proxies from the environment, no cookies.
 
 Everything that is not an agent call (the service, the capture proxy, the
@@ -41,6 +41,7 @@ from yarl import URL
 
 from dispatcher import __version__
 from dispatcher.aio import wake
+from dispatcher.delivery.inflate import INFLATED, Inflater
 from dispatcher.delivery.limits import (
     JOIN_OFF_LOOP_BYTES,
     PARTIAL_KEEP_BYTES,
@@ -53,10 +54,6 @@ from dispatcher.delivery.limits import (
 # Bodies up to this size go out in one write with their head: a copy is cheaper
 # than a second system call. Bigger ones are written as they are.
 _JOIN_BODY_BYTES = 64 * 1024
-# Content-Encodings inflated; wbits 47 reads a gzip or a zlib header.
-_INFLATED = frozenset({b"gzip", b"x-gzip", b"deflate"})
-_GZIP_OR_ZLIB = 47
-_RAW_DEFLATE = -zlib.MAX_WBITS
 # What an answer may send before its headers end (llhttp itself sets no bound):
 # an agent that sends headers forever is cut here, not at the memory's end.
 MAX_HEAD_BYTES = 256 * 1024
@@ -166,7 +163,7 @@ class Connection(asyncio.BufferedProtocol):
         self._direct: memoryview | None = None
         self._into_direct = False
         self._max_bytes = max_bytes
-        self._inflate: _Inflater | None = None
+        self._inflate: Inflater | None = None
         self._until_close = False
         self._head_bytes = 0
         self._interim = False
@@ -347,8 +344,8 @@ class Connection(asyncio.BufferedProtocol):
         length = -1
         for name, value in self.headers:
             key = name.lower()
-            if key == b"content-encoding" and value.strip().lower() in _INFLATED:
-                self._inflate = _Inflater(value.strip().lower() == b"deflate")
+            if key == b"content-encoding" and value.strip().lower() in INFLATED:
+                self._inflate = Inflater(value.strip().lower() == b"deflate")
             elif key in (b"content-length", b"transfer-encoding"):
                 framed = True
                 # (llhttp has refused a length that is not one number, or two of them.)
@@ -423,37 +420,6 @@ class Connection(asyncio.BufferedProtocol):
         if self._head is not None and not self._head.done() and not self.status:
             self._head.set_exception(error)
         wake(self._end)
-
-
-class _Inflater:
-    """A Content-Encoding undone in steps no bigger than the body's room under its cap."""
-
-    def __init__(self, deflate: bool) -> None:
-        self._zlib = zlib.decompressobj(_GZIP_OR_ZLIB)
-        # "deflate" is zlib-wrapped by the standard, raw by some servers: the
-        # first chunk tells which.
-        self._retry_raw = deflate
-
-    def feed(self, chunk: bytes, into: Connection) -> None:
-        try:
-            self._steps(chunk, into)
-        except zlib.error:
-            if not self._retry_raw:
-                raise
-            self._zlib = zlib.decompressobj(_RAW_DEFLATE)
-            self._steps(chunk, into)
-        self._retry_raw = False
-
-    def _steps(self, data: bytes, into: Connection) -> None:
-        while data and into.room() >= 0:
-            # max_length 0 means no bound: room + 1 is at least 1 here.
-            into.take(self._zlib.decompress(data, into.room() + 1))
-            data = self._zlib.unconsumed_tail
-
-    def flush(self, into: Connection) -> None:
-        rest = self._zlib.flush()
-        if rest:
-            into.take(rest)
 
 
 class Http1Pool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from dispatcher.delivery.inflate import GZIP_OR_ZLIB, INFLATED
+
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 600.0
 # What a failure keeps of a body that broke a limit: enough for its excerpt (§5).
@@ -91,11 +93,6 @@ class ProxyLimits:
     max_concurrency: int = DEFAULT_PROXY_MAX_CONCURRENCY
 
 
-# Content-Encodings the capture record decodes (capture/records.py), same framing.
-_INFLATED = frozenset({"gzip", "deflate", "x-gzip"})
-_GZIP_OR_ZLIB = 47
-
-
 class RecordBudget:
     """Counts what keeping an answer's copy would cost, decoded size included.
 
@@ -106,8 +103,9 @@ class RecordBudget:
 
     def __init__(self, max_bytes: int, content_encoding: str) -> None:
         self._left = max_bytes
-        encoding = content_encoding.strip().lower()
-        self._inflate = zlib.decompressobj(_GZIP_OR_ZLIB) if encoding in _INFLATED else None
+        # The Content-Encodings the capture record decodes (capture/records.py).
+        encoding = content_encoding.strip().lower().encode("latin-1", "replace")
+        self._inflate = zlib.decompressobj(GZIP_OR_ZLIB) if encoding in INFLATED else None
         self.exceeded = False
 
     def admit(self, chunk: bytes) -> bool:
