@@ -7,8 +7,10 @@ import asyncio
 import base64
 import contextlib
 import gzip
+import ssl
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from aiohttp import web
 from dispatcher.delivery import http1
 from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool, Target
 from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError
-from tests.helpers import serve, wait_until
+from tests.helpers import self_signed, serve, wait_until
 
 MAX = 64 * 1024 * 1024
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -680,7 +682,10 @@ def on_each_loop(loop: str, main: Callable[[], Awaitable[None]]) -> None:
 
 @contextlib.asynccontextmanager
 async def big_answers(
-    answers: list[bytes], with_head: int, close_after: int | None = None
+    answers: list[bytes],
+    with_head: int,
+    close_after: int | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[str]:
     """A server answering each request with the next of ``answers``: its head with
     its first ``with_head`` bytes in one write, the rest in pieces; the connection
@@ -699,9 +704,10 @@ async def big_answers(
                 break
         writer.close()
 
-    server = await asyncio.start_server(script, "127.0.0.1", 0)
+    server = await asyncio.start_server(script, "127.0.0.1", 0, ssl=tls)
+    scheme = "https" if tls else "http"
     try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/run"
+        yield f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}/run"
     finally:
         server.close()
         await server.wait_closed()
@@ -763,3 +769,26 @@ def test_a_big_body_over_the_cap_is_refused_with_its_start_kept() -> None:
         assert BIG.startswith(caught.value.partial) and caught.value.partial
 
     on_each_loop("uvloop", main)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_big_and_small_answers_over_tls_are_read_whole(loop: str, tmp_path: Path) -> None:
+    # The TLS layer hands the decrypted bytes to the connection's buffers too.
+    cert, key = self_signed(tmp_path)
+    answers = [BIG, b'{"small": 1}', BIG[::-1]]
+
+    async def main() -> None:
+        served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        served.load_cert_chain(cert, key)
+        pool = Http1Pool(connect_timeout_s=5.0)
+        # Trust the test's certificate where the pool would trust the system's.
+        pool._tls = ssl.create_default_context(cafile=str(cert))
+        async with big_answers(answers, 10, tls=served) as url:
+            try:
+                got = [await call(pool, url) for _ in answers]
+            finally:
+                await pool.close()
+        assert got == answers
+        assert [type(body) for body in got] == [bytearray, bytes, bytearray]
+
+    on_each_loop(loop, main)

@@ -9,10 +9,8 @@ no log and no file of the state directory; TLS with a self-signed cert.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import ssl
-import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ import pytest
 
 from dispatcher.client import AsyncClient, Client, ClientError, JobState, Unauthorized
 from tests.conftest import SimAgentFactory
-from tests.helpers import CliProcess, run_cli, spawn_cli, wait_until
+from tests.helpers import CliProcess, run_cli, self_signed, spawn_cli, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -231,23 +229,6 @@ async def test_beyond_loopback_starts_with_a_token_or_allow_unauthenticated(
         code, output = await stop(daemon)
         assert code == 0, output[-3000:]
         assert TOKEN not in output
-
-
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("no openssl binary to make a self-signed certificate")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [
-            openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-            "-keyout", str(key), "-out", str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 async def test_tls_serves_https_to_a_client_that_trusts_the_cert(
