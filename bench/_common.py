@@ -112,6 +112,8 @@ class LoopLag:
     def __init__(self, interval_s: float = 0.1) -> None:
         self.interval_s = interval_s
         self.lags: list[float] = []
+        # When each sample ended (perf_counter: the monotonic clock processes share).
+        self.ended: list[float] = []
         self._done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -130,7 +132,9 @@ class LoopLag:
         while not self._done.is_set():
             asked = time.perf_counter()
             await asyncio.sleep(self.interval_s)
-            self.lags.append(max(0.0, time.perf_counter() - asked - self.interval_s))
+            now = time.perf_counter()
+            self.ended.append(now)
+            self.lags.append(max(0.0, now - asked - self.interval_s))
 
     def quantile(self, q: float) -> float:
         ordered = sorted(self.lags)

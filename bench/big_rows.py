@@ -185,14 +185,10 @@ async def idle_child() -> list[tuple[float, float]]:
     """This idle process's loop lag samples, taken until SIGINT."""
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
-    samples: list[tuple[float, float]] = []
-    print("sampling", flush=True)
-    while not stop.is_set():
-        asked = time.perf_counter()
-        await asyncio.sleep(0.1)
-        now = time.perf_counter()
-        samples.append((now, max(0.0, now - asked - 0.1)))
-    return samples
+    async with LoopLag() as lag:
+        print("sampling", flush=True)
+        await stop.wait()
+    return list(zip(lag.ended, lag.lags, strict=True))
 
 
 # ``--variants`` names (the two baselines always run).

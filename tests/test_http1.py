@@ -713,6 +713,32 @@ async def big_answers(
         await server.wait_closed()
 
 
+@contextlib.asynccontextmanager
+async def fresh_pool(trust: ssl.SSLContext | None = None) -> AsyncIterator[Http1Pool]:
+    """A pool of its own, closed after; ``trust``: what its TLS trusts instead of the system's."""
+    pool = Http1Pool(connect_timeout_s=5.0)
+    if trust is not None:
+        pool._tls = trust
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def read_in_turn(
+    answers: list[bytes],
+    with_head: int,
+    served: ssl.SSLContext | None = None,
+    trust: ssl.SSLContext | None = None,
+) -> None:
+    """``answers`` (big, small, big) read in turn on one connection: each whole, the
+    big ones straight into their buffers (nothing was joined)."""
+    async with big_answers(answers, with_head, tls=served) as url, fresh_pool(trust) as pool:
+        got = [await call(pool, url) for _ in answers]
+    assert got == answers
+    assert [type(body) for body in got] == [bytearray, bytes, bytearray]
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize(
     "with_head", [0, 10, len(BIG)], ids=["head-alone", "head-and-its-start", "head-and-all"]
@@ -722,49 +748,28 @@ def test_a_big_body_of_known_length_is_read_into_a_buffer_of_its_own_and_the_nex
 ) -> None:
     # However the body arrives, it is read whole; the connection then reads a
     # small answer (through the parser again) and another big one.
-    answers = [BIG, b'{"small": 1}', BIG[::-1]]
-
-    async def main() -> None:
-        pool = Http1Pool(connect_timeout_s=5.0)
-        async with big_answers(answers, with_head) as url:
-            try:
-                got = [await call(pool, url) for _ in answers]
-            finally:
-                await pool.close()
-        assert got == answers
-        # The big ones went straight into their buffers: nothing was joined.
-        assert [type(body) for body in got] == [bytearray, bytes, bytearray]
-
-    on_each_loop(loop, main)
+    on_each_loop(loop, lambda: read_in_turn([BIG, b'{"small": 1}', BIG[::-1]], with_head))
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_big_body_cut_short_is_a_disconnected_error(loop: str) -> None:
     async def main() -> None:
-        pool = Http1Pool(connect_timeout_s=5.0)
-        async with big_answers([BIG], 10, close_after=len(BIG) // 2) as url:
+        async with big_answers([BIG], 10, close_after=len(BIG) // 2) as url, fresh_pool() as pool:
             target = Target.of(url)
-            try:
-                conn = await pool.post(target, b"{}", MAX)
-                with pytest.raises(Disconnected, match="before its answer's end"):
-                    await conn.body(None)
-                assert conn.closed
-                pool.release(conn, target)
-            finally:
-                await pool.close()
+            conn = await pool.post(target, b"{}", MAX)
+            with pytest.raises(Disconnected, match="before its answer's end"):
+                await conn.body(None)
+            assert conn.closed
+            pool.release(conn, target)
 
     on_each_loop(loop, main)
 
 
 def test_a_big_body_over_the_cap_is_refused_with_its_start_kept() -> None:
     async def main() -> None:
-        pool = Http1Pool(connect_timeout_s=5.0)
-        async with big_answers([BIG], 10) as url:
-            try:
-                with pytest.raises(BodyLimitError) as caught:
-                    await call(pool, url, max_bytes=len(BIG) - 1)
-            finally:
-                await pool.close()
+        async with big_answers([BIG], 10) as url, fresh_pool() as pool:
+            with pytest.raises(BodyLimitError) as caught:
+                await call(pool, url, max_bytes=len(BIG) - 1)
         assert caught.value.kind == "ResponseTooLarge"
         assert BIG.startswith(caught.value.partial) and caught.value.partial
 
@@ -775,20 +780,11 @@ def test_a_big_body_over_the_cap_is_refused_with_its_start_kept() -> None:
 def test_big_and_small_answers_over_tls_are_read_whole(loop: str, tmp_path: Path) -> None:
     # The TLS layer hands the decrypted bytes to the connection's buffers too.
     cert, key = self_signed(tmp_path)
-    answers = [BIG, b'{"small": 1}', BIG[::-1]]
 
     async def main() -> None:
         served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         served.load_cert_chain(cert, key)
-        pool = Http1Pool(connect_timeout_s=5.0)
-        # Trust the test's certificate where the pool would trust the system's.
-        pool._tls = ssl.create_default_context(cafile=str(cert))
-        async with big_answers(answers, 10, tls=served) as url:
-            try:
-                got = [await call(pool, url) for _ in answers]
-            finally:
-                await pool.close()
-        assert got == answers
-        assert [type(body) for body in got] == [bytearray, bytes, bytearray]
+        trust = ssl.create_default_context(cafile=str(cert))
+        await read_in_turn([BIG, b'{"small": 1}', BIG[::-1]], 10, served, trust)
 
     on_each_loop(loop, main)
