@@ -17,8 +17,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from dispatcher.admission.pause import AdmissionPause
 from dispatcher.lifecycle import JobState
 
-# "paced" is a running job held back by --max-off-policy-steps.
-JOB_STATES = (*(state.value for state in JobState), "paced")
+# JobState names "paced" (a running job held back by --max-off-policy-steps) itself.
+JOB_STATES = tuple(state.value for state in JobState)
 
 
 class ServiceGauges(Collector):
