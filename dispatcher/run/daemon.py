@@ -151,14 +151,16 @@ class Daemon:
         *,
         tls: ssl.SSLContext | None = None,
         header_timeout_s: float | None = None,
+        flag: str = "--metrics-listen",
     ) -> None:
         """Bind the listener and install the signal handlers: the first steps.
 
         The port first: if it is taken, stop before touching any file. The
         handlers next: a SIGTERM while jobs prepare must still end in an
-        orderly exit 75, not in death by signal.
+        orderly exit 75, not in death by signal. ``flag`` is the one the user typed
+        the address with, for the error when it cannot be bound.
         """
-        await self._start_http(status, healthy, routes, max_body_bytes, tls, header_timeout_s)
+        await self._start_http(status, healthy, routes, max_body_bytes, tls, header_timeout_s, flag)
         self._install_signal_handlers()
 
     async def start(self, status: StatusFn) -> None:
@@ -375,6 +377,7 @@ class Daemon:
         max_body_bytes: int | None,
         tls: ssl.SSLContext | None,
         header_timeout_s: float | None = None,
+        flag: str = "--metrics-listen",
     ) -> None:
         listen = resolve_listen(self.settings.metrics_listen)
         if listen is None:
@@ -398,7 +401,7 @@ class Daemon:
             )
         except OSError as exc:
             raise ConfigError(
-                f"--metrics-listen {self.settings.metrics_listen}: cannot listen ({exc.strerror})"
+                f"{flag} {self.settings.metrics_listen}: cannot listen ({exc.strerror})"
             ) from None
         scheme = "https" if tls is not None else "http"
         self.metrics_endpoint = endpoint = MetricsEndpoint(host, bound, scheme=scheme)

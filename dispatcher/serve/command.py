@@ -166,6 +166,7 @@ async def serve(
                 limits.max_body_bytes,
                 tls=access.tls,
                 header_timeout_s=limits.header_timeout_s,
+                flag="--listen",
             )
             stack.push_async_callback(daemon.close)
             await daemon.start(service.status)
