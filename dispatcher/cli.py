@@ -47,14 +47,28 @@ def suggestion(message: str, options: Iterable[str]) -> str:
     if choice is not None:
         word, known = choice[1], [c.strip("'") for c in choice[2].split(", ")]
     elif message.startswith("unrecognized arguments: "):
-        flags = [t for t in message.split()[2:] if t.startswith("-")]
-        if not flags:
+        words = [t for t in message.split()[2:] if t.startswith(("-", "+"))]
+        if not words:
             return ""
-        word, known = flags[0].partition("=")[0], [o for o in options if o.startswith("--")]
+        hint = _gym_hint(words[0], message.split()[2:])
+        if hint is not None:
+            return f" ({hint})"
+        word, known = words[0].partition("=")[0], [o for o in options if o.startswith("--")]
     else:
         return ""
     match = closest(word, known)
     return f" (did you mean {match}?)" if match else ""
+
+
+def _gym_hint(word: str, extras: list[str]) -> str | None:
+    """A NeMo Gym habit's hint; a flag's value, when it follows as a word, goes in it."""
+    from dispatcher.settings.gym_habits import gym_hint
+
+    if "=" not in word:
+        following = extras[extras.index(word) + 1 : extras.index(word) + 2]
+        if following and not following[0].startswith(("-", "+")):
+            word = f"{word}={following[0]}"
+    return gym_hint(word)
 
 
 def closest(word: str, known: Iterable[str]) -> str | None:

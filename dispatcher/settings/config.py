@@ -26,6 +26,7 @@ from pydantic import (
 from dispatcher.delivery.limits import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S
 from dispatcher.errors import ConfigError
 from dispatcher.files.writer import FsyncPolicy
+from dispatcher.settings.gym_habits import agent_flag_hint
 from dispatcher.tasks.keys import repeats_problem
 from dispatcher.tasks.materialize import MaterializeSpec
 from dispatcher.urls import agent_url_problem, redact_url, redact_urls
@@ -335,7 +336,10 @@ def parse_agent_flags(values: list[str] | None) -> dict[str, list[str]] | None:
         name, sep, urls = value.partition("=")
         if not sep or not name or not urls:
             # Most likely a bare URL: never repeat its password.
-            raise ConfigError(f"--agent {redact_urls(value)!r}: expected NAME=URL[,URL...]")
+            raise ConfigError(
+                f"--agent {redact_urls(value)!r}: expected NAME=URL[,URL...]"
+                + agent_flag_hint(value)
+            )
         agents.setdefault(name, []).extend(u for u in urls.split(",") if u)
     return agents
 
