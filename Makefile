@@ -25,7 +25,9 @@ test: $(STAMP)
 	$(BIN)/mypy dispatcher
 	# Compiled once: hundreds of `python -m dispatcher` subprocesses would each recompile it.
 	$(BIN)/python -m compileall -q dispatcher
-	$(BIN)/pytest -q -n $(TEST_WORKERS)
+	@$(BIN)/python tests/gym/gym_env.py --plan
+	# -rs: every skipped test says why at the end.
+	$(BIN)/pytest -q -rs -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check dispatcher tests bench scripts

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,8 +39,26 @@ TASKS = 120
 REPEATS = 4
 
 
+def _dispatcher() -> str:
+    """How a person runs ``dispatcher`` from here: the venv's script, else the PATH's."""
+    script = Path(sys.executable).parent / "dispatcher"
+    if not script.exists():
+        return "dispatcher"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
+def _say(args: list[str], log: Path | None = None) -> None:
+    """Print the command about to run, as a person can copy it (log: where its stderr goes)."""
+    redirect = f" 2> {shlex.quote(str(log))}" if log is not None else ""
+    print(f"$ {shlex.join([_dispatcher(), *args])}{redirect}", flush=True)
+
+
 def _start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``dispatcher ARGS`` and wait for its "listening on URL" line."""
+    _say(args, log)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dispatcher", *args],
         stdout=subprocess.PIPE,
@@ -84,7 +103,8 @@ def _hop(number: int, base: list[str], budget_s: float | None, out: Path) -> int
     if budget_s is not None:
         args += ["--dispatch-budget-s", str(budget_s)]
     what = f"dispatch budget {budget_s:g} s" if budget_s is not None else "no budget"
-    print(f"\n-- hop {number}: dispatcher run ... ({what})")
+    print(f"\n-- hop {number} ({what}):")
+    _say(args, log)
     with log.open("wb") as stderr:
         code = subprocess.call([sys.executable, "-m", "dispatcher", *args], stderr=stderr)
     summary = _events(log, "run_summary")[-1]
@@ -302,7 +322,8 @@ def _show_files(out: Path) -> None:
 
 
 def _show(args: list[str]) -> None:
-    print(f"\n$ dispatcher {' '.join(args)}", flush=True)
+    print()
+    _say(args)
     subprocess.call([sys.executable, "-m", "dispatcher", *args])
 
 

@@ -64,6 +64,8 @@ SERVER_DIRS = (
 
 
 def _gym_venv() -> Path:
+    if gym_env.skipped():
+        pytest.skip(f"NeMo Gym tests skipped on request (${gym_env.SKIP_ENV} is set)")
     venv = gym_env.ready_venv()
     if venv is not None:
         return venv

@@ -20,6 +20,8 @@ from pathlib import Path
 GYM_VERSION = "0.7.0"
 PYTHON_ENV = "ROLLOUT_DISPATCHER_PYTHON313"
 CACHE_ENV = "ROLLOUT_DISPATCHER_GYM_CACHE"
+# Set (to anything but empty or 0): tests/gym skip, and nothing is built.
+SKIP_ENV = "ROLLOUT_DISPATCHER_SKIP_GYM"
 
 
 def cache_dir() -> Path:
@@ -60,6 +62,30 @@ def _is_python313(path: Path) -> bool:
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+def skipped() -> bool:
+    """The user asked for the NeMo Gym tests to be skipped (``SKIP_ENV``)."""
+    return os.environ.get(SKIP_ENV, "") not in ("", "0")
+
+
+def plan() -> str:
+    """What the test run will do about the NeMo Gym venv, said before it does it."""
+    if skipped():
+        return f"NeMo Gym tests: skipped (${SKIP_ENV} is set)"
+    if ready_venv() is not None:
+        return f"NeMo Gym tests: the NeMo Gym {GYM_VERSION} venv in {venv_dir()} is ready"
+    python = find_python313()
+    if python is None:
+        return (
+            "NeMo Gym tests: skipped, no Python 3.13 found (set "
+            f"{PYTHON_ENV}, put python3.13 on PATH, or install it with pyenv)"
+        )
+    return (
+        f"NeMo Gym tests: building a NeMo Gym {GYM_VERSION} venv with {python} in "
+        f"{venv_dir()} first (about 1.5 GB, a few minutes, once); "
+        f"`make test {SKIP_ENV}=1` skips these tests instead"
+    )
 
 
 def ready_venv() -> Path | None:
@@ -103,6 +129,9 @@ def _run(*args: str | Path) -> None:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--plan"]:
+        sys.stdout.write(plan() + "\n")
+        return 0
     python = find_python313()
     if python is None:
         sys.stderr.write(
