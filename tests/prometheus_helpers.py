@@ -42,9 +42,17 @@ def require_binary(name: str) -> str:
 class PrometheusServer:
     """One `prometheus` process with its own config and data directory."""
 
-    def __init__(self, target: str, workdir: Path, *, scrape_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        workdir: Path,
+        *,
+        scrape_interval_s: float = 1.0,
+        sd_files: str | None = None,
+    ) -> None:
         self.binary = require_binary("prometheus")
         self.target = target
+        self.sd_files = sd_files
         self.workdir = workdir
         self.scrape_interval_s = scrape_interval_s
         self.port = 0
@@ -127,9 +135,17 @@ class PrometheusServer:
             f"  scrape_timeout: {interval}\n"
             f"  evaluation_interval: {interval}\n"
             "scrape_configs:\n"
-            "  - job_name: dispatcher\n"
-            "    static_configs:\n"
-            f"      - targets: ['{self.target}']\n"
+            "  - job_name: dispatcher\n" + self._targets()
+        )
+
+    def _targets(self) -> str:
+        if self.sd_files is None:
+            return f"    static_configs:\n      - targets: ['{self.target}']\n"
+        # The daemons' own file_sd target files, as the shipped prometheus.yml reads them.
+        return (
+            "    file_sd_configs:\n"
+            f"      - files: ['{self.sd_files}']\n"
+            "        refresh_interval: 1s\n"
         )
 
     async def _start_process(self, config: Path) -> None:
@@ -206,10 +222,13 @@ class PrometheusServer:
 
 @contextlib.asynccontextmanager
 async def running_prometheus(
-    target: str, workdir: Path, *, scrape_interval_s: float = 1.0
+    target: str, workdir: Path, *, scrape_interval_s: float = 1.0, sd_files: str | None = None
 ) -> AsyncIterator[PrometheusServer]:
-    """A started Prometheus scraping `target` ("host:port"), stopped on exit."""
-    server = PrometheusServer(target, workdir, scrape_interval_s=scrape_interval_s)
+    """A started Prometheus scraping `target` ("host:port"), or the targets of the file_sd
+    files `sd_files` (a glob) names; stopped on exit."""
+    server = PrometheusServer(
+        target, workdir, scrape_interval_s=scrape_interval_s, sd_files=sd_files
+    )
     await server.start()
     try:
         yield server

@@ -27,6 +27,7 @@ from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import Registry
 from dispatcher.settings.config import RunSettings, load_settings
 from dispatcher.settings.serve import ServeLimits
+from dispatcher.telemetry.discovery import sd_file_for, service_labels
 from dispatcher.telemetry.http_app import listen_address
 from dispatcher.telemetry.logs import configure_logging
 
@@ -38,7 +39,7 @@ DEFAULT_LISTEN = "127.0.0.1:8080"
 # Flags of `run` that belong to a job (its body says them) or to `run` alone
 # (`--fresh` would move a job's files aside at each of its hops).
 _NOT_SERVE_FLAGS = frozenset(
-    {"--input", "--output", "--limit", "--shard", "--metrics-listen", "--metrics-sd-dir", "--fresh"}
+    {"--input", "--output", "--limit", "--shard", "--metrics-listen", "--fresh"}
 )
 
 
@@ -173,11 +174,21 @@ async def serve(
             daemon.begin_dispatch()
             stack.push_async_callback(service.close)
             await service.resume()
+            await asyncio.to_thread(_publish_target, daemon, state_dir, settings)
             _announce(daemon, state_dir, access)
             await daemon.stop_requested.wait()
         return service.exit_code()
     finally:
         registry.unlock()
+
+
+def _publish_target(daemon: Daemon, state_dir: Path, settings: RunSettings) -> None:
+    """The Prometheus file_sd target of the service, as `run` writes one (blocking): in
+    ``--metrics-sd-dir``, else ``STATE_DIR/serve_prometheus.json``; removed at stop."""
+    endpoint = daemon.metrics_endpoint
+    assert endpoint is not None
+    labels = service_labels(state_dir, endpoint.scheme)
+    endpoint.publish(sd_file_for(state_dir / "serve.jsonl", settings.metrics_sd_dir), labels)
 
 
 def _announce(daemon: Daemon, state_dir: Path, access: auth.Access) -> None:

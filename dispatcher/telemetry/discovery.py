@@ -117,6 +117,17 @@ class MetricsEndpoint:
             self.sd_file = None
 
 
+def service_labels(state_dir: Path, scheme: str) -> dict[str, str]:
+    """Labels of a ``dispatcher serve`` target: its state directory names it.
+
+    ``__scheme__`` is Prometheus's own: an HTTPS listener is scraped over HTTPS.
+    """
+    labels = {"state_dir": str(state_dir.resolve()), "mode": "serve"}
+    if scheme != "http":
+        labels["__scheme__"] = scheme
+    return labels
+
+
 def target_labels(manifest: dict[str, Any], output: Path, shard: str | None) -> dict[str, str]:
     """Labels that tell one run's series from another's on a shared Prometheus."""
     labels = {"run_id": str(manifest.get("run_id")), "output": str(output.resolve())}
