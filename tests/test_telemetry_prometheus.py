@@ -12,10 +12,15 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dispatcher.admission.pause import AdmissionPause
 from dispatcher.outcome import Outcome
+from dispatcher.serve.metrics import declare_service_metrics
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.server import start_http_server
+from tests.conftest import SimAgentFactory
+from tests.helpers import wait_until
 from tests.prometheus_helpers import PrometheusServer, require_binary, running_prometheus
+from tests.test_service_e2e import Serve
 
 CONFIG = Path(__file__).resolve().parent.parent / "dispatcher" / "examples"
 DASHBOARD = CONFIG / "grafana-dashboard.json"
@@ -110,6 +115,8 @@ async def test_every_dashboard_query_is_valid_promql_on_real_series(
 
 def test_dashboard_only_queries_exported_metrics() -> None:
     metrics = Metrics(process_metrics=False)
+    # A serve daemon's registry also holds the service's own series.
+    declare_service_metrics(metrics.registry, dict, lambda: 1, AdmissionPause())
     exported = {f.name for f in text_string_to_metric_families(metrics.render().decode())}
     suffixes = re.compile(r"_(total|bucket|count|sum)$")
 
@@ -153,6 +160,10 @@ def test_dashboard_shape() -> None:
         "ETA",
         "Retries by reason",
         "Replicas up",
+        "Jobs by state",
+        "Policy version",
+        "Admission paused",
+        "Results delay",
     ):
         assert title in by_title
 
@@ -179,3 +190,39 @@ def test_example_prometheus_config_is_valid() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     # Targets come from the file_sd files the runs write (--metrics-listen auto).
     assert "file_sd_configs" in (CONFIG / "prometheus.yml").read_text()
+
+
+SERVICE_PANELS = ("Jobs by state", "Policy version", "Admission paused", "Results delay")
+
+
+async def test_each_service_panel_shows_a_real_serve_daemon_to_a_real_prometheus(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    require_binary("prometheus")
+    url, _ = await sim_agent(latency_s=0.0)
+    serve = await Serve.start(tmp_path / "state", url)
+    try:
+        rows = [{"responses_create_params": {}}] * 4
+        await serve.submit(job_id="step0", rows=rows, default_agent="sim")
+        assert (await serve.results("step0", wait=True))[-1] == {"end": "done"}
+        await serve.set_policy(3)
+        async with serve.http.post(f"{serve.url}/v1/admission", json={"paused": True}) as r:
+            assert r.status == 200
+        target = serve.url.removeprefix("http://")
+        async with running_prometheus(target, tmp_path / "prom") as prom:
+            await prom.wait_for_value("max(dispatcher_admission_paused)", 1)
+            await prom.wait_for_value("max(dispatcher_policy_version)", 3)
+            await prom.wait_for_value('sum(dispatcher_jobs{state="done"})', 1)
+            shown = [p for p in panels() if p["title"] in SERVICE_PANELS]
+            assert sorted(p["title"] for p in shown) == sorted(SERVICE_PANELS)
+            for panel in shown:
+                for query in panel["targets"]:
+                    # The rates need two scrapes: wait for a series, not a value.
+                    expr = substitute(query["expr"])
+                    await wait_until(lambda e=expr: _has_series(prom, e), timeout_s=30)
+    finally:
+        assert await serve.stop() == 0
+
+
+async def _has_series(prom: PrometheusServer, expr: str) -> bool:
+    return bool(await prom.query(expr))
