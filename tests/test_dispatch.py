@@ -295,8 +295,10 @@ async def test_a_body_that_is_not_a_json_object_is_a_protocol_violation(
     agent = await fake_agent(raw_response(200, body))
     run = Run(tmp_path, tasks=2)
     result = await run_cli(*run.args(agent.url))
-    # Terminal: every rollout has its final outcome.
-    assert result.returncode == 0, result.stderr[-3000:]
+    # Terminal: every rollout has its final outcome. None succeeded and all failed
+    # the same way: the agent is broken, and the run is not done (exit 1).
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "failed as protocol_violation" in result.stderr.splitlines()[-1]
     assert run.rows() == []
     failures = run.failure_rows()
     assert len(failures) == 2
@@ -306,9 +308,9 @@ async def test_a_body_that_is_not_a_json_object_is_a_protocol_violation(
         assert row["_ng_failure_http_status"] == 200
         assert row["_ng_failure_type"] == failure_type
         assert row["_ng_failure_response_body"] == body.decode()
-    # Terminal failures are final: a rerun sends nothing.
+    # Terminal failures are final: a rerun sends nothing (and is no more done).
     again = await run_cli(*run.args(agent.url))
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 1, again.stderr[-3000:]
     assert agent.seen == 2
 
 
@@ -392,13 +394,14 @@ async def test_failed_attempts_are_retried_with_their_attempt_index(
     first = await run_cli(*run.args(agent.url, "--max-attempts", "2"))
     assert first.returncode == 75, first.stderr[-3000:]
     second = await run_cli(*run.args(agent.url, "--max-attempts", "2"))
-    # Attempts used up: every rollout is final.
-    assert second.returncode == 0, second.stderr[-3000:]
+    # Attempts used up: every rollout is final, none succeeded, all as agent_run_error:
+    # exit 1, never 0 (contracts §10).
+    assert second.returncode == 1, second.stderr[-3000:]
     assert [b.get("_ng_attempt_index") for b in agent.bodies] == [None, None, 1, 1]
     retries = [r for r in run.failure_rows() if r.get("_ng_attempt_index") == 1]
     assert sorted(r["_ng_dispatch"]["rollout_id"] for r in retries) == ["0-0-a1", "1-0-a1"]
     third = await run_cli(*run.args(agent.url, "--max-attempts", "2"))
-    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.returncode == 1, third.stderr[-3000:]
     assert agent.seen == 4
 
 

@@ -361,7 +361,8 @@ async def test_resume_starts_the_longest_first_and_extend_attempts_adds_tries(
 ) -> None:
     failing = lambda body: web.json_response({"detail": "no"}, status=500)  # noqa: E731
     result, paths = await _run(tmp_path, failing, 5, "--max-attempts", "1")
-    assert result.returncode == 0, result.stderr[-2000:]  # every rollout failed, final
+    # Every rollout failed and is final; all as agent_run_error, so not done (exit 1).
+    assert result.returncode == 1, result.stderr[-2000:]
     # The earlier attempts' durations, as the failure rows carry them.
     durations = {0: 0.5, 1: 4.0, 2: 0.1, 3: 4.0, 4: 2.0}
     rows = read_jsonl(paths.failures)
@@ -371,7 +372,7 @@ async def test_resume_starts_the_longest_first_and_extend_attempts_adds_tries(
 
     # Without more attempts every rollout is final: nothing runs.
     result, _ = await _run(tmp_path, failing, 5, "--max-attempts", "1")
-    assert result.returncode == 0
+    assert result.returncode == 1
     agent = FakeAgent(lambda body: web.json_response({"reward": 1.0}))
     await agent.start()
     try:

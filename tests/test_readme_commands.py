@@ -24,9 +24,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from tests.conftest import SimAgentFactory
-from tests.helpers import free_port, indented_blocks, read_jsonl, wait_until
+from tests.helpers import FakeAgent, free_port, indented_blocks, read_jsonl, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -176,8 +177,39 @@ async def test_the_slurm_example_runs_under_a_stand_in_for_slurm(
     it queues is only recorded, and cancelled when the run is complete."""
     one, _ = await sim_agent(latency_s=0.0)
     two, _ = await sim_agent(latency_s=0.0)
+    out = await run_slurm_example(tmp_path, one, two)
+
+    assert len(read_jsonl(tmp_path / "runs" / "step1" / "rollouts.jsonl")) == 3 * 8, out
+    assert (tmp_path / "queued").read_text().count("--dependency=afterany:4242") == 1
+    assert (tmp_path / "cancelled").read_text().split() == ["4243"]
+
+
+async def test_the_slurm_chain_stops_when_the_agents_answer_500_to_everything(
+    tmp_path: Path,
+) -> None:
+    """Before, the chain ran hop after hop and ended with exit 0 at 0 % success."""
+    broken = [FakeAgent(lambda _: web.json_response({"detail": "no"}, status=500)) for _ in "ab"]
+    for agent in broken:
+        await agent.start()
+    try:
+        out = await run_slurm_example(tmp_path, broken[0].url, broken[1].url, check=False)
+    finally:
+        for agent in broken:
+            await agent.close()
+    assert "sbatch exit 1" in out, out
+    assert not (tmp_path / "runs" / "step1" / "rollouts.jsonl").read_text()
+    assert (tmp_path / "cancelled").read_text().split() == ["4243"]
+
+
+async def run_slurm_example(tmp_path: Path, one: str, two: str, *, check: bool = True) -> str:
+    """The README's Slurm example with its agents at ``one`` and ``two``; its stdout (with
+    ``check=False``, ending with ``sbatch exit N``)."""
     script = example("dispatcher init rd-config\ncat > rollouts.toml")
     script = replaced(script, {"http://10.0.0.11:8000": one, "http://10.0.0.12:8000": two})
+    if not check:
+        # Hops rerun at once (not after the default minute) until the chain stops.
+        script = "export DISPATCH_PAUSE_S=0\n" + script.rstrip()
+        script += ' && echo "sbatch exit 0" || echo "sbatch exit $?"'
     (tmp_path / "tasks.jsonl").write_text(tasks_for(None, 3))
     bin_dir = tmp_path / "slurm-bin"
     bin_dir.mkdir()
@@ -193,11 +225,7 @@ async def test_the_slurm_example_runs_under_a_stand_in_for_slurm(
         (bin_dir / name).write_text(f"#!/bin/bash\nset -eu\n{body}\n")
         (bin_dir / name).chmod(0o755)
 
-    out = await run_shell(f'PATH="{bin_dir}:$PATH"\n{script}', tmp_path)
-
-    assert len(read_jsonl(tmp_path / "runs" / "step1" / "rollouts.jsonl")) == 3 * 8, out
-    assert (tmp_path / "queued").read_text().count("--dependency=afterany:4242") == 1
-    assert (tmp_path / "cancelled").read_text().split() == ["4243"]
+    return await run_shell(f'PATH="{bin_dir}:$PATH"\n{script}', tmp_path)
 
 
 def front_page_row() -> dict[str, object]:

@@ -42,6 +42,7 @@ from dispatcher.files.contracts import (
     is_omitted,
     is_terminal,
 )
+from dispatcher.outcome import Outcome
 from dispatcher.tasks.keys import AGENT_REF, SPLIT_LINE_BYTES, line_key, row_key, split_row
 from dispatcher.tasks.keys import rollout_key as rollout_key  # tests import it here
 
@@ -373,3 +374,37 @@ def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
             continue
         state.add_failure(key, row)
     return state
+
+
+def nothing_succeeded(state: RunState, expected: int) -> str | None:
+    """Why a run whose every rollout is final failed after all, else None (contracts §10).
+
+    Asked once no rollout is left to run, by the live run and by ``status`` alike.
+    Failures of several classes may be the tasks' own (hard tasks time out, others
+    break a tool), and a failure the agent reported is an outcome it produced; no
+    success at all, and one class the dispatcher observed (an HTTP 500, a timeout,
+    an answer that is no result) for every rollout, is the agent's or the
+    configuration's: a job script must not take it for done.
+    """
+    if expected == 0 or state.successes:
+        return None
+    classes = {failure_class for _, failure_class in state.latest_failure.values()}
+    if len(classes) != 1 or not classes <= DISPATCHER_OBSERVED:
+        return None
+    [failure_class] = classes
+    return (
+        f"no rollout succeeded: every one of the {expected} rollouts failed as "
+        f"{failure_class}; once the agent is fixed, rerun with --extend-attempts N "
+        "(or --fresh) to run them again"
+    )
+
+
+# The failure classes of contracts §5 the dispatcher itself observes.
+DISPATCHER_OBSERVED = frozenset(
+    {
+        Outcome.AGENT_REQUEST_FAILED.value,
+        Outcome.AGENT_RUN_ERROR.value,
+        Outcome.TIMEOUT_EXCEEDED.value,
+        Outcome.PROTOCOL_VIOLATION.value,
+    }
+)

@@ -13,7 +13,8 @@ or saw kill-shaped; the rest of the no-row rollouts never started. A
 ``last_run`` older than the newest row (a later hop died, or one is running)
 is reported as stale and not used for that split.
 
-Exit code: 0 when every rollout is final, 75 when some are left to run (the
+Exit code: 0 when every rollout is final, 75 when some are left to run, 1 when
+every rollout is final but none succeeded and all failed the same way (the
 same meaning as the run's own exit code), 2 when OUTPUT names no run.
 """
 
@@ -28,7 +29,14 @@ from typing import Any
 from dispatcher.errors import ExitCode
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.contracts import NOT_DELIVERED, RunManifest
-from dispatcher.files.resume import OutputPaths, RunState, Tail, iter_rows, tail_state
+from dispatcher.files.resume import (
+    OutputPaths,
+    RunState,
+    Tail,
+    iter_rows,
+    nothing_succeeded,
+    tail_state,
+)
 from dispatcher.ops.runfiles import (
     LastRun,
     LockStatus,
@@ -138,6 +146,8 @@ class RunStatus:
     delivery: dict[str, Any] = field(default_factory=dict)
     # Per agent, the rollouts with a not-delivered row (§11): no replica took them.
     not_delivered: dict[str, set[int]] = field(default_factory=dict)
+    # Every rollout final, none succeeded, one failure class: why that is no success.
+    nothing_succeeded: str | None = None
 
     @property
     def total(self) -> Tally:
@@ -157,7 +167,9 @@ class RunStatus:
 
     @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.RESUMABLE if self.total.left_to_run else ExitCode.DONE
+        if self.total.left_to_run:
+            return ExitCode.RESUMABLE
+        return ExitCode.UNEXPECTED if self.nothing_succeeded else ExitCode.DONE
 
     def to_json(self) -> dict[str, Any]:
         total = self.total.to_json()
@@ -176,6 +188,7 @@ class RunStatus:
             **total,
             "left_to_run": left,
             "complete": left["total"] == 0,
+            "nothing_succeeded": self.nothing_succeeded,
             "per_agent": {name: t.to_json() for name, t in sorted(self.agents.items())},
             "files": {name: h.to_json() for name, h in self.files.items()},
             "anomalies": dict(self.anomalies),
@@ -202,6 +215,8 @@ def collect_status(output: Path, max_attempts: int | None = None) -> RunStatus:
     status.anomalies["failure_rows_not_materialized"] = sum(
         1 for key in state.failed_attempts if key not in expected
     )
+    if not status.total.left_to_run:
+        status.nothing_succeeded = nothing_succeeded(state, status.total.expected)
     return status
 
 
@@ -293,6 +308,7 @@ def render_status(status: RunStatus) -> str:
         _render_header(status, total),
         _render_standings(total),
         _render_why(status, total),
+        f"\nfailed: {status.nothing_succeeded}" if status.nothing_succeeded else "",
         _render_not_delivered(status, total),
         _render_failures(total),
         _render_agents(status),

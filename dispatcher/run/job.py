@@ -38,6 +38,7 @@ from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
+from dispatcher.files.resume import nothing_succeeded
 from dispatcher.files.writer import Line, LineIndex, RowWriter
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.lifecycle import JobState, Lifecycle
@@ -49,7 +50,12 @@ from dispatcher.run.daemon import Daemon, LatencyView
 from dispatcher.run.flight import Flight, FlightParts, Landing
 from dispatcher.run.pending import Pending
 from dispatcher.run.prepare import PreparedRun, prepare_run, publish_metrics_endpoint
-from dispatcher.run.recorder import FailureLimitExceeded, FinalHook, Recorder
+from dispatcher.run.recorder import (
+    FailureLimitExceeded,
+    FinalHook,
+    NothingSucceeded,
+    Recorder,
+)
 from dispatcher.run.reporting import hop_summary, write_last_run
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout, new_capture_token
@@ -396,6 +402,7 @@ class Job:
 
     async def _record_hop(self) -> None:
         """Gym's aggregate file, the hop's state, the manifest's ``last_run``, the summary."""
+        self._refuse_nothing_succeeded()
         summary = self.summary()
         try:
             aggregation = await self._write_aggregate_metrics()
@@ -407,6 +414,13 @@ class Job:
             self.fail(OutputWriteError(f"recording the end of the hop failed: {exc}"))
         self.state.advance(self._final_state())
         self.log.info("run_summary", **summary)
+
+    def _refuse_nothing_succeeded(self) -> None:
+        state = self.recorder.state
+        if self.fatal is None and self.remaining() == 0 and state is not None:
+            why = nothing_succeeded(state, self.expected() or 0)
+            if why is not None:
+                self.fail(NothingSucceeded(why))
 
     def _final_state(self) -> JobState:
         if self.fatal is not None or self.daemon.fatal is not None:

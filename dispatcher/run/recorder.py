@@ -6,7 +6,8 @@ latency views, decides finality by the one rule, tells service mode of final
 rollouts, logs ``rollout_finished``, keeps the run's state current for the
 coverage and status files, notes rollouts left without a result
 (``--record-omitted``), and says when counted failures pass
-``--max-failure-fraction``.
+``--max-failure-fraction`` and when a finished run has nothing to show but
+one kind of failure.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ FinalHook = Callable[[Rollout, Outcome, "int | None", "dict[str, Any] | None"], 
 
 class FailureLimitExceeded(DispatcherError):
     """Counted failures passed ``--max-failure-fraction`` of the expected rollouts."""
+
+
+class NothingSucceeded(DispatcherError):
+    """Every rollout is final, none succeeded, and all failed the same way (contracts §10):
+    a broken agent or a wrong setting, never a finished run (exit 1, job ``failed``)."""
 
 
 class Recorder:

@@ -91,7 +91,8 @@ exit codes:
   0   every rollout has a final outcome
   75  some rollouts remain: rerun the same command to run them
   2   bad configuration or input; nothing was dispatched
-  1   unexpected error (named in the message)
+  1   unexpected error (named in the message), or no rollout succeeded and every one
+      failed the same way (a broken agent): fix it, then --extend-attempts N
 """
 _ENVIRONMENT = (
     "Every setting is also an environment variable DISPATCHER_<KEY> (flags win over the "
