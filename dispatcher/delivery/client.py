@@ -79,6 +79,10 @@ class AgentMisconfigured(ConfigError):
     """Every replica of an agent answers 404/405 to ``POST /run``: its URLs are wrong."""
 
 
+class AgentsNeverReached(ConfigError):
+    """No replica of an agent accepted a connection since the start (``--wait-for-agents-s``)."""
+
+
 @dataclass(frozen=True)
 class DeliveryPolicy:
     """Deadlines and retry rules of one run's agent calls (settings, in seconds)."""
@@ -162,6 +166,8 @@ class AgentClient:
         # Fired when a breaker closes, so rollouts waiting for a replica go at
         # once; and when a try ends or a limit changes, for those waiting for room.
         self._recovered = {name: Wakeup() for name in agents}
+        # Set by the run's first try: the agents watch counts from it.
+        self.first_try = asyncio.Event()
         self._room = {name: Wakeup() for name in agents}
         self._starts = (
             StartRateLimiter(policy.max_starts_per_s, clock)
@@ -185,6 +191,19 @@ class AgentClient:
                 changed.append(name)
                 self._room[name].fire()
         return changed
+
+    def never_reached(self) -> dict[str, list[str]]:
+        """Agents that were sent rollouts but none of whose replicas ever accepted a
+        connection, with their replicas' URLs (credentials masked)."""
+        reached = self._pool.reached
+        return {
+            name: replicas.urls()
+            for name, replicas in self.replica_sets.items()
+            if any(r.stats.sent for r in replicas.replicas)
+            and not any(
+                (r.run_target.host, r.run_target.port) in reached for r in replicas.replicas
+            )
+        }
 
     def in_flight(self) -> dict[str, dict[str, int]]:
         return {
@@ -347,6 +366,8 @@ class AgentClient:
         replica.stats.probes += breaker.on_send()
         replica.in_flight += 1
         replica.stats.sent += 1
+        if not self.first_try.is_set():
+            self.first_try.set()
         if replica.controller is not None:
             replica.controller.on_in_flight(replica.in_flight)
         started_at, t0 = time.time(), time.perf_counter()
@@ -470,4 +491,13 @@ def no_run_message(agent: str, urls: list[str]) -> str:
     return (
         f"agent {agent!r}: no /run at {', '.join(urls)} (POST /run answered 404/405); "
         "check its --agent URL: give the base URL, the dispatcher appends /run"
+    )
+
+
+def never_reached_message(agents: dict[str, list[str]], waited_s: float) -> str:
+    """The one line that names the agents none of whose replicas was ever reachable."""
+    named = "; ".join(f"agent {name!r} at {', '.join(urls)}" for name, urls in agents.items())
+    return (
+        f"{named}: no replica accepted a connection in the {waited_s:g} s since the start "
+        "(--wait-for-agents-s): check the URL and that the agent is up"
     )

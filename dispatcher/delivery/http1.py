@@ -435,6 +435,9 @@ class Http1Pool:
         self.max_idle = max_idle
         self._idle: dict[str, list[Connection]] = {}
         self._open: set[Connection] = set()
+        # (host, port) of every target that ever accepted a connection: an agent
+        # none of whose replicas is here was never up (``AgentClient.never_reached``).
+        self.reached: set[tuple[str, int]] = set()
         self._tls: ssl.SSLContext | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
@@ -569,6 +572,7 @@ class Http1Pool:
                 f"no connection to {target.host}:{target.port} within {self.connect_timeout_s} s"
             ) from None
         self._open.add(conn)
+        self.reached.add((target.host, target.port))
         return conn
 
     def _tls_context(self) -> ssl.SSLContext:

@@ -32,7 +32,12 @@ from dispatcher.admission.pause import AdmissionPause
 from dispatcher.admission.pool import Budget, RolloutPool
 from dispatcher.aio import Wakeup, cancel_and_wait
 from dispatcher.delivery.adaptive import AimdPolicy
-from dispatcher.delivery.client import AgentClient, DeliveryPolicy
+from dispatcher.delivery.client import (
+    AgentClient,
+    AgentsNeverReached,
+    DeliveryPolicy,
+    never_reached_message,
+)
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, fd_limit
 from dispatcher.delivery.http1 import Http1Pool
 from dispatcher.delivery.limits import ResponseLimits
@@ -205,6 +210,22 @@ class Daemon:
         self._spawn(self._watch_budget(), "budget")
         if self.settings.adaptive:
             self._spawn(self.load.adapt(), "adapt")
+
+    def watch_agents_reached(self, window_s: float) -> None:
+        """Fail the run (exit 2) when, ``window_s`` after its first try, an agent that
+        was sent rollouts has had no replica accept a connection: a typo'd port would
+        otherwise be retried until the delivery deadline. An agent lost later is
+        retried as before."""
+        self._spawn(self._agents_reached(window_s), "agents-reached")
+
+    async def _agents_reached(self, window_s: float) -> None:
+        # From the first try, not from now: a slow start must not judge an agent
+        # before anything was sent to it.
+        await self.agents.first_try.wait()
+        await asyncio.sleep(window_s)
+        unreached = self.agents.never_reached()
+        if unreached:
+            self.fail(AgentsNeverReached(never_reached_message(unreached, window_s)))
 
     def _spawn(self, coro: Any, name: str) -> None:
         """Run a background task the daemon owns: cancelled and awaited at close; if it

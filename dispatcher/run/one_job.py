@@ -74,6 +74,7 @@ class Dispatcher:
                 delivery_deadline_s=self.settings.delivery_deadline_s,
             )
             daemon.begin_dispatch()
+            daemon.watch_agents_reached(self.settings.wait_for_agents_s)
             await job.dispatch()
             daemon.phase.advance(Phase.SHUTTING_DOWN)
         return job.exit_code()

@@ -39,7 +39,16 @@ DEFAULT_LISTEN = "127.0.0.1:8080"
 # Flags of `run` that belong to a job (its body says them) or to `run` alone
 # (`--fresh` would move a job's files aside at each of its hops).
 _NOT_SERVE_FLAGS = frozenset(
-    {"--input", "--output", "--limit", "--shard", "--metrics-listen", "--fresh"}
+    {
+        "--input",
+        "--output",
+        "--limit",
+        "--shard",
+        "--metrics-listen",
+        "--fresh",
+        # Agents may start after a daemon that lives for days: they are probed back.
+        "--wait-for-agents-s",
+    }
 )
 
 

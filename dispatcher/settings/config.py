@@ -74,6 +74,9 @@ class RunSettings(BaseModel):
     # contracts §11: faults of the infrastructure are retried, never charged to the task.
     delivery_deadline_s: float = Field(default=600.0, ge=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
+    # `run`: an agent none of whose replicas accepted a connection this long after
+    # the start is a wrong URL or an agent never started (exit 2), not a fault to retry.
+    wait_for_agents_s: float = Field(default=30.0, gt=0)
     first_byte_timeout_s: float | None = Field(default=None, gt=0)
     retry_backoff_base_s: float = Field(default=0.5, gt=0)
     retry_backoff_cap_s: float = Field(default=30.0, gt=0)

@@ -47,6 +47,8 @@ _RUN_FLAGS: dict[str, str] = {
     "--shutdown-grace-s": "on SIGTERM/SIGINT, seconds in-flight rollouts get (default 30)",
     "--delivery-deadline-s": "seconds a rollout may keep failing to reach an agent (default 600)",
     "--connect-timeout-s": "seconds to connect to an agent before trying again (default 10)",
+    "--wait-for-agents-s": "exit 2 when an agent none of whose replicas accepted a connection "
+    "this long after the start (default 30)",
     "--first-byte-timeout-s": "seconds to an agent's status line before trying again "
     "(default: none with --rollout-timeout-s, else 7200)",
     "--fsync": "always | batch (default: group commit) | never",
