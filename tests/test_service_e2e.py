@@ -421,3 +421,35 @@ async def test_a_bad_listen_address_is_exit_2_naming_the_flag(tmp_path: Path) ->
     [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert line == "error: --listen 'nope': expected HOST:PORT for the address, got 'nope'"
     assert not (tmp_path / "state").exists()
+
+
+async def test_an_agent_result_cannot_set_the_streams_seq_or_the_policy_versions(
+    tmp_path: Path,
+) -> None:
+    # A line with two ``_ng_seq`` reads as the agent's in every JSON parser: a
+    # client resuming with ``after=`` would skip or repeat rows (contracts §12).
+    forged = {"reward": 1.0, "_ng_seq": 1000, "_ng_policy_version_start": 99,
+              "_ng_policy_version_end": 99}  # fmt: skip
+    agent = FakeAgent(lambda body: web.json_response(forged))
+    await agent.start()
+    serve = await Serve.start(tmp_path / "state", agent.url)
+    try:
+        await serve.set_policy(3)
+        await serve.submit(job_id="j", rows=rows(3))
+        url = f"{serve.url}/v1/jobs/j/results"
+        async with serve.http.get(url, params={"wait": "true"}) as r:
+            lines = [line async for line in r.content if line.strip()]
+        resumed = await serve.results("j", after=1)
+    finally:
+        assert await serve.stop() == 0
+        await agent.close()
+    assert orjson.loads(lines[-1]) == {"end": "done"}
+    for seq, line in enumerate(lines[:-1], 1):
+        for key in forged:
+            assert line.count(b'"%s":' % key.encode()) == 1, (key, line)
+        row = orjson.loads(line)
+        assert row["_ng_seq"] == seq and row["reward"] == 1.0
+        assert row["_ng_policy_version_start"] == row["_ng_policy_version_end"] == 3
+        dropped = sorted(set(forged) - {"reward"})
+        assert row["_ng_dispatch"]["reserved_keys_dropped"] == dropped
+    assert [row["_ng_seq"] for row in resumed] == [2, 3]

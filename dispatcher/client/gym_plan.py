@@ -13,14 +13,9 @@ from dispatcher.client.wire import JobStatus
 from dispatcher.tasks.keys import RESERVED_RESULT_KEYS, TASK_INDEX
 
 # Keys of a durable row that are the dispatcher's, not the agent's answer: those it
-# writes into every row, its stream's sequence number and policy versions, and the
-# trajectory it rewrites.
-DISPATCHER_KEYS = RESERVED_RESULT_KEYS | {
-    "_ng_seq",
-    "_ng_policy_version_start",
-    "_ng_policy_version_end",
-    "ng_trajectory",
-}
+# writes into every row (its stream's sequence number and policy versions included),
+# and the trajectory it rewrites.
+DISPATCHER_KEYS = RESERVED_RESULT_KEYS | {"ng_trajectory"}
 # Gym's adaptive drain margin: the p75 of durations, once this many are known.
 _MARGIN_MIN_SAMPLES = 5
 _MARGIN_QUANTILE = 0.75

@@ -37,15 +37,12 @@ from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.writer import Line
 from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import Finalizer
+from dispatcher.tasks.keys import POLICY_VERSION_END, POLICY_VERSION_START
 from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger("dispatcher.run")
 
 T = TypeVar("T")
-
-# Keys every row carries in service mode (contracts §12).
-POLICY_VERSION_START = "_ng_policy_version_start"
-POLICY_VERSION_END = "_ng_policy_version_end"
 
 
 class CommitQueue(Protocol):

@@ -189,7 +189,10 @@ def _span_bytes(index: LineIndex, first: int, last: int) -> int:
 
 
 def with_seq(line: bytes, seq: int) -> bytes:
-    """A row's line with ``"_ng_seq": seq`` first, without parsing it."""
+    """A row's line with ``"_ng_seq": seq`` first, without parsing it.
+
+    The row cannot hold an ``_ng_seq`` of its own: it is a reserved key, dropped
+    from an agent's result (rows/build.py), so the line has exactly one."""
     head = b'{"_ng_seq":%d' % seq
     body = line.rstrip(b"\n")
     if body == b"{}":

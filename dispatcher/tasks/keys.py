@@ -207,6 +207,11 @@ RUN_ID: Final = "_ng_run_id"
 FAILURE_RECORD: Final = "_ng_failure_record"
 OMITTED_ROLLOUT: Final = "_ng_omitted_rollout"
 OMITTED_CAUSE: Final = "_ng_omitted_cause"
+# Service mode (contracts §12): the policy versions every row of a job carries,
+# and a streamed line's number, spliced in front of the row as it is sent.
+POLICY_VERSION_START: Final = "_ng_policy_version_start"
+POLICY_VERSION_END: Final = "_ng_policy_version_end"
+SEQ: Final = "_ng_seq"
 
 
 class FailureKeys(TypedDict):
@@ -242,5 +247,11 @@ RESERVED_RESULT_KEYS = frozenset(
         RUN_ID,
         FAILURE_RECORD,
         OMITTED_ROLLOUT,
+        # A second ``_ng_seq`` on a streamed line is the one JSON parsers keep: a
+        # client resuming with ``after=`` would skip or repeat rows (contracts §12).
+        # The policy versions are the daemon's to stamp (or, in a run, absent).
+        SEQ,
+        POLICY_VERSION_START,
+        POLICY_VERSION_END,
     }
 )
