@@ -9,7 +9,7 @@ after the current one, and says so by returning False.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Generic, TypeVar
 
 
@@ -41,6 +41,25 @@ class JobState(StrEnum):
     @property
     def final(self) -> bool:
         return self not in (JobState.QUEUED, JobState.RUNNING, JobState.PACED)
+
+
+class Stage(IntEnum):
+    """A rollout in flight (``run/flight.py``), in the order it lives them; the
+    flight, the shutdown grace and the job read it.
+
+    The one move back is AT_AGENT to WAITING: a request that was not delivered
+    waits for its retry. Nothing moves back from ANSWERED: an agent's answer is
+    the rollout's, and its row is written (contracts §10).
+    """
+
+    WAITING = 0  # admitted, at no replica: before its request, or between retries
+    AT_AGENT = 1  # its request is at a replica
+    ANSWERED = 2  # the agent answered; its row waits for room in the commit queue
+    COMMITTING = 3  # its row is built and written; its agent slots are free
+    DONE = 4
+
+    def may_move_to(self, to: Stage) -> bool:
+        return to > self or (self, to) == (Stage.AT_AGENT, Stage.WAITING)
 
 
 S = TypeVar("S", Phase, JobState)

@@ -3,13 +3,16 @@
 A ``Flight`` is made when the pool admits a rollout and runs as one task
 whose result is a ``Landing``, which its job alone records:
 
-1. at the agent: it holds its ``Slots`` while ``AgentClient.run`` delivers the
-   body (retrying what was not delivered); only here can it be cancelled
-   (shutdown, the budget's end, a cancelled job), and then it writes nothing:
-   the job sees the task cancelled and counts the rollout as cancelled;
-2. it enters the commit queue (slots and bytes: backpressure when the disk
-   stalls or rows are huge) and frees its agent slots;
-3. committing: the ``Finalizer`` builds its line and ``write`` appends it.
+1. at the agent (``Stage.WAITING`` and ``AT_AGENT``): it holds its ``Slots``
+   while ``AgentClient.run`` delivers the body (retrying what was not
+   delivered); only here can the shutdown grace or the budget's end cancel
+   it, and then it writes nothing: the job sees the task cancelled and counts
+   the rollout as cancelled;
+2. answered (``ANSWERED``): it waits for room in the commit queue (slots and
+   bytes: backpressure when the disk stalls or rows are huge), then frees its
+   agent slots. Its row is written whatever the grace (contracts §10); only a
+   cancelled or failed job cancels it;
+3. committing (``COMMITTING``): the ``Finalizer`` builds its line and ``write`` appends it.
    The commit is shielded: a cancel that arrives meanwhile waits for it to
    end, so a written row is always counted. A plain row is built without a
    pause, so only its write can meet a cancel and only the write is
@@ -35,6 +38,7 @@ from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt
 from dispatcher.delivery.faults import LocalFault, as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.writer import Line
+from dispatcher.lifecycle import Stage
 from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import Finalizer
 from dispatcher.tasks.keys import POLICY_VERSION_END, POLICY_VERSION_START
@@ -89,21 +93,35 @@ class Flight:
 
     A flight is as small as it can be: at 10,000 in flight, every object one
     holds is walked by each young GC pass (``aio.tune_gc``). So it is its own
-    ``AgentClient.run`` progress (``sending``), its done callback is a bound
-    method, and the whole agent call is one coroutine deep here.
+    ``AgentClient.run`` progress (``sending``, read from its ``stage``), its
+    done callback is a bound method, and the whole agent call is one coroutine
+    deep here.
     """
 
-    __slots__ = ("_parts", "_slots", "at_agent", "rollout", "sending", "started", "task")
+    __slots__ = ("_parts", "_slots", "rollout", "stage", "started", "task")
 
     def __init__(self, rollout: Rollout, slots: Slots, parts: FlightParts) -> None:
         self.rollout = rollout
         self._parts = parts
-        self._slots = slots
-        self.at_agent = True
-        # True only while its request is at a replica, not while it waits to retry.
-        self.sending = False
+        # Held until the row's turn to commit; None once given back.
+        self._slots: Slots | None = slots
+        self.stage = Stage.WAITING
         self.started = time.perf_counter()
         self.task: asyncio.Task[Landing] | None = None
+
+    @property
+    def sending(self) -> bool:
+        """Whether its request is at a replica now, not waiting to retry (``Progress``)."""
+        return self.stage is Stage.AT_AGENT
+
+    @sending.setter
+    def sending(self, value: bool) -> None:
+        self._move(Stage.AT_AGENT if value else Stage.WAITING)
+
+    def _move(self, to: Stage) -> None:
+        # A late move (a retry's "not sending" after a cancel) never undoes a stage.
+        if self.stage.may_move_to(to):
+            self.stage = to
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
@@ -115,9 +133,13 @@ class Flight:
             attempt = await parts.agents.run(
                 rollout.agent, rollout.body, rollout.rollout_id, self, rollout.wire
             )
+            # An outcome to write (an answer, or a delivery given up): from here on
+            # the shutdown grace never cancels it.
+            self._move(Stage.ANSWERED)
             # Backpressure: past the queue's bounds the rollout keeps its agent
             # slots, so no new rollout starts until rows are written.
             await parts.commit_queue.enter(attempt.body_bytes)
+            self._move(Stage.COMMITTING)
         except LocalFault as fault:
             return Landing(Outcome.REQUEUED, self.elapsed_s(), fault=fault)
         except AgentMisconfigured as exc:
@@ -135,14 +157,15 @@ class Flight:
 
     def land(self, task: asyncio.Task[Landing]) -> None:
         """The task's done callback: its job records the landing."""
+        self._move(Stage.DONE)
         self._parts.landed(self, task)
 
     def leave_agent(self) -> None:
         """Free the slots and leave the job's in-flight count, once: also for a task
         cancelled before it ever ran, whose ``finally`` never runs."""
-        if self.at_agent:
-            self.at_agent = False
+        if self._slots is not None:
             self._slots.release()
+            self._slots = None
             self._parts.left_agent(self.rollout)
 
     async def _commit(self, attempt: Attempt, version_start: int | None) -> Landing:

@@ -1,7 +1,8 @@
 """The shutdown grace: rollouts at agents get a while to answer, then are cancelled.
 
 Used by a ``Job`` at the budget's end, on a stop and when it closes. A cancelled
-rollout writes no row (contracts §4): it runs again on resume.
+rollout writes no row (contracts §4): it runs again on resume. A rollout whose
+agent answered is past the grace's reach (``Stage.ANSWERED``): its row is written.
 """
 
 from __future__ import annotations
@@ -11,31 +12,45 @@ import time
 from collections.abc import Collection
 from typing import Any
 
+from dispatcher.lifecycle import Stage
 from dispatcher.run.flight import Flight, Landing
 
 # How often the grace looks for rollouts gone back to waiting to retry.
 SETTLE_LOOK_S = 0.1
 
 
-async def settle(flights: Collection[Flight], grace_s: float, reason: str, log: Any) -> None:
+async def settle(
+    flights: Collection[Flight],
+    grace_s: float,
+    reason: str,
+    log: Any,
+    spare: Stage = Stage.ANSWERED,
+) -> None:
     """Give ``flights`` at agents ``grace_s`` to answer, then cancel the rest.
 
     ``flights`` is the job's live set, read again at each step. A rollout only
     waiting to retry (a backoff, no replica up) runs nowhere: it is cancelled at
-    once, not given the grace.
+    once, not given the grace. Flights at ``spare`` or past it are never
+    cancelled: by default those whose agent answered, whose rows are written
+    whatever the grace (contracts §10; they wait only for the commits ahead of
+    them in the bounded commit queue). A cancelled or failed job spares only
+    its commits under way.
     """
     deadline = time.monotonic() + grace_s
     while True:
         # One whose answer was "not delivered" meanwhile goes back to waiting:
         # look again at each short step of the grace.
-        waiting = {f.task for f in flights if f.at_agent and not f.sending and f.task}
-        await cancel(waiting, reason, log)
-        at_agents = {f.task for f in flights if f.at_agent and f.task is not None}
+        await cancel(_tasks(flights, Stage.WAITING), reason, log)
+        at_agents = _tasks(flights, Stage.AT_AGENT)
         if not at_agents or time.monotonic() >= deadline:
             break
         step_s = min(SETTLE_LOOK_S, deadline - time.monotonic())
         await asyncio.wait(at_agents, timeout=max(0.0, step_s))
-    await cancel({f.task for f in flights if f.at_agent and f.task}, reason, log)
+    await cancel({f.task for f in flights if f.stage < spare and f.task}, reason, log)
+
+
+def _tasks(flights: Collection[Flight], stage: Stage) -> set[asyncio.Task[Landing]]:
+    return {f.task for f in flights if f.stage is stage and f.task is not None}
 
 
 async def cancel(tasks: set[asyncio.Task[Landing]], reason: str, log: Any) -> None:

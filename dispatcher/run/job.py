@@ -12,8 +12,8 @@ the files NeMo Gym Main reads, ``recorder.py``), the rollouts left to start
   when the daemon says the budget is spent, rollouts at agents get the grace;
 - ``_landed``: a flight's ``Landing`` (its outcome, a fault of ours, or a
   failed commit) is recorded, here and nowhere else;
-- ``close``: in-flight rollouts get the grace (``grace.py``), then are
-  cancelled (no row: they run on resume); commits are awaited, writers
+- ``close``: rollouts at agents get the grace (``grace.py``), then are
+  cancelled (no row: they run on resume); answered rows and commits are awaited, writers
   closed, the hop recorded (coverage and status files, the manifest by
   ``reporting.py``), the lock released.
 
@@ -41,7 +41,7 @@ from dispatcher.errors import DispatcherError, ExitCode, OutputWriteError
 from dispatcher.files.resume import nothing_succeeded
 from dispatcher.files.writer import Line, LineIndex, RowWriter
 from dispatcher.latency.tracker import DispatchLatencyTracker
-from dispatcher.lifecycle import JobState, Lifecycle
+from dispatcher.lifecycle import JobState, Lifecycle, Stage
 from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import Finalizer
 from dispatcher.run import grace
@@ -374,9 +374,10 @@ class Job:
         """Set while none of the job's rollouts is in flight."""
         return self._idle
 
-    async def settle(self, grace_s: float, reason: str) -> None:
-        """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row)."""
-        await grace.settle(self.flights, grace_s, reason, self.log)
+    async def settle(self, grace_s: float, reason: str, spare: Stage = Stage.ANSWERED) -> None:
+        """Give rollouts at agents ``grace_s`` to answer, then cancel the rest (no row);
+        those at ``spare`` or past it are never cancelled (``grace.settle``)."""
+        await grace.settle(self.flights, grace_s, reason, self.log, spare)
 
     # ---- close -----------------------------------------------------------------------
 
@@ -385,10 +386,12 @@ class Job:
         # After a fatal error nothing more can be written, and a cancelled job
         # wants nothing more: no grace.
         if self.fatal is not None or self.daemon.fatal is not None or self._cancel_reason:
-            await self.settle(0.0, self._cancel_reason or "the run failed")
+            reason = self._cancel_reason or "the run failed"
+            await self.settle(0.0, reason, spare=Stage.COMMITTING)
         else:
             await self.settle(self.settings.shutdown_grace_s, "shutdown grace period ended")
-        # Commits under way are never cancelled: wait for them.
+        # Commits under way, and answered rows waiting for theirs, are never
+        # cancelled: wait for them.
         if self.flights:
             await asyncio.wait({f.task for f in self.flights if f.task is not None})
         try:
