@@ -11,7 +11,8 @@ from dispatcher.cli import build_parser
 from dispatcher.errors import ConfigError
 from dispatcher.settings.config import RunSettings, load_settings, parse_agent_flags
 from dispatcher.settings.flags import run_flag_values
-from tests.helpers import run_cli
+from tests.conftest import SimAgentFactory
+from tests.helpers import run_args, run_cli, write_tasks
 
 BASE = {"input": "tasks.jsonl", "output": "out/x.jsonl", "agents": {"sim": ["http://h:1"]}}
 
@@ -272,3 +273,16 @@ async def test_the_cli_reports_a_bad_env_value_and_exits_2(tmp_path: Path) -> No
     expected = "error: config key 'max_attempts' (from DISPATCHER_MAX_ATTEMPTS)"
     assert result.stderr.startswith(expected)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["DISPATCHER_URL", "DISPATCHER_API_TOKEN", "DISPATCHER_STATE"])
+async def test_a_clients_variable_in_the_environment_does_not_stop_a_run(
+    tmp_path: Path, sim_agent: SimAgentFactory, name: str
+) -> None:
+    # The docs' trainer snippets export DISPATCHER_URL: a shell that runs both
+    # the trainer and `dispatcher run` has it, and it is not a setting.
+    agent_url, _ = await sim_agent()
+    tasks = write_tasks(tmp_path / "t.jsonl", 2)
+    args = run_args(tasks, tmp_path / "x.jsonl", agent_url)
+    result = await run_cli(*args, env={name: "http://127.0.0.1:8080"})
+    assert result.returncode == 0, result.stderr[-2000:]

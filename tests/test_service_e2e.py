@@ -34,10 +34,15 @@ class Serve:
 
     @classmethod
     async def start(cls, state_dir: Path, agent_url: str, *flags: str) -> Serve:
-        proc = await spawn_cli(
-            "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+        return await cls.spawn(
+            "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
             "--agent", f"sim={agent_url}", "--log-format", "json", "--fsync", "never", *flags,
         )  # fmt: skip
+
+    @classmethod
+    async def spawn(cls, *args: str, env: dict[str, str] | None = None) -> Serve:
+        """``dispatcher serve ARGS``, once it says it listens."""
+        proc = await spawn_cli("serve", *args, env=env)
         await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
         assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
         url = proc.stdout[0].decode().split()[-1]
@@ -453,3 +458,29 @@ async def test_an_agent_result_cannot_set_the_streams_seq_or_the_policy_versions
         dropped = sorted(set(forged) - {"reward"})
         assert row["_ng_dispatch"]["reserved_keys_dropped"] == dropped
     assert [row["_ng_seq"] for row in resumed] == [2, 3]
+
+
+async def test_serve_takes_its_own_settings_from_the_config_file_and_the_environment(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    # TOML < DISPATCHER_* < flags, as for `run` (contracts §12); the trainer's own
+    # DISPATCHER_URL (the docs export it) is not a setting of the daemon.
+    agent_url, _ = await sim_agent()
+    state_dir = tmp_path / "state"
+    config = tmp_path / "dispatcher.toml"
+    config.write_text(f'state_dir = "{state_dir}"\nmax_job_rollouts = 2\nfsync = "never"\n')
+    env = {
+        "DISPATCHER_LISTEN": "127.0.0.1:0",
+        "DISPATCHER_MAX_JOB_ROLLOUTS": "3",
+        "DISPATCHER_URL": "http://127.0.0.1:8080",
+    }
+    serve = await Serve.spawn("--config", str(config), "--agent", f"sim={agent_url}", env=env)
+    try:
+        await serve.submit(job_id="three", rows=rows(3))
+        refused = await serve.submit(expect=400, job_id="four", rows=rows(4))
+        streamed = await serve.results("three", wait=True)
+    finally:
+        assert await serve.stop() == 0
+    assert "--max-job-rollouts" in refused["error"]
+    assert streamed[-1] == {"end": "done"} and len(row_lines(streamed)) == 3
+    assert (state_dir / "jobs" / "three" / "rollouts.jsonl").exists()

@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -25,8 +27,8 @@ from dispatcher.run.daemon import Daemon, PolicyClock
 from dispatcher.serve import api, auth
 from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import Registry
-from dispatcher.settings.config import RunSettings, load_settings
-from dispatcher.settings.serve import ServeLimits
+from dispatcher.settings.config import RunSettings, flag_for, layered, load_settings
+from dispatcher.settings.serve import SERVE_KEYS, ServeLimits
 from dispatcher.telemetry.discovery import sd_file_for, service_labels
 from dispatcher.telemetry.http_app import listen_address
 from dispatcher.telemetry.logs import configure_logging
@@ -66,13 +68,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "job. Takes the flags of `dispatcher run` that are not a job's."
         ),
     )
+    # No defaults here: a flag not given takes DISPATCHER_* or the config file's value.
     parser.add_argument(
         "--listen",
-        default=DEFAULT_LISTEN,
         metavar="HOST:PORT",
         help=f"address to serve on (default {DEFAULT_LISTEN}; beyond loopback needs a token)",
     )
-    parser.add_argument("--state-dir", required=True, metavar="DIR", help="the job registry")
+    parser.add_argument("--state-dir", metavar="DIR", help="the job registry (required)")
     _add_access_arguments(parser)
     parser.add_argument(
         "--max-off-policy-steps",
@@ -90,6 +92,7 @@ async def serve_command(args: argparse.Namespace) -> int:
     from dispatcher.settings.flags import budget_seconds, run_flag_values
     from dispatcher.settings.serve import serve_limits
 
+    _take_layers(args, os.environ)
     host, _ = listen_address(args.listen)  # a bad address is named as --listen
     access = _access(args, host)
     limits = serve_limits(args)
@@ -107,6 +110,38 @@ async def serve_command(args: argparse.Namespace) -> int:
     return int(await serve(settings, state_dir, steps, budget_s, access, limits))
 
 
+def _take_layers(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Serve's own flags as `run`'s: a flag over ``DISPATCHER_*`` over the config file."""
+    cli = {key: getattr(args, key, None) for key in SERVE_KEYS}
+    cli["config"] = args.config
+    for key, (value, source) in layered(SERVE_KEYS, cli, env).items():
+        setattr(args, key, _as_flag(key, value, source))
+    if args.state_dir is None:
+        raise ConfigError(
+            "--state-dir: required (the flag, DISPATCHER_STATE_DIR or state_dir in the config file)"
+        )
+    args.listen = args.listen or DEFAULT_LISTEN
+    args.allow_unauthenticated = bool(args.allow_unauthenticated)
+
+
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+def _as_flag(key: str, value: Any, source: str) -> Any:
+    """A value from the environment or the file as its flag gives it: text (the
+    flag's own check then names a bad one), or a switch's bool."""
+    flag = flag_for(key)
+    if key == "allow_unauthenticated":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(f"{flag} (from {source}): {value!r} is not true or false")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError(f"{flag} (from {source}): {value!r} must be a string or a number")
+    return str(value)
+
+
 def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-token-file",
@@ -117,6 +152,7 @@ def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-unauthenticated",
         action="store_true",
+        default=None,
         help="listen beyond loopback without a token: anyone who connects may submit jobs",
     )
     parser.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")

@@ -1,5 +1,8 @@
 """One validated settings model for a run: TOML file < ``DISPATCHER_*`` env < CLI flags.
 
+``dispatcher serve`` takes its own keys (``settings/serve.py``) from the same
+three places (``layered``); one file and one environment serve both commands.
+
 Every key has a unit in its name where it has one and a default where one is
 safe. A bad value is a ``ConfigError`` naming the key and where it came from;
 nothing falls back silently.
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -27,6 +30,7 @@ from dispatcher.delivery.limits import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_
 from dispatcher.errors import ConfigError
 from dispatcher.files.writer import FsyncPolicy
 from dispatcher.settings.gym_habits import agent_flag_hint
+from dispatcher.settings.serve import SERVE_KEYS
 from dispatcher.tasks.keys import repeats_problem
 from dispatcher.tasks.materialize import MaterializeSpec
 from dispatcher.urls import agent_url_problem, redact_url, redact_urls
@@ -241,9 +245,10 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     env = os.environ if env is None else env
     sources: dict[str, str] = {}
     merged: dict[str, Any] = {}
-    config_path = cli.get("config") or env.get(f"{ENV_PREFIX}CONFIG")
-    if config_path:
-        for key, value in _read_toml(Path(config_path)).items():
+    config_path, file_values = config_file(cli, env)
+    for key, value in file_values.items():
+        # One file serves both commands: the service's own keys are serve's to read.
+        if key not in SERVE_KEYS:
             merged[key], sources[key] = value, f"{config_path}"
     for key, value in _from_env(env).items():
         merged[key], sources[key] = value, f"{ENV_PREFIX}{key.upper()}"
@@ -261,6 +266,34 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         raise ConfigError(_describe(exc, sources)) from None
 
 
+def config_file(cli: Mapping[str, Any], env: Mapping[str, str]) -> tuple[str, dict[str, Any]]:
+    """The config file's path (``--config``, else ``DISPATCHER_CONFIG``) and its keys;
+    ``("", {})`` for none."""
+    config_path = cli.get("config") or env.get(f"{ENV_PREFIX}CONFIG")
+    if not config_path:
+        return "", {}
+    return str(config_path), _read_toml(Path(config_path))
+
+
+def layered(
+    keys: Collection[str], cli: Mapping[str, Any], env: Mapping[str, str]
+) -> dict[str, tuple[Any, str]]:
+    """Keys that are not ``RunSettings``' (the service's own), the same way: each
+    key's value and where it came from, a flag over ``DISPATCHER_*`` over the file.
+    Keys given nowhere are left out."""
+    path, file_values = config_file(cli, env)
+    found: dict[str, tuple[Any, str]] = {}
+    for key in keys:
+        name = f"{ENV_PREFIX}{key.upper()}"
+        if cli.get(key) is not None:
+            found[key] = cli[key], flag_for(key)
+        elif name in env:
+            found[key] = env[name], name
+        elif key in file_values:
+            found[key] = file_values[key], path
+    return found
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
@@ -275,9 +308,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 # DISPATCHER_* variables that are not settings: the config file's path, the
 # shard count a Kubernetes indexed Job gives `--shard auto` (ops/shard.py),
-# and the service's API token (serve/auth.py: never a setting, never dumped).
+# the service's API token (serve/auth.py: never a setting, never dumped), and
+# what a trainer's shell holds for the client (the docs' snippets export
+# DISPATCHER_URL): one shell may run both, and they say nothing to a daemon.
 _NOT_SETTINGS = frozenset(
-    {f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}SHARD_COUNT", f"{ENV_PREFIX}API_TOKEN"}
+    f"{ENV_PREFIX}{name}" for name in ("CONFIG", "SHARD_COUNT", "API_TOKEN", "URL", "STATE")
 )
 
 
@@ -287,6 +322,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:
             continue
         key = name[len(ENV_PREFIX) :].lower()
+        if key in SERVE_KEYS:
+            continue  # the service's own (``layered``)
         if key not in RunSettings.model_fields:
             raise ConfigError(f"{name}: unknown setting (no config key {key!r})")
         if key in _JSON_ENV_KEYS:

@@ -55,6 +55,24 @@ class ServeLimits(BaseModel):
         return self
 
 
+# The keys of ``serve`` that are not ``RunSettings``': its flags of its own and its
+# bounds. Like `run`'s they come from the config file < DISPATCHER_* < flags
+# (``config.layered``); `run` leaves them to it.
+SERVE_OWN_KEYS = frozenset(
+    {
+        "listen",
+        "state_dir",
+        "max_off_policy_steps",
+        "api_token_file",
+        "allow_unauthenticated",
+        "tls_cert",
+        "tls_key",
+        "input_root",
+    }
+)
+SERVE_KEYS = SERVE_OWN_KEYS | frozenset(ServeLimits.model_fields)
+
+
 # flag -> (help, metavar): the defaults are the model's, shown from it.
 _FLAGS: dict[str, tuple[str, str]] = {
     "--max-streams": ("results streams open at once; more answer 503", "N"),
