@@ -129,8 +129,7 @@ class Daemon:
         self._fault_policy = LocalFaultPolicy(settings.local_fault_persist_s)
         self._stack = contextlib.AsyncExitStack()
         self._sigint_count = 0
-        self._dispatch_started: float | None = None
-        self._started_monotonic = time.monotonic()
+        self._started_monotonic = self.clock()
         # Made by ``start``; a signal or an error can come before they exist.
         self._agents: AgentClient | None = None
         self._pool: RolloutPool | None = None
@@ -205,7 +204,6 @@ class Daemon:
         self.budget = Budget(self._budget_s)
         self.pool.budget = self.budget
         self.metrics.dispatch_started()
-        self._dispatch_started = time.monotonic()
         self.phase.advance(Phase.RUNNING)
         self._spawn(self._watch_budget(), "budget")
         if self.settings.adaptive:
@@ -258,13 +256,14 @@ class Daemon:
     def policy_version(self) -> int | None:
         return self.policy.version if self.policy is not None else None
 
-    def dispatch_seconds(self, ended: float | None = None) -> float:
-        if self._dispatch_started is None:
-            return 0.0
-        return (ended or time.monotonic()) - self._dispatch_started
+    @staticmethod
+    def clock() -> float:
+        """Monotonic seconds, which the daemon's and each job's elapsed figures are read
+        from (one place, so a test can move it)."""
+        return time.monotonic()
 
     def elapsed_s(self) -> float:
-        return time.monotonic() - self._started_monotonic
+        return self.clock() - self._started_monotonic
 
     def delivery_figures(self) -> dict[str, Any]:
         """Retries, replica health and our own faults: for /status, the summary and status."""

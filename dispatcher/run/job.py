@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -114,6 +113,10 @@ class Job:
         self._idle = asyncio.Event()
         self._idle.set()
         self._resources = contextlib.AsyncExitStack()
+        # The job's own times (``Daemon.clock``): a job served an hour after the
+        # daemon started has its rate and ETA from its own start, not the daemon's.
+        self._opened_at: float | None = None
+        self._dispatch_started: float | None = None
         self._dispatch_ended: float | None = None
         # One per hop: scopes each attempt's model-call capture (capture/scope.py).
         self._capture_token = new_capture_token() if settings.capture_dir is not None else None
@@ -125,6 +128,7 @@ class Job:
 
     async def open(self) -> None:
         """Take the lock, prepare the files and open the writers (or release all)."""
+        self._opened_at = self.daemon.clock()
         async with contextlib.AsyncExitStack() as stack:
             self.prepared = prepared = await asyncio.to_thread(
                 prepare_run, self.settings, self._shard_filter
@@ -175,6 +179,7 @@ class Job:
     async def dispatch(self) -> None:
         """Start every pending rollout (or drain it) and wait for all to settle, or a stop."""
         self.state.advance(JobState.RUNNING)
+        self._dispatch_started = self.daemon.clock()
         producer = asyncio.create_task(self._produce(), name="producer")
         budget_end = asyncio.create_task(self._settle_at_budget_end(), name="budget-end")
         try:
@@ -189,7 +194,7 @@ class Job:
         finally:
             await cancel_and_wait(producer)
             await cancel_and_wait(budget_end)
-            self._dispatch_ended = time.monotonic()
+            self._dispatch_ended = self.daemon.clock()
 
     async def _settle_at_budget_end(self) -> None:
         await self.daemon.budget_spent.wait()
@@ -496,9 +501,26 @@ class Job:
     def eta_s(self, rollouts_per_hour: float) -> float | None:
         return estimate_eta_s(self.remaining(), rollouts_per_hour)
 
+    def dispatch_seconds(self) -> float:
+        """How long this hop of the job has dispatched (or did)."""
+        if self._dispatch_started is None:
+            return 0.0
+        return (self._dispatch_ended or self.daemon.clock()) - self._dispatch_started
+
+    def rollouts_per_hour(self) -> float:
+        """The job's own pace: its outcomes of this hop over its own dispatch time."""
+        elapsed_s = self.dispatch_seconds()
+        return sum(self.outcomes.values()) / elapsed_s * 3600.0 if elapsed_s > 0 else 0.0
+
     def summary(self) -> dict[str, Any]:
+        opened = self._opened_at
+        elapsed_s = 0.0 if opened is None else self.daemon.clock() - opened
         summary = hop_summary(
-            self.daemon, self.tracker, self.outcomes, self.remaining(), self._dispatch_ended
+            self.daemon,
+            self.tracker,
+            self.outcomes,
+            self.remaining(),
+            (self.dispatch_seconds(), elapsed_s),
         )
         if isinstance(self.fatal, FailureLimitExceeded):
             summary["failure_limit_exceeded"] = str(self.fatal)

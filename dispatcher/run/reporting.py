@@ -69,17 +69,18 @@ def hop_summary(
     tracker: DispatchLatencyTracker,
     outcomes: Counter[str],
     remaining: int,
-    dispatch_ended: float | None,
+    seconds: tuple[float, float],
 ) -> dict[str, Any]:
-    """The hop's ``run_summary`` event: outcomes, rate, latency, delivery, the loop."""
-    dispatch_s = daemon.dispatch_seconds(dispatch_ended)
+    """The hop's ``run_summary`` event: outcomes, rate, latency, delivery, the loop.
+    ``seconds`` are the job's own (dispatching, since it opened), not the daemon's."""
+    dispatch_s, elapsed_s = seconds
     successes = outcomes.get(Outcome.SUCCESS.value, 0)
     summary = {
         "outcomes": dict(outcomes),
         "remaining": remaining,
         "rollouts_per_hour": successes / dispatch_s * 3600.0 if dispatch_s > 0 else 0.0,
         "latency_s": {f"p{int(q * 100)}": tracker.quantile(q) for q in SUMMARY_QUANTILES},
-        "elapsed_s": round(daemon.elapsed_s(), 3),
+        "elapsed_s": round(elapsed_s, 3),
         "dispatch_s": round(dispatch_s, 3),
         "event_loop_lag_p99_s": daemon.lag.p99_s(),
         "event_loop_lag_max_s": daemon.lag.max_s(),

@@ -370,7 +370,8 @@ class ServedJob:
         state = self.state
         if job is not None:
             outcomes = self.earlier_outcomes + job.outcomes
-            known.update(job.progress(), outcomes=dict(outcomes), eta_s=job.eta_s(self._rate(job)))
+            eta_s = job.eta_s(job.rollouts_per_hour())
+            known.update(job.progress(), outcomes=dict(outcomes), eta_s=eta_s)
         elif record.outcomes is not None:
             known["outcomes"] = record.outcomes
         if self.groups is not None:
@@ -399,12 +400,6 @@ class ServedJob:
         if self.groups is None and self.record.step is not None:
             return dict(self.record.step)
         return self.step.figures()
-
-    @staticmethod
-    def _rate(job: Job) -> float:
-        elapsed_s = job.daemon.dispatch_seconds()
-        done = sum(job.outcomes.values())
-        return done / elapsed_s * 3600.0 if elapsed_s > 0 else 0.0
 
     async def source(self) -> Source:
         """Where the job's results are: its live indexes (it is final only once it

@@ -1,0 +1,130 @@
+"""A served job's own figures (contracts §12): its ETA and its manifest's rate come
+from its own start and completions, not the daemon's. The daemon runs in this
+process on 127.0.0.1 (the jobs API over HTTP) with a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from dispatcher.run import daemon as daemon_module
+from dispatcher.serve import auth
+from dispatcher.serve import command as serve_module
+from dispatcher.settings.config import load_settings
+from dispatcher.settings.serve import ServeLimits
+from tests.helpers import FakeAgent, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    """``time`` for the daemon's module: its monotonic seconds are the test's to move."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+class InProcessServe:
+    """``dispatcher serve``'s own ``serve`` on the test's loop, and its daemon."""
+
+    def __init__(self, task: asyncio.Task[Any], daemon: daemon_module.Daemon) -> None:
+        self.task = task
+        self.daemon = daemon
+        assert daemon.metrics_endpoint is not None
+        self.url = daemon.metrics_endpoint.url.removesuffix("/metrics")
+
+    async def stop(self) -> int:
+        self.daemon._handle_signal(signal.SIGTERM)
+        return int(await asyncio.wait_for(self.task, 30))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(daemon_module, "time", fake)
+    return fake
+
+
+@pytest.fixture
+async def agent() -> AsyncIterator[FakeAgent]:
+    fake = FakeAgent(gated=True)
+    await fake.start()
+    yield fake
+    await fake.close()
+
+
+async def start_serve(
+    tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch
+) -> InProcessServe:
+    made: list[daemon_module.Daemon] = []
+
+    class Recorded(daemon_module.Daemon):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(serve_module, "Daemon", Recorded)
+    state_dir = tmp_path / "state"
+    values = {
+        "input": str(state_dir / "jobs"), "output": str(state_dir / "jobs" / "x.jsonl"),
+        "agents": {"sim": [agent_url]}, "metrics_listen": "127.0.0.1:0", "fsync": "never",
+    }  # fmt: skip
+    access = auth.access_from_flags(
+        listen="127.0.0.1:0", host="127.0.0.1", token_file=None, allow_unauthenticated=False,
+        tls_cert=None, tls_key=None, input_root=str(tmp_path), env={},
+    )  # fmt: skip
+    settings = load_settings(values, env={})
+    task = asyncio.create_task(
+        serve_module.serve(settings, state_dir, None, None, access, ServeLimits())
+    )
+    await wait_until(lambda: bool(made and made[0].metrics_endpoint) or task.done())
+    return InProcessServe(task, made[0])
+
+
+async def test_a_job_submitted_an_hour_in_has_the_eta_and_rate_of_its_own_pace(
+    tmp_path: Path, clock: Clock, agent: FakeAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve = await start_serve(tmp_path, agent.url, monkeypatch)
+    async with aiohttp.ClientSession() as http:
+
+        async def status() -> dict[str, Any]:
+            async with http.get(f"{serve.url}/v1/jobs/j") as r:
+                body: dict[str, Any] = await r.json()
+                return body
+
+        clock.now += 3600.0  # the daemon has served for an hour
+        rows = [{"agent_ref": {"name": "sim"}, "q": i} for i in range(4)]
+        body = orjson.dumps({"job_id": "j", "rows": rows})
+        async with http.post(f"{serve.url}/v1/jobs", data=body) as r:
+            assert r.status == 201
+        await wait_until(lambda: agent.holding == 4)
+        agent.release_next()
+        agent.release_next()
+        await wait_until(lambda: _done(status, 2))
+        clock.now += 10.0  # two rollouts in the job's first 10 s: two more take 10 s
+        assert (await status())["eta_s"] == pytest.approx(10.0)
+        agent.open()
+        await wait_until(lambda: _done(status, 4))
+    assert await serve.stop() == 0
+    manifest = orjson.loads((tmp_path / "state/jobs/j/rollouts_manifest.json").read_bytes())
+    summary = manifest["last_run"]["summary"]
+    assert summary["dispatch_s"] == pytest.approx(10.0)
+    assert summary["rollouts_per_hour"] == pytest.approx(4 * 360.0)
+
+
+async def _done(status: Any, count: int) -> bool:
+    return bool((await status())["rows_durable"] == count)
