@@ -119,8 +119,8 @@ async def test_a_policy_version_counts_only_once_it_is_durable(
             assert status == 400 and "version" in one_line_error(body), bad
         await serve.submit(job_id="step1", rows=rows(2), policy_version=1)
         await wait_until(serve.in_state("step1", "paced"))
-        # policy.json cannot be replaced: the version must not move.
-        blocker = state / ".policy.json.tmp"
+        # policy.json cannot be replaced (a folder holds its name): the version must not move.
+        blocker = state / "policy.json"
         blocker.mkdir()
         status, body = await post(serve, "/v1/policy", {"version": 1})
         assert status == 500 and str(blocker) in one_line_error(body)
@@ -174,8 +174,10 @@ async def test_a_job_whose_task_dies_is_failed_final_and_its_streams_end_with_th
     try:
         await serve.submit(job_id="j", rows=rows(2))
         await wait_until(lambda: gated_agent.holding == 2)
-        # Its final record cannot be saved: the job's task raises while settling.
-        blocker = job_dir(state, "j") / ".job.json.tmp"
+        # Its final record cannot be saved (a folder holds its name): the job's task
+        # raises while settling.
+        blocker = job_dir(state, "j") / "job.json"
+        kept = blocker.rename(blocker.with_name("job.json.kept"))
         blocker.mkdir()
         gated_agent.open()
         streams = [await ended(serve, "j"), await ended(serve, "j", group=True)]
@@ -194,6 +196,7 @@ async def test_a_job_whose_task_dies_is_failed_final_and_its_streams_end_with_th
 
     # Once the record can be written, a restart finishes the job from its files.
     blocker.rmdir()
+    kept.rename(blocker)
     again = await Serve.start(state, gated_agent.url)
     try:
         stream = await ended(again, "j")

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -109,6 +110,40 @@ def _read_pid(fd: int) -> str:
     return f" (pid {pid})" if pid.isdigit() else ""
 
 
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_path(path: Path) -> Path:
+    """A name no other write uses, beside ``path`` (a rename stays in one filesystem):
+    ``.NAME.<random>.tmp``, hidden, and known by ``is_temp_of``."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+
+
+def is_temp_of(name: str, target: str) -> bool:
+    """Whether ``name`` is a temporary file of a write to ``target`` (``temp_path``)."""
+    return name.startswith(f".{target}.") and name.endswith(TEMP_SUFFIX)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    try:
+        os.replace(tmp, path)
+    except OSError as exc:
+        # Name the file that could not be replaced, not the temporary.
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+
+
+def _create_temp(path: Path) -> tuple[Path, int]:
+    while True:
+        tmp = temp_path(path)
+        try:
+            # O_EXCL: a name taken (never, at 48 random bits) is never shared.
+            # Mode 0o666 under the umask, as a plain open would give the file.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            return tmp, os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+
+
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
     """``data`` as indented JSON, written atomically (``write_atomic``)."""
     write_atomic(path, [orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)])
@@ -116,15 +151,20 @@ def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
 
 def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
     """Write, fsync, rename, fsync the directory (blocking): readers see the old
-    file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    file or the new one, never a part.
+
+    Each write has a temporary file of its own (``temp_path``): two writers of one
+    file (a thread and the loop, two processes) each rename a whole file, the last
+    one wins; with one fixed name the second truncated and renamed the first's.
+    """
+    tmp, fd = _create_temp(path)
     try:
-        with tmp.open("wb") as f:
+        with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _replace(tmp, path)
     except BaseException:
         # A full disk must not leave a half-written temporary file taking its space.
         with contextlib.suppress(OSError):

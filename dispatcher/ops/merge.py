@@ -43,6 +43,7 @@ import orjson
 from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.files.resume import OutputPaths, RunState, iter_lines
+from dispatcher.files.writer import temp_path
 from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for
 from dispatcher.ops.table import format_table
@@ -134,7 +135,7 @@ class AtomicSet:
 
     def __init__(self, paths: OutputPaths) -> None:
         self._targets = (paths.materialized, paths.failures, paths.output)
-        self._tmps = tuple(p.with_name(f".{p.name}.merge-{os.getpid()}.tmp") for p in self._targets)
+        self._tmps = tuple(temp_path(p) for p in self._targets)
         self._files: list[IO[bytes]] = []
         for tmp in self._tmps:
             self._files.append(tmp.open("wb"))

@@ -35,7 +35,13 @@ from dispatcher.files.resume import (
     load_run_state,
     repair_torn_tail,
 )
-from dispatcher.files.writer import RunLock, move_aside, read_manifest, write_manifest
+from dispatcher.files.writer import (
+    RunLock,
+    move_aside,
+    read_manifest,
+    temp_path,
+    write_manifest,
+)
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import (
     MaterializeResult,
@@ -230,7 +236,7 @@ def _materialize_checked(
         recorded = _reusable_materialization(spec, settings, paths, previous)
         if recorded is not None:
             return recorded
-    tmp = paths.materialized.with_name(f".{paths.materialized.name}.{os.getpid()}.tmp")
+    tmp = temp_path(paths.materialized)
     try:
         result = materialize(spec, tmp)
         if result.input_rows == 0 and not settings.allow_empty:

@@ -38,7 +38,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from dispatcher.errors import ConfigError
-from dispatcher.files.writer import RunLock, write_atomic, write_json_atomic
+from dispatcher.files.writer import RunLock, is_temp_of, write_atomic, write_json_atomic
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.spec import STORED, JobSpec
 
@@ -278,14 +278,15 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-# What a submission a kill cut before its record leaves: the folder is reused.
-_CUT_SUBMISSION = frozenset({".job.json.tmp", ROWS_FILE, f".{ROWS_FILE}.tmp"})
+def _cut_submission(name: str) -> bool:
+    """What a submission a kill cut before its record leaves: the folder is reused."""
+    return name == ROWS_FILE or any(is_temp_of(name, f) for f in ("job.json", ROWS_FILE))
 
 
 def _holds_files(folder: Path) -> bool:
     """Whether a job folder holds anything but what a submission cut before its
     record leaves (its rows file, an interrupted write)."""
-    return any(entry.name not in _CUT_SUBMISSION for entry in folder.iterdir())
+    return not all(_cut_submission(entry.name) for entry in folder.iterdir())
 
 
 def _jsonl(rows: list[dict[str, Any]]) -> Iterator[bytes]:
