@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dispatcher.delivery.adaptive import StartRateLimiter
 from dispatcher.files.resume import OutputPaths
 from tests.conftest import SimAgentFactory
 from tests.helpers import log_events, read_jsonl, run_args, run_cli, write_tasks
@@ -31,12 +32,15 @@ async def test_agent_and_start_rate_caps_hold_in_auto_mode(
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(read_jsonl(output)) == 200
     assert stats.max_in_flight <= 6
-    # Starts leave at least 1.02/40 s apart (the unit test holds that exactly).
-    # The agent's clock sees them after a send that a busy loop may delay, and
-    # stamps them when its own process gets the CPU: on a loaded machine (the
-    # whole suite on 2 cores) a second at the agent caught 43. Uncapped: ~120.
-    assert stats.max_per_s <= 45
-    view = summary_of(result.stderr)["concurrency"]["sim"]
+    # Starts leave at least 1.02/40 s apart, never in bursts (the unit tests of
+    # StartRateLimiter hold that exactly, on a clock they move). Here, that the
+    # cap governs the run: its 200 starts cannot be let go in less than 199
+    # spacings of the dispatcher's own clock, however loaded the machine (a
+    # load only stretches them). Uncapped they take ~1.7 s (~120 a second);
+    # counted per second at the agent, its own scheduling blurred them (43 seen).
+    summary = summary_of(result.stderr)
+    assert summary["dispatch_s"] >= 199 * StartRateLimiter.STRETCH / 40 - 0.001  # rounded
+    view = summary["concurrency"]["sim"]
     assert view["mode"] == "auto" and view["cap"] == 6 and view["limit"] <= 6
 
 

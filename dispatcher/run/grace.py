@@ -36,7 +36,8 @@ async def settle(
     them in the bounded commit queue). A cancelled or failed job spares only
     its commits under way.
     """
-    deadline = time.monotonic() + grace_s
+    started = time.monotonic()
+    deadline = started + grace_s
     while True:
         # One whose answer was "not delivered" meanwhile goes back to waiting:
         # look again at each short step of the grace.
@@ -46,17 +47,21 @@ async def settle(
             break
         step_s = min(SETTLE_LOOK_S, deadline - time.monotonic())
         await asyncio.wait(at_agents, timeout=max(0.0, step_s))
-    await cancel({f.task for f in flights if f.stage < spare and f.task}, reason, log)
+    left = {f.task for f in flights if f.stage < spare and f.task}
+    await cancel(left, reason, log, waited_s=time.monotonic() - started)
 
 
 def _tasks(flights: Collection[Flight], stage: Stage) -> set[asyncio.Task[Landing]]:
     return {f.task for f in flights if f.stage is stage and f.task is not None}
 
 
-async def cancel(tasks: set[asyncio.Task[Landing]], reason: str, log: Any) -> None:
+async def cancel(
+    tasks: set[asyncio.Task[Landing]], reason: str, log: Any, waited_s: float = 0.0
+) -> None:
+    """Cancel ``tasks`` and wait for them; ``waited_s``: how long the grace gave them."""
     if not tasks:
         return
     for task in tasks:
         task.cancel(reason)
     await asyncio.wait(tasks)
-    log.warning("rollouts_cancelled", count=len(tasks), reason=reason)
+    log.warning("rollouts_cancelled", count=len(tasks), reason=reason, waited_s=round(waited_s, 3))
