@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from dispatcher.latency.quantile import quantile
+
 
 @contextmanager
 def dispatcher_server(*args: str) -> Iterator[str]:
@@ -137,8 +139,7 @@ class LoopLag:
             self.lags.append(max(0.0, now - asked - self.interval_s))
 
     def quantile(self, q: float) -> float:
-        ordered = sorted(self.lags)
-        return ordered[int(q * (len(ordered) - 1))] if ordered else 0.0
+        return quantile(sorted(self.lags), q) or 0.0
 
     @property
     def max(self) -> float:

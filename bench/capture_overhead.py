@@ -30,13 +30,15 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server
 
+from dispatcher.latency.quantile import quantile as latency_quantile
 from dispatcher.rows.capture import attach_capture
 from dispatcher.sim.model_client import call_model, request_body
 
 
 def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    figure = latency_quantile(sorted(values), q)
+    assert figure is not None, "no values"
+    return figure
 
 
 async def timed(call: Callable[[], Awaitable[Any]]) -> float:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dispatcher.client.wire import JobStatus
+from dispatcher.latency.quantile import quantile
 from dispatcher.tasks.keys import RESERVED_RESULT_KEYS, TASK_INDEX
 
 # Keys of a durable row that are the dispatcher's, not the agent's answer: those it
@@ -120,8 +121,4 @@ class Durations:
             return configured_s
         if len(self._sorted) < _MARGIN_MIN_SAMPLES:
             return None
-        position = (len(self._sorted) - 1) * _MARGIN_QUANTILE
-        low = int(position)
-        high = min(low + 1, len(self._sorted) - 1)
-        weight = position - low
-        return self._sorted[low] * (1 - weight) + self._sorted[high] * weight
+        return quantile(self._sorted, _MARGIN_QUANTILE)

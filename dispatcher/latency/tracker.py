@@ -11,6 +11,8 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
+from dispatcher.latency.quantile import quantile_at
+
 MIN_DURATIONS_FOR_MARGIN = 5
 DRAIN_MARGIN_QUANTILE = 0.75
 
@@ -64,18 +66,8 @@ class DispatchLatencyTracker:
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile by linear interpolation over recorded durations; None if empty."""
-        n = len(self._durations)
-        if n == 0:
-            return None
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"quantile must be within [0, 1], got {q}")
-        pos = q * (n - 1)
-        lower = int(pos)
-        low_value: float = self._durations[lower]
-        if lower + 1 >= n:
-            return low_value
-        high_value: float = self._durations[lower + 1]
-        return low_value + (high_value - low_value) * (pos - lower)
+        durations = self._durations
+        return quantile_at(durations.__getitem__, len(durations), q)
 
     def drain_margin(self, configured_s: float | None) -> float | None:
         """The configured margin whenever set (0.0 included), else this run's p75 once known."""

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dispatcher.latency.quantile import quantile_at
 from dispatcher.latency.tracker import DRAIN_MARGIN_QUANTILE, MIN_DURATIONS_FOR_MARGIN
 
 DEFAULT_RELATIVE_ERROR = 0.01
@@ -196,18 +197,8 @@ class LatencyWindow:
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile (tracker's interpolation), within ``alpha``; None if empty."""
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"quantile must be within [0, 1], got {q}")
         self._advance()
-        n = self._live.total
-        if n == 0:
-            return None
-        pos = q * (n - 1)
-        lower = int(pos)
-        low_value = self._value_at(lower)
-        if lower + 1 >= n:
-            return low_value
-        return low_value + (self._value_at(lower + 1) - low_value) * (pos - lower)
+        return quantile_at(self._value_at, self._live.total, q)
 
     def drain_margin(self, configured_s: float | None) -> float | None:
         """The configured margin whenever set (0.0 included), else the window's p75 once known."""

@@ -39,6 +39,7 @@ from dispatcher.commands import command_help
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
 from dispatcher.files.resume import OutputPaths, RunState, iter_rows
+from dispatcher.latency.quantile import quantile
 from dispatcher.ops.runfiles import agent_name, read_manifest, render_delivery, require_run
 from dispatcher.ops.status import Standing, max_attempts_for, standing
 from dispatcher.ops.table import format_table, utc_time
@@ -174,16 +175,6 @@ def _collect_tasks(paths: OutputPaths, state: RunState, data: ReportData) -> Non
 
 
 # -- figures ------------------------------------------------------------------------------
-
-
-def quantile(ordered: list[float], q: float) -> float | None:
-    """Linear interpolation between the closest ranks of an ascending list."""
-    if not ordered:
-        return None
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def duration_stats(values: list[float]) -> dict[str, Any]:

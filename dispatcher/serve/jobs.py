@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 
 from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.latency.quantile import quantile
 from dispatcher.run.daemon import Daemon, peak_rss_mb
 from dispatcher.serve.bodies import BodyBudget
 from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
@@ -248,13 +249,10 @@ class Service:
 
     def delay_quantiles(self) -> dict[str, float | None]:
         ordered = sorted(self.delays)
-        if not ordered:
-            return {"p50": None, "p99": None, "max": None}
-        last = len(ordered) - 1
         return {
-            "p50": ordered[min(last, int(0.5 * len(ordered)))],
-            "p99": ordered[min(last, int(0.99 * len(ordered)))],
-            "max": ordered[-1],
+            "p50": quantile(ordered, 0.5),
+            "p99": quantile(ordered, 0.99),
+            "max": ordered[-1] if ordered else None,
         }
 
     # ---- the admission pause (contracts §13) ------------------------------------------

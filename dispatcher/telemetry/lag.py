@@ -8,11 +8,11 @@ shows it. The sampler sleeps `interval_s` in a loop and records the overshoot.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 
 from dispatcher.aio import cancel_and_wait
+from dispatcher.latency.quantile import quantile
 from dispatcher.telemetry.metrics import Metrics
 
 
@@ -45,11 +45,8 @@ class LoopLagMonitor:
         return len(self._recent)
 
     def p99_s(self) -> float | None:
-        """99th percentile (nearest rank) of the recent samples; None before the first."""
-        if not self._recent:
-            return None
-        ordered = sorted(self._recent)
-        return ordered[math.ceil(0.99 * len(ordered)) - 1]
+        """99th percentile of the recent samples (``latency.quantile``); None before the first."""
+        return quantile(sorted(self._recent), 0.99)
 
     def max_s(self) -> float | None:
         """Largest lag seen since the monitor started."""
