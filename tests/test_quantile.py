@@ -1,4 +1,4 @@
-"""One quantile everywhere (DESIGN A8: linear interpolation between the closest
+"""One quantile everywhere (contracts §8: linear interpolation between the closest
 ranks): the tracker, the live window, the report, the stream delays, the loop lag
 and Gym's drain margin all give the same figure for the same values."""
 

@@ -240,5 +240,5 @@ def test_loop_lag_p99_interpolates_as_every_quantile_does() -> None:
     for i in range(1, 101):
         monitor.observe(i / 1000)
 
-    assert monitor.p99_s() == pytest.approx(0.09901)  # rank 98.01, DESIGN A8
+    assert monitor.p99_s() == pytest.approx(0.09901)  # rank 98.01, contracts §8
     assert monitor.max_s() == pytest.approx(0.1)

@@ -1,4 +1,4 @@
-"""The one definition of a quantile (DESIGN A8): linear interpolation between the
+"""The one definition of a quantile (contracts §8): linear interpolation between the
 closest ranks of ascending values. The tracker, the live window, the report, the
 stream delays, the loop lag and Gym's drain margin all read theirs from here."""
 
