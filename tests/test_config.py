@@ -9,8 +9,10 @@ import pytest
 
 from dispatcher.cli import build_parser
 from dispatcher.errors import ConfigError
-from dispatcher.settings.config import RunSettings, load_settings, parse_agent_flags
+from dispatcher.serve import command as serve_command
+from dispatcher.settings.config import RunSettings, layered, load_settings, parse_agent_flags
 from dispatcher.settings.flags import run_flag_values
+from dispatcher.settings.serve import SERVE_KEYS
 from tests.conftest import SimAgentFactory
 from tests.helpers import run_args, run_cli, write_tasks
 
@@ -286,3 +288,26 @@ async def test_a_clients_variable_in_the_environment_does_not_stop_a_run(
     args = run_args(tasks, tmp_path / "x.jsonl", agent_url)
     result = await run_cli(*args, env={name: "http://127.0.0.1:8080"})
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_services_own_keys_come_from_flags_then_env_then_the_file(tmp_path: Path) -> None:
+    config = toml(tmp_path, 'state_dir = "from-file"\nlisten = "file:1"\nmax_streams = 3\n')
+    given = {"config": str(config), "listen": "flag:1", "state_dir": None, "max_streams": None}
+    env = {"DISPATCHER_STATE_DIR": "from-env"}
+    found = layered(SERVE_KEYS, given, env)
+    assert found["listen"] == ("flag:1", "--listen")
+    assert found["state_dir"] == ("from-env", "DISPATCHER_STATE_DIR")
+    assert found["max_streams"] == (3, str(config))
+    assert "tls_cert" not in found
+    # `run` leaves them alone, in the file and in the environment: one file serves both.
+    assert isinstance(load_settings(cli(config=str(config)), env=env), RunSettings)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("yes", True), ("0", False), (True, True)])
+def test_a_services_switch_from_the_env_or_the_file(raw: Any, expected: bool) -> None:
+    assert serve_command._as_flag("allow_unauthenticated", raw, "X") is expected
+
+
+def test_a_services_switch_that_is_not_one_names_its_source() -> None:
+    with pytest.raises(ConfigError, match=r"--allow-unauthenticated \(from DISPATCHER_ALLOW"):
+        serve_command._as_flag("allow_unauthenticated", "maybe", "DISPATCHER_ALLOW_UNAUTHENTICATED")
