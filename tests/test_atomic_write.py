@@ -9,7 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from dispatcher.files.writer import write_atomic, write_json_atomic
+from dispatcher.files.writer import temp_path, write_atomic, write_json_atomic
+from dispatcher.serve import registry
 
 
 def test_two_writers_of_one_file_each_write_whole_through_their_own_temporary(
@@ -43,3 +44,18 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> 
         write_atomic(path, broken())
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["job.json"]
+
+
+def test_a_submission_cut_in_its_atomic_writes_is_known_by_its_temporaries(
+    tmp_path: Path,
+) -> None:
+    # A kill between a job's rows and its record leaves their temporaries: the
+    # folder is reused, not taken for a job's files.
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / registry.ROWS_FILE).write_bytes(b"{}\n")
+    temp_path(folder / "job.json").write_bytes(b"{")
+    temp_path(folder / registry.ROWS_FILE).write_bytes(b"{")
+    assert not registry._holds_files(folder)
+    (folder / "rollouts.jsonl").write_bytes(b"{}\n")
+    assert registry._holds_files(folder)
