@@ -306,3 +306,17 @@ def test_the_agents_answer_is_the_row_without_the_dispatchers_keys() -> None:
         "ng_trajectory": {}, "_ng_policy_version_start": 0, "_ng_run_id": "x",
     }  # fmt: skip
     assert agent_result(row) == {"response": {"id": "r"}, "reward": 0.5}
+
+
+async def test_a_job_none_of_whose_rollouts_succeeded_still_hands_back_each_failure(
+    start_stack: Any,
+) -> None:
+    # One prompt group, as NeMo RL submits it: every rollout fails the same way, so
+    # the job ends failed (contracts §10), and each example still gets its failure.
+    agent = HeldAgent(held=False, failing=frozenset({"q0", "q1"}))
+    stack = await start_stack(agent, "--max-attempts", "1")
+    helper = RolloutCollectionHelper(stack.url)
+    outcomes = await asyncio.gather(*helper.run_examples(examples(2)), return_exceptions=True)
+    assert [type(o) for o in outcomes] == [RolloutFailed, RolloutFailed], outcomes
+    routed = await asyncio.gather(*helper.run_examples(examples(2), route_failures_to_sidecar=True))
+    assert [result["_ng_failure_class"] for _, result in routed] == ["agent_run_error"] * 2

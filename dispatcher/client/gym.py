@@ -260,16 +260,19 @@ class Collection:
         self, job_id: str, state: JobState | None, positions: list[int]
     ) -> None:
         """The examples of a final job that have no row."""
-        if state is JobState.DONE:  # every rollout final: these ended failed
-            failure = failure_result(await self._client.status(job_id))
-            for position in positions:
-                self._fail(position, failure)
-        elif state in (JobState.CANCELLED, JobState.INCOMPLETE):
+        if state in (JobState.CANCELLED, JobState.INCOMPLETE):
             # Never ran to an end: as Gym's rows the dispatch budget never started.
             for position in positions:
                 self._resolve(position, drained_result(f"not run: job {job_id} ended {state}"))
+            return
+        job = await self._client.status(job_id)
+        # Every rollout final: these ended failed. A job is also failed, with none
+        # left, when none of its rollouts succeeded and all failed alike.
+        if state is JobState.DONE or (state is JobState.FAILED and job.remaining == 0):
+            failure = failure_result(job)
+            for position in positions:
+                self._fail(position, failure)
         else:
-            job = await self._client.status(job_id)
             raise ClientError(None, f"job {job_id} ended {state}: {job.error}")
 
     def _succeed(self, plan: JobPlan, row: dict[str, Any]) -> None:
