@@ -51,7 +51,12 @@ def prometheus() -> str:
 # stacks at once, each with its own Ray cluster, would compete for the CPUs).
 # A Gym stack runs Ray, which one machine runs one of at a time: the Gym modules
 # stay on one worker (tried side by side, the second stack never came up).
-SERIAL_GROUPS = {"tests/gym/": "gym", "tests/test_packaging.py": "packaging"}
+# Ray runs one cluster per machine at a time: the Ray tests share the Gym stack's group.
+SERIAL_GROUPS = {
+    "tests/gym/": "gym",
+    "tests/test_client_errors.py": "gym",
+    "tests/test_packaging.py": "packaging",
+}
 
 
 def serial_group(nodeid: str) -> str:

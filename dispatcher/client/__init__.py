@@ -43,8 +43,9 @@ A missing or wrong token is ``Unauthorized`` (a ``ClientError``, status 401).
 Every call whose repetition is harmless is retried the same way: all of them
 except ``submit`` without a ``job_id`` (a retried anonymous submit could create
 a second job). Errors are one type, ``ClientError(status, message)``: the
-HTTP status and the daemon's one-line error, or status None when no answer
-came within the deadline (``Unauthorized`` is the 401 of them).
+HTTP status and the daemon's one-line error, or status 503 (``http_status``
+None) when no answer came within the deadline (``Unauthorized`` is the 401 of
+them). They pickle: Ray carries them between processes.
 """
 
 from dispatcher.client.aio import AsyncClient, Results

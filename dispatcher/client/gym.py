@@ -85,9 +85,15 @@ from dispatcher.client.gym_plan import (
     failure_result,
     plan_job,
 )
-from dispatcher.client.wire import ClientError
+from dispatcher.client.wire import DATA_STATUS, INFRASTRUCTURE_STATUS, ClientError
 from dispatcher.lifecycle import JobState
-from dispatcher.tasks.keys import ROLLOUT_INDEX, TASK_INDEX
+from dispatcher.tasks.keys import (
+    FAILURE_CLASS,
+    FAILURE_HTTP_STATUS,
+    NOT_DELIVERED,
+    ROLLOUT_INDEX,
+    TASK_INDEX,
+)
 
 __all__ = [
     "DISPATCHER_KEYS",
@@ -104,11 +110,37 @@ Pair = tuple[dict[str, Any], dict[str, Any]]
 
 
 class RolloutFailed(ClientError):
-    """A rollout the daemon gave up on (``route_failures_to_sidecar=False``)."""
+    """A rollout the daemon gave up on (``route_failures_to_sidecar=False``).
+
+    ``status`` is its last attempt's HTTP error status, else 503 for a failure of
+    the infrastructure (never delivered) and 422 for one of the task's data
+    (contracts §12), so a trainer's typed retry budgets see the kind; ``failure``
+    holds Gym's failure keys. It pickles (Ray carries it between processes).
+    """
 
     def __init__(self, failure: dict[str, Any]) -> None:
         super().__init__(None, str(failure["_ng_failure_message"]))
         self.failure = failure
+        self.http_status = _http_status(failure)
+        self.status = self.http_status or _status_of_kind(failure)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.failure,))
+
+
+def _http_status(failure: dict[str, Any]) -> int | None:
+    status = failure.get(FAILURE_HTTP_STATUS)
+    if not isinstance(status, int) or isinstance(status, bool):
+        return None
+    # A 2xx with no result in it (a protocol violation) is not the status of a failure.
+    return status if status >= 400 else None
+
+
+def _status_of_kind(failure: dict[str, Any]) -> int:
+    infrastructure = (
+        failure.get(NOT_DELIVERED) is True or failure.get(FAILURE_CLASS) == "agent_request_failed"
+    )
+    return INFRASTRUCTURE_STATUS if infrastructure else DATA_STATUS
 
 
 class LatencyTracker(Protocol):

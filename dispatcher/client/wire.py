@@ -14,14 +14,29 @@ from dispatcher import jsonx
 from dispatcher.files import contracts
 from dispatcher.lifecycle import JobState
 
+# A failure without an HTTP status, as a trainer's typed retry budgets read ``.status``:
+# the infrastructure's (the daemon or an agent never answered) or the task's data.
+INFRASTRUCTURE_STATUS = 503
+DATA_STATUS = 422
+
 
 class ClientError(Exception):
-    """The daemon refused a call (its HTTP status and one-line error), or never answered."""
+    """The daemon refused a call (its HTTP status and one-line error), or never answered.
+
+    ``status`` is always an integer (contracts §12): the HTTP status, or 503 when
+    there was none (no answer: the infrastructure's failure); ``http_status`` is
+    the status as it came, None without one. It pickles (Ray carries it).
+    """
 
     def __init__(self, status: int | None, message: str) -> None:
         super().__init__(f"{status}: {message}" if status is not None else message)
-        self.status = status
+        self.http_status = status
+        self.status = status if status is not None else INFRASTRUCTURE_STATUS
         self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The default pickles the formatted message as the only argument.
+        return (type(self), (self.http_status, self.message), self.__dict__)
 
 
 class Unauthorized(ClientError):
