@@ -45,7 +45,10 @@ except ``submit`` without a ``job_id`` (a retried anonymous submit could create
 a second job). Errors are one type, ``ClientError(status, message)``: the
 HTTP status and the daemon's one-line error, or status 503 (``http_status``
 None) when no answer came within the deadline (``Unauthorized`` is the 401 of
-them). They pickle: Ray carries them between processes.
+them). They pickle: Ray carries them between processes. A daemon the client
+never reached (connection refused, a name that does not resolve) is an error
+after ``connect_deadline_s`` (10 s), not after the minute of retries a
+restarting daemon gets.
 """
 
 from dispatcher.client.aio import AsyncClient, Results

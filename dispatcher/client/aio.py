@@ -35,6 +35,9 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRY_DEADLINE_S = 60.0
+# A daemon this client never reached: refused or unresolvable is a wrong URL or a
+# daemon that is not up, an error within this many seconds, not a minute of retries.
+DEFAULT_CONNECT_DEADLINE_S = 10.0
 DEFAULT_BACKOFF = BackoffPolicy(base_s=0.1, cap_s=5.0)
 # The daemon answers these while it starts, stops or sits behind a proxy.
 _TRANSIENT_STATUSES = frozenset({502, 503, 504})
@@ -58,17 +61,24 @@ class _Retry:
         self._tries = 0
         self._since = time.monotonic()
 
-    async def pause_or_raise(self, error: str) -> None:
-        """Sleep before the next try, or raise once the deadline would pass."""
+    async def pause_or_raise(self, error: str, deadline_s: float | None = None) -> None:
+        """Sleep before the next try, or raise once the deadline (``deadline_s`` when
+        shorter than the retries' own) would pass."""
+        limit_s = self._deadline_s if deadline_s is None else min(deadline_s, self._deadline_s)
         delay = self._backoff.delay_s(self._tries, self._rng)
-        if time.monotonic() + delay - self._since > self._deadline_s:
-            raise ClientError(None, f"no answer within {self._deadline_s:g} s: {error}")
+        if time.monotonic() + delay - self._since > limit_s:
+            raise ClientError(None, f"no answer within {limit_s:g} s: {error}")
         self._tries += 1
         await asyncio.sleep(delay)
 
 
 class _Transient(Exception):
-    """A failure worth another try (connection lost, daemon starting or stopping)."""
+    """A failure worth another try (connection lost, daemon starting or stopping);
+    ``no_connection``: no connection could be made at all (refused, DNS)."""
+
+    def __init__(self, message: str, *, no_connection: bool = False) -> None:
+        super().__init__(message)
+        self.no_connection = no_connection
 
 
 # --- the async client --------------------------------------------------------------
@@ -127,6 +137,7 @@ class AsyncClient:
         retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
         stream_idle_timeout_s: float | None = None,
         backoff: BackoffPolicy = DEFAULT_BACKOFF,
+        connect_deadline_s: float = DEFAULT_CONNECT_DEADLINE_S,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         # Private, and in no repr or error: only the session's header carries it.
@@ -136,6 +147,10 @@ class AsyncClient:
         self.retry_deadline_s = retry_deadline_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self._backoff = backoff
+        self.connect_deadline_s = connect_deadline_s
+        # Set by the daemon's first answer: from then on a refused connection is a
+        # daemon restarting, retried for ``retry_deadline_s``.
+        self.reached = False
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
@@ -305,7 +320,11 @@ class AsyncClient:
             except _Transient as exc:
                 if not retry:
                     raise ClientError(None, f"{method} {path}: {exc}") from None
-                await retries.pause_or_raise(f"{method} {path}: {exc}")
+                await retries.pause_or_raise(f"{method} {path}: {exc}", self._deadline_for(exc))
+
+    def _deadline_for(self, exc: _Transient) -> float | None:
+        """The connect deadline for a daemon never reached, else None (the retries')."""
+        return self.connect_deadline_s if exc.no_connection and not self.reached else None
 
     async def _call_once(
         self, method: str, path: str, body: Any, limits: aiohttp.ClientTimeout
@@ -313,8 +332,11 @@ class AsyncClient:
         try:
             url = self.base_url + path
             async with self._http.request(method, url, json=body, timeout=limits) as resp:
+                self.reached = True
                 raw = await resp.read()
                 self._raise_for_status(resp, raw)
+        except aiohttp.ClientConnectorError as exc:
+            raise _Transient(_describe(exc), no_connection=True) from None
         except _TRANSIENT_ERRORS as exc:
             raise _Transient(_describe(exc)) from None
         try:
@@ -327,6 +349,7 @@ class AsyncClient:
     ) -> AsyncGenerator[dict[str, Any], None]:
         retries = _Retry(self.retry_deadline_s, self._backoff)
         while True:
+            deadline_s: float | None = None
             try:
                 # aclosing: a consumer that stops early must release the connection now.
                 lines = self._stream_once(job_id, position, retries, (group, wait, filtered))
@@ -337,8 +360,8 @@ class AsyncClient:
                     return
                 error = "the stream ended before the job was final"
             except _Transient as exc:
-                error = str(exc)
-            await retries.pause_or_raise(f"results of {job_id}: {error}")
+                error, deadline_s = str(exc), self._deadline_for(exc)
+            await retries.pause_or_raise(f"results of {job_id}: {error}", deadline_s)
 
     async def _stream_once(
         self,
@@ -360,6 +383,7 @@ class AsyncClient:
         splitter = NdjsonSplitter()
         try:
             async with self._http.get(url, timeout=timeout) as resp:
+                self.reached = True
                 if resp.status == 404 and position.connected:
                     # Jobs are never forgotten: a job streamed before and
                     # unknown now is a restarted daemon still loading its registry.
@@ -376,6 +400,8 @@ class AsyncClient:
                             yield item
                         elif position.final_state is not None:
                             return
+        except aiohttp.ClientConnectorError as exc:
+            raise _Transient(_describe(exc), no_connection=True) from None
         except _TRANSIENT_ERRORS as exc:
             raise _Transient(_describe(exc)) from None
         if splitter.partial:

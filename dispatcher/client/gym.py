@@ -204,6 +204,8 @@ class Collection:
             return
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+        if not self._client.reached:
+            return  # the daemon never answered: no job was created
         # A fresh client: the cancelled task's is closed, and awaits in it are cut short.
         async with self._connect() as client:
             await _cancel_jobs(client, self._jobs)
@@ -216,8 +218,10 @@ class Collection:
                 try:
                     await self._feed()
                 except Exception:
-                    # A collection that fails stops its jobs on the daemon.
-                    await _cancel_jobs(self._client, self._jobs)
+                    # A collection that fails stops its jobs on the daemon (none
+                    # was created if the daemon never answered).
+                    if self._client.reached:
+                        await _cancel_jobs(self._client, self._jobs)
                     raise
         except asyncio.CancelledError:
             self._resolve_rest(asyncio.CancelledError())
