@@ -11,7 +11,12 @@ import pytest
 import structlog
 
 from dispatcher.telemetry.logs import configure_logging, reset_logging
-from dispatcher.telemetry.progress import ProgressLine, fit_progress, format_progress
+from dispatcher.telemetry.progress import (
+    ProgressLine,
+    fit_progress,
+    format_progress,
+    progress_fields,
+)
 from tests.conftest import SimAgentFactory
 from tests.helpers import log_events, run_args, run_cli, write_tasks
 from tests.test_telemetry_logs import TTY, render_terminal, snapshot
@@ -113,3 +118,20 @@ async def test_run_at_log_level_error_still_ends_with_its_summary(
     assert result.returncode == 0, result.stderr
     [summary] = log_events(result.stderr)
     assert summary["event"] == "run_summary" and summary["outcomes"] == {"success": 3}
+
+
+def test_the_live_line_counts_retries_by_reason() -> None:
+    retries = {"a": {"http_503": 500, "http_429": 31}, "b": {"http_503": 400, "no_answer": 1}}
+    snap = snapshot(retries=retries)
+
+    line = fit_progress(snap, 500)
+
+    assert line.endswith(" | retries 932 (503 900, 429 31, no_answer 1)")
+    # A narrow terminal drops them first: they are what the retry rule already handles.
+    assert "retries" not in fit_progress(snap, len(line) - 1)
+    assert "in flight" in fit_progress(snap, len(line) - 1)
+
+
+def test_the_progress_event_has_no_retry_field() -> None:
+    # The JSON `progress` event keeps its fields; the count is the terminal line's.
+    assert "retries" not in progress_fields(snapshot(retries={"a": {"http_503": 5}}))

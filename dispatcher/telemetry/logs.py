@@ -26,6 +26,7 @@ import orjson
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from dispatcher.telemetry.console import ConsoleFolding
 from dispatcher.telemetry.progress import is_terminal, live_terminal, set_console_stream
 
 LogFormat = Literal["json", "console"]
@@ -93,8 +94,9 @@ def configure_logging(
     # JSON lines take one step that does what ``shared`` and ``renderer`` do:
     # the same line, without a call per processor (it runs once per rollout).
     chain = [_json_line] if resolved == "json" else [*shared, *renderer]
+    folding = _console_folding(resolved, level_no, stream, out)
     structlog.configure(
-        processors=[*_event_filters(resolved, level_no), *chain],
+        processors=[*_event_filters(resolved, level_no, folding), *chain],
         # Info passes the wrapper even at warning, so the summary can; the
         # filters above drop the rest of it.
         wrapper_class=structlog.make_filtering_bound_logger(min(level_no, logging.INFO)),
@@ -140,15 +142,25 @@ def dropped_log_writes() -> int:
     return _Unfailing.dropped
 
 
-def _event_filters(fmt: LogFormat, level_no: int) -> list[Processor]:
+def _event_filters(fmt: LogFormat, level_no: int, folding: Processor | None) -> list[Processor]:
     # Only installed when they can drop something: at the default level the
     # per-rollout path pays nothing for them.
     filters: list[Processor] = []
     if level_no > logging.INFO:
         filters.append(_BelowLevelButSummary(level_no))
     if fmt == "console" and level_no > logging.DEBUG:
-        filters.append(_drop_per_rollout)
+        filters.append(folding or _drop_per_rollout)
     return filters
+
+
+def _console_folding(
+    fmt: LogFormat, level_no: int, stream: TextIO, out: TextIO
+) -> Processor | None:
+    """On a terminal below debug: failures folded by class, retries counted, a short
+    summary (``telemetry/console.py``); it also drops the per-rollout lines."""
+    if fmt != "console" or level_no <= logging.DEBUG or not is_terminal(stream):
+        return None
+    return ConsoleFolding(out, colors=True)
 
 
 class _BelowLevelButSummary:

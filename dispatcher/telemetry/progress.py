@@ -68,13 +68,37 @@ def format_progress(snapshot: Mapping[str, Any]) -> str:
     Rate and latency sit next to each other on purpose: a rising rate with a
     rising p95 means rollouts are slowing down, not the run speeding up.
     """
-    return _compose(progress_fields(snapshot), frozenset())
+    return _compose(_line_fields(snapshot), frozenset())
+
+
+def _line_fields(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    # Retries are the line's own: the `progress` event's fields stay as they were.
+    return {**progress_fields(snapshot), "retries": retries_text(snapshot.get("retries") or {})}
+
+
+def retries_text(retries: Mapping[str, Mapping[str, int]]) -> str:
+    """Retries of every agent by reason, most first: ``retries 931 (503 520, 429 411)``.
+
+    The reasons are the retry rule's (``http_503`` reads ``503``); "" without retries.
+    """
+    by_reason: dict[str, int] = {}
+    for reasons in retries.values():
+        for reason, n in reasons.items():
+            # http_409_admission_closed reads 409
+            short = reason.split("_")[1] if reason.startswith("http_") else reason
+            by_reason[short] = by_reason.get(short, 0) + n
+    total = sum(by_reason.values())
+    if not total:
+        return ""
+    ranked = sorted(by_reason.items(), key=lambda item: -item[1])
+    return f"retries {total:,} (" + ", ".join(f"{r} {n:,}" for r, n in ranked) + ")"
 
 
 # What a narrow terminal loses first. Done, budget left and ETA are never
 # dropped: they are what someone glancing at a job's terminal needs. The
 # state goes only while it is the unremarkable "running".
 _DROP_ORDER = (
+    "retries",
     "in_flight",
     "state",
     "p50_p75",
@@ -89,7 +113,7 @@ _DROP_ORDER = (
 
 def fit_progress(snapshot: Mapping[str, Any], width: int) -> str:
     """`format_progress` shortened to `width` columns by dropping its least useful parts."""
-    fields = progress_fields(snapshot)
+    fields = _line_fields(snapshot)
     dropped: frozenset[str] = frozenset()
     line = _compose(fields, dropped)
     for name in _DROP_ORDER:
@@ -120,6 +144,8 @@ def _compose(f: Mapping[str, Any], dropped: frozenset[str]) -> str:
         parts.append(f"failed {f['failed']:,}")
     if f["drained"] and "drained" not in dropped:
         parts.append(f"drained {f['drained']:,}")
+    if f["retries"] and "retries" not in dropped:
+        parts.append(f["retries"])
     return " | ".join(parts)
 
 
@@ -168,6 +194,11 @@ def _rate(per_hour: float | None) -> str:
     if per_hour is None:
         return UNKNOWN
     return f"{per_hour:,.1f}" if per_hour < 10 else f"{per_hour:,.0f}"
+
+
+def duration_text(seconds: float | None) -> str:
+    """Compact human duration: 850ms, 42.1s, 12m05s, 2h31m ("-" when unknown)."""
+    return _duration(seconds)
 
 
 def _duration(seconds: float | None) -> str:
