@@ -17,6 +17,7 @@ import pytest
 from dispatcher.errors import ConfigError
 from dispatcher.files.resume import OutputPaths, Tail, tail_state
 from dispatcher.ops import status_command as status_cmd
+from dispatcher.ops.ending import next_step, run_ending
 from dispatcher.ops.runfiles import lock_status
 from dispatcher.ops.status import collect_status, render_status
 
@@ -207,6 +208,46 @@ def test_render_human_table(run: OutputPaths) -> None:
     assert "torn last line" in text
     assert "math" in text and "code" in text
     assert "no summary of the last hop" in text
+
+
+def test_the_ending_of_a_run_is_the_brief_table_and_the_next_step(run: OutputPaths) -> None:
+    text = run_ending(run.output, 3, 75)
+    lines = text.splitlines()
+
+    assert lines[0] == f"{run.output}: 37.5% covered (3 of 8 succeeded); left to run: 3"
+    table = render_status(collect_status(run.output))
+    assert "\n".join(lines[2:8]) in table  # status's own standings table
+    assert "failed attempts by class (6)" in text and "per agent" in text
+    assert "files" not in text and "dispatcher   " not in text  # the short form
+    assert lines[-1] == (
+        "exit 75: rerun the same command to finish 3 rollouts (finished ones are kept)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "step"),
+    [
+        (1, "exit 1: the run stopped on the error below; once it is fixed, rerun the same "
+            "command to finish 3 rollouts"),
+        (2, "exit 2: the run stopped on the error below; once it is fixed, rerun the same "
+            "command to finish 3 rollouts"),
+    ],
+)  # fmt: skip
+def test_the_next_step_after_an_error(run: OutputPaths, code: int, step: str) -> None:
+    assert next_step(collect_status(run.output), code) == step
+
+
+def test_the_next_step_of_a_finished_run_says_where_the_rows_are(tmp_path: Path) -> None:
+    paths = OutputPaths.for_output(tmp_path / "done.jsonl")
+    write_jsonl(paths.materialized, [mat(0, 0, "a"), mat(1, 0, "a")])
+    write_jsonl(paths.output, [ok(0, 0, "a")])
+    write_jsonl(paths.failures, [fail(1, 0, "a", "protocol_violation", terminal=True)])
+
+    assert next_step(collect_status(paths.output), 0) == (
+        f"exit 0: every rollout is final; the rows are in {paths.output} (1 succeeded), "
+        f"the 1 failed for good in {paths.failures}; `dispatcher report {paths.output}` "
+        "tells more"
+    )
 
 
 def lock_holder(lock: Path) -> subprocess.Popen[str]:

@@ -319,6 +319,24 @@ def render_status(status: RunStatus) -> str:
     return "\n".join(s for s in sections if s) + "\n"
 
 
+def render_brief(status: RunStatus) -> str:
+    """The short form ``dispatcher run`` ends with on a terminal: coverage, the
+    standings table, failures by class, agents (when more than one), warnings."""
+    total = status.total
+    succeeded = total.standings[Standing.SUCCEEDED]
+    sections = [
+        f"{status.output}: {percent(succeeded, total.expected)} covered "
+        f"({succeeded} of {total.expected} succeeded); left to run: {total.left_to_run}",
+        _render_standings(total),
+        _render_why(status, total),
+        _render_not_delivered(status, total),
+        _render_failures(total),
+        _render_agents(status) if len(status.agents) > 1 else "",
+        _render_anomalies(status),
+    ]
+    return "\n".join(s for s in sections if s) + "\n"
+
+
 def _render_header(status: RunStatus, total: Tally) -> str:
     if status.lock.held:
         pid = f"pid {status.lock.pid}" if status.lock.pid is not None else "pid unknown"

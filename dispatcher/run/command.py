@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import sys
 from typing import Any
 
 from dispatcher.aio import tune_gc
 from dispatcher.commands import command_help
+from dispatcher.errors import DispatcherError
+from dispatcher.settings.config import RunSettings
 from dispatcher.settings.flags import add_run_arguments, budget_seconds, run_epilog, run_settings
 from dispatcher.telemetry.logs import configure_logging
+from dispatcher.telemetry.progress import console_on_terminal, live_terminal
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,4 +42,31 @@ async def _run_command(args: argparse.Namespace) -> int:
         budget_s=budget_seconds(settings),
         shard_filter=shard.contains if shard is not None else None,
     )
-    return int(await dispatcher.run())
+    if not console_on_terminal(sys.stderr):
+        return int(await dispatcher.run())
+    try:
+        code = int(await dispatcher.run())
+    except DispatcherError as exc:
+        # An error before the run's files were prepared needs no table: its line says it.
+        if dispatcher.job.prepared is not None:
+            await _print_ending(settings, int(exc.exit_code))
+        raise
+    await _print_ending(settings, code)
+    return code
+
+
+async def _print_ending(settings: RunSettings, exit_code: int) -> None:
+    """On a terminal, after the summary line: the ``status`` table and the next step.
+
+    ``ops/ending.py`` sits above ``run/`` in the layout; this command's edge is
+    the one place that joins them, as ``cli.py`` joins every command.
+    """
+    from dispatcher.ops.ending import run_ending
+
+    # The run's outcome is already decided: a table that cannot be read or
+    # printed must not change its exit code.
+    with contextlib.suppress(DispatcherError, OSError, ValueError):
+        text = await asyncio.to_thread(run_ending, settings.output, settings.attempt_cap, exit_code)
+        terminal = live_terminal(sys.stderr)
+        terminal.write("\n" + text)
+        terminal.flush()

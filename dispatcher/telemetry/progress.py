@@ -274,6 +274,11 @@ def set_console_stream(stream: TextIO | None) -> None:
         _console_streams.add(stream)
 
 
+def console_on_terminal(stream: TextIO) -> bool:
+    """Whether console logging writes to ``stream`` and it is a terminal: a person reads it."""
+    return stream in _console_streams and is_terminal(stream)
+
+
 def live_terminal(stream: TextIO) -> LiveTerminal:
     """The one `LiveTerminal` of a stream, shared by console logging and `ProgressLine`."""
     terminal = _terminals.get(stream)
