@@ -16,6 +16,7 @@ from dispatcher.telemetry.progress import (
     fit_progress,
     format_progress,
     progress_fields,
+    write_line,
 )
 from tests.conftest import SimAgentFactory
 from tests.helpers import log_events, run_args, run_cli, write_tasks
@@ -135,3 +136,42 @@ def test_the_live_line_counts_retries_by_reason() -> None:
 def test_the_progress_event_has_no_retry_field() -> None:
     # The JSON `progress` event keeps its fields; the count is the terminal line's.
     assert "retries" not in progress_fields(snapshot(retries={"a": {"http_503": 5}}))
+
+
+def test_a_line_on_another_stream_of_the_terminal_is_written_off_the_live_line() -> None:
+    # stdout and stderr on one terminal: one buffer takes both.
+    screen = TTY()
+    configure_logging("console", stream=screen, level="info")
+    ProgressLine(screen).show(snapshot())
+    other = SharedScreen(screen)
+
+    write_line(other, "dispatcher serve listening on http://127.0.0.1:1")
+
+    rows = render_terminal(screen.getvalue())
+    assert rows[0] == "dispatcher serve listening on http://127.0.0.1:1"
+    assert rows[1].startswith("1,234/10,000")  # redrawn below it
+
+
+def test_a_line_to_a_pipe_is_written_as_it_is() -> None:
+    screen, pipe = TTY(), io.StringIO()
+    configure_logging("console", stream=screen, level="info")
+    ProgressLine(screen).show(snapshot())
+    write_line(pipe, "dispatcher serve listening on http://127.0.0.1:1")
+    assert pipe.getvalue() == "dispatcher serve listening on http://127.0.0.1:1\n"
+    assert "listening" not in screen.getvalue()
+
+
+class SharedScreen:
+    """Another stream (stdout) writing to the same terminal as ``screen``."""
+
+    def __init__(self, screen: TTY) -> None:
+        self._screen = screen
+
+    def write(self, text: str) -> int:
+        return self._screen.write(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True

@@ -9,6 +9,7 @@ import fcntl
 import os
 import pty
 import re
+import signal
 import struct
 import sys
 import termios
@@ -18,7 +19,7 @@ from pathlib import Path
 import orjson
 
 from tests.conftest import SimAgentFactory
-from tests.helpers import cli_env, read_jsonl, run_args, run_cli, write_tasks
+from tests.helpers import cli_env, read_jsonl, run_args, run_cli, wait_until, write_tasks
 from tests.test_telemetry_logs import render_terminal
 
 TASKS = 40
@@ -150,3 +151,25 @@ async def test_the_same_run_off_a_terminal_writes_the_json_events_it_always_did(
     finished = [e for e in events if e["event"] == "rollout_finished"]
     assert sum(e["outcome"] == "agent_run_error" for e in finished) == len(failures) > 0
     assert "\x1b[" not in result.stderr and "failed: " not in result.stderr
+
+
+async def test_serve_on_a_terminal_says_listening_on_a_line_of_its_own(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    term = await OnTerminal.start(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+        "--agent", f"sim={url}",
+    )  # fmt: skip
+    try:
+        await wait_until(lambda: b"listening on http" in term.raw, timeout_s=30)
+        await wait_until(lambda: b"\n" in term.raw[term.raw.index(b"listening on") :])
+    finally:
+        os.killpg(term.proc.pid, signal.SIGTERM)
+        await term.wait()
+
+    text = term.text()
+    # The progress line was on the screen before the line was written.
+    assert text.index("budget left") < text.index("listening on"), text
+    [row] = [row for row in term.screen() if "listening on" in row]
+    assert re.fullmatch(r"dispatcher serve listening on http://127\.0\.0\.1:\d+", row), row

@@ -32,6 +32,7 @@ from dispatcher.settings.serve import SERVE_KEYS, ServeLimits
 from dispatcher.telemetry.discovery import sd_file_for, service_labels
 from dispatcher.telemetry.http_app import listen_address
 from dispatcher.telemetry.logs import configure_logging
+from dispatcher.telemetry.progress import write_line
 
 log = structlog.get_logger("dispatcher.serve")
 
@@ -250,5 +251,5 @@ def _announce(daemon: Daemon, state_dir: Path, access: auth.Access) -> None:
         input_root=str(access.input_root),
     )
     # The one line other programs wait for: it means the jobs API accepts requests.
-    sys.stdout.write(f"dispatcher serve listening on {url}\n")
-    sys.stdout.flush()
+    # On a terminal it never shares a row with the progress line (on stderr).
+    write_line(sys.stdout, f"dispatcher serve listening on {url}")

@@ -253,6 +253,21 @@ class LiveTerminal(io.TextIOBase):
     def flush(self) -> None:
         self._stream.flush()
 
+    def write_beside(self, other: TextIO, text: str) -> None:
+        """Write whole lines to another stream on the same terminal (stdout beside
+        stderr): the live line is erased first and redrawn below them, or the
+        two would share a row."""
+        with self._lock:
+            if self._live_shown:
+                self._stream.write("\r" + _ERASE_TO_EOL)
+                self._stream.flush()
+            other.write(text)
+            other.flush()
+            self._live_shown = bool(self._live)
+            if self._live:
+                self._stream.write(self._live)
+                self._stream.flush()
+
     def set_live(self, line: str) -> None:
         """Replace the live line ("" removes it)."""
         with self._lock:
@@ -285,6 +300,17 @@ def live_terminal(stream: TextIO) -> LiveTerminal:
     if terminal is None:
         terminal = _terminals[stream] = LiveTerminal(stream)
     return terminal
+
+
+def write_line(stream: TextIO, line: str) -> None:
+    """Write ``line`` (and a newline) to ``stream``, off the live line's row when both
+    are on a terminal: `serve`'s "listening on" (stdout) beside the progress line (stderr)."""
+    terminals = [_terminals[s] for s in _console_streams if s in _terminals]
+    if terminals and is_terminal(stream):
+        terminals[0].write_beside(stream, line + "\n")
+        return
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def is_terminal(stream: Any) -> bool:
