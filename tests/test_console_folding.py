@@ -206,6 +206,7 @@ def test_the_summary_writes_what_is_held_then_one_short_line() -> None:
 
 def test_summary_line_without_figures() -> None:
     assert summary_line({"outcomes": {}}) == "run ended: 0 succeeded, 0 failed in -; p50 - p95 -"
+    assert summary_line({}, "j7").startswith("job j7 ended: 0 succeeded")
 
 
 def test_console_on_a_terminal_installs_the_folding_and_debug_does_not() -> None:

@@ -37,7 +37,7 @@ FOLD_WINDOW_S = 1.0
 # Rollout ids named on one line; the rest are counted.
 SHOWN_IDS = 8
 MESSAGE_CHARS = 160
-_FAILED = frozenset(o.value for o in Outcome if o.writes_failure_row and o is not Outcome.SUCCESS)
+_FAILED = frozenset(o.value for o in Outcome if o.writes_failure_row)
 # One line each at debug only: the progress line counts them.
 FOLDED_AWAY = frozenset({"rollout_retry"})
 _RED, _BOLD, _DIM, _RESET = "\x1b[31;1m", "\x1b[1m", "\x1b[2m", "\x1b[0m"
@@ -62,8 +62,8 @@ class FailureFeed:
     """
 
     window_s: float = FOLD_WINDOW_S
-    _last: dict[str, float] = field(default_factory=dict)
-    _held: dict[str, _Held] = field(default_factory=dict)
+    _last: dict[str, float] = field(default_factory=dict, init=False)
+    _held: dict[str, _Held] = field(default_factory=dict, init=False)
 
     def add(self, label: str, rollout_id: str, message: str | None, now: float) -> str | None:
         held = self._held.setdefault(label, _Held())
@@ -118,8 +118,9 @@ def failure_label(event: Mapping[str, Any]) -> str:
     return f"{outcome} (HTTP {status})" if status else outcome
 
 
-def summary_line(event: Mapping[str, Any]) -> str:
-    """``run_summary`` in one line: outcomes, time, rate, latency, retries."""
+def summary_line(event: Mapping[str, Any], job_id: str | None = None) -> str:
+    """``run_summary`` in one line: outcomes, time, rate, latency, retries (a serve
+    job's names its job)."""
     outcomes: Mapping[str, int] = event.get("outcomes") or {}
     failed = sum(n for name, n in outcomes.items() if name in _FAILED)
     parts = [f"{outcomes.get(Outcome.SUCCESS.value, 0):,} succeeded", f"{failed:,} failed"]
@@ -128,7 +129,7 @@ def summary_line(event: Mapping[str, Any]) -> str:
         for name, n in outcomes.items()
         if n and name != Outcome.SUCCESS.value and name not in _FAILED
     ]
-    line = "run ended: " + ", ".join(parts)
+    line = ("run ended: " if job_id is None else f"job {job_id} ended: ") + ", ".join(parts)
     line += f" in {duration_text(event.get('elapsed_s'))}"
     rate = event.get("rollouts_per_hour")
     if isinstance(rate, int | float):
@@ -182,7 +183,8 @@ class ConsoleFolding:
             raise structlog.DropEvent
         if event == "run_summary":
             self.flush()
-            self._write("info", summary_line(event_dict))
+            job_id = structlog.contextvars.get_contextvars().get("job_id")
+            self._write("info", summary_line(event_dict, job_id))
             raise structlog.DropEvent
         return event_dict
 
