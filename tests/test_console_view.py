@@ -128,9 +128,12 @@ def test_the_live_line_counts_retries_by_reason() -> None:
     line = fit_progress(snap, 500)
 
     assert line.endswith(" | retries 932 (503 900, 429 31, no_answer 1)")
-    # A narrow terminal drops them first: they are what the retry rule already handles.
-    assert "retries" not in fit_progress(snap, len(line) - 1)
-    assert "in flight" in fit_progress(snap, len(line) - 1)
+    # A narrower terminal keeps them longer than the in-flight count, the margin and
+    # the rate's label; narrower still, they go before the failures.
+    narrower = fit_progress(snap, 140)
+    assert narrower.endswith(" | failed 12 | retries 932 (503 900, 429 31, no_answer 1)")
+    assert "in flight" not in narrower and "margin" not in narrower and "/h |" in narrower
+    assert "retries" not in fit_progress(snap, 100) and "failed 12" in fit_progress(snap, 100)
 
 
 def test_the_progress_event_has_no_retry_field() -> None:

@@ -198,6 +198,8 @@ class ConsoleFolding:
     def _failed(self, event: EventDict) -> None:
         label = failure_label(event)
         message = event.get("failure_message")
+        if message == f"agent answered HTTP {event.get('http_status')}":
+            message = None  # the label says it already
         with self._lock:
             line = self._feed.add(label, str(event.get("rollout_id")), message, self._clock())
             wait_s = None if line is not None else self._feed.due_at(label) - self._clock()

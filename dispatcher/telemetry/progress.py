@@ -98,13 +98,13 @@ def retries_text(retries: Mapping[str, Mapping[str, int]]) -> str:
 # dropped: they are what someone glancing at a job's terminal needs. The
 # state goes only while it is the unremarkable "running".
 _DROP_ORDER = (
-    "retries",
     "in_flight",
     "state",
     "p50_p75",
     "margin",
     "drained",
     "rate_label",
+    "retries",
     "failed",
     "p95",
     "rate",
