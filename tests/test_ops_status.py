@@ -211,7 +211,8 @@ def test_render_human_table(run: OutputPaths) -> None:
 
 
 def test_the_ending_of_a_run_is_the_brief_table_and_the_next_step(run: OutputPaths) -> None:
-    text = run_ending(run.output, 3, 75)
+    table, step = run_ending(run.output, 3, 75)
+    text = table + step
     lines = text.splitlines()
 
     assert lines[0] == f"{run.output}: 37.5% covered (3 of 8 succeeded); left to run: 3"

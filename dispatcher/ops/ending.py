@@ -11,16 +11,22 @@ as that command reads them, so the two always agree.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from dispatcher.errors import ExitCode
 from dispatcher.files.resume import OutputPaths
 from dispatcher.ops.status import RunStatus, Standing, collect_status, render_brief
 
 
-def run_ending(output: Path, max_attempts: int, exit_code: int) -> str:
+class Ending(NamedTuple):
+    table: str  # lines, each ending in a newline
+    step: str  # one line, without its newline
+
+
+def run_ending(output: Path, max_attempts: int, exit_code: int) -> Ending:
     """The ending of a run whose files exist (blocking: it reads them)."""
     status = collect_status(output, max_attempts)
-    return render_brief(status) + "\n" + next_step(status, exit_code) + "\n"
+    return Ending(render_brief(status), next_step(status, exit_code))
 
 
 def next_step(status: RunStatus, exit_code: int) -> str:

@@ -16,6 +16,8 @@ from dispatcher.settings.flags import add_run_arguments, budget_seconds, run_epi
 from dispatcher.telemetry.logs import configure_logging
 from dispatcher.telemetry.progress import console_on_terminal, live_terminal
 
+_BOLD, _RESET = "\x1b[1m", "\x1b[0m"
+
 
 def add_parser(subparsers: Any) -> None:
     """Register ``run`` with the flags of ``dispatcher.settings.flags``."""
@@ -66,7 +68,10 @@ async def _print_ending(settings: RunSettings, exit_code: int) -> None:
     # The run's outcome is already decided: a table that cannot be read or
     # printed must not change its exit code.
     with contextlib.suppress(DispatcherError, OSError, ValueError):
-        text = await asyncio.to_thread(run_ending, settings.output, settings.attempt_cap, exit_code)
+        ending = await asyncio.to_thread(
+            run_ending, settings.output, settings.attempt_cap, exit_code
+        )
         terminal = live_terminal(sys.stderr)
-        terminal.write("\n" + text)
+        # The next step in bold: it is what the person came back to the terminal for.
+        terminal.write(f"\n{ending.table}\n{_BOLD}{ending.step}{_RESET}\n")
         terminal.flush()
