@@ -78,6 +78,13 @@ class OnTerminal:
         return code
 
 
+def console_run_args(tasks: Path, output: Path, url: str, *extra: str) -> list[str]:
+    """``run_args`` without ``--log-format json``: the default, console on a terminal."""
+    args = run_args(tasks, output, url, *extra)
+    at = args.index("--log-format")
+    return args[:at] + args[at + 2 :]
+
+
 def failure_lines(screen: list[str]) -> list[tuple[int, list[str]]]:
     found = [_FAILED.search(row) for row in screen]
     return [(int(m[1]), m[2].split(", ")) for m in found if m]
@@ -89,10 +96,7 @@ async def test_a_run_on_a_terminal_shows_failures_folds_retries_and_ends_with_th
     url, _ = await sim_agent(**AGENT)
     tasks = write_tasks(tmp_path / "t.jsonl", TASKS)
     output = tmp_path / "o.jsonl"
-    args = run_args(tasks, output, url, "--concurrency", "8")
-    # The default format: console on a terminal.
-    args.remove("--log-format")
-    args.remove("json")
+    args = console_run_args(tasks, output, url, "--concurrency", "8")
     term = await OnTerminal.start(*args, env=FAST_RETRIES)
 
     assert await term.wait() == 75, term.text()[-3000:]
@@ -125,6 +129,37 @@ async def test_a_run_on_a_terminal_shows_failures_folds_retries_and_ends_with_th
         f"exit 75: rerun the same command to finish {len(failures)} rollouts "
         "(finished ones are kept)"
     )
+
+
+async def test_a_finished_run_on_a_terminal_says_where_the_rows_are(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent()
+    output = tmp_path / "o.jsonl"
+    args = console_run_args(write_tasks(tmp_path / "t.jsonl", 5), output, url)
+    term = await OnTerminal.start(*args)
+
+    assert await term.wait() == 0, term.text()[-3000:]
+    screen = term.screen()
+    assert not failure_lines(screen)
+    assert screen[-1] == (
+        f"exit 0: every rollout is final; the rows are in {output} (5 succeeded); "
+        f"`dispatcher report {output}` tells more"
+    )
+
+
+async def test_a_run_that_fails_on_a_terminal_says_so_above_its_error(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    url, _ = await sim_agent(fail_500=1.0)
+    args = console_run_args(write_tasks(tmp_path / "t.jsonl", 20), tmp_path / "o.jsonl", url)
+    term = await OnTerminal.start(*args, "--concurrency", "1", "--max-failure-fraction", "0.1")
+
+    assert await term.wait() == 1, term.text()[-3000:]
+    screen = term.screen()
+    assert failure_lines(screen)
+    assert screen[-2].startswith("exit 1: the run stopped on the error below; once it is fixed, ")
+    assert screen[-1].startswith("error: --max-failure-fraction 0.1: ")
 
 
 async def test_the_same_run_off_a_terminal_writes_the_json_events_it_always_did(
