@@ -203,6 +203,22 @@ def test_the_summary_writes_what_is_held_then_one_short_line() -> None:
     assert len(shown(tty)) == 4
 
 
+def test_a_timer_set_before_a_summary_does_not_cut_the_next_window_short() -> None:
+    # Serve: one job's summary writes every held failure; another job's go on.
+    timers = Timers()
+    tty, log = console(timers)
+    failed(log, "1-0")  # at 100.0: at once
+    failed(log, "2-0")  # held; a timer for 101.0
+    timers.advance(100.6)
+    log.info("run_summary", outcomes={})  # writes 2-0 at 100.6: the next line at 101.6
+    failed(log, "3-0")
+
+    timers.advance(101.0)  # the first timer: too early for 3-0
+    assert [line for line in shown(tty) if "3-0" in line] == []
+    timers.advance(101.6)
+    assert shown(tty)[-1] == f"failed: 1 {HTTP_500}: 3-0"
+
+
 def test_summary_line_without_figures() -> None:
     assert summary_line({"outcomes": {}}) == "run ended: 0 succeeded, 0 failed in -; p50 - p95 -"
     assert summary_line({}, "j7").startswith("job j7 ended: 0 succeeded")

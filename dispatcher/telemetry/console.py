@@ -81,6 +81,10 @@ class FailureFeed:
         last = self._last.get(label)
         return float("-inf") if last is None else last + self.window_s
 
+    def holds(self, label: str) -> bool:
+        """Whether failures of ``label`` wait for their line."""
+        return label in self._held
+
     def take(self, label: str, now: float) -> str | None:
         """The line of the failures held for ``label`` (None if there are none)."""
         held = self._held.pop(label, None)
@@ -217,13 +221,24 @@ class ConsoleFolding:
             try:
                 call_later = asyncio.get_running_loop().call_later
             except RuntimeError:  # no loop to wait on (a thread): show them now
-                self._take(label)
+                self._write_held(label)
                 return
         self._timers.add(label)
-        call_later(max(wait_s, 0.0), self._take, label)
+        call_later(max(wait_s, 0.0), self._on_due, label)
 
-    def _take(self, label: str) -> None:
+    def _on_due(self, label: str) -> None:
+        """A timer's end: the held failures, unless the window moved on since it was set
+        (a summary wrote them, and newer ones wait for a window of their own)."""
         self._timers.discard(label)
+        with self._lock:
+            wait_s = self._feed.due_at(label) - self._clock()
+        if wait_s > 0:
+            if self._feed.holds(label):
+                self._wake(label, wait_s)
+            return
+        self._write_held(label)
+
+    def _write_held(self, label: str) -> None:
         with self._lock:
             line = self._feed.take(label, self._clock())
         if line is not None:
