@@ -238,6 +238,15 @@ def test_the_next_step_after_an_error(run: OutputPaths, code: int, step: str) ->
     assert next_step(collect_status(run.output), code) == step
 
 
+def test_the_next_step_after_an_error_with_nothing_left_to_run(tmp_path: Path) -> None:
+    paths = OutputPaths.for_output(tmp_path / "none.jsonl")
+    write_jsonl(paths.materialized, [mat(0, 0, "a")])
+    write_jsonl(paths.failures, [fail(0, 0, "a", "agent_run_error", terminal=True)])
+    assert next_step(collect_status(paths.output), 1) == (
+        "exit 1: the run stopped on the error below, which says what to do"
+    )
+
+
 def test_the_next_step_of_a_finished_run_says_where_the_rows_are(tmp_path: Path) -> None:
     paths = OutputPaths.for_output(tmp_path / "done.jsonl")
     write_jsonl(paths.materialized, [mat(0, 0, "a"), mat(1, 0, "a")])

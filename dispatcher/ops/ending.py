@@ -3,7 +3,8 @@
 A run's ``run_summary`` event is for machines (every figure, nested); a
 person at the terminal wants where the run stands and the next step, which
 the exit code decides: 75 rerun the same command, 0 the rows are ready,
-1 or 2 fix what the error (printed after this) says, then rerun. The table
+1 or 2 fix what the error (printed after this) says, then rerun (or, when
+every rollout is final, do what the error says: nothing succeeded). The table
 is ``dispatcher status``'s own (``render_brief``), read from the run's files
 as that command reads them, so the two always agree.
 """
@@ -39,8 +40,12 @@ def next_step(status: RunStatus, exit_code: int) -> str:
         )
     if exit_code == ExitCode.DONE:
         return f"exit 0: every rollout is final; {_where_rows_are(status)}"
-    resume = f"rerun the same command to finish {left:,} rollouts" if left else "rerun it"
-    return f"exit {exit_code}: the run stopped on the error below; once it is fixed, {resume}"
+    if not left:  # every rollout is final: only the error can say what would run them again
+        return f"exit {exit_code}: the run stopped on the error below, which says what to do"
+    return (
+        f"exit {exit_code}: the run stopped on the error below; once it is fixed, "
+        f"rerun the same command to finish {left:,} rollouts"
+    )
 
 
 def _where_rows_are(status: RunStatus) -> str:
