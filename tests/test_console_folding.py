@@ -219,6 +219,20 @@ def test_a_timer_set_before_a_summary_does_not_cut_the_next_window_short() -> No
     assert shown(tty)[-1] == f"failed: 1 {HTTP_500}: 3-0"
 
 
+def test_an_error_comes_after_the_failures_held_before_it() -> None:
+    timers = Timers()
+    tty, log = console(timers)
+    failed(log, "1-0")
+    failed(log, "2-0")
+    log.warning("replica_opened", replica="http://a")  # a warning waits its turn
+    log.error("run_failed", error="no rollout succeeded")
+
+    rows = [row for row in render_terminal(tty.getvalue()) if row]
+    assert "replica_opened" in rows[1]
+    assert rows[2].endswith(f" failed: 1 {HTTP_500}: 2-0")
+    assert "run_failed" in rows[3]
+
+
 def test_summary_line_without_figures() -> None:
     assert summary_line({"outcomes": {}}) == "run ended: 0 succeeded, 0 failed in -; p50 - p95 -"
     assert summary_line({}, "j7").startswith("job j7 ended: 0 succeeded")

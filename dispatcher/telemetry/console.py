@@ -38,6 +38,7 @@ FOLD_WINDOW_S = 1.0
 SHOWN_IDS = 8
 MESSAGE_CHARS = 160
 _FAILED = frozenset(o.value for o in Outcome if o.writes_failure_row)
+_ERRORS = frozenset({"error", "exception", "critical", "fatal"})
 # One line each at debug only: the progress line counts them.
 FOLDED_AWAY = frozenset({"rollout_retry"})
 _RED, _BOLD, _DIM, _RESET = "\x1b[31;1m", "\x1b[1m", "\x1b[2m", "\x1b[0m"
@@ -177,7 +178,7 @@ class ConsoleFolding:
         # Events come from the loop; stdlib records and threads may log too.
         self._lock = threading.Lock()
 
-    def __call__(self, _: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    def __call__(self, _: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
         event = event_dict.get("event")
         if event == "rollout_finished":
             if event_dict.get("outcome") in _FAILED:
@@ -190,6 +191,9 @@ class ConsoleFolding:
             job_id = structlog.contextvars.get_contextvars().get("job_id")
             self._write("info", summary_line(event_dict, job_id))
             raise structlog.DropEvent
+        if method in _ERRORS:
+            # An error often ends the run: the failures before it come first.
+            self.flush()
         return event_dict
 
     def flush(self) -> None:
