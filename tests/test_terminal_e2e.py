@@ -72,8 +72,14 @@ class OnTerminal:
         return [row.rstrip() for row in render_terminal(self.text()) if row.strip()]
 
     async def wait(self, timeout_s: float = 120) -> int:
-        code = await asyncio.wait_for(self.proc.wait(), timeout_s)
-        await asyncio.wait_for(self._eof.wait(), timeout_s)
+        try:
+            code = await asyncio.wait_for(self.proc.wait(), timeout_s)
+            await asyncio.wait_for(self._eof.wait(), timeout_s)
+        except TimeoutError:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: nothing is left behind
+            raise
+        finally:
+            asyncio.get_running_loop().remove_reader(self._master)
         os.close(self._master)
         return code
 
