@@ -21,7 +21,7 @@ class Command(NamedTuple):
 
 # In the order `dispatcher --help` lists them.
 COMMANDS: tuple[Command, ...] = (
-    Command("run", "dispatcher.run.command", "dispatch a task file to agent servers"),
+    Command("run", "dispatcher.ops.run_command", "dispatch a task file to agent servers"),
     Command(
         "serve",
         "dispatcher.serve.command",

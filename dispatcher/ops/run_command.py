@@ -58,11 +58,7 @@ async def _run_command(args: argparse.Namespace) -> int:
 
 
 async def _print_ending(settings: RunSettings, exit_code: int) -> None:
-    """On a terminal, after the summary line: the ``status`` table and the next step.
-
-    ``ops/ending.py`` sits above ``run/`` in the layout; this command's edge is
-    the one place that joins them, as ``cli.py`` joins every command.
-    """
+    """On a terminal, after the summary line: the ``status`` table and the next step."""
     from dispatcher.ops.ending import run_ending
 
     # The run's outcome is already decided: a table that cannot be read or
