@@ -130,17 +130,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if extras:
         # Unknown flags surface at the top level, which knows only its own
         # options: let the subcommand's parser report them, with its flags.
-        command = _subparser(parser, args.command)
+        command = _chosen_parser(parser, args)
         command.error(f"unrecognized arguments: {' '.join(extras)}")
     return args
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            found: argparse.ArgumentParser = action.choices[name]
-            return found
-    return parser  # pragma: no cover - the parser always has subcommands
+def _chosen_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The innermost parser ``args`` went through (``jobs list``'s, not ``jobs``')."""
+    while True:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subparsers:
+            return parser
+        name = getattr(args, subparsers[0].dest, None)
+        if name not in subparsers[0].choices:
+            return parser
+        parser = subparsers[0].choices[name]
 
 
 def _end_startup() -> None:

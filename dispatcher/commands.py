@@ -35,6 +35,11 @@ COMMANDS: tuple[Command, ...] = (
         "record the model calls of each rollout on their way to the model",
     ),
     Command(
+        "jobs",
+        "dispatcher.ops.jobs",
+        "a running `dispatcher serve`: list, show, submit, cancel, tail jobs; pause; policy",
+    ),
+    Command(
         "status",
         "dispatcher.ops.status_command",
         "where a run stands: expected, succeeded, failed, left to run",

@@ -33,6 +33,8 @@ def test_abbreviated_flag_is_refused_with_a_suggestion(capsys: pytest.CaptureFix
         (["rnu"], "did you mean run?"),
         (["merge", "--output", "m", "a", "--jsn"], "did you mean --json?"),
         (["status", "x.jsonl", "--jsno"], "did you mean --json?"),
+        (["jobs", "list", "--jsno"], "did you mean --json?"),
+        (["jobs", "lsit"], "did you mean list?"),
     ],
 )
 def test_typos_get_a_did_you_mean(

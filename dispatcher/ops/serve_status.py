@@ -26,7 +26,7 @@ from typing import Any
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.ops.runfiles import LockStatus, is_state_dir, lock_status
 from dispatcher.ops.status import RunStatus, Standing, collect_status
-from dispatcher.ops.table import format_table
+from dispatcher.ops.table import JOB_HEADERS, format_table
 from dispatcher.serve.registry import SETTLED_STATES, JobRecord, Registry, Unreadable
 
 UNFINISHED = "unfinished"
@@ -146,9 +146,7 @@ def render_state_dir(status: StateDirStatus) -> str:
             figures = [total.expected, succeeded, total.final - succeeded, total.left_to_run]
         rows.append([job.job_id, job.state, *_spec_figures(job.record), *figures])
     if rows:
-        headers = ["job", "state", "priority", "policy", "expected", "succeeded",
-                   "failed", "left"]  # fmt: skip
-        lines.append(format_table(headers, rows))
+        lines.append(format_table(JOB_HEADERS, rows))
     lines.extend(f"{job.job_id}: {job.error}" for job in status.jobs if job.state == "failed")
     unreadable = sum(1 for job in status.jobs if isinstance(job.record, Unreadable))
     unfinished = sum(1 for job in status.jobs if not job.settled) - unreadable

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+# The columns of a list of a daemon's jobs: `status STATE_DIR` (from its files) and
+# `jobs list` (from the running daemon) show the same table.
+JOB_HEADERS = ("job", "state", "priority", "policy", "expected", "succeeded", "failed", "left")
+
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: int = 2) -> str:
     """Columns padded to width: figures right-aligned, text left-aligned."""

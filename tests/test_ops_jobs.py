@@ -1,0 +1,238 @@
+"""`dispatcher jobs` through the real CLI against a real `dispatcher serve` process:
+each action, a token-protected daemon, a daemon that is not there, a job that is not.
+
+Agents are the sim agent, or a ``FakeAgent`` the test gates where the order of
+rows matters; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.conftest import SimAgentFactory
+from tests.helpers import (
+    CliResult,
+    FakeAgent,
+    free_port,
+    run_cli,
+    spawn_cli,
+    wait_until,
+    write_tasks,
+)
+from tests.test_service_auth import TOKEN, start_serve, stop, token_file
+from tests.test_service_e2e import Serve
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def jobs(url: str, *args: str, **env: str) -> CliResult:
+    """``dispatcher jobs ARGS`` with the daemon's address from ``DISPATCHER_URL``."""
+    return await run_cli("jobs", *args, env={"DISPATCHER_URL": url, **env})
+
+
+def ndjson(text: str) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in text.splitlines()]
+
+
+def table_row(out: str, job_id: str) -> list[str]:
+    """The cells of a job's line of the `jobs list` table."""
+    [line] = [line for line in out.splitlines() if line.split()[:1] == [job_id]]
+    return line.split()
+
+
+def said_once(result: CliResult, *phrases: str) -> None:
+    """A refusal: exit 2, one line on stderr holding each phrase, no traceback."""
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+
+
+@pytest.fixture
+async def gated() -> AsyncIterator[FakeAgent]:
+    agent = FakeAgent(gated=True)
+    await agent.start()
+    yield agent
+    await agent.close()
+
+
+async def test_submit_wait_list_show_tail_and_policy(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    agent_url, _ = await sim_agent()
+    rows = write_tasks(tmp_path / "rows.jsonl", 3)
+    daemon = await Serve.start(tmp_path / "state", agent_url, "--input-root", str(tmp_path))
+    try:
+        url = daemon.url
+        done = await jobs(
+            url, "submit", "--rows", str(rows), "--job-id", "a", "--num-repeats", "2",
+            "--priority", "5", "--policy-version", "0", "--metadata", '{"step": 0}', "--wait",
+        )  # fmt: skip
+        assert done.returncode == 0, done
+        assert done.stdout.splitlines()[-1] == "job a: done"
+
+        listed = await jobs(url, "list")
+        assert listed.stdout.startswith(f"dispatcher serve at {url}: policy version 0, ")
+        assert table_row(listed.stdout, "a") == ["a", "done", "5", "0", "6", "6", "0", "0"]
+        [job] = orjson.loads((await jobs(url, "list", "--json")).stdout)["jobs"]
+        assert (job["job_id"], job["state"], job["outcomes"]) == ("a", "done", {"success": 6})
+        assert orjson.loads((await jobs(url, "list", "--state", "running", "--json")).stdout) == {
+            "jobs": []
+        }
+
+        shown = (await jobs(url, "show", "a")).stdout.splitlines()
+        assert shown[0] == "job a: done"
+        assert "  rollouts         expected 6, succeeded 6, failed 0, left 0" in shown
+        assert "  metadata         step 0" in shown
+        assert orjson.loads((await jobs(url, "show", "a", "--json")).stdout)["rows_durable"] == 6
+
+        await check_tail(url)
+        await check_input_and_policy(url)
+    finally:
+        assert await daemon.stop() == 0
+
+
+async def check_tail(url: str) -> None:
+    """A final job's rows, from a seq, grouped, and followed to its end."""
+    lines = ndjson((await jobs(url, "tail", "a")).stdout)
+    assert [line["_ng_seq"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert {line["_ng_task_index"] for line in lines} == {0, 1, 2}
+    after = ndjson((await jobs(url, "tail", "a", "--after", "4")).stdout)
+    assert [line["_ng_seq"] for line in after] == [5, 6]
+    groups = ndjson((await jobs(url, "tail", "a", "--group")).stdout)
+    assert sorted(g["task_index"] for g in groups) == [0, 1, 2]
+    assert all(len(g["rows"]) == 2 for g in groups)
+    followed = await jobs(url, "tail", "a", "--follow")
+    assert followed.returncode == 0 and len(ndjson(followed.stdout)) == 6
+
+
+async def check_input_and_policy(url: str) -> None:
+    """A task file on the daemon's side, submitted twice: the same job; the policy version."""
+    for _ in range(2):
+        answer = await jobs(url, "submit", "--input", "rows.jsonl", "--job-id", "b", "--json")
+        assert answer.returncode == 0, answer
+        assert orjson.loads(answer.stdout)["job_id"] == "b"
+    again = await jobs(url, "submit", "--input", "rows.jsonl", "--job-id", "b", "--wait")
+    assert (again.returncode, again.stdout.splitlines()[-1]) == (0, "job b: done")
+    assert (await jobs(url, "policy")).stdout == "0\n"
+    assert (await jobs(url, "policy", "3")).stdout == "3\n"
+    assert (await jobs(url, "policy")).stdout == "3\n"
+    conflict = await jobs(
+        url, "submit", "--input", "rows.jsonl", "--job-id", "b", "--priority", "1"
+    )
+    said_once(conflict, f"the daemon at {url} refused it: 409")
+    for action in (["show", "nope"], ["cancel", "nope"], ["tail", "nope", "--follow"]):
+        said_once(await jobs(url, *action), "no job 'nope'", url)
+
+
+async def test_pause_holds_a_job_that_cancel_ends(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    agent_url, stats = await sim_agent()
+    rows = write_tasks(tmp_path / "rows.jsonl", 3)
+    daemon = await Serve.start(tmp_path / "state", agent_url)
+    try:
+        url = daemon.url
+        paused = await jobs(url, "pause", "--ttl-s", "600", "--reason", "weight update")
+        assert paused.stdout.startswith("admission paused (reason 'weight update', ends by itself")
+        waiting = await spawn_cli(
+            "jobs", "submit", "--rows", str(rows), "--job-id", "held", "--wait",
+            env={"DISPATCHER_URL": url},
+        )  # fmt: skip
+        try:
+            await wait_until(lambda: b"job held: " in b"".join(waiting.stdout), timeout_s=30)
+            # Running (its rollouts counted), none started: the pause holds them.
+            await wait_until(daemon.in_state("held", "running"), timeout_s=30)
+            listed = (await jobs(url, "list")).stdout
+            assert "admission paused (reason 'weight update'" in listed
+            assert table_row(listed, "held")[4:] == ["3", "0", "0", "3"]
+
+            cancelled = await jobs(url, "cancel", "held")
+            assert (cancelled.returncode, cancelled.stdout) == (0, "job held: cancelled\n")
+            ended = await waiting.wait()
+        finally:
+            await waiting.kill()
+        assert (ended.returncode, ended.stdout.splitlines()[-1]) == (1, "job held: cancelled")
+        assert (await jobs(url, "resume")).stdout == "admission open; 0 rollouts in flight\n"
+        assert stats.requests == 0  # paused, then cancelled: nothing reached the agent
+    finally:
+        assert await daemon.stop() == 0
+
+
+async def test_tail_follow_prints_each_row_as_it_becomes_durable(
+    tmp_path: Path, gated: FakeAgent
+) -> None:
+    rows = write_tasks(tmp_path / "rows.jsonl", 3)
+    daemon = await Serve.start(tmp_path / "state", gated.url)
+    try:
+        url = daemon.url
+        assert (await jobs(url, "submit", "--rows", str(rows), "--job-id", "f")).returncode == 0
+        follow = await spawn_cli("jobs", "tail", "f", "--follow", env={"DISPATCHER_URL": url})
+        try:
+            await wait_until(lambda: gated.holding == 3, timeout_s=30)
+            gated.release_next()
+            await wait_until(lambda: len(follow.stdout) == 1, timeout_s=30)
+            assert not follow.exited  # the job runs on: the stream waits for it
+            gated.open()
+            result = await follow.wait()
+        finally:
+            await follow.kill()
+        assert result.returncode == 0, result.stderr
+        assert [line["_ng_seq"] for line in ndjson(result.stdout)] == [1, 2, 3]
+    finally:
+        assert await daemon.stop() == 0
+
+
+async def test_a_token_protected_daemon(tmp_path: Path, sim_agent: SimAgentFactory) -> None:
+    agent_url, _ = await sim_agent()
+    daemon = await start_serve(
+        tmp_path / "state", agent_url, "--api-token-file", str(token_file(tmp_path))
+    )
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token-31337\n")
+    url = daemon.url
+    try:
+        said_once(await jobs(url, "list"), "wants an API token and none was given",
+                  "--api-token-file", "DISPATCHER_API_TOKEN")  # fmt: skip
+        from_file = await jobs(url, "list", "--api-token-file", str(wrong))
+        said_once(from_file, f"refused the API token of --api-token-file {wrong}")
+        from_env = await jobs(url, "policy", "2", DISPATCHER_API_TOKEN="not-the-token-31337")
+        said_once(from_env, "refused the API token of DISPATCHER_API_TOKEN")
+        right = [
+            await jobs(url, "policy", "2", "--api-token-file", str(tmp_path / "api-token")),
+            await jobs(url, "list", DISPATCHER_API_TOKEN=TOKEN),
+        ]
+        assert [r.returncode for r in right] == [0, 0]
+        assert right[0].stdout == "2\n" and "policy version 2" in right[1].stdout
+        empty = tmp_path / "empty"
+        empty.write_text("\n")
+        said_once(await jobs(url, "list", "--api-token-file", str(empty)), "is empty")
+        for result in (from_file, from_env, *right):
+            assert "31337" not in result.stdout + result.stderr
+            assert TOKEN not in result.stdout + result.stderr
+    finally:
+        code, _ = await stop(daemon)
+        assert code == 0
+
+
+async def test_a_daemon_that_is_not_there_is_said_within_seconds(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    rows = write_tasks(tmp_path / "rows.jsonl", 1)
+    actions = [["list"], ["show", "a"], ["tail", "a", "--follow"], ["pause"], ["policy", "1"],
+               ["submit", "--rows", str(rows), "--wait"]]  # fmt: skip
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results = await asyncio.gather(*(jobs(url, *action) for action in actions))
+    # The retries of one call last 5 s; a loaded machine takes longer to start the CLI.
+    assert loop.time() - started < 30
+    for result in results:
+        said_once(result, f"no answer from a daemon at {url}",
+                  "is `dispatcher serve` running there?", "DISPATCHER_URL")  # fmt: skip
+    said_once(await jobs("127.0.0.1:8080", "list"), "DISPATCHER_URL: '127.0.0.1:8080' is not")
