@@ -8,6 +8,7 @@ rows matters; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tests.helpers import (
     wait_until,
     write_tasks,
 )
+from tests.test_readme_commands import example, run_shell, tasks_for
 from tests.test_service_auth import TOKEN, start_serve, stop, token_file
 from tests.test_service_e2e import Serve
 
@@ -79,7 +81,7 @@ async def test_submit_wait_list_show_tail_and_policy(
         assert done.stdout.splitlines()[-1] == "job a: done"
 
         listed = await jobs(url, "list")
-        assert listed.stdout.startswith(f"dispatcher serve at {url}: policy version 0, ")
+        assert listed.stdout.startswith(f"daemon at {url}: policy version 0, ")
         assert table_row(listed.stdout, "a") == ["a", "done", "5", "0", "6", "6", "0", "0"]
         [job] = orjson.loads((await jobs(url, "list", "--json")).stdout)["jobs"]
         assert (job["job_id"], job["state"], job["outcomes"]) == ("a", "done", {"success": 6})
@@ -236,3 +238,39 @@ async def test_a_daemon_that_is_not_there_is_said_within_seconds(tmp_path: Path)
         said_once(result, f"no answer from a daemon at {url}",
                   "is `dispatcher serve` running there?", "DISPATCHER_URL")  # fmt: skip
     said_once(await jobs("127.0.0.1:8080", "list"), "DISPATCHER_URL: '127.0.0.1:8080' is not")
+
+
+JOBS_EXAMPLE = "dispatcher jobs submit --input tasks.jsonl --job-id step-0"
+
+
+async def test_the_jobs_example_runs_as_written(tmp_path: Path, sim_agent: SimAgentFactory) -> None:
+    """docs/service.md's `dispatcher jobs` example, with the variables it says are set,
+    against a daemon whose --input-root (its working directory) holds tasks.jsonl."""
+    agent_url, _ = await sim_agent()
+    (tmp_path / "tasks.jsonl").write_text(tasks_for("math_agent", 6))
+    (tmp_path / "step-1.jsonl").write_text(tasks_for("math_agent", 2))
+    token = "jobs-example-token"
+    daemon = await spawn_cli(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", "state", "--agent",
+        f"math_agent={agent_url}", "--fsync", "never", "--log-format", "json",
+        cwd=tmp_path, env={"DISPATCHER_API_TOKEN": token},
+    )  # fmt: skip
+    try:
+        await wait_until(lambda: bool(daemon.stdout) or daemon.exited, timeout_s=30)
+        url = daemon.stdout[0].decode().split()[-1]
+        variables = f"export DISPATCHER_URL={url} DISPATCHER_API_TOKEN={token}\n"
+        out = await run_shell(variables + example(JOBS_EXAMPLE), tmp_path)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert (await daemon.wait()).returncode == 0
+    lines = out.splitlines()
+    assert lines[0] in ("job step-0: queued", "job step-0: running"), out
+    groups = [orjson.loads(line) for line in lines if line.startswith("{")]
+    assert sorted(g["task_index"] for g in groups) == list(range(6))
+    assert all(len(g["rewards"]) == 8 for g in groups)
+    # What the page shows `list` printing is what it printed.
+    assert example("daemon at http://rollouts:8080").replace("http://rollouts:8080", url) in out
+    assert "job step-0: done" in lines
+    assert any(line.startswith("admission paused (reason 'weight update 0'") for line in lines)
+    # `policy 1`, then step-1 from submitted to done.
+    assert lines[-3] == "1" and lines[-1] == "job step-1: done", out

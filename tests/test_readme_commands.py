@@ -255,6 +255,9 @@ RUN_BY = {
     ),
     "from dispatcher.client import AsyncClient": SERVICE_EXAMPLES,
     "URL=${DISPATCHER_URL": SERVICE_EXAMPLES,
+    "dispatcher jobs submit --input tasks.jsonl": (
+        "test_ops_jobs.test_the_jobs_example_runs_as_written"
+    ),
     "gym env start": GYM_PATH,
     "dispatcher run --gym-head-server $HEAD": GYM_PATH,
     "from dispatcher.client.gym import RolloutCollectionHelper": GYM_PATH,

@@ -46,7 +46,7 @@ def job_row(job: JobStatus) -> list[object]:
 
 def render_list(url: str, jobs: Sequence[JobStatus], policy: int, admission: Admission) -> str:
     lines = [
-        f"dispatcher serve at {url}: policy version {policy}, {admission_line(admission)}",
+        f"daemon at {url}: policy version {policy}, {admission_line(admission)}",
         f"{len(jobs)} jobs",
     ]
     if jobs:
