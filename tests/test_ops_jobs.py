@@ -8,6 +8,7 @@ rows matters; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +17,11 @@ from typing import Any
 import orjson
 import pytest
 
+from dispatcher.client.wire import JobStatus
+from dispatcher.errors import ConfigError
+from dispatcher.lifecycle import JobState
+from dispatcher.ops.jobs import read_rows
+from dispatcher.ops.jobs_view import end_exit_code, render_job
 from tests.conftest import SimAgentFactory
 from tests.helpers import (
     CliResult,
@@ -92,9 +98,11 @@ async def test_submit_wait_list_show_tail_and_policy(
         shown = (await jobs(url, "show", "a")).stdout.splitlines()
         assert shown[0] == "job a: done"
         assert "  rollouts         expected 6, succeeded 6, failed 0, left 0" in shown
-        assert "  metadata         step 0" in shown
+        assert '  metadata         {"step":0}' in shown
         assert orjson.loads((await jobs(url, "show", "a", "--json")).stdout)["rows_durable"] == 6
 
+        ended = await jobs(url, "cancel", "a")
+        assert ended.stdout == "job a: done (it had ended: nothing to cancel)\n"
         await check_tail(url)
         await check_input_and_policy(url)
     finally:
@@ -192,6 +200,33 @@ async def test_tail_follow_prints_each_row_as_it_becomes_durable(
         assert await daemon.stop() == 0
 
 
+async def test_tail_follow_waits_out_a_restart_of_the_daemon(
+    tmp_path: Path, gated: FakeAgent
+) -> None:
+    rows = write_tasks(tmp_path / "rows.jsonl", 3)
+    # The same address both times, as a daemon restarted by its supervisor has.
+    listen = ("--listen", f"127.0.0.1:{free_port()}")
+    first = await Serve.start(tmp_path / "state", gated.url, *listen)
+    url = first.url
+    assert (await jobs(url, "submit", "--rows", str(rows), "--job-id", "r")).returncode == 0
+    follow = await spawn_cli("jobs", "tail", "r", "--follow", env={"DISPATCHER_URL": url})
+    try:
+        await wait_until(lambda: gated.holding == 3, timeout_s=30)
+        gated.release_next()
+        await wait_until(lambda: len(follow.stdout) == 1, timeout_s=30)
+        assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
+        gated.open()  # the rollouts the restarted daemon resumes answer at once
+        again = await Serve.start(tmp_path / "state", gated.url, *listen)
+        try:
+            result = await follow.wait()
+        finally:
+            assert await again.stop() == 0
+    finally:
+        await follow.kill()
+    assert result.returncode == 0, result.stderr
+    assert [line["_ng_seq"] for line in ndjson(result.stdout)] == [1, 2, 3]
+
+
 async def test_a_token_protected_daemon(tmp_path: Path, sim_agent: SimAgentFactory) -> None:
     agent_url, _ = await sim_agent()
     daemon = await start_serve(
@@ -274,3 +309,50 @@ async def test_the_jobs_example_runs_as_written(tmp_path: Path, sim_agent: SimAg
     assert any(line.startswith("admission paused (reason 'weight update 0'") for line in lines)
     # `policy 1`, then step-1 from submitted to done.
     assert lines[-3] == "1" and lines[-1] == "job step-1: done", out
+
+
+# -- pure pieces: what a person reads, the rows of --rows ------------------------------
+
+
+def test_a_step_jobs_status_shows_its_figures_and_its_tails_command() -> None:
+    job = JobStatus.from_json(
+        {"job_id": "rl-step-3", "state": "satisfied", "final": True, "priority": 0,
+         "policy_version": 3, "expected": 64, "remaining": 20, "done": 44,
+         "outcomes": {"success": 40, "timeout": 4}, "target_groups": 8, "groups_kept": 8,
+         "groups_filtered": 2, "groups_open": 1, "satisfied_at": "2026-12-04T10:00:00Z",
+         "satisfied_seq": 10, "timeline": {"first_group_s": 1.5, "p50_s": 3.0, "p90_s": None}}
+    )  # fmt: skip
+    shown = render_job(job).splitlines()
+    assert shown[0] == "job rl-step-3: satisfied"
+    fields = {line.split("  ")[1]: line.split("  ", 2)[2].strip() for line in shown[1:]}
+    assert fields["rollouts"] == "expected 64, succeeded 40, failed 4, left 20"
+    assert fields["outcomes"] == "success 40, timeout 4"
+    assert fields["target groups"] == "8 (kept 8, filtered 2, open 1)"
+    assert fields["satisfied"].endswith("dispatcher jobs tail rl-step-3 --group --after 10")
+    assert fields["timeline"] == "first_group_s 1.5, p50_s 3.0"
+    assert "in flight" not in fields  # a final job has none
+
+
+@pytest.mark.parametrize(
+    ("state", "code"),
+    [("done", 0), ("satisfied", 0), ("incomplete", 75), ("failed", 1), ("cancelled", 1)],
+)
+def test_a_jobs_end_gives_the_exit_code(state: str, code: int) -> None:
+    assert end_exit_code(JobState(state)) == code
+
+
+def test_rows_are_read_with_the_line_of_a_bad_one_named(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"a": 1}\n\n{"b": 123456789012345678901234567890}\n')
+    assert read_rows(good) == [{"a": 1}, {"b": 123456789012345678901234567890}]
+    bad = {
+        '{"a": 1}\nnope\n': "bad.jsonl:2: not JSON",
+        "[1]\n": "bad.jsonl:1: not a JSON object",
+        "\n": "no rows",
+    }
+    for text, error in bad.items():
+        (tmp_path / "bad.jsonl").write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            read_rows(tmp_path / "bad.jsonl")
+    with pytest.raises(ConfigError, match=re.escape("missing.jsonl: cannot read it")):
+        read_rows(tmp_path / "missing.jsonl")

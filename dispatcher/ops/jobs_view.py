@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from dispatcher import jsonx
 from dispatcher.client.wire import Admission, JobStatus
 from dispatcher.errors import ExitCode
 from dispatcher.lifecycle import JobState
@@ -76,7 +77,10 @@ def render_job(job: JobStatus) -> str:
 
 
 def _run_fields(job: JobStatus) -> list[tuple[str, str]]:
-    fields = [("priority", str(job.priority)), ("policy version", _or_dash(job.policy_version))]
+    fields = [
+        ("priority", _or_dash(job.priority)),
+        ("policy version", _or_dash(job.policy_version)),
+    ]
     if job.expected is not None:
         final = job.expected - (job.remaining or 0)
         failed = max(final - succeeded(job), 0)
@@ -111,7 +115,7 @@ def _step_fields(job: JobStatus) -> list[tuple[str, str]]:
 def _about_fields(job: JobStatus) -> list[tuple[str, str]]:
     fields = [("submitted at", _or_dash(job.submitted_at)), ("output", _or_dash(job.output))]
     if job.metadata:
-        fields.append(("metadata", _counts(job.metadata.items())))
+        fields.append(("metadata", jsonx.dumps(job.metadata).decode()))
     if job.error:
         fields.append(("error", job.error))
     return fields
