@@ -28,6 +28,7 @@ from tests.helpers import (
     FakeAgent,
     free_port,
     run_cli,
+    self_signed,
     spawn_cli,
     wait_until,
     write_tasks,
@@ -257,6 +258,26 @@ async def test_a_token_protected_daemon(tmp_path: Path, sim_agent: SimAgentFacto
     finally:
         code, _ = await stop(daemon)
         assert code == 0
+
+
+async def test_an_https_daemon_with_a_self_signed_certificate(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    cert, key = self_signed(tmp_path)
+    agent_url, _ = await sim_agent()
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    daemon = await Serve.start(tmp_path / "state", agent_url, *tls)
+    url = daemon.url
+    try:
+        assert url.startswith("https://")
+        said_once(await jobs(url, "list"), "a certificate this command does not trust",
+                  "--tls-ca-file FILE")  # fmt: skip
+        trusted = await jobs(url, "policy", "4", "--tls-ca-file", str(cert))
+        assert (trusted.returncode, trusted.stdout) == (0, "4\n")
+        not_pem = await jobs(url, "list", "--tls-ca-file", str(key.with_name("nothing.pem")))
+        said_once(not_pem, "--tls-ca-file", "nothing.pem: not a PEM certificate file")
+    finally:
+        assert await daemon.stop() == 0
 
 
 async def test_a_daemon_that_is_not_there_is_said_within_seconds(tmp_path: Path) -> None:

@@ -7,10 +7,10 @@ listen address; its token comes from ``--api-token-file``, else
 what is printed). Text for a person, ``--json`` (and ``tail``'s NDJSON) for jq.
 
 Exit codes: 0 done; 2 when the command cannot do its work as typed (the daemon
-does not answer at the address, a token missing or wrong, no such job, a body
-the daemon refuses); 1 when the daemon failed (5xx). ``submit --wait`` and
-``tail --follow`` end with the job: 0 done or satisfied, 75 incomplete, 1
-failed or cancelled.
+does not answer at the address, its certificate is not trusted, a token missing
+or wrong, no such job, a body the daemon refuses); 1 when the daemon failed
+(5xx). ``submit --wait`` and ``tail --follow`` end with the job: 0 done or
+satisfied, 75 incomplete, 1 failed or cancelled.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import asyncio
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,14 @@ import orjson
 
 from dispatcher import jsonx
 from dispatcher.client.aio import AsyncClient
-from dispatcher.client.wire import TOKEN_ENV, ClientError, JobStatus, Unauthorized, resolve_token
+from dispatcher.client.wire import TOKEN_ENV, ClientError, JobStatus
 from dispatcher.commands import command_help
-from dispatcher.errors import ConfigError, DispatcherError, ExitCode
+from dispatcher.errors import ConfigError
 from dispatcher.lifecycle import JobState
 from dispatcher.ops import jobs_view
+from dispatcher.ops.jobs_daemon import DEFAULT_URL, URL_ENV, Daemon, said
 from dispatcher.settings.args import positive_float, positive_int
 
-URL_ENV = "DISPATCHER_URL"
-DEFAULT_URL = "http://127.0.0.1:8080"  # `dispatcher serve`'s default --listen
 # How long one call may take: a few seconds tells a daemon that is not there; a
 # submit sends its rows (up to the daemon's --max-body-bytes) in its one call.
 CALL_TIMEOUT_S = 10.0
@@ -47,44 +45,6 @@ SUBMIT_TIMEOUT_S = 300.0
 REACH_DEADLINE_S = 5.0
 FOLLOW_DEADLINE_S = 120.0
 WAIT_POLL_S = 0.5
-
-
-class DaemonError(DispatcherError):
-    """What the daemon answered, or that it did not, said for the command line."""
-
-    def __init__(self, message: str, exit_code: ExitCode) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-@dataclass(frozen=True)
-class Daemon:
-    """Where the daemon is and how this command authenticates (never shown: the token)."""
-
-    url: str
-    token: str | None
-    token_from: str | None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Daemon:
-        url = (args.address or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            where = "--address" if args.address else URL_ENV
-            raise ConfigError(f"{where}: {url!r} is not an http(s) URL (http://HOST:PORT)")
-        if args.api_token_file is None:
-            token = resolve_token(None)
-            return cls(url, token, TOKEN_ENV if token is not None else None)
-        return cls(url, _read_token(args.api_token_file), f"--api-token-file {args.api_token_file}")
-
-
-def _read_token(path: Path) -> str:
-    try:
-        token = resolve_token(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--api-token-file {path}: cannot read it ({exc})") from None
-    if token is None:
-        raise ConfigError(f"--api-token-file {path}: the file is empty")
-    return token
 
 
 # --- the command line -------------------------------------------------------------
@@ -100,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "Talk to a running `dispatcher serve` (its jobs API) from the command line: "
             f"--address URL (default: ${URL_ENV}, else {DEFAULT_URL}) and its token from "
             f"--api-token-file FILE or ${TOKEN_ENV}. Exit 0 done; 2 when the daemon does "
-            "not answer at the address, refuses the token, has no such job or refuses the "
+            "not answer at the address, its certificate is not trusted (--tls-ca-file), it "
+            "refuses the token, has no such job or refuses the "
             "body; 1 when it failed. `submit --wait` and `tail --follow` exit with the job: "
             "0 done or satisfied, 75 incomplete, 1 failed or cancelled."
         ),
@@ -128,6 +89,13 @@ def _common_flags() -> argparse.ArgumentParser:
         help=f"the daemon's API token, the file's one line (default: ${TOKEN_ENV})",
     )
     common.add_argument(
+        "--tls-ca-file",
+        type=Path,
+        metavar="FILE",
+        help="for https: the certificate(s) to trust for the daemon's, PEM (its own if "
+        "self-signed; default: the system's trust store)",
+    )
+    common.add_argument(
         "--timeout-s",
         type=positive_float,
         default=None,
@@ -151,6 +119,7 @@ async def _run(daemon: Daemon, args: argparse.Namespace) -> int:
         # "" and not None: a token file's absence must not fall back to the
         # environment twice (Daemon already read it).
         token=daemon.token or "",
+        ssl_context=daemon.trust,
         timeout_s=args.timeout_s or default_s,
         retry_deadline_s=REACH_DEADLINE_S,
     )
@@ -159,43 +128,7 @@ async def _run(daemon: Daemon, args: argparse.Namespace) -> int:
         async with client:
             return await action(client, args)
     except ClientError as exc:
-        raise _said(exc, daemon, getattr(args, "job_id", None)) from None
-
-
-def _said(exc: ClientError, daemon: Daemon, job_id: str | None) -> DaemonError:
-    """A client error as one line naming what to check; exit 2 unless the daemon failed."""
-    url, usage = daemon.url, ExitCode.BAD_INPUT
-    if isinstance(exc, Unauthorized):
-        if daemon.token is None:
-            return DaemonError(
-                f"the daemon at {url} wants an API token and none was given: "
-                f"pass --api-token-file FILE or set {TOKEN_ENV}",
-                usage,
-            )
-        return DaemonError(
-            f"the daemon at {url} refused the API token of {daemon.token_from}: it is not "
-            "the one the daemon was started with (its --api-token-file)",
-            usage,
-        )
-    if exc.status is None:
-        if exc.message.startswith(("no answer within", "POST /v1/jobs: ")):
-            # aiohttp's "[Connect call failed (...)]" repeats the address.
-            why = exc.message.split(" [", 1)[0]
-            return DaemonError(
-                f"no answer from a daemon at {url} ({why}): is `dispatcher serve` "
-                f"running there? The address is --address or {URL_ENV} (default {DEFAULT_URL})",
-                usage,
-            )
-        return DaemonError(f"the daemon at {url}: {exc.message}", ExitCode.UNEXPECTED)
-    if exc.status == 404 and job_id is not None:
-        return DaemonError(
-            f"no job {job_id!r} at the daemon at {url} (`dispatcher jobs list` lists them)",
-            usage,
-        )
-    if exc.status < 500:
-        return DaemonError(f"the daemon at {url} refused it: {exc.status}: {exc.message}", usage)
-    return DaemonError(f"the daemon at {url} failed: {exc.status}: {exc.message}",
-                       ExitCode.UNEXPECTED)  # fmt: skip
+        raise said(exc, daemon, getattr(args, "job_id", None)) from None
 
 
 # --- the actions --------------------------------------------------------------------
