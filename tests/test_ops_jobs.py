@@ -21,7 +21,7 @@ from dispatcher.client.wire import JobStatus
 from dispatcher.errors import ConfigError
 from dispatcher.lifecycle import JobState
 from dispatcher.ops.jobs import read_rows
-from dispatcher.ops.jobs_view import end_exit_code, render_job
+from dispatcher.ops.jobs_view import end_exit_code, progress_line, render_job
 from tests.conftest import SimAgentFactory
 from tests.helpers import (
     CliResult,
@@ -352,6 +352,16 @@ def test_a_step_jobs_status_shows_its_figures_and_its_tails_command() -> None:
     assert fields["satisfied"].endswith("dispatcher jobs tail rl-step-3 --group --after 10")
     assert fields["timeline"] == "first_group_s 1.5, p50_s 3.0"
     assert "in flight" not in fields  # a final job has none
+
+
+def test_the_progress_line_of_a_running_step() -> None:
+    job = JobStatus.from_json(
+        {"job_id": "s", "state": "running", "final": False, "expected": 64, "remaining": 24,
+         "in_flight": 12, "target_groups": 8, "groups_kept": 3, "eta_s": 41.6}
+    )  # fmt: skip
+    assert progress_line(job) == (
+        "job s: running, 40/64 rollouts final, 12 in flight, 3/8 groups kept, eta 42 s"
+    )
 
 
 @pytest.mark.parametrize(

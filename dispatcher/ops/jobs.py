@@ -378,9 +378,23 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
         _print(f"job {job.job_id}: {job.state.value}\n")
     # From here on a restart of the daemon is waited for: it resumes the job.
     client.retry_deadline_s = FOLLOW_DEADLINE_S
-    final = await client.wait(job.job_id, poll_s=WAIT_POLL_S)
+    final = await _wait(client, job.job_id, progress=sys.stderr.isatty())
     _print_submitted(final, args.json)
     return jobs_view.end_exit_code(final.state)
+
+
+async def _wait(client: AsyncClient, job_id: str, progress: bool) -> JobStatus:
+    """The job's status once final; on a terminal, one progress line meanwhile."""
+    while True:
+        job = await client.status(job_id)
+        if progress:
+            # Rewritten in place, then erased: stdout keeps only the end.
+            line = "" if job.final else jobs_view.progress_line(job)
+            sys.stderr.write(f"\r\033[K{line}")
+            sys.stderr.flush()
+        if job.final:
+            return job
+        await asyncio.sleep(WAIT_POLL_S)
 
 
 def _print_submitted(job: JobStatus, as_json: bool) -> None:

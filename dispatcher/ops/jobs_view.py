@@ -67,6 +67,19 @@ def admission_line(admission: Admission) -> str:
     return f"{state}; {admission.in_flight} rollouts in flight"
 
 
+def progress_line(job: JobStatus) -> str:
+    """Where a job stands, in one short line (`submit --wait` on a terminal)."""
+    parts = [f"job {job.job_id}: {job.state.value}"]
+    if job.expected is not None:
+        parts.append(f"{job.expected - (job.remaining or 0)}/{job.expected} rollouts final")
+    parts.append(f"{job.in_flight} in flight")
+    if job.target_groups is not None:
+        parts.append(f"{job.groups_kept}/{job.target_groups} groups kept")
+    if job.eta_s is not None:
+        parts.append(f"eta {job.eta_s:.0f} s")
+    return ", ".join(parts)
+
+
 def render_job(job: JobStatus) -> str:
     """One job's status, a field a line."""
     lines = [f"job {job.job_id}: {job.state.value}"]
