@@ -228,6 +228,28 @@ async def test_tail_follow_waits_out_a_restart_of_the_daemon(
     assert [line["_ng_seq"] for line in ndjson(result.stdout)] == [1, 2, 3]
 
 
+async def test_tail_into_a_reader_that_leaves_early(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    # Rows of 64 KiB: more than a pipe holds, so `head` leaves while tail writes.
+    agent_url, _ = await sim_agent(row_bytes=1 << 16)
+    rows = write_tasks(tmp_path / "rows.jsonl", 4)
+    daemon = await Serve.start(tmp_path / "state", agent_url)
+    try:
+        submitted = await jobs(daemon.url, "submit", "--rows", str(rows), "--job-id", "big",
+                               "--num-repeats", "2", "--wait")  # fmt: skip
+        assert submitted.returncode == 0, submitted
+        script = (
+            f"export DISPATCHER_URL={daemon.url}\n"
+            "dispatcher jobs tail big 2>tail.err | head -n 1 | jq -c ._ng_seq\n"
+            "echo ${PIPESTATUS[0]}; cat tail.err\n"
+        )
+        out = await run_shell(script, tmp_path)
+    finally:
+        assert await daemon.stop() == 0
+    assert out == "1\n0\n"  # its first row, tail's exit code, and nothing on its stderr
+
+
 async def test_a_token_protected_daemon(tmp_path: Path, sim_agent: SimAgentFactory) -> None:
     agent_url, _ = await sim_agent()
     daemon = await start_serve(

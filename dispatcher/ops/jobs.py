@@ -20,6 +20,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             f"--address URL (default: ${URL_ENV}, else {DEFAULT_URL}) and its token from "
             f"--api-token-file FILE or ${TOKEN_ENV}. Exit 0 done; 2 when the daemon does "
             "not answer at the address, its certificate is not trusted (--tls-ca-file), it "
-            "refuses the token, has no such job or refuses the "
-            "body; 1 when it failed. `submit --wait` and `tail --follow` exit with the job: "
-            "0 done or satisfied, 75 incomplete, 1 failed or cancelled."
+            "refuses the token, has no such job or refuses the body; 1 when it failed. "
+            "`submit --wait` and `tail --follow` exit with the job: 0 done or satisfied, "
+            "75 incomplete, 1 failed or cancelled."
         ),
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -71,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     for name, help_line, add_flags, action in _ACTIONS:
         sub = actions.add_parser(name, help=help_line, description=help_line, parents=[common])
         add_flags(sub)
-        sub.set_defaults(action=name, run_action=action)
+        sub.set_defaults(run_action=action)
     parser.set_defaults(handler=run_jobs, is_async=True)
 
 
@@ -116,8 +117,8 @@ async def _run(daemon: Daemon, args: argparse.Namespace) -> int:
     default_s = SUBMIT_TIMEOUT_S if args.action == "submit" else CALL_TIMEOUT_S
     client = AsyncClient(
         daemon.url,
-        # "" and not None: a token file's absence must not fall back to the
-        # environment twice (Daemon already read it).
+        # Daemon chose the token (the file, else the environment): "" for none
+        # keeps the client from reading the environment on its own.
         token=daemon.token or "",
         ssl_context=daemon.trust,
         timeout_s=args.timeout_s or default_s,
@@ -221,9 +222,10 @@ async def tail(client: AsyncClient, args: argparse.Namespace) -> int:
     )
     out = sys.stdout.buffer
     try:
-        async for item in results:
-            out.write(jsonx.dumps(item, orjson.OPT_APPEND_NEWLINE))
-            out.flush()
+        async with aclosing(results):  # a reader gone: the connection is let go now
+            async for item in results:
+                out.write(jsonx.dumps(item, orjson.OPT_APPEND_NEWLINE))
+                out.flush()
     except BrokenPipeError:
         return _reader_left()
     return jobs_view.end_exit_code(results.final_state) if args.follow else 0
