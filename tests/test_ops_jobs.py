@@ -164,6 +164,7 @@ async def test_pause_holds_a_job_that_cancel_ends(
             listed = (await jobs(url, "list")).stdout
             assert "admission paused (reason 'weight update'" in listed
             assert table_row(listed, "held")[4:] == ["3", "0", "0", "3"]
+            await check_interrupted_tail(daemon)
 
             cancelled = await jobs(url, "cancel", "held")
             assert (cancelled.returncode, cancelled.stdout) == (0, "job held: cancelled\n")
@@ -175,6 +176,24 @@ async def test_pause_holds_a_job_that_cancel_ends(
         assert stats.requests == 0  # paused, then cancelled: nothing reached the agent
     finally:
         assert await daemon.stop() == 0
+
+
+async def check_interrupted_tail(daemon: Serve) -> None:
+    """Ctrl-C on a `tail --follow` of a held job: exit 75, nothing printed, the job goes on."""
+    follow = await spawn_cli("jobs", "tail", "held", "--follow", env={"DISPATCHER_URL": daemon.url})
+    try:
+
+        async def streaming() -> bool:
+            async with daemon.http.get(f"{daemon.url}/status") as answer:
+                return bool((await answer.json())["streams_open"] == 1)
+
+        await wait_until(streaming, timeout_s=30)
+        follow.send_signal(signal.SIGINT)
+        result = await follow.wait()
+    finally:
+        await follow.kill()
+    assert (result.returncode, result.stdout, result.stderr) == (75, "", "")
+    assert (await daemon.job("held"))["state"] == "running"
 
 
 async def test_tail_follow_prints_each_row_as_it_becomes_durable(
