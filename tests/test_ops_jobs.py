@@ -1,8 +1,11 @@
 """`dispatcher jobs` through the real CLI against a real `dispatcher serve` process:
-each action, a token-protected daemon, a daemon that is not there, a job that is not.
+each action, a token-protected daemon, an https one, a daemon that is not there, a
+job that is not, a follow across a restart of the daemon, and the example of
+docs/service.md as written.
 
 Agents are the sim agent, or a ``FakeAgent`` the test gates where the order of
-rows matters; nothing sleeps.
+rows matters; the tests wait on events (a line printed, a request held), never
+on time.
 """
 
 from __future__ import annotations
