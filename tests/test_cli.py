@@ -143,3 +143,21 @@ def test_a_command_imports_only_its_own_module() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert out.strip() == "['dispatcher.ops.status_command']"
+
+
+def test_jobs_imports_the_client_and_not_the_service() -> None:
+    # `dispatcher jobs` talks to a daemon: it needs the client, never the
+    # service's modules or the metrics library a daemon loads.
+    modules = [c.module for c in COMMANDS]
+    probe = (
+        "import sys\n"
+        "from dispatcher.cli import parse_args\n"
+        "parse_args(['jobs', 'list'])\n"
+        f"print(sorted(m for m in {modules!r} if m in sys.modules))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('dispatcher.serve', "
+        "'dispatcher.run', 'prometheus_client'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.splitlines() == ["['dispatcher.ops.jobs']", "[]"]
