@@ -71,7 +71,7 @@ def said(exc: ClientError, daemon: Daemon, job_id: str | None) -> DaemonError:
     url = daemon.url
     if isinstance(exc, Unauthorized):
         return DaemonError(_token_refused(daemon))
-    if exc.status is None:
+    if exc.http_status is None:  # no HTTP answer came
         return _no_answer(exc.message, url)
     if exc.status == 404 and job_id is not None:
         return DaemonError(f"no job {job_id!r} at the daemon at {url} (`dispatcher jobs list`)")
