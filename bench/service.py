@@ -38,6 +38,9 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import LoopLag, dispatcher_server
 
+# The jobs API takes JSON bodies only: what a browser sends unasked is refused.
+JSON_TYPE = {"Content-Type": "application/json"}
+
 
 async def bare_client(url: str, rollouts: int, concurrency: int) -> dict[str, float]:
     """The baseline: ``rollouts`` POST /run at ``concurrency``, answers read and dropped."""
@@ -139,7 +142,7 @@ async def status(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
-    async with http.post(f"{url}/v1/jobs", data=orjson.dumps(body)) as r:
+    async with http.post(f"{url}/v1/jobs", data=orjson.dumps(body), headers=JSON_TYPE) as r:
         if r.status != 201:
             raise SystemExit(f"submit: {r.status} {await r.text()}")
 

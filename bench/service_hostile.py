@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server
 
 MIB = 1024 * 1024
+# The jobs API takes JSON bodies only: what a browser sends unasked is refused.
+JSON_TYPE = {"Content-Type": "application/json"}
 
 
 class Daemon:
@@ -125,7 +127,7 @@ async def peak(daemon: Daemon, what: str, allowed_mb: float | None) -> AsyncIter
 
 async def api(http: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> Any:
     data = orjson.dumps(body) if body is not None else None
-    async with http.request(method, url, data=data) as r:
+    async with http.request(method, url, data=data, headers=JSON_TYPE) as r:
         return await r.json()
 
 
@@ -169,7 +171,7 @@ async def big_job_phase(daemon: Daemon, http: aiohttp.ClientSession, args: Any) 
 async def open_stream(daemon: Daemon, path: str) -> tuple[int, asyncio.StreamWriter]:
     """A client that asks for a stream and then reads nothing past the status line."""
     reader, writer = await asyncio.open_connection(daemon.host, daemon.port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {daemon.host}\r\n\r\n".encode())
     await writer.drain()
     status = int((await reader.readline()).split()[1])
     return status, writer
@@ -212,8 +214,8 @@ async def send_body(daemon: Daemon, rows: int, row_bytes: int) -> int:
     row = orjson.dumps(task(0, row_bytes - 80))
     body_len = 10 + rows * (len(row) + 1) + 1
     reader, writer = await asyncio.open_connection(daemon.host, daemon.port)
-    writer.write(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: {body_len}\r\n"
-                 "Content-Type: application/json\r\n\r\n".encode())  # fmt: skip
+    writer.write(f"POST /v1/jobs HTTP/1.1\r\nHost: {daemon.host}\r\nContent-Length: {body_len}"
+                 "\r\nContent-Type: application/json\r\n\r\n".encode())  # fmt: skip
     writer.write(b'{"rows": [')
     batch = 512
     for start in range(0, rows, batch):

@@ -191,7 +191,8 @@ async def test_bodies_wait_for_room_under_max_body_bytes_in_flight_before_they_a
         reader, writer = await asyncio.open_connection(host, int(port))
         # A client that sends half of a 1 MiB body and stops: it holds the room.
         writer.write(
-            f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: {mib}\r\n\r\n".encode()
+            f"POST /v1/jobs HTTP/1.1\r\nHost: {host}\r\nContent-Length: {mib}\r\n"
+            "Content-Type: application/json\r\n\r\n".encode()
             + b"{" * 1000
         )
         await writer.drain()

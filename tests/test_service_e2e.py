@@ -46,7 +46,9 @@ class Serve:
         await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
         assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
         url = proc.stdout[0].decode().split()[-1]
-        return cls(proc, url, aiohttp.ClientSession())
+        # Bodies are JSON: the jobs API refuses the types a browser sends unasked.
+        session = aiohttp.ClientSession(headers={"Content-Type": "application/json"})
+        return cls(proc, url, session)
 
     async def submit(self, expect: int = 201, **body: Any) -> dict[str, Any]:
         async with self.http.post(f"{self.url}/v1/jobs", data=orjson.dumps(body)) as r:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 import ssl
 import stat
@@ -29,6 +28,7 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
 from dispatcher.errors import ConfigError
+from dispatcher.serve.browsers import Hosts, guard, hosts_for, is_loopback
 from dispatcher.telemetry.server import Routes, json_response
 
 log = structlog.get_logger("dispatcher.serve")
@@ -44,11 +44,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass(frozen=True)
 class Access:
-    """How the listener is guarded: the token (None: open), TLS, the input root."""
+    """How the listener is guarded: the token (None: open), TLS, the input root, the
+    host names that name it (``browsers.py``)."""
 
     token: str | None
     tls: ssl.SSLContext | None
     input_root: Path
+    hosts: Hosts
 
     def __repr__(self) -> str:
         # Never the token, whatever prints this.
@@ -65,12 +67,14 @@ def access_from_flags(
     tls_cert: str | None,
     tls_key: str | None,
     input_root: str | None,
+    allowed_hosts: list[str],
     env: Mapping[str, str],
 ) -> Access:
     """Check the flags of ``serve`` that guard it; ``ConfigError`` (exit 2) naming the flag."""
     token = load_token(token_file, env)
     check_exposure(listen, host, token, allow_unauthenticated)
-    return Access(token, tls_context(tls_cert, tls_key), _input_root(input_root))
+    hosts = hosts_for(host, allowed_hosts)
+    return Access(token, tls_context(tls_cert, tls_key), _input_root(input_root), hosts)
 
 
 # ---- the token ------------------------------------------------------------------------
@@ -113,15 +117,6 @@ def _checked(value: str, where: str) -> str:
 
 
 # ---- the listener ---------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def check_exposure(listen: str, host: str, token: str | None, allow: bool) -> None:
@@ -172,15 +167,17 @@ def _input_root(value: str | None) -> Path:
 # ---- the middleware -------------------------------------------------------------------
 
 
-def protect(routes: Routes, token: str | None) -> Routes:
-    """``routes`` with the token required on everything but ``OPEN_PATHS`` (no token: as is)."""
-    if token is None:
-        return routes
+def protect(routes: Routes, token: str | None, hosts: Hosts) -> Routes:
+    """``routes`` behind the refusal of what browsers send unasked (token or not), and
+    with the token required on everything but ``OPEN_PATHS`` (when there is one)."""
 
     def add(app: web.Application) -> None:
         # The outermost: nothing else runs for a request without the token
-        # (not even the 503 of a daemon still reading its registry).
-        app.middlewares.insert(0, _middleware(token))
+        # (not even the 503 of a daemon still reading its registry), nor for
+        # one a web page made.
+        if token is not None:
+            app.middlewares.insert(0, _middleware(token))
+        app.middlewares.insert(0, guard(hosts))
         routes(app)
 
     return add

@@ -159,6 +159,14 @@ def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     parser.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a host name clients reach the daemon by (a Service's, an ingress's), besides "
+        "the listen address and, on loopback, localhost; '*.DOMAIN' for its subdomains; "
+        "repeatable. Other Host headers answer 421",
+    )
+    parser.add_argument(
         "--input-root",
         metavar="DIR",
         help="a job's input file must resolve inside DIR (default: the working directory)",
@@ -174,6 +182,7 @@ def _access(args: argparse.Namespace, host: str) -> auth.Access:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         input_root=args.input_root,
+        allowed_hosts=args.allowed_host or [],
         env=os.environ,
     )
 
@@ -204,7 +213,7 @@ async def serve(
         service = Service(
             daemon, settings, registry, max_off_policy_steps, access.input_root, limits
         )
-        routes = auth.protect(api.routes(service), access.token)
+        routes = auth.protect(api.routes(service), access.token, access.hosts)
         async with contextlib.AsyncExitStack() as stack:
             await daemon.listen(
                 service.status,
