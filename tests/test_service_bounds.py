@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from dispatcher.client import AsyncClient
+from dispatcher.serve.bodies import BodyBudget, NoRoom
 from dispatcher.settings.serve import SERVE_LIMIT_FLAGS
 from tests.helpers import FakeAgent, run_cli, wait_until
 from tests.test_service_e2e import Serve, rows
@@ -180,7 +181,7 @@ async def test_a_client_that_never_finishes_its_headers_is_closed(
         assert await serve.stop() == 0
 
 
-async def test_bodies_wait_for_room_under_max_body_bytes_in_flight_before_they_are_read(
+async def test_bodies_wait_for_room_under_max_body_bytes_in_flight_as_their_bytes_arrive(
     tmp_path: Path, gated_agent: FakeAgent
 ) -> None:
     mib = 1024 * 1024
@@ -189,16 +190,18 @@ async def test_bodies_wait_for_room_under_max_body_bytes_in_flight_before_they_a
     try:
         host, port = serve.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        # A client that sends half of a 1 MiB body and stops: it holds the room.
+        # A client that sends all but 10 bytes of a 1 MiB body and stops: the
+        # bytes it sent hold the room.
+        sent = mib - 10
         writer.write(
             f"POST /v1/jobs HTTP/1.1\r\nHost: {host}\r\nContent-Length: {mib}\r\n"
             "Content-Type: application/json\r\n\r\n".encode()
-            + b"{" * 1000
+            + b"{" * sent
         )
         await writer.drain()
-        await wait_until(lambda: _held(serve, mib, 0), timeout_s=30)
+        await wait_until(lambda: _held(serve, sent, 0), timeout_s=30)
         second = asyncio.create_task(serve.submit(job_id="small", rows=rows(1)))
-        await wait_until(lambda: _held(serve, mib, 1), timeout_s=30)
+        await wait_until(lambda: _held(serve, sent, 1), timeout_s=30)
         assert not second.done()
         writer.close()
         gated_agent.open()
@@ -329,3 +332,56 @@ async def test_a_bad_bound_is_exit_2_naming_the_flag(tmp_path: Path) -> None:
             "serve", "--state-dir", str(tmp_path / "s"), "--agent", "a=http://127.0.0.1:9", *flags
         )
         assert result.returncode == 2 and named in result.stderr, result.stderr[-500:]
+
+
+async def test_a_stalled_body_holds_only_its_bytes_and_is_cut_at_the_body_deadline(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    serve = await Serve.start(tmp_path / "state", gated_agent.url, "--body-timeout-s", "2")
+    try:
+        host, port = serve.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        # Announces the whole body budget (256 MiB), sends 9 bytes, goes quiet.
+        writer.write(
+            f"POST /v1/policy HTTP/1.1\r\nHost: {host}\r\nContent-Length: {256 * 1024 * 1024}\r\n"
+            'Content-Type: application/json\r\n\r\n{"version'.encode()
+        )
+        await writer.drain()
+        await wait_until(lambda: _held(serve, 9, 0), timeout_s=30)
+        # The control plane answers meanwhile: nothing was held for bytes not sent.
+        for path, body in (("/v1/policy", {"version": 4}), ("/v1/admission", {"paused": False})):
+            call = serve.http.post(f"{serve.url}{path}", json=body)
+            async with await asyncio.wait_for(call, timeout=30) as r:
+                assert r.status == 200, await r.text()
+        await asyncio.wait_for(serve.submit(job_id="meanwhile", rows=rows(1)), timeout=30)
+        # The stalled body is cut at its deadline: a 408 naming the flag, then the close.
+        answer = await asyncio.wait_for(reader.read(), timeout=30)
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.split()[1] == b"408", answer
+        error = orjson.loads(payload)["error"]
+        assert "--body-timeout-s 2" in error and "9 of 268435456 bytes" in error, error
+        writer.close()
+        await wait_until(lambda: _held(serve, 0, 0), timeout_s=30)
+    finally:
+        gated_agent.open()
+        assert await serve.stop() in (0, 75)
+
+
+async def test_bodies_that_all_wait_for_room_let_the_youngest_give_way() -> None:
+    budget = BodyBudget(100)
+    async with budget.reading() as old:
+        await budget.take(old, 60)
+
+        async def young_body() -> None:
+            async with budget.reading() as young:
+                await budget.take(young, 30)
+                await budget.take(young, 20)  # no room: waits for the old one
+
+        young = asyncio.create_task(young_body())
+        await wait_until(lambda: budget.waiting == 1)
+        # Now both would wait for ever: the young one gives its bytes back.
+        await budget.take(old, 20)
+        with pytest.raises(NoRoom, match="--max-body-bytes-in-flight 100"):
+            await young
+        assert budget.held == 80
+    assert budget.held == budget.waiting == 0

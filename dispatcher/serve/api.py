@@ -16,8 +16,9 @@ exception in a handler too (a 500, or a 507 when the disk refused a write),
 logged once at error with its traceback. ``/healthz`` answers 503 with the
 reason while the state directory cannot be written.
 
-Bounded whatever clients send (``settings/serve.py``): a request body waits
-for room under ``--max-body-bytes-in-flight`` before it is read (``bodies.py``); a
+Bounded whatever clients send (``settings/serve.py``): a request body is
+counted under ``--max-body-bytes-in-flight`` as it arrives and read whole
+within ``--body-timeout-s`` before its handler runs (``bodies.py``); a
 results stream takes one of ``--max-streams`` slots (503 with
 ``Retry-After`` when none is free) and is sent under backpressure, cut when
 its client takes nothing (``sending.py``).
@@ -33,7 +34,7 @@ import structlog
 from aiohttp import web
 
 from dispatcher.lifecycle import JobState
-from dispatcher.serve.bodies import BadBody, load_json
+from dispatcher.serve.bodies import BadBody, BodyTooBig, NoRoom, load_json, read_body
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.jobs import BadJob, Conflict, Service
@@ -46,6 +47,8 @@ from dispatcher.telemetry.server import Routes, json_response
 log = structlog.get_logger("dispatcher.serve")
 
 NDJSON = "application/x-ndjson"
+# Where ``bounded_bodies`` leaves the body it read.
+BODY = "dispatcher.body"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # What a client refused for the stream limit is told to wait before it retries.
 RETRY_AFTER_S = 1
@@ -127,16 +130,49 @@ class _Middlewares:
 
     @web.middleware
     async def bounded_bodies(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        # Room for the body before it is read: bodies being read and parsed at
-        # once stay under --max-body-bytes-in-flight, however many clients send.
+        # The body is read whole, its bytes counted as they arrive, before the
+        # handler runs, and held until it has answered: bodies in hand stay
+        # under --max-body-bytes-in-flight, however many clients send.
         if not request.body_exists:
             return await handler(request)
-        limit = self.service.limits.max_body_bytes
+        limits = self.service.limits
         size = request.content_length
-        if size is not None and size > limit:
-            return error(413, f"body: {size} bytes, more than --max-body-bytes {limit}")
-        async with self.service.bodies.hold(size if size is not None else limit):
+        if size is not None and size > limits.max_body_bytes:
+            message = f"body: {size} bytes, more than --max-body-bytes {limits.max_body_bytes}"
+            return closing(error(413, message))
+        budget = self.service.bodies
+        async with budget.reading() as reading:
+            try:
+                async with asyncio.timeout(limits.body_timeout_s):
+                    body = await read_body(request.content, reading, budget, limits.max_body_bytes)
+            except TimeoutError:
+                return closing(error(408, _late_body(limits.body_timeout_s, reading.held, size)))
+            except BodyTooBig as exc:
+                return closing(error(413, str(exc)))
+            except NoRoom as exc:
+                return closing(error(503, str(exc), {"Retry-After": str(RETRY_AFTER_S)}))
+            request[BODY] = body
             return await handler(request)
+
+
+def _late_body(timeout_s: float, received: int, size: int | None) -> str:
+    expected = f"{size}" if size is not None else "?"
+    return (
+        f"body: not received whole within --body-timeout-s {timeout_s:g} "
+        f"({received} of {expected} bytes)"
+    )
+
+
+def closing(response: web.Response) -> web.Response:
+    """``response``, then the connection closed: the rest of its body was not read."""
+    response.force_close()
+    return response
+
+
+def body_of(request: web.Request) -> bytes:
+    """The request's body, as ``bounded_bodies`` read it (none: empty)."""
+    body: bytes = request.get(BODY, b"")
+    return body
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -151,7 +187,7 @@ class _Handlers:
 
     async def submit(self, request: web.Request) -> web.Response:
         try:
-            code, status = await self.service.submit(await request.read())
+            code, status = await self.service.submit(body_of(request))
         except TooBig as exc:
             return error(413, str(exc))
         except BadJob as exc:
@@ -238,7 +274,7 @@ class _Handlers:
 
     async def set_policy(self, request: web.Request) -> web.Response:
         try:
-            body: Any = load_json(await request.read())
+            body: Any = load_json(body_of(request))
         except BadBody as exc:
             return error(400, str(exc))
         version = body.get("version") if isinstance(body, dict) else None
@@ -252,7 +288,7 @@ class _Handlers:
 
     async def set_admission(self, request: web.Request) -> web.Response:
         try:
-            change = AdmissionChange.parse(await request.read())
+            change = AdmissionChange.parse(body_of(request))
         except BadBody as exc:
             return error(400, str(exc))
         pause = self.service.daemon.pause

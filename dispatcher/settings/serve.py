@@ -10,8 +10,10 @@ Each flag bounds one thing a client could otherwise grow without end:
 - ``--stream-idle-timeout-s``: a stream whose peer took nothing for this
   long is closed (the client resumes with ``after=``).
 - ``--max-body-bytes``: one request's body (over it: 413).
-- ``--max-body-bytes-in-flight``: request bodies being read and parsed at once,
-  daemon-wide; a request waits for room before its body is read.
+- ``--max-body-bytes-in-flight``: bytes of request bodies in hand (read, not
+  yet answered), daemon-wide, counted as they arrive.
+- ``--body-timeout-s``: a request body not received whole this long after its
+  headers is answered 408 and its connection closed.
 - ``--header-timeout-s``: a connection that has not sent a whole request's
   headers this long after connecting (or after its last answer) is closed.
 - ``--max-job-rollouts``: rows × repeats of one job (over it: 400).
@@ -41,6 +43,7 @@ class ServeLimits(BaseModel):
     stream_idle_timeout_s: float = Field(default=60.0, gt=0)
     max_body_bytes: int = Field(default=256 * MIB, ge=1024)
     max_body_bytes_in_flight: int = Field(default=256 * MIB, ge=1024)
+    body_timeout_s: float = Field(default=120.0, gt=0)
     header_timeout_s: float = Field(default=30.0, gt=0)
     max_job_rollouts: int = Field(default=1_000_000, ge=1)
     max_job_bytes: int = Field(default=16 * 1024 * MIB, ge=1)
@@ -79,7 +82,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--stream-buffer-bytes": ("bytes one results stream holds unsent", "BYTES"),
     "--stream-idle-timeout-s": ("close a results stream whose client took nothing this long", "S"),
     "--max-body-bytes": ("one request body at most; bigger answers 413", "BYTES"),
-    "--max-body-bytes-in-flight": ("request bodies being read at once, daemon-wide", "BYTES"),
+    "--max-body-bytes-in-flight": ("bytes of request bodies in hand, daemon-wide", "BYTES"),
+    "--body-timeout-s": ("answer 408 to a request body not received whole this long", "S"),
     "--header-timeout-s": ("close a connection that sent no whole request headers this long", "S"),
     "--max-job-rollouts": ("rows x repeats of one job at most; more answers 400", "N"),
     "--max-job-bytes": ("input bytes x repeats of one job at most; more answers 413", "BYTES"),
