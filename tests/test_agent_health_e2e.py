@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 from aiohttp import web
@@ -29,7 +28,7 @@ from tests.helpers import (
     write_tasks,
 )
 from tests.test_delivery_e2e import Files, Servers, fake_agent, servers, summary_of
-from tests.test_service_e2e import Serve, rows
+from tests.test_service_e2e import Serve, api_session, rows
 
 pytestmark = pytest.mark.timeout(120)
 __all__ = ["servers"]  # the fixture, imported for these tests
@@ -233,7 +232,7 @@ async def _serve(state_dir: Path, agent_url: str) -> Serve:
     await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
     assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
     url = proc.stdout[0].decode().split()[-1]
-    return Serve(proc, url, aiohttp.ClientSession())
+    return Serve(proc, url, api_session())
 
 
 async def _agents_down(serve: Serve, expected: list[str]) -> bool:

@@ -24,6 +24,12 @@ from tests.helpers import CliProcess, FakeAgent, read_jsonl, run_cli, spawn_cli,
 pytestmark = pytest.mark.timeout(180)
 
 
+def api_session() -> aiohttp.ClientSession:
+    """A session whose bodies say they are JSON: the jobs API refuses the types a
+    browser sends unasked (text/plain, a form)."""
+    return aiohttp.ClientSession(headers={"Content-Type": "application/json"})
+
+
 class Serve:
     """A running ``dispatcher serve`` and an HTTP session to it."""
 
@@ -46,9 +52,7 @@ class Serve:
         await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
         assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
         url = proc.stdout[0].decode().split()[-1]
-        # Bodies are JSON: the jobs API refuses the types a browser sends unasked.
-        session = aiohttp.ClientSession(headers={"Content-Type": "application/json"})
-        return cls(proc, url, session)
+        return cls(proc, url, api_session())
 
     async def submit(self, expect: int = 201, **body: Any) -> dict[str, Any]:
         async with self.http.post(f"{self.url}/v1/jobs", data=orjson.dumps(body)) as r:
