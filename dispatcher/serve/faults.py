@@ -69,8 +69,13 @@ class StateDirHealth:
         self.error = None
 
     async def check(self) -> str | None:
-        """The fault, after one probe write (a fault that cleared reports None)."""
+        """The fault: a state directory gone or read-only (looked at each time, without
+        a write), or a write that failed, after one probe write (a fault that
+        cleared reports None)."""
         async with self._probing:
+            missing = await asyncio.to_thread(self.registry.missing)
+            if missing is not None:
+                return missing
             if self.error is None:
                 return None
             try:

@@ -26,6 +26,7 @@ while the other jobs go on; a stray file in ``jobs/`` is left alone.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -267,6 +268,16 @@ class Registry:
 
     def save_policy(self, version: int) -> None:
         write_json_atomic(self.root / "policy.json", {"version": version})
+
+    def missing(self) -> str | None:
+        """Why the state directory cannot take a job's files, found without writing
+        (a few stat calls, for every ``/healthz``); None when it can."""
+        for folder in (self.root, self.jobs_dir):
+            if not folder.is_dir():
+                return f"{folder}: no such directory (the state directory was removed?)"
+            if not os.access(folder, os.W_OK | os.X_OK):
+                return f"{folder}: not writable by the daemon"
+        return None
 
     def probe(self) -> None:
         """Write a small file to the state directory: raises while it cannot be written."""

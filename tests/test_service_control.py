@@ -1,0 +1,66 @@
+"""The control plane of a daemon that runs for days (contracts §12, §13), through the real
+CLI and real sockets: /healthz once the state directory is gone, integers of any size
+through the API, the admission pause across kill -9, a job whose folder is gone, a job
+between hops, the policy version that only goes forward.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dispatcher import jsonx
+from tests.helpers import FakeAgent
+from tests.test_service_e2e import Serve
+
+pytestmark = pytest.mark.timeout(180)
+
+BIG = 123456789012345678901234567890
+
+
+@pytest.fixture
+async def gated_agent() -> AsyncIterator[FakeAgent]:
+    agent = FakeAgent(gated=True)
+    await agent.start()
+    yield agent
+    await agent.close()
+
+
+async def call(serve: Serve, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = jsonx.dumps(body) if body is not None else None
+    async with serve.http.request(method, f"{serve.url}{path}", data=data) as r:
+        return r.status, await r.json(loads=_exact)
+
+
+def _exact(text: str) -> Any:
+    return jsonx.loads(text)
+
+
+def one_line(answer: Any) -> str:
+    assert isinstance(answer, dict) and set(answer) == {"error"}, answer
+    message: str = answer["error"]
+    assert "\n" not in message
+    return message
+
+
+async def test_healthz_is_503_naming_the_state_directory_once_it_is_gone(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    state = tmp_path / "state"
+    serve = await Serve.start(state, gated_agent.url)
+    try:
+        assert (await call(serve, "GET", "/healthz"))[0] == 200
+        shutil.rmtree(state)
+        status, answer = await call(serve, "GET", "/healthz")
+        assert status == 503, answer
+        assert answer["status"] == "state_dir_unwritable" and str(state) in answer["error"]
+        state.mkdir()
+        (state / "jobs").mkdir()
+        assert (await call(serve, "GET", "/healthz"))[0] == 200
+    finally:
+        await serve.stop(signal.SIGKILL)
