@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from dispatcher import jsonx
-from tests.helpers import FakeAgent
-from tests.test_service_e2e import Serve
+from tests.helpers import FakeAgent, wait_until
+from tests.test_service_e2e import Serve, rows
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,3 +64,24 @@ async def test_healthz_is_503_naming_the_state_directory_once_it_is_gone(
         assert (await call(serve, "GET", "/healthz"))[0] == 200
     finally:
         await serve.stop(signal.SIGKILL)
+
+
+async def test_integers_beyond_64_bits_stay_exact_through_the_api(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    state = tmp_path / "state"
+    serve = await Serve.start(state, gated_agent.url)
+    try:
+        body = {"job_id": "big", "rows": rows(1, seed=BIG), "metadata": {"run": -BIG}}
+        status, answer = await call(serve, "POST", "/v1/jobs", body)
+        assert status == 201, answer
+        assert answer["metadata"] == {"run": -BIG}
+        assert str(BIG).encode() in (state / "jobs" / "big" / "input.jsonl").read_bytes()
+        gated_agent.open()
+        await wait_until(serve.in_state("big", "done"), timeout_s=60)
+        status, answer = await call(serve, "GET", "/v1/jobs/big")
+        assert answer["metadata"] == {"run": -BIG}
+        # The same body again is the same job.
+        assert (await call(serve, "POST", "/v1/jobs", body))[0] == 200
+    finally:
+        assert await serve.stop() == 0

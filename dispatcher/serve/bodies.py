@@ -11,7 +11,8 @@
 - ``read_body``: a body read in chunks into the budget, at most
   ``--max-body-bytes``; the caller bounds it in time (``--body-timeout-s``).
 - ``load_json``: a body parsed, refused (``BadBody``, a 400 on one line)
-  when it is not JSON or nests deeper than ``MAX_JSON_DEPTH``.
+  when it is not JSON or nests deeper than ``MAX_JSON_DEPTH``; integers of
+  any size stay exact (``jsonx``), as they do in a task file.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 
 import orjson
 from aiohttp import StreamReader
+
+from dispatcher import jsonx
 
 # Deeper than any job body needs; far below what breaks a parser or a dump
 # (orjson writes at most 254 levels).
@@ -138,7 +141,7 @@ def load_json(body: bytes) -> Any:
     """A body's JSON value; ``BadBody`` for one that is not JSON or is nested too deep."""
     too_deep = f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels"
     try:
-        value = orjson.loads(body)
+        value = jsonx.loads(body)
     except orjson.JSONDecodeError as exc:
         if "depth limit" in str(exc):
             raise BadBody(too_deep) from None

@@ -38,6 +38,7 @@ import orjson
 import structlog
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
+from dispatcher import jsonx
 from dispatcher.errors import ConfigError
 from dispatcher.files.writer import RunLock, is_temp_of, write_atomic, write_json_atomic
 from dispatcher.lifecycle import JobState
@@ -83,7 +84,7 @@ class JobRecord(BaseModel):
         # Always present, even before the job is final: readers look for them.
         for name in ("state", "error", "outcomes"):
             data.setdefault(name, None)
-        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
+        return jsonx.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
 
     @classmethod
     def from_json(cls, data: Any) -> JobRecord:
@@ -183,7 +184,7 @@ class Registry:
         empty folder (a submission a kill cut before its record was written)."""
         path = folder / "job.json"
         try:
-            data = orjson.loads(path.read_bytes())
+            data = jsonx.loads(path.read_bytes())
         except FileNotFoundError:
             if not _holds_files(folder):
                 return None
@@ -302,4 +303,4 @@ def _holds_files(folder: Path) -> bool:
 
 def _jsonl(rows: list[dict[str, Any]]) -> Iterator[bytes]:
     for row in rows:
-        yield orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+        yield jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE)

@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from dispatcher import jsonx
 from dispatcher.admission.pause import DEFAULT_TTL_S, MAX_TTL_S
 from dispatcher.errors import ConfigError
 from dispatcher.serve.bodies import BadBody, load_json
@@ -94,7 +95,7 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _small_metadata(self) -> JobSpec:
-        if self.metadata and len(orjson.dumps(self.metadata)) > MAX_METADATA_BYTES:
+        if self.metadata and len(jsonx.dumps(self.metadata)) > MAX_METADATA_BYTES:
             raise ValueError(f"metadata: more than {MAX_METADATA_BYTES} bytes of JSON")
         return self
 
@@ -151,7 +152,7 @@ class JobSpec(BaseModel):
         submitted before them keeps its digest."""
         unset = {name for name in _LATER_FIELDS if getattr(self, name) is None}
         data = self.model_dump(mode="json", exclude=unset)
-        return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        return hashlib.sha256(jsonx.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def settings(self, base: RunSettings, input_path: Path, output: Path) -> RunSettings:
         """The job's run settings: the daemon's, with this job's files and task keys."""
@@ -217,7 +218,7 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
     """The submitted rows as a task file (blocking)."""
     with path.open("wb") as f:
         for row in rows:
-            f.write(orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+            f.write(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
         f.flush()
         os.fsync(f.fileno())
 

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
+from dispatcher import jsonx
 from dispatcher.telemetry.metrics import Metrics
 
 # Handlers finish in microseconds; the bound only covers a scrape that is
@@ -63,7 +64,11 @@ def build_app(
 def json_response(body: Mapping[str, Any], *, status: int = 200) -> web.Response:
     # NaN and inf become null, datetimes ISO strings; non-str keys are allowed
     # so a mapping keyed by quantile floats still serializes.
-    payload = orjson.dumps(body, default=str, option=orjson.OPT_NON_STR_KEYS)
+    try:
+        payload = orjson.dumps(body, default=str, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        # An integer beyond 64 bits (a job's metadata, say): written exactly.
+        payload = jsonx.dumps(body)
     return web.Response(body=payload, status=status, content_type="application/json")
 
 
