@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from dispatcher import jsonx
-from tests.helpers import FakeAgent, wait_until
+from tests.helpers import FakeAgent, run_cli, wait_until
 from tests.test_service_e2e import Serve, rows
 
 pytestmark = pytest.mark.timeout(180)
@@ -85,3 +85,49 @@ async def test_integers_beyond_64_bits_stay_exact_through_the_api(
         assert (await call(serve, "POST", "/v1/jobs", body))[0] == 200
     finally:
         assert await serve.stop() == 0
+
+
+async def test_the_admission_pause_survives_a_kill_9(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    state = tmp_path / "state"
+    serve = await Serve.start(state, gated_agent.url)
+    status, answer = await call(
+        serve, "POST", "/v1/admission", {"paused": True, "ttl_s": 3600, "reason": "update"}
+    )
+    assert status == 200 and answer["paused"], answer
+    await serve.submit(job_id="held", rows=rows(4))
+    await serve.stop(signal.SIGKILL)
+    again = await Serve.start(state, gated_agent.url)
+    try:
+        status, answer = await call(again, "GET", "/v1/admission")
+        assert answer["paused"] is True and answer["reason"] == "update", answer
+        assert 3000 < answer["ttl_remaining_s"] <= 3600, answer
+        await wait_until(lambda: _held(again, 1), timeout_s=30)
+        assert gated_agent.seen == 0
+        # Resumed, it stays resumed across a restart too.
+        assert (await call(again, "POST", "/v1/admission", {"paused": False}))[0] == 200
+        await wait_until(lambda: gated_agent.holding == 4, timeout_s=30)
+    finally:
+        await again.stop(signal.SIGKILL)
+    third = await Serve.start(state, gated_agent.url)
+    try:
+        assert (await call(third, "GET", "/v1/admission"))[1]["paused"] is False
+    finally:
+        gated_agent.open()
+        await third.stop(signal.SIGKILL)
+
+
+async def _held(serve: Serve, count: int) -> bool:
+    return bool((await call(serve, "GET", "/v1/admission"))[1]["held"] == count)
+
+
+async def test_an_admission_file_that_cannot_be_read_is_exit_2_naming_it(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "admission.json").write_text('{"paused": "maybe"}')
+    result = await run_cli(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state),
+        "--agent", "sim=http://127.0.0.1:9",
+    )  # fmt: skip
+    assert result.returncode == 2 and "admission.json" in result.stderr, result.stderr[-2000:]

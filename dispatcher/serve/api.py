@@ -291,11 +291,10 @@ class _Handlers:
             change = AdmissionChange.parse(body_of(request))
         except BadBody as exc:
             return error(400, str(exc))
-        pause = self.service.daemon.pause
         if change.paused:
-            pause.pause(change.ttl_s, change.reason)
+            await self.service.pause_admission(change.ttl_s, change.reason)
         else:
-            pause.resume("request")
+            await self.service.resume_admission("request")
         return json_response(self.service.admission())
 
     async def get_admission(self, request: web.Request) -> web.Response:

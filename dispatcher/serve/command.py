@@ -226,6 +226,8 @@ async def serve(
             )
             stack.push_async_callback(daemon.close)
             await daemon.start(service.status)
+            # Before anything may start: a pause the last daemon left is still on.
+            await service.restore_pause()
             daemon.begin_dispatch()
             stack.push_async_callback(service.close)
             await service.resume()

@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from dispatcher.admission.pause import MAX_TTL_S
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.latency.quantile import quantile
 from dispatcher.run.daemon import Daemon, peak_rss_mb
@@ -102,6 +103,8 @@ class Service:
         self._submitting = asyncio.Lock()
         # One policy update at a time: the versions are saved in the order set.
         self._setting_policy = asyncio.Lock()
+        # The same for the admission pause's file.
+        self._setting_admission = asyncio.Lock()
 
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done, cancelled or
@@ -278,6 +281,37 @@ class Service:
         while self.daemon.at_agents() and (left_s := deadline - time.monotonic()) > 0:
             await self.daemon.left_agent.wait(left_s)
 
+    async def pause_admission(self, ttl_s: float, reason: str | None) -> None:
+        """Pause admission at once, then make the pause durable: a kill -9 in the
+        middle of a weight update must not let rollouts start on restart."""
+        self.daemon.pause.pause(ttl_s, reason)
+        await self._save_admission()
+
+    async def resume_admission(self, by: str) -> None:
+        """End the pause (``by`` says what ended it), durably."""
+        if self.daemon.pause.resume(by):
+            await self._save_admission()
+
+    async def restore_pause(self) -> None:
+        """The pause a previous daemon left on, for what is left of it (before any start)."""
+        saved = await asyncio.to_thread(self.registry.read_admission)
+        if saved is None:
+            return
+        until_unix, reason = saved
+        left_s = min(until_unix - time.time(), MAX_TTL_S)
+        if left_s > 0:
+            self.daemon.pause.pause(left_s, reason)
+            log.info("admission_pause_restored", ttl_s=round(left_s, 3), reason=reason)
+
+    async def _save_admission(self) -> None:
+        # What the pause is when the write starts: writes in order, the last
+        # one saying how it is now, whatever interleaved.
+        async with self._setting_admission:
+            pause = self.daemon.pause
+            left_s = pause.remaining_s()
+            until = time.time() + left_s if pause.paused and left_s is not None else None
+            await self.write(self.registry.save_admission, until, pause.reason)
+
     async def set_policy(self, version: int) -> None:
         """Save the version, then move to it: a version counts (releases a paced
         job) only once it is durable, so a restart never goes back on it."""
@@ -288,7 +322,7 @@ class Service:
             policy.set(version)
         log.info("policy_version_set", version=version)
         # The weight update is over: a pause around it ends here.
-        self.daemon.pause.resume("policy_version")
+        await self.resume_admission("policy_version")
 
     async def close(self) -> None:
         """Wait for every job to stop (the daemon's stop request stops them)."""

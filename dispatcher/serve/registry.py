@@ -4,6 +4,7 @@ Layout (crash-only, like a run's files):
 
     DIR/serve.lock              flock held by the daemon using DIR (exit 2 if taken)
     DIR/policy.json             the last policy version V a trainer set
+    DIR/admission.json          the admission pause: on until a wall-clock time, or off
     DIR/jobs/<job_id>/job.json  the job's spec (without rows), body digest, submission
                                 order and, once final, state and final status: one line
     DIR/jobs/<job_id>/input.jsonl       the submitted rows (a job given ``input`` has none;
@@ -270,6 +271,35 @@ class Registry:
     def save_policy(self, version: int) -> None:
         write_json_atomic(self.root / "policy.json", {"version": version})
 
+    def save_admission(self, until_unix: float | None, reason: str | None) -> None:
+        """The admission pause: on until ``until_unix`` (wall clock, so a restart
+        knows how much of it is left), or off (None)."""
+        data = {"paused": until_unix is not None, "until_unix": until_unix, "reason": reason}
+        write_json_atomic(self.root / ADMISSION_FILE, data)
+
+    def read_admission(self) -> tuple[float, str | None] | None:
+        """The pause the last daemon left on: (its end, wall clock; its reason); None
+        without one. A file that cannot be read is a ``ConfigError`` (exit 2)
+        naming it: never a silent resume in the middle of a weight update."""
+        path = self.root / ADMISSION_FILE
+        fix = "fix or remove it to start without an admission pause"
+        try:
+            data = jsonx.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except orjson.JSONDecodeError:
+            raise ConfigError(f"{path}: not valid JSON; {fix}") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot be read: {exc.strerror}; {fix}") from None
+        if not isinstance(data, dict) or type(data.get("paused")) is not bool:
+            raise ConfigError(f'{path}: not an object with "paused": true or false; {fix}')
+        if not data["paused"]:
+            return None
+        until, reason = data.get("until_unix"), data.get("reason")
+        if not isinstance(until, int | float) or not isinstance(reason, str | None):
+            raise ConfigError(f'{path}: "until_unix" must be a number, "reason" a string; {fix}')
+        return float(until), reason
+
     def missing(self) -> str | None:
         """Why the state directory cannot take a job's files, found without writing
         (a few stat calls, for every ``/healthz``); None when it can."""
@@ -288,6 +318,10 @@ class Registry:
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# The admission pause (contracts §13), so that it outlives the daemon.
+ADMISSION_FILE = "admission.json"
 
 
 def _cut_submission(name: str) -> bool:
