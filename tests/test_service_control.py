@@ -122,6 +122,26 @@ async def _held(serve: Serve, count: int) -> bool:
     return bool((await call(serve, "GET", "/v1/admission"))[1]["held"] == count)
 
 
+async def test_a_final_job_whose_folder_is_gone_keeps_its_status(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    state = tmp_path / "state"
+    serve = await Serve.start(state, gated_agent.url)
+    try:
+        gated_agent.open()
+        await serve.submit(job_id="gone", rows=rows(2))
+        await wait_until(serve.in_state("gone", "done"), timeout_s=60)
+        shutil.rmtree(state / "jobs" / "gone")
+        status, answer = await call(serve, "GET", "/v1/jobs/gone")
+        assert status == 200, answer
+        assert answer["state"] == "done" and answer["final"] is True
+        assert "folder" in answer["error"] and "gone" in answer["error"]
+        status, answer = await call(serve, "GET", "/v1/jobs")
+        assert status == 200 and [job["job_id"] for job in answer["jobs"]] == ["gone"]
+    finally:
+        assert await serve.stop() == 0
+
+
 async def test_an_admission_file_that_cannot_be_read_is_exit_2_naming_it(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()

@@ -61,12 +61,16 @@ class FinalJob:
 
     def read_status(self, registry: Registry) -> dict[str, Any]:
         """Its status from ``job.json`` (blocking); what memory says of its end wins
-        (a record that could not be saved says less)."""
+        (a record that could not be saved says less). A record gone or damaged
+        since (its folder moved aside, say) leaves what memory says, and why."""
         record = registry.read(self.folder)
         status = _saved_status(record) if isinstance(record, JobRecord) else None
+        error = self.error
         if status is None:
             status = JobStatus(self.job_id, self.state, True, output=str(self.output)).to_json()
-        return {**status, "state": self.state.value, "final": True, "error": self.error}
+            if isinstance(record, Unreadable) and error is None:
+                error = f"{record.reason}; its status is as the daemon last knew it"
+        return {**status, "state": self.state.value, "final": True, "error": error}
 
     @property
     def output(self) -> Path:

@@ -187,6 +187,8 @@ class Registry:
         try:
             data = jsonx.loads(path.read_bytes())
         except FileNotFoundError:
+            if not folder.is_dir():
+                return Unreadable(folder.name, folder, f"{folder}: the job's folder is gone")
             if not _holds_files(folder):
                 return None
             reason = f"{path}: missing (the folder holds other files)"
