@@ -16,6 +16,7 @@ import pytest
 
 from dispatcher import jsonx
 from tests.helpers import FakeAgent, run_cli, wait_until
+from tests.test_service_bounds import final
 from tests.test_service_e2e import Serve, rows
 
 pytestmark = pytest.mark.timeout(180)
@@ -130,7 +131,7 @@ async def test_a_final_job_whose_folder_is_gone_keeps_its_status(
     try:
         gated_agent.open()
         await serve.submit(job_id="gone", rows=rows(2))
-        await wait_until(serve.in_state("gone", "done"), timeout_s=60)
+        await wait_until(final(serve, "gone"), timeout_s=60)
         shutil.rmtree(state / "jobs" / "gone")
         status, answer = await call(serve, "GET", "/v1/jobs/gone")
         assert status == 200, answer
@@ -138,6 +139,27 @@ async def test_a_final_job_whose_folder_is_gone_keeps_its_status(
         assert "folder" in answer["error"] and "gone" in answer["error"]
         status, answer = await call(serve, "GET", "/v1/jobs")
         assert status == 200 and [job["job_id"] for job in answer["jobs"]] == ["gone"]
+    finally:
+        assert await serve.stop() == 0
+
+
+async def test_the_policy_version_goes_back_only_with_force(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    serve = await Serve.start(tmp_path / "state", gated_agent.url)
+    try:
+        assert await call(serve, "POST", "/v1/policy", {"version": 5}) == (200, {"version": 5})
+        assert await call(serve, "POST", "/v1/policy", {"version": 5}) == (200, {"version": 5})
+        status, answer = await call(serve, "POST", "/v1/policy", {"version": 3})
+        assert status == 409 and "current version is 5" in one_line(answer), answer
+        assert "force" in answer["error"]
+        assert (await call(serve, "GET", "/v1/policy"))[1] == {"version": 5}
+        forced = {"version": 3, "force": True}
+        assert await call(serve, "POST", "/v1/policy", forced) == (200, {"version": 3})
+        status, answer = await call(serve, "POST", "/v1/policy", {"version": 4, "force": 1})
+        assert status == 400 and one_line(answer).startswith("force:"), answer
+        status, answer = await call(serve, "POST", "/v1/policy", {"version": 4, "why": 1})
+        assert status == 400 and one_line(answer).startswith("why:"), answer
     finally:
         assert await serve.stop() == 0
 

@@ -239,9 +239,13 @@ class AsyncClient:
                 return job
             await asyncio.sleep(poll_s)
 
-    async def set_policy_version(self, version: int) -> int:
-        """Set the current policy version V (after each weight update); returns V."""
-        return _version(await self._call("POST", "/v1/policy", {"version": version}))
+    async def set_policy_version(self, version: int, *, force: bool = False) -> int:
+        """Set the current policy version V (after each weight update); returns V. A
+        lower V than the daemon's is a ``ClientError`` 409 unless ``force``."""
+        body: dict[str, Any] = {"version": version}
+        if force:
+            body["force"] = True
+        return _version(await self._call("POST", "/v1/policy", body))
 
     async def policy_version(self) -> int:
         return _version(await self._call("GET", "/v1/policy"))

@@ -170,8 +170,8 @@ class Client:
     def wait(self, job_id: str, *, poll_s: float = 1.0) -> JobStatus:
         return self._run(self._async.wait(job_id, poll_s=poll_s))
 
-    def set_policy_version(self, version: int) -> int:
-        return self._run(self._async.set_policy_version(version))
+    def set_policy_version(self, version: int, *, force: bool = False) -> int:
+        return self._run(self._async.set_policy_version(version, force=force))
 
     def policy_version(self) -> int:
         return self._run(self._async.policy_version())

@@ -28,20 +28,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import structlog
 from aiohttp import web
 
 from dispatcher.lifecycle import JobState
-from dispatcher.serve.bodies import BadBody, BodyTooBig, NoRoom, load_json, read_body
+from dispatcher.serve.bodies import BadBody, BodyTooBig, NoRoom, read_body
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
 from dispatcher.serve.sending import Sender, StreamIdle
 from dispatcher.serve.served import ServedJob
-from dispatcher.serve.spec import AdmissionChange, TooBig
+from dispatcher.serve.spec import AdmissionChange, PolicyChange, TooBig
 from dispatcher.telemetry.server import Routes, json_response
 
 log = structlog.get_logger("dispatcher.serve")
@@ -274,14 +273,14 @@ class _Handlers:
 
     async def set_policy(self, request: web.Request) -> web.Response:
         try:
-            body: Any = load_json(body_of(request))
+            change = PolicyChange.parse(body_of(request))
         except BadBody as exc:
             return error(400, str(exc))
-        version = body.get("version") if isinstance(body, dict) else None
-        if type(version) is not int or version < 0:
-            return error(400, "version: must be an integer >= 0")
-        await self.service.set_policy(version)
-        return json_response({"version": version})
+        try:
+            await self.service.set_policy(change.version, force=change.force)
+        except Conflict as exc:
+            return error(409, str(exc))
+        return json_response({"version": change.version})
 
     async def get_policy(self, request: web.Request) -> web.Response:
         return json_response({"version": self.service.daemon.policy_version()})

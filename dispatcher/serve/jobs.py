@@ -312,12 +312,18 @@ class Service:
             until = time.time() + left_s if pause.paused and left_s is not None else None
             await self.write(self.registry.save_admission, until, pause.reason)
 
-    async def set_policy(self, version: int) -> None:
+    async def set_policy(self, version: int, *, force: bool = False) -> None:
         """Save the version, then move to it: a version counts (releases a paced
-        job) only once it is durable, so a restart never goes back on it."""
+        job) only once it is durable, so a restart never goes back on it. A
+        lower one than the current is a ``Conflict`` unless ``force``."""
         policy = self.daemon.policy
         assert policy is not None
         async with self._setting_policy:
+            if version < policy.version and not force:
+                raise Conflict(
+                    f"version: {version} would go back: the current version is "
+                    f'{policy.version} (send "force": true to set a lower one)'
+                )
             await self.write(self.registry.save_policy, version)
             policy.set(version)
         log.info("policy_version_set", version=version)

@@ -202,6 +202,32 @@ class AdmissionChange(BaseModel):
             raise BadBody(first_error(exc, "POST /v1/admission")) from None
 
 
+# A policy version is a step counter: 64 bits, as the files and the metric hold it.
+MAX_POLICY_VERSION = 2**63 - 1
+
+
+class PolicyChange(BaseModel):
+    """A body of ``POST /v1/policy`` (contracts §12): the trainer's new version; a lower
+    one than the current only with ``force`` (a trainer restarted from an
+    older checkpoint), since a version that goes back unasked is a mistake."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    version: int = Field(ge=0, le=MAX_POLICY_VERSION)
+    force: bool = False
+
+    @classmethod
+    def parse(cls, body: bytes) -> PolicyChange:
+        """The change a request body asks for; ``BadBody`` naming the field when it is not one."""
+        data = load_json(body)
+        if not isinstance(data, dict):
+            raise BadBody("body: must be a JSON object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise BadBody(first_error(exc, "POST /v1/policy")) from None
+
+
 def first_error(exc: ValidationError, of: str = "a job") -> str:
     """The first problem pydantic found, on one line, naming the field."""
     error = exc.errors()[0]
