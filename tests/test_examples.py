@@ -329,32 +329,40 @@ async def test_readme_service_and_step_control_examples_run_as_written(
         for i in range(6)
     ]
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    token = {"DISPATCHER_API_TOKEN": "readme-examples-token"}
-    daemon = await spawn_cli(
-        "serve", "--listen", "127.0.0.1:0", "--state-dir", "state", "--agent",
-        f"math_agent={url}", "--fsync", "never", "--log-format", "json", cwd=tmp_path, env=token,
-    )  # fmt: skip
-    try:
-        await wait_until(lambda: bool(daemon.stdout) or daemon.exited, timeout_s=30)
-        url = daemon.stdout[0].decode().split()[-1]
-        env = {**os.environ, **token, "DISPATCHER_URL": url}
-        outputs = []
-        for example in service_examples():
-            shell = ["bash", "-euo", "pipefail", "-c"]
-            command = [sys.executable, "-c"] if example.startswith("import") else shell
-            outputs.append(await run_example([*command, example], env, tmp_path))
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        assert (await daemon.wait()).returncode == 0
+    # Each example is a training run of its own, on a daemon of its own: a
+    # policy version only goes forward within one.
+    outputs = [
+        await _on_own_daemon(example, tmp_path, url, f"state-{i}")
+        for i, example in enumerate(service_examples())
+    ]
     trainer, shell, step_control = outputs
     assert trainer.count("task ") == 3 * 16
     assert re.findall(r'\{"task_index":\d+,"n":(\d+)\}', shell) == ["8"] * 6
     steps = [line for line in step_control.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in steps] == ["step 0", "step 1", "step 2"]
     assert all(": 8 groups" in line for line in steps), steps
-    folders = (tmp_path / "state" / "jobs").iterdir()
+    folders = (tmp_path / "state-2" / "jobs").iterdir()
     jobs = {folder.name: json.loads((folder / "job.json").read_text()) for folder in folders}
     assert {jobs[f"rl-step-{n}"]["state"] for n in range(3)} == {"satisfied"}
+
+
+async def _on_own_daemon(example: str, cwd: Path, agent_url: str, state: str) -> str:
+    """Run one example against a ``dispatcher serve`` started for it; its output."""
+    token = {"DISPATCHER_API_TOKEN": "readme-examples-token"}
+    daemon = await spawn_cli(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", state, "--agent",
+        f"math_agent={agent_url}", "--fsync", "never", "--log-format", "json", cwd=cwd, env=token,
+    )  # fmt: skip
+    try:
+        await wait_until(lambda: bool(daemon.stdout) or daemon.exited, timeout_s=30)
+        url = daemon.stdout[0].decode().split()[-1]
+        env = {**os.environ, **token, "DISPATCHER_URL": url}
+        shell = ["bash", "-euo", "pipefail", "-c"]
+        command = [sys.executable, "-c"] if example.startswith("import") else shell
+        return await run_example([*command, example], env, cwd)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert (await daemon.wait()).returncode == 0
 
 
 # -- the service: a token from a Secret, a systemd credential --------------------------------
