@@ -16,12 +16,16 @@ import pytest
 
 from dispatcher import jsonx
 from tests.helpers import FakeAgent, run_cli, wait_until
+from tests.test_agent_health_e2e import Restartable, restartable
+from tests.test_agent_health_e2e import _hop_paused as hop_paused
+from tests.test_agent_health_e2e import _serve as quick_breakers_serve
 from tests.test_service_bounds import final
 from tests.test_service_e2e import Serve, rows
 
 pytestmark = pytest.mark.timeout(180)
 
 BIG = 123456789012345678901234567890
+__all__ = ["restartable"]  # the fixture, imported for these tests
 
 
 @pytest.fixture
@@ -173,3 +177,23 @@ async def test_an_admission_file_that_cannot_be_read_is_exit_2_naming_it(tmp_pat
         "--agent", "sim=http://127.0.0.1:9",
     )  # fmt: skip
     assert result.returncode == 2 and "admission.json" in result.stderr, result.stderr[-2000:]
+
+
+async def test_a_job_between_hops_says_running_not_a_final_state(
+    tmp_path: Path, restartable: Restartable
+) -> None:
+    await restartable.start()
+    serve = await quick_breakers_serve(tmp_path / "state", restartable.url)
+    try:
+        await restartable.stop()
+        await serve.submit(job_id="j", rows=rows(2))
+        # Its first hop ended incomplete (the agent is down): it waits for the next.
+        await wait_until(lambda: hop_paused(serve), timeout_s=30)
+        status = await serve.job("j")
+        assert (status["state"], status["final"]) == ("running", False), status
+        await restartable.start()
+        await wait_until(final(serve, "j"), timeout_s=30)
+        status = await serve.job("j")
+        assert (status["state"], status["final"]) == ("done", True), status
+    finally:
+        assert await serve.stop() == 0

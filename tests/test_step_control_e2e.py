@@ -120,7 +120,9 @@ async def test_target_with_finish_lets_the_tail_land_and_stream_with_after(
         assert await serve.stop() == 0
     assert [g["task_index"] for g in row_lines(groups)] == [0, 1]
     assert groups[-1] == {"end": "satisfied"}
-    assert satisfied["state"] == "satisfied" and satisfied["final"] is False
+    # Its tail still runs: running, not yet final, with the target's figures.
+    assert satisfied["state"] == "running" and satisfied["final"] is False
+    assert satisfied["satisfied_at"] is not None
     assert satisfied["in_flight"] == 2 and satisfied["groups_open"] == 1
     # The tail: task 2's group, after the target's line, tagged with its versions.
     assert [(g["_ng_seq"], g["task_index"]) for g in row_lines(tail)] == [(3, 2)]
@@ -173,6 +175,15 @@ async def test_the_filter_keeps_no_group_of_equal_rewards_and_refills_one_group_
     assert [line.get("filtered", False) for line in lines] == [True, True, False, False]
 
 
+def reached_target(serve: Serve, job_id: str) -> Any:
+    """A condition: the job reached its target (still running its tail, or final)."""
+
+    async def check() -> bool:
+        return (await serve.job(job_id))["satisfied_at"] is not None
+
+    return check
+
+
 async def test_kill_9_of_a_satisfied_jobs_daemon_then_restart_starts_nothing(
     tmp_path: Path, agent: FakeAgent, gates: TaskGates
 ) -> None:
@@ -184,7 +195,7 @@ async def test_kill_9_of_a_satisfied_jobs_daemon_then_restart_starts_nothing(
         await wait_until(lambda: agent.seen == 4)
         gates.release(0)
         # Satisfied, its tail (task 1) still at the agent: job.json says nothing yet.
-        await wait_until(serve.in_state("step", "satisfied"))
+        await wait_until(reached_target(serve, "step"))
         record = orjson.loads((job_dir(tmp_path, "step") / "job.json").read_bytes())
     finally:
         assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL

@@ -355,13 +355,18 @@ class ServedJob:
 
     @property
     def state(self) -> JobState:
+        """Its state, final only once the job is (``final`` says the same): a hop
+        that ended while the job goes on (to its next hop, to the end of the
+        tail of a satisfied job, or to its record) is shown as ``running``."""
         record, job = self.record, self.job
         if job is None or self.finished:
             return record.state or JobState.QUEUED
         state = job.state.state
+        if state.final:
+            return JobState.RUNNING
         if state is JobState.RUNNING and self.paced:
             return JobState.PACED
-        return JobState.SATISFIED if self.step.satisfied else state
+        return state
 
     def _status(self) -> JobStatus:
         spec, record = self.record.spec, self.record
