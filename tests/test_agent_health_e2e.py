@@ -82,6 +82,35 @@ async def test_admission_closed_for_two_tries_of_each_rollout_is_retried_not_fai
     assert all(count == 3 for count in tries.values())
 
 
+async def test_a_409_that_only_mentions_admission_closed_is_the_agents_error_as_it_said(
+    tmp_path: Path, servers: Servers
+) -> None:
+    # Not Gym's checkpoint refusal: an agent's own conflict that quotes the word.
+    said = {"detail": "rollout already ran; the env said admission_closed earlier"}
+    tries: Counter[int] = Counter()
+
+    async def conflicting(request: web.Request) -> web.Response:
+        body = await request.json()
+        if (probe := _not_a_run_request(body)) is not None:
+            return probe
+        tries[body["_ng_task_index"]] += 1
+        return web.json_response(said, status=409)
+
+    url = await fake_agent(servers, conflicting)
+    files = Files(tmp_path, 3)
+
+    result = await run_cli(
+        *files.args(url, "--delivery-deadline-s", "5", "--max-attempts", "1"),
+        env={"DISPATCHER_RETRY_BACKOFF_BASE_S": "0.01", "DISPATCHER_BREAKER_FAILURES": "100"},
+    )
+
+    failures = files.failure_rows()
+    assert [row["_ng_failure_class"] for row in failures] == ["agent_run_error"] * 3, failures
+    assert all("rollout already ran" in row["_ng_failure_response_body"] for row in failures)
+    assert "http_409_admission_closed" not in orjson.dumps(summary_of(result.stderr)).decode()
+    assert set(tries.values()) == {1}
+
+
 # ---- a wrong agent URL --------------------------------------------------------------
 
 

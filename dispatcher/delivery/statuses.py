@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+import orjson
+
 from dispatcher.delivery.limits import Body
 
 # Statuses after which the rollout most likely never ran (§5).
 REQUEST_FAILED_STATUSES = frozenset({429, 502, 503, 504})
-# A 409 whose body says this is NeMo Gym's agent refusing work during a checkpoint.
-ADMISSION_CLOSED = b"admission_closed"
+# A 409 whose body is ``{"detail": "admission_closed"}`` is NeMo Gym's agent refusing
+# work during a checkpoint.
+ADMISSION_CLOSED = "admission_closed"
 # Answers to ``POST /run`` that mean no ``/run`` is served there: a wrong URL.
 NO_RUN_STATUSES = frozenset({404, 405})
 
@@ -32,8 +35,17 @@ BODY_EXCERPT_BYTES = 8000
 
 
 def is_admission_closed(status: int, raw: Body) -> bool:
-    """A NeMo Gym agent's ``409 {"detail": "admission_closed"}``: not delivered (§11)."""
-    return status == 409 and ADMISSION_CLOSED in raw[:BODY_EXCERPT_BYTES]
+    """A NeMo Gym agent's ``409 {"detail": "admission_closed"}``: not delivered (§11).
+    A 409 whose body only mentions the word (an agent's own conflict quoting
+    it) is what it says, the agent's error: retrying it as a checkpoint
+    would hide it behind ``http_409_admission_closed``."""
+    if status != 409 or len(raw) > BODY_EXCERPT_BYTES or ADMISSION_CLOSED.encode() not in raw:
+        return False
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(body, dict) and body.get("detail") == ADMISSION_CLOSED
 
 
 def not_delivered_reason(status: int, raw: Body) -> RetryReason | None:
