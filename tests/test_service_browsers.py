@@ -21,6 +21,7 @@ import pytest
 
 from dispatcher.client import AsyncClient
 from tests.conftest import SimAgentFactory
+from tests.helpers import run_cli
 from tests.test_service_auth import Daemon, start_serve, stop, task_rows, token_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,3 +144,12 @@ async def test_the_projects_own_client_passes(daemon: Daemon, tmp_path: Path) ->
         assert (await client.policy_version()) == 3
     code, output = await stop(daemon)
     assert code in (0, 75), output[-2000:]
+
+
+async def test_an_allowed_host_that_is_not_a_host_name_is_exit_2(tmp_path: Path) -> None:
+    for value in ("http://rollouts.example.org", "rollouts.example.org/v1", ""):
+        result = await run_cli(
+            "serve", "--state-dir", str(tmp_path / "s"), "--agent", "a=http://127.0.0.1:9",
+            "--allowed-host", value,
+        )  # fmt: skip
+        assert result.returncode == 2 and "--allowed-host" in result.stderr, result.stderr[-500:]

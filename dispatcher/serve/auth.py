@@ -5,7 +5,8 @@ returns every row: it is for the trainer alone. With a token, every request
 but ``/metrics`` and ``/healthz`` (open, as Prometheus and probes expect)
 must say ``Authorization: Bearer <token>``; anything else is a 401 with a
 one-line JSON error. Without one, the daemon listens on loopback only, unless
-``--allow-unauthenticated`` says otherwise.
+``--allow-unauthenticated`` says otherwise. Token or not, what a web page
+could make a browser send is refused first (``browsers.py``).
 
 The token is read once, here, and lives only in the middleware's closure: it
 is no setting (``RunSettings`` is logged and dumped), never logged, never
