@@ -81,7 +81,7 @@ class Service:
         self.limits = limits
         # Results streams open now, against --max-streams.
         self.streams = Slots(limits.max_streams)
-        # Request bodies being read and parsed, against --max-body-bytes-in-flight.
+        # Bytes of request bodies in hand, against --max-body-bytes-in-flight.
         self.bodies = BodyBudget(limits.max_body_bytes_in_flight)
         self.jobs: dict[str, AnyJob] = {}
         self.health = StateDirHealth(registry)
