@@ -96,7 +96,10 @@ async def test_a_foreign_origin_is_refused_even_with_a_json_body(
 ) -> None:
     own = daemon.url.removeprefix("http://")
     json_type = {"Host": own, "Content-Type": "application/json"}
-    for origin in ("http://evil.example", "null", f"http://evil.example:{own.split(':')[1]}"):
+    # A page of another site, of no site, of the attacker's name, of another local port.
+    origins = ("http://evil.example", "null", f"http://evil.example:{own.split(':')[1]}",
+               "http://127.0.0.1:1", "http://localhost:3000")  # fmt: skip
+    for origin in origins:
         headers = authorized(daemon, tmp_path, {**json_type, "Origin": origin})
         status, answer = await send(daemon, "POST", "/v1/jobs", headers, JOB)
         assert status == 403 and "Origin" in answer["error"], (origin, answer)

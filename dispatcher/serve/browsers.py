@@ -12,8 +12,9 @@ name pointed at 127.0.0.1) then even reads the answers, under its own
   or a name given with ``--allowed-host`` (a Service's or an ingress's name).
   The port is not compared: tunnels and port forwards change it, and a
   rebinding page cannot choose the name its own requests carry (421);
-- must not carry an ``Origin`` naming anything else (403): browsers send it
-  on every cross-origin request and on same-origin POSTs, our clients never;
+- must not carry an ``Origin`` other than the host:port it was sent to (403):
+  browsers send it on every cross-origin request and on same-origin POSTs,
+  our clients never;
 - a POST must say ``Content-Type: application/json`` (415): the one body type
   a browser will not send cross-origin before a preflight we never answer.
 """
@@ -121,7 +122,7 @@ def refusal(request: web.Request, hosts: Hosts) -> tuple[int, str] | None:
             "--allowed-host NAME to serve requests for that name"
         )
     origin = request.headers.get(hdrs.ORIGIN)
-    if origin is not None and not _own_origin(origin, hosts):
+    if origin is not None and not _same_origin(origin, host):
         return (
             403,
             f"Origin: {origin!r} is not this listener's: requests from web pages are refused",
@@ -142,11 +143,14 @@ def host_name(authority: str) -> str:
     return value.rstrip(".")
 
 
-def _own_origin(origin: str, hosts: Hosts) -> bool:
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether ``origin`` is the page of the very host:port the request was sent to (its
+    default port either way); any other page, a "null" one included, is foreign."""
     parts = urlsplit(origin.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    default = {"http": ":80", "https": ":443"}.get(parts.scheme)
+    if default is None or not parts.netloc:
         return False  # "null", a file: page, an extension
-    return hosts.allows(host_name(parts.netloc))
+    return parts.netloc.lower().removesuffix(default) == host.strip().lower().removesuffix(default)
 
 
 def _is_address(name: str) -> bool:
