@@ -150,7 +150,7 @@ async def test_the_projects_own_client_passes(daemon: Daemon, tmp_path: Path) ->
 
 
 async def test_an_allowed_host_that_is_not_a_host_name_is_exit_2(tmp_path: Path) -> None:
-    for value in ("http://rollouts.example.org", "rollouts.example.org/v1", ""):
+    for value in ("http://rollouts.example.org", "rollouts.example.org/v1", "", "h:8080"):
         result = await run_cli(
             "serve", "--state-dir", str(tmp_path / "s"), "--agent", "a=http://127.0.0.1:9",
             "--allowed-host", value,

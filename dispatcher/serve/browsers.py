@@ -82,9 +82,11 @@ def hosts_for(listen_host: str, allowed: Iterable[str]) -> Hosts:
 
 
 def _checked_name(value: str) -> str:
-    name = value.strip().lower().rstrip(".")
+    name = value.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
     bare = name.removeprefix("*.")
-    if name != "*" and (not bare or any(c in bare for c in "/@ *?#") or bare.startswith("[")):
+    # A port (host:8080) would never match: Host values are compared without theirs.
+    port = ":" in bare and not _is_address(bare)
+    if name != "*" and (not bare or port or any(c in bare for c in "/@ *?#[]")):
         raise ConfigError(
             f"--allowed-host {value!r}: a host name or address without scheme or port "
             "(or '*.DOMAIN', or '*')"
