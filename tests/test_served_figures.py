@@ -85,7 +85,7 @@ async def start_serve(
     }  # fmt: skip
     access = auth.access_from_flags(
         listen="127.0.0.1:0", host="127.0.0.1", token_file=None, allow_unauthenticated=False,
-        tls_cert=None, tls_key=None, input_root=str(tmp_path), env={},
+        tls_cert=None, tls_key=None, input_root=str(tmp_path), allowed_hosts=[], env={},
     )  # fmt: skip
     settings = load_settings(values, env={})
     task = asyncio.create_task(
@@ -108,8 +108,8 @@ async def test_a_job_submitted_an_hour_in_has_the_eta_and_rate_of_its_own_pace(
 
         clock.now += 3600.0  # the daemon has served for an hour
         rows = [{"agent_ref": {"name": "sim"}, "q": i} for i in range(4)]
-        body = orjson.dumps({"job_id": "j", "rows": rows})
-        async with http.post(f"{serve.url}/v1/jobs", data=body) as r:
+        body = {"job_id": "j", "rows": rows}
+        async with http.post(f"{serve.url}/v1/jobs", json=body) as r:
             assert r.status == 201
         await wait_until(lambda: agent.holding == 4)
         agent.release_next()
