@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -46,8 +47,11 @@ from dispatcher.telemetry.server import Routes, json_response
 log = structlog.get_logger("dispatcher.serve")
 
 NDJSON = "application/x-ndjson"
-# Where ``bounded_bodies`` leaves the body it read.
-BODY = "dispatcher.body"
+# Where ``bounded_bodies`` leaves the body it read (aiohttp wants typed keys where it
+# has them, and warns at every string key).
+BODY: Any = (
+    web.RequestKey("dispatcher.body", bytes) if hasattr(web, "RequestKey") else "dispatcher.body"
+)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # What a client refused for the stream limit is told to wait before it retries.
 RETRY_AFTER_S = 1
