@@ -106,11 +106,16 @@ async def test_a_job_submitted_an_hour_in_has_the_eta_and_rate_of_its_own_pace(
                 body: dict[str, Any] = await r.json()
                 return body
 
+        async def resumed() -> bool:  # until then, the API answers 503 "starting"
+            async with http.get(f"{serve.url}/v1/jobs") as r:
+                return r.status == 200
+
+        await wait_until(resumed)
         clock.now += 3600.0  # the daemon has served for an hour
         rows = [{"agent_ref": {"name": "sim"}, "q": i} for i in range(4)]
         body = {"job_id": "j", "rows": rows}
         async with http.post(f"{serve.url}/v1/jobs", json=body) as r:
-            assert r.status == 201
+            assert r.status == 201, await r.text()
         await wait_until(lambda: agent.holding == 4)
         agent.release_next()
         agent.release_next()
