@@ -155,6 +155,39 @@ async def test_a_replica_that_404s_post_run_is_a_config_error_not_a_failure(
     assert files.failure_rows() == [] and files.rows() == []
 
 
+async def test_a_404_after_successes_is_that_tasks_failure_not_a_wrong_url(
+    tmp_path: Path, servers: Servers
+) -> None:
+    # A resources server's "not found", or an ingress during a rolling restart:
+    # a replica that has served /run keeps serving the others.
+    answered = 0
+
+    async def once_404(request: web.Request) -> web.Response:
+        nonlocal answered
+        body = await request.json()
+        answered += 1
+        if answered == 6:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return web.json_response({"reward": 1.0, "task": body["_ng_task_index"]})
+
+    url = await fake_agent(servers, once_404)
+    files = Files(tmp_path, 10)
+
+    result = await run_cli(*files.args(url, "--concurrency", "1"))
+    rerun = await run_cli(*files.args(url, "--concurrency", "1"))
+
+    # A failed attempt, not a wrong URL: the next hop runs it again (a Slurm chain goes on).
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert len(files.rows()) == 10
+    [failure] = files.failure_rows()
+    assert (failure["_ng_failure_class"], failure["_ng_failure_http_status"]) == (
+        "agent_run_error",
+        404,
+    )
+    assert not any(e["event"] == "replica_has_no_run" for e in log_events(result.stderr))
+
+
 # ---- an agent no replica of which answers -------------------------------------------
 
 

@@ -8,12 +8,23 @@ import random
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from dispatcher.admission.pool import Limiter
+from dispatcher.delivery.client import AgentClient, AgentMisconfigured, DeliveryPolicy
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault
-from dispatcher.delivery.replicas import Breaker, BreakerPolicy, BreakerState, ReplicaSet
+from dispatcher.delivery.http1 import Http1Pool
+from dispatcher.delivery.replicas import (
+    Breaker,
+    BreakerPolicy,
+    BreakerState,
+    Replica,
+    ReplicaSet,
+)
 from dispatcher.delivery.retry import BackoffPolicy, parse_retry_after
 from dispatcher.files.resume import RunState
+from dispatcher.outcome import Outcome
+from tests.helpers import serve
 
 
 class FakeClock:
@@ -240,3 +251,56 @@ def test_a_not_delivered_row_spends_no_attempt() -> None:
     )
     assert state.is_final(7) and not state.is_final(8)
     assert state.attempt_index(8) == 0 and state.not_delivered == 1
+
+
+# ---- a 404 to POST /run: a wrong URL, or a task's failure ------------------------------
+
+
+class NoRunSeen:
+    """A ``DeliveryObserver`` that keeps the statuses of the replicas said to have no /run."""
+
+    def __init__(self) -> None:
+        self.statuses: list[int] = []
+
+    def retrying(self, *args: object) -> None:
+        pass
+
+    def replica_changed(self, replica: Replica, opened: bool) -> None:
+        pass
+
+    def replica_has_no_run(self, replica: Replica, status: int) -> None:
+        self.statuses.append(status)
+
+
+async def test_a_replica_that_404s_before_any_2xx_is_back_once_a_probe_finds_run() -> None:
+    # An ingress answering 404 while the agent behind it starts: out of routing,
+    # and in a daemon that lives on, back once a probe finds /run (a restart was needed).
+    serving = False
+
+    async def run(request: web.Request) -> web.Response:
+        if not serving:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        if "_ng_task_index" not in await request.json():
+            return web.json_response({"detail": "field required"}, status=422)
+        return web.json_response({"reward": 1.0})
+
+    app = web.Application()
+    app.router.add_post("/run", run)
+    runner, url = await serve(app)
+    clock, pool, seen = FakeClock(), Http1Pool(5.0), NoRunSeen()
+    agents = AgentClient({"sim": [url]}, pool, DeliveryPolicy(breaker=POLICY), seen, clock=clock)
+    try:
+        with pytest.raises(AgentMisconfigured):
+            await agents.run("sim", {"_ng_task_index": 0}, "0-0")
+        serving = True
+        [replica] = agents.replica_sets["sim"].replicas
+        assert agents.due_for_probe() == []
+        clock.now += POLICY.open_s
+        assert agents.due_for_probe() == [replica]
+        await agents.probe(replica, 5.0)
+        attempt = await agents.run("sim", {"_ng_task_index": 0}, "0-0")
+    finally:
+        await pool.close()
+        await runner.cleanup()
+    assert attempt.outcome is Outcome.SUCCESS
+    assert seen.statuses == [404] and not replica.no_run

@@ -14,9 +14,11 @@ and the failure classes of an answer; ``exchange.py``: one HTTP exchange
 with a replica); nothing here raises for an agent's
 misbehaviour. The dispatcher's own faults (EMFILE, MemoryError, ...)
 raise ``LocalFault`` instead: they are not the agent's. A 404 or 405 to
-``POST /run`` is neither: that replica serves no ``/run`` (a wrong URL); it
-leaves routing, and when every replica of the agent does so ``run`` raises
-``AgentMisconfigured`` (exit 2), never a failure row.
+``POST /run`` from a replica that never answered 2xx is neither: that
+replica serves no ``/run`` (a wrong URL); it leaves routing until a probe
+finds ``/run`` there, and when every replica of the agent has left ``run``
+raises ``AgentMisconfigured`` (exit 2), never a failure row. From a replica
+that has answered 2xx, a 404 is its task's failure (``agent_run_error``).
 """
 
 from __future__ import annotations
@@ -225,12 +227,13 @@ class AgentClient:
             r
             for replicas in self.replica_sets.values()
             for r in replicas.open_replicas()
-            if r.routable()
+            if r.breaker.admits()
         ]
 
     async def probe(self, replica: Replica, timeout_s: float) -> None:
         """The half-open probe of an open replica (``probe.probe_run``); its answer
-        closes the breaker, no answer reopens it for longer."""
+        closes the breaker, no answer reopens it for longer. A replica with no
+        ``/run`` is probed too: it is back in routing once a probe finds one."""
         breaker = replica.breaker
         replica.stats.probes += breaker.on_send()
         try:
@@ -240,15 +243,16 @@ class AgentClient:
             raise
         if answer.result is ProbeResult.LOCAL_FAULT:
             breaker.on_abandoned()
-            return
-        if answer.result in (ProbeResult.REACHABLE, ProbeResult.NO_RUN):
+        elif answer.result is ProbeResult.REACHABLE:
+            replica.no_run = False
             self._delivered(replica)
-            if answer.result is ProbeResult.NO_RUN and not replica.no_run:
-                replica.no_run = True
-                self._observer.replica_has_no_run(replica, answer.status or 0)
-            return
-        replica.stats.not_delivered += 1
-        breaker.on_not_delivered()
+        elif answer.result is ProbeResult.NO_RUN and not replica.served_run:
+            self._mark_no_run(replica, answer.status or 0)
+        else:
+            # Not taking work; or a 404 from a replica that has served /run (an
+            # ingress restarting): kept out until a probe is answered otherwise.
+            replica.stats.not_delivered += 1
+            breaker.on_not_delivered()
 
     async def run(
         self,
@@ -400,7 +404,7 @@ class AgentClient:
                 result,
                 failure,
                 body_bytes=len(raw),
-                no_run=status in NO_RUN_STATUSES,
+                no_run=_says_no_run(replica, status),
             )
         _tell_controller(replica, attempt)
         return attempt, None
@@ -408,11 +412,17 @@ class AgentClient:
     def _no_run(self, replicas: ReplicaSet, replica: Replica, attempt: Attempt) -> None:
         """A replica without ``/run`` leaves routing; an agent left with none is misconfigured."""
         status = attempt.failure.http_status if attempt.failure is not None else None
-        if not replica.no_run:
-            replica.no_run = True
-            self._observer.replica_has_no_run(replica, status or 0)
+        self._mark_no_run(replica, status or 0)
         if all(r.no_run for r in replicas.replicas):
             raise AgentMisconfigured(no_run_message(replicas.agent, replicas.urls()))
+
+    def _mark_no_run(self, replica: Replica, status: int) -> None:
+        # Its breaker held open: the prober looks again after the backoff, and
+        # a daemon gets the replica back once ``/run`` is served there.
+        replica.breaker.hold_open()
+        if not replica.no_run:
+            replica.no_run = True
+            self._observer.replica_has_no_run(replica, status)
 
     def _delivered(self, replica: Replica) -> None:
         replica.stats.delivered += 1
@@ -478,6 +488,13 @@ def _tell_controller(replica: Replica, attempt: Attempt) -> None:
         controller.on_answer(attempt.duration_s)
     elif attempt.outcome is Outcome.TIMEOUT_EXCEEDED:
         controller.on_congestion()
+
+
+def _says_no_run(replica: Replica, status: int) -> bool:
+    """A 404/405 says "no ``/run`` here" only from a replica that never answered 2xx."""
+    if 200 <= status < 300:
+        replica.served_run = True
+    return status in NO_RUN_STATUSES and not replica.served_run
 
 
 def _with_retries(attempt: Attempt, retries: int) -> Attempt:

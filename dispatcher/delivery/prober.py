@@ -53,6 +53,6 @@ class Prober:
             r.breaker.reopen_at - now
             for replicas in self._agents.replica_sets.values()
             for r in replicas.open_replicas()
-            if r.breaker.state is BreakerState.OPEN and not r.no_run
+            if r.breaker.state is BreakerState.OPEN
         ]
         return max(MIN_LOOK_S, min([self._idle_s, *waits]))

@@ -97,6 +97,10 @@ class Breaker:
             return True
         return False
 
+    def hold_open(self) -> None:
+        """Out of routing without a failure counted: only probes, after the backoff."""
+        self._open(self.policy.open_s)
+
     def on_abandoned(self) -> None:
         """The request ended without telling anything about the replica (cancelled, our fault)."""
         self.probe_in_flight = False
@@ -134,8 +138,12 @@ class Replica:
     stats: ReplicaStats = field(default_factory=ReplicaStats)
     cap: int | None = None
     controller: AimdController | None = None
-    # It answered 404/405 to ``POST /run``: a wrong URL, out of routing for good.
+    # It answered 404/405 to ``POST /run`` before any 2xx: a wrong URL, out of
+    # routing until a probe finds ``/run`` there.
     no_run: bool = False
+    # It answered 2xx to ``POST /run``: ``/run`` is served, and a 404 from it now
+    # is its task's (a resources server's "not found", an ingress restarting).
+    served_run: bool = False
     # ``POST {url}/run`` with its request head built once (credentials and all).
     run_target: Target = field(init=False)
     shown: InitVar[str | None] = None
