@@ -18,8 +18,10 @@ import uvloop
 from aiohttp import web
 
 from dispatcher.delivery import http1
+from dispatcher.delivery.answers import Failure, NotDelivered
+from dispatcher.delivery.exchange import ExchangeLimits, post_run
 from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool, Target
-from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError
+from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError, ResponseLimits
 from tests.helpers import self_signed, serve, wait_until
 
 MAX = 64 * 1024 * 1024
@@ -788,3 +790,62 @@ def test_big_and_small_answers_over_tls_are_read_whole(loop: str, tmp_path: Path
         await read_in_turn([BIG, b'{"small": 1}', BIG[::-1]], 10, served, trust)
 
     on_each_loop(loop, main)
+
+
+# ---- answers delivered, then broken -----------------------------------------------------
+
+LIMITS = ExchangeLimits.of(None, 5.0, ResponseLimits())
+
+
+async def exchange(pool: Http1Pool, url: str) -> tuple[int, NotDelivered | None, Failure | None]:
+    """One ``POST /run`` as a rollout makes it: (status, not delivered, failure)."""
+    status, _, missed, failure = await post_run(pool, url, Target.of(url), b"{}", LIMITS)
+    return status, missed, failure
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"Content-Length: 2\r\nContent-Length: 2\r\n",
+        b"Content-Length: 2, 2\r\n",
+        b"Content-Length: -1\r\n",
+        b"X-Note: a\x00b\r\nContent-Length: 2\r\n",
+    ],
+    ids=["duplicate-length", "length-list", "length-minus-1", "nul"],
+)
+@pytest.mark.parametrize("reason", [b" OK", b""], ids=["reason", "no-reason"])
+async def test_an_answer_broken_after_its_status_line_was_delivered(
+    pool: Http1Pool, scripted: Scripted, head: bytes, reason: bytes
+) -> None:
+    # The agent ran the rollout: a retry would run it again, and the replica is up.
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200%s\r\n%s\r\nok" % (reason, head))
+        await reader.read()
+
+    status, missed, failure = await exchange(pool, await scripted(script))
+    assert missed is None
+    assert failure is not None and failure.failure_class == "agent_run_error"
+    assert status == 200 and not failure.terminal
+    assert "after its status line (HTTP 200)" in failure.message, failure.message
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"SSH-2.0-OpenSSH_9.6\r\n", b"HTTP/1.1 2000 OK\r\nContent-Length: 2\r\n\r\nok"],
+    ids=["not-http", "bad-status"],
+)
+async def test_an_answer_without_a_valid_status_line_was_not_delivered(
+    pool: Http1Pool, scripted: Scripted, reply: bytes
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")  # parsed: llhttp keeps 200
+        await read_request(reader)
+        writer.write(reply)
+        await reader.read()
+
+    url = await scripted(script)
+    assert (await exchange(pool, url))[1:] == (None, None)
+    status, missed, _ = await exchange(pool, url)
+    assert missed is not None and missed.reason == "no_answer" and status == 0

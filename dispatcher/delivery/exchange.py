@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dispatcher.delivery.answers import Failure, NotDelivered, body_excerpt
@@ -79,8 +79,11 @@ async def post_run(
         return 0, b"", None, _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
     except OSError as exc:
         _raise_if_local(exc)
+        # Only after the status line: before it, it was not delivered (above).
+        status = conn.status if conn is not None else 0
         message = f"reading the answer of {url} failed: {exc}"
-        return 0, b"", None, _failure(Outcome.AGENT_RUN_ERROR, exc, message)
+        failure = _failure(Outcome.AGENT_RUN_ERROR, exc, message)
+        return status, b"", None, replace(failure, http_status=status or None)
     finally:
         # After the answer is judged: the connection's status and headers are its.
         # One whose answer is not whole (a cancel, a timeout, an error) is closed.

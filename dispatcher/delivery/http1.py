@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import ssl
 import zlib
 from collections import deque
@@ -73,6 +74,9 @@ DIRECT_READ_BYTES = 1024 * 1024
 # follow them in the socket: bytes past an answer close its connection, as they
 # do through the parser, and are never left there for the next call to read.
 _DIRECT_TAIL_BYTES = 64 * 1024
+# An answer's status line, up to its code (``HTTP/1.1 200``): what makes it delivered.
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] [1-9][0-9][0-9][ \r]")
+_STATUS_LINE_BYTES = len(b"HTTP/1.1 200 ")
 # Every other read lands here first; one buffer serves the whole pool, as the
 # loop hands each read to its connection before it makes the next.
 _SCRATCH_BYTES = 256 * 1024
@@ -91,6 +95,11 @@ def body_buffer(size: int) -> bytearray:
 
 class Disconnected(ConnectionError):
     """The agent closed the connection, or sent what is not HTTP, before its answer was whole."""
+
+
+class MalformedAnswer(Disconnected):
+    """The answer's status line was read, then what followed is not HTTP/1.1: the
+    agent had the rollout (delivered), but its answer cannot be read."""
 
 
 class ConnectTimeout(TimeoutError):
@@ -287,8 +296,35 @@ class Connection(asyncio.BufferedProtocol):
             if self._complete:
                 self.close()  # bytes after a whole answer (on_message_begin): it stands
             else:
-                self._fail(Disconnected(f"the agent's answer is not HTTP/1.1 ({exc})"))
+                self._not_http(exc, data)
         self._pool.took_in(self, len(data))
+
+    def _not_http(self, exc: httptools.HttpParserError, data: bytes | memoryview) -> None:
+        """The answer broke HTTP/1.1: after a valid status line it was delivered
+        (its call gets the head, its body the error), before one it was not."""
+        answered = self.status
+        status = answered or self._status_line(exc, data)
+        if not status:
+            self._fail(Disconnected(f"the agent's answer is not HTTP/1.1 ({exc})"))
+            return
+        self.status = status
+        where = f"after its status line (HTTP {status})"
+        self._fail(MalformedAnswer(f"the agent's answer {where} is not HTTP/1.1 ({exc})"))
+        if not answered and self._head is not None:
+            self._pool.answered(self._head)
+
+    def _status_line(self, exc: httptools.HttpParserError, data: bytes | memoryview) -> int:
+        """This answer's final status if its status line was read whole before ``exc``, else 0."""
+        status = self._parser.get_status_code()
+        if status < 200 or isinstance(exc, httptools.HttpParserInvalidStatusError):
+            return 0
+        # llhttp keeps the last answer's status until this one's digits are read:
+        # it is this answer's once its bytes before ``data`` held a status line,
+        # or ``data`` starts with one.
+        before = self._head_bytes - len(data)
+        if before >= _STATUS_LINE_BYTES or (before == 0 and _STATUS_LINE.match(data)):
+            return status
+        return 0
 
     def pause_reading(self) -> None:
         """Read no more until ``resume_reading``: the bytes wait in the socket."""
