@@ -18,6 +18,7 @@ import uvloop
 from aiohttp import web
 
 from dispatcher.delivery import http1
+from dispatcher.delivery import turns as turn_bounds
 from dispatcher.delivery.answers import Failure, NotDelivered
 from dispatcher.delivery.exchange import ExchangeLimits, post_run
 from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool, Target
@@ -328,6 +329,27 @@ async def test_bytes_sent_between_calls_close_the_connection(
     assert scripted.connections == 2
 
 
+async def test_a_late_answer_waiting_in_an_idle_connection_is_never_the_next_calls(
+    pool: Http1Pool, scripted: Scripted
+) -> None:
+    # The late bytes are in the socket before the next call is made, but the loop
+    # has not read them yet: the call must not take them for its answer.
+    writers: list[asyncio.StreamWriter] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfresh")
+
+    url = await scripted(script)
+    assert await call(pool, url) == b"fresh"
+    # A write on loopback lands in the client's socket at once; no await before the call.
+    writers[0].write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale")
+    assert await call(pool, url) == b"fresh"
+    assert scripted.connections == 2
+
+
 @pytest.mark.parametrize("size", [1_000, JOIN_OFF_LOOP_BYTES + 1])
 async def test_a_big_body_is_joined_in_a_thread_a_small_one_on_the_loop(
     pool: Http1Pool, monkeypatch: pytest.MonkeyPatch, size: int
@@ -535,7 +557,7 @@ def test_a_flood_of_answer_bytes_is_read_a_bounded_amount_per_turn_of_the_loop(
     # over in one turn: answers already in the sockets' buffers were read 4 MB
     # a turn, and the loop ran nothing else meanwhile (40 to 100 ms at 16
     # answers of 20 MB).
-    monkeypatch.setattr(http1, "READ_BYTES_PER_TURN", 256 * 1024)
+    monkeypatch.setattr(turn_bounds, "READ_BYTES_PER_TURN", 256 * 1024)
     calls, body = 8, b"x" * (2 * 1024 * 1024)
     turns = Turns()
     read: dict[int, int] = {}
@@ -560,7 +582,7 @@ def test_a_flood_of_answer_bytes_is_read_a_bounded_amount_per_turn_of_the_loop(
 
     assert on_uvloop(answer, call, calls, turns) == [body] * calls
     # Past the bound, a connection that was ready in the same turn reads once more.
-    assert max(read.values()) <= http1.READ_BYTES_PER_TURN + calls * largest_read, read
+    assert max(read.values()) <= turn_bounds.READ_BYTES_PER_TURN + calls * largest_read, read
 
 
 def test_a_wave_of_answers_wakes_a_bounded_number_of_calls_per_turn_of_the_loop(
@@ -570,7 +592,7 @@ def test_a_wave_of_answers_wakes_a_bounded_number_of_calls_per_turn_of_the_loop(
     # reads every ready socket in one turn, and each call woken runs its
     # rollout's next steps in the turn after: thousands at once held every
     # timer for up to 90 ms at 10,000 in flight.
-    monkeypatch.setattr(http1, "ANSWERS_PER_TURN", 3)
+    monkeypatch.setattr(turn_bounds, "ANSWERS_PER_TURN", 3)
     calls = 12
     turns = Turns()
     woken: dict[int, int] = {}
@@ -606,7 +628,7 @@ def test_a_wave_of_answers_wakes_a_bounded_number_of_calls_per_turn_of_the_loop(
 async def test_calls_past_a_turns_bound_are_woken_in_the_turns_after_first_come_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(http1, "ANSWERS_PER_TURN", 2)
+    monkeypatch.setattr(turn_bounds, "ANSWERS_PER_TURN", 2)
     pool = Http1Pool(connect_timeout_s=5.0)
     heads = [asyncio.get_running_loop().create_future() for _ in range(5)]
     for head in heads:

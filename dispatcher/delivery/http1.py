@@ -27,12 +27,14 @@ connection not made in time, and whatever ``connect`` raised.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
+import fcntl
 import re
 import ssl
+import termios
 import zlib
-from collections import deque
 from dataclasses import dataclass
 from typing import cast
 
@@ -50,6 +52,7 @@ from dispatcher.delivery.limits import (
     partial_prefix,
     too_large_message,
 )
+from dispatcher.delivery.turns import TurnBounds
 
 # Bodies up to this size go out in one write with their head: a copy is cheaper
 # than a second system call. Bigger ones are written as they are.
@@ -57,12 +60,6 @@ _JOIN_BODY_BYTES = 64 * 1024
 # What an answer may send before its headers end (llhttp itself sets no bound):
 # an agent that sends headers forever is cut here, not at the memory's end.
 MAX_HEAD_BYTES = 256 * 1024
-# What all connections together read in one turn of the loop before those that
-# still have bytes wait for the next turn (``Http1Pool.took_in``).
-READ_BYTES_PER_TURN = 2 * 1024 * 1024
-# Calls woken by their answer in one turn of the loop; the others in the turns
-# after, in the order their answers came (``Http1Pool.answered``).
-ANSWERS_PER_TURN = 64
 # A body at least this big, of known length and not inflated, is read straight
 # into a buffer of its size. Through the parser, each byte was copied twice on
 # the loop (the read's bytes, then the parser's piece) and once more to join
@@ -150,6 +147,8 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, pool: Http1Pool) -> None:
         self._pool = pool
         self._transport: asyncio.Transport | None = None
+        # Its socket's descriptor, to see bytes that wait unread (-1: none known).
+        self._fd = -1
         self._parser = httptools.HttpResponseParser(self)
         self._head: asyncio.Future[None] | None = None
         self._end: asyncio.Future[None] | None = None
@@ -239,6 +238,18 @@ class Connection(asyncio.BufferedProtocol):
         self._head = self._end = None
         self.headers.clear()
 
+    def quiet(self, unread: array.array[int]) -> bool:
+        """Has nothing arrived since its last answer? Bytes that wait in the socket,
+        unread by the loop yet, came with no call waiting: the next call must not
+        read them as its answer (a late second answer is the previous call's)."""
+        if self._fd < 0:
+            return True
+        try:
+            fcntl.ioctl(self._fd, termios.FIONREAD, unread)
+        except OSError:
+            return False
+        return unread[0] == 0
+
     def close(self) -> None:
         self.closed = True
         if self._transport is not None:
@@ -249,6 +260,8 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance.
         self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     def get_buffer(self, sizehint: int) -> memoryview:
         direct = self._direct
@@ -455,7 +468,7 @@ class Connection(asyncio.BufferedProtocol):
         wake(self._end)
 
 
-class Http1Pool:
+class Http1Pool(TurnBounds):
     """Keep-alive connections to the replicas, each reused by one call at a time.
 
     ``post`` returns the connection holding the answer; ``release`` gives it
@@ -464,6 +477,7 @@ class Http1Pool:
     """
 
     def __init__(self, connect_timeout_s: float | None, max_idle: int = 1024) -> None:
+        super().__init__()
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: dict[str, list[Connection]] = {}
@@ -472,23 +486,10 @@ class Http1Pool:
         # none of whose replicas is here was never up (``AgentClient.never_reached``).
         self.reached: set[tuple[str, int]] = set()
         self._tls: ssl.SSLContext | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
-        # For ``took_in``: bytes read since the count last started again, and the
-        # connections that wait for the next turn.
-        self._turn_bytes = 0
-        self._paused: list[Connection] = []
-        # For ``answered``: calls woken in this turn, and those that wait for the next.
-        self._turn_answers = 0
-        self._waking: deque[asyncio.Future[None]] = deque()
-        # ``_next_turn`` is due at the next turn (both bounds start again there).
-        self._turn_due = False
         self.scratch = memoryview(bytearray(_SCRATCH_BYTES))
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        assert self._loop is not None
-        return self._loop
+        # What FIONREAD says waits in an idle connection's socket (``Connection.quiet``).
+        self._unread = array.array("i", [0])
 
     async def post(self, target: Target, body: bytes, max_bytes: int) -> Connection:
         """``POST`` ``body``; the connection once the answer's status line is in.
@@ -515,64 +516,6 @@ class Http1Pool:
     def forget(self, conn: Connection) -> None:
         self._open.discard(conn)
 
-    def took_in(self, conn: Connection, size: int) -> None:
-        """Count bytes read; past ``READ_BYTES_PER_TURN`` in this turn of the loop,
-        each connection that reads waits for the next turn.
-
-        libuv reads every ready socket, several times over, in one turn (4 MB
-        a turn with eight 2 MB answers waiting): sixteen agents answering
-        20 MB at once kept the loop copying for 40 to 100 ms before any timer
-        or other callback ran. Bounded, each turn copies a few megabytes and
-        the answers arrive as fast, over more turns.
-        (Pausing every connection still receiving, not only those that read,
-        was measured to stall more: ``bench/big_rows.py``.)
-        """
-        self._turn_bytes += size
-        if self._turn_bytes <= READ_BYTES_PER_TURN:
-            return
-        conn.pause_reading()
-        self._paused.append(conn)
-        self._next_turn_soon(self.loop)
-
-    def answered(self, head: asyncio.Future[None]) -> None:
-        """Wake the call whose answer's head is in: at most ``ANSWERS_PER_TURN``
-        in one turn of the loop, the others in the turns after, first come first.
-
-        An agent answers calls in waves (10,000 started within a second end
-        together 10 s later): libuv reads every ready socket in one turn, and
-        each call woken runs its rollout's next steps in the turn after. With
-        thousands woken at once, that turn held every timer and stream for up
-        to 90 ms with no GC pass in it (``bench/service.py --concurrency 10000
-        --latency-s 10``). Bounded, the turns are short and as many answers
-        are handled a second: the work is the same, spread over more turns.
-        """
-        if self._turn_answers < ANSWERS_PER_TURN:
-            self._turn_answers += 1
-            wake(head)
-        else:
-            self._waking.append(head)
-        self._next_turn_soon(head.get_loop())
-
-    def _next_turn_soon(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not self._turn_due:
-            self._turn_due = True
-            loop.call_soon(self._next_turn)
-
-    def _next_turn(self) -> None:
-        """A new turn: the paused connections read again (the byte count starts
-        again only after a pause: below the bound it carries over, which only
-        brings a pause early) and the calls waiting to be woken are, in order."""
-        self._turn_due = False
-        if self._paused:
-            paused, self._paused = self._paused, []
-            self._turn_bytes = 0
-            for conn in paused:
-                conn.resume_reading()
-        self._turn_answers = 0
-        waking = self._waking
-        for _ in range(min(len(waking), ANSWERS_PER_TURN)):
-            self.answered(waking.popleft())
-
     async def close(self) -> None:
         """Close every connection, idle or in a call."""
         self.closed = True
@@ -587,8 +530,12 @@ class Http1Pool:
         idle = self._idle.get(target.origin)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.closed:
+                continue
+            # One system call, no object made: about 1 us more for a reused call.
+            if conn.quiet(self._unread):
                 return conn
+            conn.close()
         return None
 
     async def connect(self, target: Target) -> Connection:
