@@ -74,6 +74,10 @@ def agent_url_problem(url: str) -> str | None:
         return "has no host"
     if port is None or not 0 < port < 65536:
         return "has a port outside 1-65535"
+    if parsed.user is not None and ":" in parsed.user:
+        # RFC 3986 lets a user name carry %3A; Basic auth (RFC 7617) cannot send it:
+        # the agent would split it at its first ":" and see another user.
+        return "has a ':' (%3A) in its user name, which Basic auth cannot send (RFC 7617)"
     if parsed.raw_query_string or parsed.raw_fragment:
         return "has a query or fragment (the dispatcher appends /run to the base URL)"
     if parsed.path.rstrip("/").endswith("/run"):

@@ -693,6 +693,24 @@ async def test_13_a_malformed_agent_url_exits_2_at_start(tmp_path: Path, url: st
     assert not run.dir.exists()
 
 
+async def test_13_a_colon_in_the_user_name_is_exit_2_at_start_never_exit_1_at_the_end(
+    tmp_path: Path, fake_agent: AgentFactory
+) -> None:
+    # RFC 3986 lets a URL's user name carry ":" (as %3A), but Basic auth cannot
+    # send one (RFC 7617: the first ":" ends the user-id): the agent would see
+    # another user. A configuration error, said before anything runs.
+    agent = await fake_agent()
+    url = agent.url.replace("http://", "http://us%3Aer:pw@")
+    run = Run(tmp_path, tasks=2)
+
+    result = await run_cli(*run.args(url))
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = one_error_line(result)
+    assert "--agent" in line and "%3A" in line and "pw" not in line
+    assert agent.seen == 0 and not run.dir.exists()
+
+
 # ---- 14: --num-repeats is bounded, and repeats are streamed -----------------------------------
 
 
