@@ -206,6 +206,30 @@ async def test_framings_an_agent_may_use(
     assert await call(pool, url) == b'{"a":1}\n', "and the connection serves the next call"
 
 
+@pytest.mark.parametrize(
+    ("answer", "body"),
+    [
+        # RFC 9112 5.2: a user agent replaces a response's obs-fold with SP.
+        (b"HTTP/1.1 200 OK\r\nX-Note: a\r\n  b\r\nContent-Length: 2\r\n\r\nok", b"ok"),
+        (b"HTTP/1.1 200 OK\r\nX-Note: a\r\n\tb\r\nContent-Length: 2\r\n\r\nok", b"ok"),
+        # "identity" is no transfer coding (RFC 9112 dropped it): no length, until close.
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\nwhole", b"whole"),
+    ],
+    ids=["obs-fold", "obs-fold-tab", "identity"],
+)
+async def test_answers_from_older_servers_are_read(
+    pool: Http1Pool, scripted: Scripted, answer: bytes, body: bytes
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    url = await scripted(script)
+    assert await call(pool, url) == body
+
+
 async def test_a_body_without_a_length_ends_with_the_connection(
     pool: Http1Pool, scripted: Scripted
 ) -> None:

@@ -90,6 +90,14 @@ def body_buffer(size: int) -> bytearray:
     return bytearray(size)
 
 
+def _parser_for(conn: Connection) -> httptools.HttpResponseParser:
+    """llhttp's response parser, reading obs-fold as RFC 9112 5.2 asks a user agent
+    to (each fold is white space); its leniency lets a NUL in too: ``on_header``."""
+    parser = httptools.HttpResponseParser(conn)
+    parser.set_dangerous_leniencies(lenient_headers=True)
+    return parser
+
+
 class Disconnected(ConnectionError):
     """The agent closed the connection, or sent what is not HTTP, before its answer was whole."""
 
@@ -149,7 +157,7 @@ class Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         # Its socket's descriptor, to see bytes that wait unread (-1: none known).
         self._fd = -1
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser = _parser_for(self)
         self._head: asyncio.Future[None] | None = None
         self._end: asyncio.Future[None] | None = None
         # An answer's headers and body pieces, in two lists kept and cleared call
@@ -289,7 +297,7 @@ class Connection(asyncio.BufferedProtocol):
             if self._size < len(direct):
                 return
             # The parser saw the head only: a fresh one reads what comes next.
-            self._parser = httptools.HttpResponseParser(self)
+            self._parser = _parser_for(self)
             self._finish()
             data = data[tail:]
             if not data:
@@ -376,6 +384,9 @@ class Connection(asyncio.BufferedProtocol):
             raise _AfterAnswer
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if b"\0" in value:
+            # The leniency that reads obs-fold lets a NUL through: RFC 9110 5.5 refuses it.
+            raise ValueError("a NUL in a header value")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -392,7 +403,10 @@ class Connection(asyncio.BufferedProtocol):
             key = name.lower()
             if key == b"content-encoding" and value.strip().lower() in INFLATED:
                 self._inflate = Inflater(value.strip().lower() == b"deflate")
-            elif key in (b"content-length", b"transfer-encoding"):
+            elif key == b"content-length" or (
+                key == b"transfer-encoding" and value.strip().lower() != b"identity"
+            ):
+                # "identity" is no transfer coding (RFC 9112 dropped it): not framed.
                 framed = True
                 # (llhttp has refused a length that is not one number, or two of them.)
                 if key == b"content-length" and value.strip().isdigit():
