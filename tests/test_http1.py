@@ -270,6 +270,54 @@ async def test_an_encoded_answer_is_inflated(
         await runner.cleanup()
 
 
+BODY = b'{"text":"' + b"abc" * 20_000 + b'"}'
+
+
+@pytest.mark.parametrize(
+    ("encoding", "packed"),
+    [
+        # Multi-member gzip is valid gzip (RFC 1952 2.2): every member is the body's.
+        ("gzip", gzip.compress(BODY[:1000]) + gzip.compress(BODY[1000:])),
+        ("gzip, gzip", gzip.compress(gzip.compress(BODY))),  # both codings undone
+        ("gzip, identity", gzip.compress(BODY)),
+    ],
+    ids=["multi-member", "gzip-twice", "gzip-then-identity"],
+)
+async def test_an_answer_encoded_in_more_than_one_piece_is_inflated_whole(
+    pool: Http1Pool, scripted: Scripted, encoding: str, packed: bytes
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            head = b"HTTP/1.1 200 OK\r\nContent-Encoding: %s\r\nContent-Length: %d\r\n\r\n"
+            writer.write(head % (encoding.encode(), len(packed)))
+            for start in range(0, len(packed), 700):  # members split across reads
+                writer.write(packed[start : start + 700])
+                await writer.drain()
+
+    url = await scripted(script)
+    assert await call(pool, url) == BODY
+    assert await call(pool, url) == BODY
+
+
+async def test_a_gzip_body_cut_short_is_a_delivered_failure_that_says_so(
+    pool: Http1Pool, scripted: Scripted
+) -> None:
+    # The length is whole but the gzip stream in it is not: not JSON to judge, a cut body.
+    packed = gzip.compress(BODY)[:-30]
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
+        writer.write(head % len(packed) + packed)
+        await reader.read()
+
+    status, missed, failure = await exchange(pool, await scripted(script))
+    assert missed is None and status == 200
+    assert failure is not None and failure.failure_class == "agent_run_error"
+    assert "cut short" in failure.message and not failure.terminal
+
+
 async def test_the_cap_counts_inflated_bytes_and_stops_there(pool: Http1Pool) -> None:
     bomb = gzip.compress(b"0" * 20_000_000)
 

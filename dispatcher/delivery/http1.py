@@ -43,7 +43,7 @@ from yarl import URL
 
 from dispatcher import __version__
 from dispatcher.aio import wake
-from dispatcher.delivery.inflate import INFLATED, Inflater
+from dispatcher.delivery.inflate import Inflater, inflater_of
 from dispatcher.delivery.limits import (
     JOIN_OFF_LOOP_BYTES,
     PARTIAL_KEEP_BYTES,
@@ -401,8 +401,8 @@ class Connection(asyncio.BufferedProtocol):
         length = -1
         for name, value in self.headers:
             key = name.lower()
-            if key == b"content-encoding" and value.strip().lower() in INFLATED:
-                self._inflate = Inflater(value.strip().lower() == b"deflate")
+            if key == b"content-encoding":
+                self._inflate = inflater_of(value)
             elif key == b"content-length" or (
                 key == b"transfer-encoding" and value.strip().lower() != b"identity"
             ):
@@ -465,7 +465,11 @@ class Connection(asyncio.BufferedProtocol):
 
     def _finish(self) -> None:
         if self._inflate is not None and self._error is None:
-            self._inflate.flush(self)
+            try:
+                self._inflate.flush(self)
+            except zlib.error as exc:
+                self._fail(MalformedAnswer(f"the agent's answer is cut short ({exc})"))
+                return
         self._complete = True
         wake(self._end)
 
