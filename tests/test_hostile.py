@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from dispatcher.capture.proxy import build_proxy_app
+from dispatcher.delivery.answers import classify_response
 from dispatcher.delivery.limits import ProxyLimits
 from dispatcher.sim.model import SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import call_model
@@ -606,6 +607,21 @@ async def test_11_a_redirect_is_not_followed_and_is_an_agent_run_error(
         status,
     )
     assert elsewhere.seen == 0 and run.rows() == []
+
+
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [
+        (301, "agent answered HTTP 301 (redirects are not followed)"),
+        (308, "agent answered HTTP 308 (redirects are not followed)"),
+        (304, "agent answered HTTP 304 (Not Modified, to a request that asked for no such check)"),
+        (300, "agent answered HTTP 300"),
+    ],
+)
+def test_11_a_3xx_failure_says_what_its_status_means(status: int, says: str) -> None:
+    # A 304 is no redirect: it answers a conditional request, and ours never is one.
+    _, _, failure = classify_response(status, b"")
+    assert failure is not None and failure.message == says
 
 
 # ---- 12: credentials in replica URLs ---------------------------------------------------------

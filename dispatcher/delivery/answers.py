@@ -91,6 +91,12 @@ class NotDelivered:
 
 Classified = tuple[Outcome, dict[str, Any] | None, Failure | None]
 _REDIRECT_NOTE = " (redirects are not followed)"
+# What a status the dispatcher does not act on means, said with it. A 304 is no
+# redirect: it answers a conditional request, which a POST /run never is.
+_STATUS_NOTES = {
+    **dict.fromkeys((301, 302, 303, 307, 308), _REDIRECT_NOTE),
+    304: " (Not Modified, to a request that asked for no such check)",
+}
 
 
 Classifier = Callable[[int, Body], Awaitable[Classified]]
@@ -115,7 +121,7 @@ def classify_response(status: int, raw: Body) -> Classified:
         failure = Failure(
             failure_class.value,
             "ClientResponseError",
-            f"agent answered HTTP {status}{_REDIRECT_NOTE if 300 <= status < 400 else ''}",
+            f"agent answered HTTP {status}{_STATUS_NOTES.get(status, '')}",
             http_status=status,
             response_body=body_excerpt(raw),
         )
