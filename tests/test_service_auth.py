@@ -256,3 +256,27 @@ async def test_tls_serves_https_to_a_client_that_trusts_the_cert(
         code, output = await stop(daemon)
     assert code == 0, output[-3000:]
     assert TOKEN not in output
+
+
+async def test_a_tls_handshake_never_finished_is_closed_after_the_header_timeout(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    # asyncio bounds a server's TLS handshake by 60 s of its own: a client that
+    # connects and says nothing held its connection that long, whatever the flag.
+    cert, key = self_signed(tmp_path)
+    agent_url, _ = await sim_agent()
+    daemon = await start_serve(
+        tmp_path / "state", agent_url, "--tls-cert", str(cert), "--tls-key", str(key),
+        "--header-timeout-s", "1", DISPATCHER_API_TOKEN=TOKEN,
+    )  # fmt: skip
+    try:
+        host, port = daemon.url.removeprefix("https://").split(":")
+        silent = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+        for reader, writer in silent:
+            # Closed by the daemon: EOF, no handshake ever answered. (The bound
+            # only keeps a failing test from waiting asyncio's 60 s.)
+            assert await asyncio.wait_for(reader.read(), timeout=30) == b""
+            writer.close()
+    finally:
+        code, output = await stop(daemon)
+    assert code == 0, output[-3000:]

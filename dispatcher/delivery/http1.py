@@ -563,7 +563,15 @@ class Http1Pool(TurnBounds):
         conn = Connection(self)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                await loop.create_connection(lambda: conn, target.host, target.port, ssl=tls)
+                # asyncio's own bound on a handshake (60 s) is not ours to keep.
+                handshake_s = self.connect_timeout_s if tls is not None else None
+                await loop.create_connection(
+                    lambda: conn,
+                    target.host,
+                    target.port,
+                    ssl=tls,
+                    ssl_handshake_timeout=handshake_s,
+                )
         except TimeoutError:
             conn.close()
             raise ConnectTimeout(

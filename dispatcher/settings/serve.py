@@ -15,7 +15,8 @@ Each flag bounds one thing a client could otherwise grow without end:
 - ``--body-timeout-s``: a request body not received whole this long after its
   headers is answered 408 and its connection closed.
 - ``--header-timeout-s``: a connection that has not sent a whole request's
-  headers this long after connecting (or after its last answer) is closed.
+  headers this long after connecting (or after its last answer) is closed;
+  with TLS, one whose handshake has not ended this long after connecting too.
 - ``--max-job-rollouts``: rows × repeats of one job (over it: 400).
 - ``--max-job-bytes``: input bytes × repeats of one job, what its files grow
   to at the least (over it: 413).

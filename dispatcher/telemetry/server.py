@@ -7,6 +7,7 @@ a sign the loop is blocked.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -108,9 +109,47 @@ async def start_http_server(
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **options)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        if ssl_context is not None and header_timeout_s is not None:
+            site = _TlsSite(runner, host, port, ssl_context, header_timeout_s)
+        await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     bound_port: int = runner.addresses[0][1]
     return runner, bound_port
+
+
+class _TlsSite(web.TCPSite):
+    """A TLS site whose handshake is bounded by the header timeout too.
+
+    aiohttp's keep-alive timer starts once the handshake is done, and asyncio
+    bounds a server's handshake by 60 s of its own: a client that connects and
+    says nothing held its connection that long. (``TCPSite.start`` with the
+    one argument it does not pass.)
+    """
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext,
+        handshake_timeout_s: float,
+    ) -> None:
+        super().__init__(runner, host, port, ssl_context=ssl_context)
+        self._handshake_timeout_s = handshake_timeout_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout_s,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]
