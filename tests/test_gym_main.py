@@ -389,6 +389,24 @@ async def test_resume_starts_the_longest_first_and_extend_attempts_adds_tries(
     assert _json(paths.manifest)["max_attempts"] == 2
 
 
+async def test_status_and_report_count_the_attempt_cap_as_the_hop_did_with_extend_attempts(
+    tmp_path: Path,
+) -> None:
+    # A job script that asks `status` with the flags it ran with: the hop's cap was
+    # --max-attempts + --extend-attempts, and status must not judge with another.
+    failing = lambda body: web.json_response({"detail": "no"}, status=500)  # noqa: E731
+    flags = ("--max-attempts", "1", "--extend-attempts", "2")
+    result, paths = await _run(tmp_path, failing, 2, *flags)
+    assert result.returncode == 75, result.stderr[-2000:]  # one failure each of 3 allowed
+
+    status = await run_cli("status", str(paths.output), "--json", *flags)
+    report = await run_cli("report", str(paths.output), *flags)
+
+    assert status.returncode == 75, status.stderr
+    assert orjson.loads(status.stdout)["max_attempts"] == 3
+    assert report.returncode == 0, report.stderr  # it took the flags the hop took
+
+
 async def test_each_service_job_writes_its_files_in_its_folder(tmp_path: Path) -> None:
     from tests.test_service_e2e import Serve, rows
 

@@ -41,10 +41,16 @@ from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
 from dispatcher.files.resume import OutputPaths, RunState, iter_rows
 from dispatcher.latency.quantile import quantile
 from dispatcher.ops.runfiles import agent_name, read_manifest, render_delivery, require_run
-from dispatcher.ops.status import Standing, max_attempts_for, standing
+from dispatcher.ops.status import (
+    Standing,
+    add_attempt_cap_flags,
+    given_attempt_cap,
+    max_attempts_for,
+    standing,
+)
 from dispatcher.ops.table import format_table, utc_time
 from dispatcher.outcome import Outcome
-from dispatcher.settings.args import positive_float, positive_int
+from dispatcher.settings.args import positive_float
 from dispatcher.tasks.keys import row_key, task_of
 
 LIMIT_FRACTION = 0.99
@@ -435,18 +441,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="the run's per-rollout limit (default: the manifest's rollout_timeout_s, if any)",
     )
-    parser.add_argument(
-        "--max-attempts",
-        type=positive_int,
-        default=None,
-        help="attempt cap of the run, for which rollouts count as final in pass@k",
-    )
+    add_attempt_cap_flags(parser, "for which rollouts count as final in pass@k")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
-    report = build_report(args.output, args.rollout_timeout_s, args.max_attempts)
+    report = build_report(args.output, args.rollout_timeout_s, given_attempt_cap(args))
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:

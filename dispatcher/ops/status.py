@@ -20,6 +20,7 @@ same meaning as the run's own exit code), 2 when OUTPUT names no run.
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -48,6 +49,7 @@ from dispatcher.ops.runfiles import (
     require_run,
 )
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
+from dispatcher.settings.args import non_negative_int, positive_int
 from dispatcher.tasks.keys import row_key
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -218,6 +220,33 @@ def collect_status(output: Path, max_attempts: int | None = None) -> RunStatus:
     if not status.total.left_to_run:
         status.nothing_succeeded = nothing_succeeded(state, status.total.expected)
     return status
+
+
+def add_attempt_cap_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--max-attempts`` and ``--extend-attempts``, counted as ``run`` counts them."""
+    parser.add_argument(
+        "--max-attempts",
+        type=positive_int,
+        default=None,
+        help=f"attempt cap of the run, {what} (default: the manifest's, else "
+        f"{DEFAULT_MAX_ATTEMPTS})",
+    )
+    parser.add_argument(
+        "--extend-attempts",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="as the hop was run: the cap is --max-attempts + N (the manifest's cap "
+        "already holds its hop's N)",
+    )
+
+
+def given_attempt_cap(args: argparse.Namespace) -> int | None:
+    """The cap the flags give, as the hop that ran with them counted it; None: the
+    manifest's (which records its hop's cap, extension included)."""
+    if args.max_attempts is None:
+        return None
+    return int(args.max_attempts) + int(args.extend_attempts)
 
 
 def max_attempts_for(given: int | None, manifest: RunManifest | None) -> int:

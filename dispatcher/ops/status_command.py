@@ -9,8 +9,12 @@ import orjson
 
 from dispatcher.commands import command_help
 from dispatcher.ops.runfiles import is_state_dir
-from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, collect_status, render_status
-from dispatcher.settings.args import positive_int
+from dispatcher.ops.status import (
+    add_attempt_cap_flags,
+    collect_status,
+    given_attempt_cap,
+    render_status,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,19 +36,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the run's --output X.jsonl, or a `dispatcher serve` --state-dir: its jobs",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--max-attempts",
-        type=positive_int,
-        default=None,
-        help=f"attempt cap of the run (default: the manifest's, else {DEFAULT_MAX_ATTEMPTS})",
-    )
+    add_attempt_cap_flags(parser, "for which rollouts are final")
     parser.set_defaults(handler=run_status)
 
 
 def run_status(args: argparse.Namespace) -> int:
     if is_state_dir(args.output):
         return _state_dir_status(args)
-    status = collect_status(args.output, args.max_attempts)
+    status = collect_status(args.output, given_attempt_cap(args))
     if args.json:
         print(orjson.dumps(status.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
