@@ -924,6 +924,20 @@ async def test_an_answer_broken_after_its_status_line_was_delivered(
     assert "after its status line (HTTP 200)" in failure.message, failure.message
 
 
+async def test_a_503_broken_after_its_status_line_is_still_not_delivered(
+    pool: Http1Pool, scripted: Scripted
+) -> None:
+    # Its status line says the rollout never ran (contracts §11), whatever follows it.
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 503 Busy\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nno")
+        await reader.read()
+
+    status, missed, failure = await exchange(pool, await scripted(script))
+    assert failure is None and status == 503
+    assert missed is not None and missed.reason == "http_503"
+
+
 @pytest.mark.parametrize(
     "reply",
     [b"SSH-2.0-OpenSSH_9.6\r\n", b"HTTP/1.1 2000 OK\r\nContent-Length: 2\r\n\r\nok"],

@@ -79,11 +79,8 @@ async def post_run(
         return 0, b"", None, _failure(Outcome.TIMEOUT_EXCEEDED, exc, message)
     except OSError as exc:
         _raise_if_local(exc)
-        # Only after the status line: before it, it was not delivered (above).
-        status = conn.status if conn is not None else 0
-        message = f"reading the answer of {url} failed: {exc}"
-        failure = _failure(Outcome.AGENT_RUN_ERROR, exc, message)
-        return status, b"", None, replace(failure, http_status=status or None)
+        # After the status line (before it, it was not delivered: above).
+        return _broken(url, conn, exc)
     finally:
         # After the answer is judged: the connection's status and headers are its.
         # One whose answer is not whole (a cancel, a timeout, an error) is closed.
@@ -96,6 +93,18 @@ def _answered(conn: Connection, raw: Body, failure: Failure | None) -> Exchanged
     if reason is not None:
         return conn.status, raw, _refused(reason, conn, raw), None
     return conn.status, raw, None, failure
+
+
+def _broken(url: str, conn: Connection | None, exc: OSError) -> Exchanged:
+    """An answer broken after its status line: delivered, an ``agent_run_error``,
+    unless the status itself says the rollout never ran (a 503 stays a 503)."""
+    status = conn.status if conn is not None else 0
+    reason = not_delivered_reason(status, b"")
+    if conn is not None and reason is not None:
+        return status, b"", _refused(reason, conn, b""), None
+    message = f"reading the answer of {url} failed: {exc}"
+    failure = _failure(Outcome.AGENT_RUN_ERROR, exc, message)
+    return status, b"", None, replace(failure, http_status=status or None)
 
 
 def _head_missed(url: str, exc: OSError | TimeoutError, limits: ExchangeLimits) -> NotDelivered:
