@@ -292,11 +292,14 @@ async def test_a_replica_that_404s_before_any_2xx_is_back_once_a_probe_finds_run
     try:
         with pytest.raises(AgentMisconfigured):
             await agents.run("sim", {"_ng_task_index": 0}, "0-0")
-        serving = True
         [replica] = agents.replica_sets["sim"].replicas
         assert agents.due_for_probe() == []
         clock.now += POLICY.open_s
         assert agents.due_for_probe() == [replica]
+        await agents.probe(replica, 5.0)  # still 404: held open, for longer
+        assert replica.no_run and replica.breaker.open_for_s == 2 * POLICY.open_s
+        serving = True
+        clock.now = replica.breaker.reopen_at
         await agents.probe(replica, 5.0)
         attempt = await agents.run("sim", {"_ng_task_index": 0}, "0-0")
     finally:

@@ -98,8 +98,9 @@ class Breaker:
         return False
 
     def hold_open(self) -> None:
-        """Out of routing without a failure counted: only probes, after the backoff."""
-        self._open(self.policy.open_s)
+        """Out of routing without a failure counted: only probes, after a backoff
+        that doubles (up to its cap) each time it is held open again."""
+        self._open(min(self.policy.open_cap_s, max(self.policy.open_s, 2 * self.open_for_s)))
 
     def on_abandoned(self) -> None:
         """The request ended without telling anything about the replica (cancelled, our fault)."""
