@@ -76,7 +76,7 @@ class Attempt:
     retries: int = 0
     # Size of the answer's body: what its row will cost in the commit queue.
     body_bytes: int = 0
-    # The replica answered 404/405 to ``POST /run``: it serves no ``/run``.
+    # The replica answered 404/405 to ``POST /run`` and never 2xx: it serves no ``/run``.
     no_run: bool = False
 
 

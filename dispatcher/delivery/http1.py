@@ -15,6 +15,8 @@ prints both). This client keeps only what an agent call needs:
 - a gzip or deflate answer inflated as it arrives, in bounded steps
   (``inflate.py``), so the body cap (``ResponseLimits.max_bytes``) counts
   inflated bytes and memory stays under it whatever the agent sends;
+- an idle connection with bytes waiting in its socket is closed, never reused
+  (``Connection.quiet``): a late answer is never read as the next call's;
 - no redirects, no proxies from the environment, no cookies.
 
 Everything that is not an agent call (the service, the capture proxy, the

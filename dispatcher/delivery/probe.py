@@ -5,7 +5,9 @@ model requires ``responses_create_params``: they answer 422 without running
 anything (our sim agent answers 422 to a body without a task index). Any
 HTTP answer means the replica is reachable, except:
 
-- 404/405: no ``/run`` there, a wrong URL: a configuration error;
+- 404/405: no ``/run`` there, a wrong URL: a configuration error (from a
+  replica that has answered a rollout 2xx, ``AgentClient.probe`` takes it
+  for an ingress in between and keeps the replica out, not misconfigured);
 - 429/502/503/504, or 409 ``admission_closed``: alive but taking no work
   now, as a rollout would find it (not delivered).
 
