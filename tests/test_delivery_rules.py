@@ -307,3 +307,35 @@ async def test_a_replica_that_404s_before_any_2xx_is_back_once_a_probe_finds_run
         await runner.cleanup()
     assert attempt.outcome is Outcome.SUCCESS
     assert seen.statuses == [404] and not replica.no_run
+
+
+async def test_a_probes_404_from_a_replica_that_served_run_keeps_it_out_but_not_misconfigured() -> (
+    None
+):
+    # An ingress restarting in front of an agent that has answered rollouts: the
+    # replica waits for a later probe; its agent is no wrong URL.
+    not_found = False
+
+    async def run(request: web.Request) -> web.Response:
+        if not_found:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return web.json_response({"reward": 1.0})
+
+    app = web.Application()
+    app.router.add_post("/run", run)
+    runner, url = await serve(app)
+    clock, pool, seen = FakeClock(), Http1Pool(5.0), NoRunSeen()
+    agents = AgentClient({"sim": [url]}, pool, DeliveryPolicy(breaker=POLICY), seen, clock=clock)
+    try:
+        assert (await agents.run("sim", {"_ng_task_index": 0}, "0-0")).outcome is Outcome.SUCCESS
+        [replica] = agents.replica_sets["sim"].replicas
+        for _ in range(POLICY.failures_to_open):
+            replica.breaker.on_not_delivered()  # it stopped answering for a while
+        not_found = True
+        clock.now = replica.breaker.reopen_at
+        await agents.probe(replica, 5.0)
+    finally:
+        await pool.close()
+        await runner.cleanup()
+    assert replica.breaker.state is BreakerState.OPEN and not replica.no_run
+    assert seen.statuses == []
