@@ -86,7 +86,7 @@ class Inflater:
         if rest:
             sink.take(rest)
         if self._fed and not self._zlib.eof:
-            raise zlib.error("the body is cut short: its compressed stream does not end")
+            raise zlib.error("its compressed stream does not end")
         if self._then is not None:
             self._then.flush(into)
 
