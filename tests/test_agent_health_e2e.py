@@ -6,6 +6,7 @@ Agents are real aiohttp servers on 127.0.0.1; the runs are the real CLI.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -186,6 +187,47 @@ async def test_a_404_after_successes_is_that_tasks_failure_not_a_wrong_url(
         404,
     )
     assert not any(e["event"] == "replica_has_no_run" for e in log_events(result.stderr))
+
+
+async def test_an_answer_broken_after_its_status_line_is_one_failed_attempt_not_retries(
+    tmp_path: Path,
+) -> None:
+    # The agent ran the rollout before it sent two Content-Lengths: retrying it
+    # ran it again and again, and took a live replica for a dead one.
+    runs = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal runs
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                runs += 1
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    files = Files(tmp_path, 3)
+    try:
+        result = await run_cli(
+            *files.args(url, "--max-attempts", "1", "--delivery-deadline-s", "2"),
+            env={"DISPATCHER_RETRY_BACKOFF_BASE_S": "0.01"},
+        )
+    finally:
+        server.close()
+        await server.wait_closed()
+
+    assert result.returncode == 0, result.stderr[-3000:]  # each final: its one attempt failed
+    assert runs == 3
+    failures = files.failure_rows()
+    assert {(f["_ng_failure_class"], f["_ng_failure_type"], f["_ng_failure_http_status"])
+            for f in failures} == {("agent_run_error", "MalformedAnswer", 200)}  # fmt: skip
+    summary = summary_of(result.stderr)
+    assert summary["retries"] == {} and summary["agents_down"] == []
 
 
 # ---- an agent no replica of which answers -------------------------------------------
