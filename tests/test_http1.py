@@ -21,11 +21,13 @@ from dispatcher.delivery import http1
 from dispatcher.delivery import turns as turn_bounds
 from dispatcher.delivery.answers import Failure, NotDelivered
 from dispatcher.delivery.exchange import ExchangeLimits, post_run
-from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool, Target
+from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool
 from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError, ResponseLimits
+from dispatcher.delivery.target import Target
 from tests.helpers import self_signed, serve, wait_until
 
 MAX = 64 * 1024 * 1024
+BIG_BODY = b"b" * (2 * http1.DIRECT_BODY_BYTES)
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -227,6 +229,39 @@ async def test_answers_from_older_servers_are_read(
         writer.close()
 
     url = await scripted(script)
+    assert await call(pool, url) == body
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "after"),
+    [
+        (b"Transfer-Encoding: identity\r\nContent-Length: 2", b"ok", b""),
+        (b"Transfer-Encoding: identity\r\nContent-Length: 0", b"", b""),
+        (b"Content-Length: 2\r\nTransfer-Encoding: identity", b"ok", b"HTTP/1.1 200 OK\r\n"),
+        (b"Transfer-Encoding: identity\r\nContent-Length: %d" % len(BIG_BODY), BIG_BODY, b""),
+        # RFC 9112 6.3: a Transfer-Encoding overrides a Content-Length.
+        (b"Transfer-Encoding: chunked\r\nContent-Length: %d" % len(BIG_BODY), b"ok", b""),
+    ],
+    ids=[
+        "identity-length",
+        "identity-empty",
+        "identity-length-then-more",
+        "identity-big",
+        "chunked-over-length",
+    ],
+)
+async def test_a_length_beside_a_transfer_encoding_frames_the_answer_as_rfc_9112_says(
+    pool: Http1Pool, scripted: Scripted, head: bytes, body: bytes, after: bytes
+) -> None:
+    # The agent keeps its connection open: only the length can end the answer.
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            sent = b"2\r\nok\r\n0\r\n\r\n" if b"chunked" in head else body
+            writer.write(b"HTTP/1.1 200 OK\r\n%s\r\n\r\n%s%s" % (head, sent, after))
+
+    url = await scripted(script)
+    assert await call(pool, url) == body
     assert await call(pool, url) == body
 
 

@@ -19,10 +19,11 @@ from typing import Any
 from dispatcher.delivery.answers import Failure, NotDelivered, body_excerpt
 from dispatcher.delivery.deadlines import Deadlines
 from dispatcher.delivery.faults import as_local_fault
-from dispatcher.delivery.http1 import Connection, ConnectTimeout, Http1Pool, Target
+from dispatcher.delivery.http1 import Connection, ConnectTimeout, Http1Pool
 from dispatcher.delivery.limits import Body, BodyLimitError, ResponseLimits
 from dispatcher.delivery.retry import parse_retry_after
 from dispatcher.delivery.statuses import RetryReason, not_delivered_reason
+from dispatcher.delivery.target import Target
 from dispatcher.outcome import Outcome
 
 Exchanged = tuple[int, Body, NotDelivered | None, Failure | None]

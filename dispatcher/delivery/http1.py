@@ -6,7 +6,7 @@ the CPU that one POST to one known server needs (``bench/dispatch_overhead.py``
 prints both). This client keeps only what an agent call needs:
 
 - keep-alive connections per replica, the most recently used taken first;
-- each replica's request head built once (``Target``), with the Basic
+- each replica's request head built once (``target.Target``), with the Basic
   credentials its URL carries, and TLS for an ``https`` replica;
 - the answer parsed by httptools (llhttp, the parser uvicorn uses): status,
   headers, a Content-Length, chunked or read-until-close body, 1xx skipped;
@@ -31,19 +31,15 @@ from __future__ import annotations
 
 import array
 import asyncio
-import base64
 import fcntl
 import re
 import ssl
 import termios
 import zlib
-from dataclasses import dataclass
 from typing import cast
 
 import httptools
-from yarl import URL
 
-from dispatcher import __version__
 from dispatcher.aio import wake
 from dispatcher.delivery.inflate import Inflater, inflater_of
 from dispatcher.delivery.limits import (
@@ -54,6 +50,7 @@ from dispatcher.delivery.limits import (
     partial_prefix,
     too_large_message,
 )
+from dispatcher.delivery.target import Target
 from dispatcher.delivery.turns import TurnBounds
 
 # Bodies up to this size go out in one write with their head: a copy is cheaper
@@ -94,9 +91,11 @@ def body_buffer(size: int) -> bytearray:
 
 def _parser_for(conn: Connection) -> httptools.HttpResponseParser:
     """llhttp's response parser, reading obs-fold as RFC 9112 5.2 asks a user agent
-    to (each fold is white space); its leniency lets a NUL in too: ``on_header``."""
+    to (each fold is white space); its leniency lets a NUL in too: ``on_header``.
+    A Content-Length beside a Transfer-Encoding is read as RFC 9112 6.3 says
+    (``on_headers_complete``), not refused."""
     parser = httptools.HttpResponseParser(conn)
-    parser.set_dangerous_leniencies(lenient_headers=True)
+    parser.set_dangerous_leniencies(lenient_headers=True, lenient_chunked_length=True)
     return parser
 
 
@@ -115,40 +114,6 @@ class ConnectTimeout(TimeoutError):
 
 class _AfterAnswer(Exception):
     """Raised in a parser callback to stop at bytes that follow a whole answer."""
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where a ``POST`` goes: host, port, TLS, and the request head up to its length."""
-
-    host: str
-    port: int
-    tls: bool
-    head: bytes
-    # ``scheme://host:port``: the key of its idle connections (a str caches its hash).
-    origin: str
-
-    @classmethod
-    def of(cls, url: str) -> Target:
-        """The target of ``url`` (``scheme://[user:password@]host[:port]/path``)."""
-        parsed = URL(url)
-        host = parsed.raw_host or ""
-        port = parsed.port or 0
-        shown = f"[{host}]" if ":" in host else host
-        lines = [
-            f"POST {parsed.raw_path or '/'} HTTP/1.1",
-            f"Host: {shown if parsed.is_default_port() else f'{shown}:{port}'}",
-            f"User-Agent: rollout-dispatcher/{__version__}",
-            "Accept: */*",
-            "Accept-Encoding: gzip, deflate",
-            "Content-Type: application/json",
-        ]
-        if parsed.user is not None:
-            secret = f"{parsed.user}:{parsed.password or ''}".encode()
-            lines.append(f"Authorization: Basic {base64.b64encode(secret).decode()}")
-        head = "\r\n".join([*lines, "Content-Length: "]).encode("latin-1")
-        origin = f"{parsed.scheme}://{shown}:{port}"
-        return cls(host, port, parsed.scheme == "https", head, origin)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -180,6 +145,8 @@ class Connection(asyncio.BufferedProtocol):
         self._max_bytes = max_bytes
         self._inflate: Inflater | None = None
         self._until_close = False
+        # Body bytes still due of an identity answer with a length (-1: not one).
+        self._identity_left = -1
         self._head_bytes = 0
         self._interim = False
         self._complete = False
@@ -399,30 +366,46 @@ class Connection(asyncio.BufferedProtocol):
             self.headers.clear()
             return
         self.status = status
-        framed = False
-        length = -1
-        for name, value in self.headers:
-            key = name.lower()
-            if key == b"content-encoding":
-                self._inflate = inflater_of(value)
-            elif key == b"content-length" or (
-                key == b"transfer-encoding" and value.strip().lower() != b"identity"
-            ):
-                # "identity" is no transfer coding (RFC 9112 dropped it): not framed.
-                framed = True
-                # (llhttp has refused a length that is not one number, or two of them.)
-                if key == b"content-length" and value.strip().isdigit():
-                    length = int(value)
-        self._until_close = not framed
+        length, coded, identity = self._framing()
+        self._until_close = length < 0 and not coded
+        if coded:
+            length = -1  # RFC 9112 6.3: a transfer coding overrides a Content-Length
+        elif identity and length >= 0:
+            # llhttp knows no "identity" and reads to the connection's end: the
+            # length ends the answer here (``_identity_body``).
+            self._identity_left = length
+            if not length:
+                self._finish()
         if self._inflate is None and DIRECT_BODY_BYTES <= length <= self._max_bytes:
+            self._identity_left = -1  # a direct body ends at its size anyway
             self._direct = memoryview(body_buffer(length))
             # Asked now: the parser that knows it does not see the body's end.
             self._keep_alive = self._parser.should_keep_alive()
         if self._head is not None:
             self._pool.answered(self._head)
 
+    def _framing(self) -> tuple[int, bool, bool]:
+        """The answer's Content-Length (-1: none), whether a transfer coding frames
+        it, whether it says ``Transfer-Encoding: identity``; its inflater, if any."""
+        length, coded, identity = -1, False, False
+        for name, value in self.headers:
+            key = name.lower()
+            if key == b"content-encoding":
+                self._inflate = inflater_of(value)
+            elif key == b"transfer-encoding":
+                # "identity" is no transfer coding (RFC 9112 dropped it): no framing.
+                identity = value.strip().lower() == b"identity"
+                coded = coded or not identity
+            # (llhttp has refused a length that is not one number, or two of them.)
+            elif key == b"content-length" and value.strip().isdigit():
+                length = int(value)
+        return length, coded, identity
+
     def on_body(self, chunk: bytes) -> None:
         if self._error is not None:
+            return
+        if self._identity_left >= 0:
+            self._identity_body(chunk)
             return
         if self._inflate is None:
             self.take(chunk)
@@ -431,6 +414,21 @@ class Connection(asyncio.BufferedProtocol):
             self._inflate.feed(chunk, self)
         except zlib.error as exc:
             self._fail(Disconnected(f"the agent's answer does not inflate ({exc})"))
+
+    def _identity_body(self, chunk: bytes) -> None:
+        """A piece of an identity answer with a length: the body up to the length,
+        then the answer is whole; bytes past it close the connection."""
+        left = self._identity_left
+        if self._complete or not left:
+            raise _AfterAnswer
+        self._identity_left = -1
+        self.on_body(chunk[:left])
+        self._identity_left = max(0, left - len(chunk))
+        if self._identity_left or self._error is not None:
+            return
+        self._finish()  # (never kept alive: llhttp still reads to the connection's end)
+        if len(chunk) > left:
+            raise _AfterAnswer
 
     def on_message_complete(self) -> None:
         if self._interim:

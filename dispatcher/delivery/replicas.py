@@ -25,7 +25,7 @@ from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
 from dispatcher.delivery.adaptive import AimdController
-from dispatcher.delivery.http1 import Target
+from dispatcher.delivery.target import Target
 from dispatcher.urls import redact_url, replica_names
 
 Clock = Callable[[], float]

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dispatcher.commands import command_help
-from dispatcher.delivery.http1 import Http1Pool, Target
+from dispatcher.delivery.http1 import Http1Pool
 from dispatcher.delivery.probe import ProbeResult, probe_run
+from dispatcher.delivery.target import Target
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.files.contracts import RunManifest
 from dispatcher.files.resume import OutputPaths, RunState, load_run_state
