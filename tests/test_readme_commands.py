@@ -114,12 +114,30 @@ async def test_the_cluster_run_example_runs_with_its_hosts_replaced(
 
 async def test_the_capture_proxy_example_serves(tmp_path: Path) -> None:
     port = free_port()
-    script = example("dispatcher capture-proxy")
+    script = example("dispatcher capture-proxy --listen 127.0.0.1:8100 --upstream")
     script = replaced(
         script, {"127.0.0.1:8100": f"127.0.0.1:{port}", "http://vllm:8000": "http://127.0.0.1:9"}
     )
     out = await serve_until_listening(script, tmp_path)
     assert f"listening on http://127.0.0.1:{port}" in out
+
+
+async def test_the_routing_proxy_example_serves_with_its_upstreams_replaced(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    script = example("dispatcher capture-proxy --listen 127.0.0.1:8100 --capture-dir")
+    script = replaced(
+        script,
+        {
+            "127.0.0.1:8100": f"127.0.0.1:{port}",
+            "http://vllm-0:8000": "http://127.0.0.1:9",
+            "http://vllm-1:8000": "http://127.0.0.1:10",
+        },
+    )
+    out = await serve_until_listening(script, tmp_path)
+    assert f"listening on http://127.0.0.1:{port}" in out
+    assert '"route":"group"' in out
 
 
 async def test_the_serve_example_serves_with_its_hosts_replaced(
@@ -246,7 +264,12 @@ RUN_BY = {
     "dispatcher run --input tasks.jsonl --output runs/step1/rollouts.jsonl": (
         "test_the_cluster_run_example_runs_with_its_hosts_replaced"
     ),
-    "dispatcher capture-proxy": "test_the_capture_proxy_example_serves",
+    "dispatcher capture-proxy --listen 127.0.0.1:8100 --upstream": (
+        "test_the_capture_proxy_example_serves"
+    ),
+    "dispatcher capture-proxy --listen 127.0.0.1:8100 --capture-dir": (
+        "test_the_routing_proxy_example_serves_with_its_upstreams_replaced"
+    ),
     "sbatch rd-config/slurm/dispatch.sbatch": (
         "test_the_slurm_example_runs_under_a_stand_in_for_slurm"
     ),

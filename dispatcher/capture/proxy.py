@@ -36,6 +36,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange, encode_record
+from dispatcher.capture.routing import DEFAULT_MARGIN, RoutePolicy, Router, group_of
 from dispatcher.capture.store import BeforeWrite, CaptureStore
 from dispatcher.commands import command_help
 from dispatcher.delivery.limits import ProxyLimits, RecordBudget
@@ -73,37 +74,59 @@ _BAD_ID = (
 
 @dataclass(frozen=True)
 class _Upstream:
-    base_url: str
-    timeout_s: float
+    """Where calls go: the router over the upstreams, and the limit of one whole call."""
 
+    router: Router
+    timeout_s: float
+    # POSTed {"session_id": id} once when a rollout's session is released (None: not).
+    release_url: str | None = None
+
+
+# Identity headers on every forwarded call of a rollout (the proxy's replace an agent's):
+# a router in front of the engines can route by them.
+SESSION_HEADER = "X-Session-ID"
+GROUP_HEADER = "X-Prefix-Group"
+RELEASE_PREFIX = "/ng-release/"
+RELEASE_TIMEOUT_S = 2.0
 
 UPSTREAM_KEY = web.AppKey("capture_upstream", _Upstream)
 SESSION_KEY = web.AppKey("capture_session", aiohttp.ClientSession)
 STORE_KEY = web.AppKey("capture_store", CaptureStore)
 LIMITS_KEY = web.AppKey("capture_limits", ProxyLimits)
 UNATTRIBUTED_KEY = web.AppKey("unattributed_calls", list[str])
+RELEASES_KEY = web.AppKey("session_releases", set[asyncio.Task[None]])
 
 
 def build_proxy_app(
-    upstream_url: str,
+    upstream_url: str | list[str],
     capture_dir: Path,
     *,
     upstream_timeout_s: float = 600.0,
     before_write: BeforeWrite | None = None,
     limits: ProxyLimits | None = None,
+    route: RoutePolicy | None = None,
+    route_margin: int = DEFAULT_MARGIN,
+    release_url: str | None = None,
 ) -> web.Application:
-    """The proxy as an aiohttp application; ``upstream_url`` is the model server's root URL."""
+    """The proxy as an aiohttp application; ``upstream_url``: the model servers' root URLs
+    (one, or several serving one model); ``route``: how calls pick one (default: ``group``
+    with several)."""
     limits = limits or ProxyLimits()
     app = web.Application(
         client_max_size=limits.max_request_bytes,
         middlewares=[_concurrency_bound(limits.max_concurrency)],
     )
     app[LIMITS_KEY] = limits
-    app[UPSTREAM_KEY] = _Upstream(upstream_url.rstrip("/"), upstream_timeout_s)
+    urls = [upstream_url] if isinstance(upstream_url, str) else upstream_url
+    policy = route or (RoutePolicy.GROUP if len(urls) > 1 else RoutePolicy.ROUND_ROBIN)
+    router = Router(urls, policy, route_margin)
+    app[UPSTREAM_KEY] = _Upstream(router, upstream_timeout_s, release_url)
     app[STORE_KEY] = CaptureStore(capture_dir, before_write=before_write)
     app[UNATTRIBUTED_KEY] = []
+    app[RELEASES_KEY] = set()
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_route("*", ROLLOUT_PREFIX + "{rollout_id}/{tail:.*}", _handle_rollout_call)
+    app.router.add_post(RELEASE_PREFIX + "{rollout_id}", _handle_release)
     app.router.add_route("*", "/{tail:.*}", _handle_passthrough)
     return app
 
@@ -123,12 +146,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     log.info(
         "capture_proxy_ready",
-        upstream=redact_url(upstream.base_url),
+        upstreams=[redact_url(u.url) for u in upstream.router.upstreams],
+        route=str(upstream.router.policy),
         capture_dir=str(store.capture_dir),
     )
     yield
-    # Writes of calls that already answered must land before the process exits.
+    # Writes of calls that already answered must land before the process exits;
+    # releases under way get their short deadline.
     await store.aclose()
+    await asyncio.gather(*app[RELEASES_KEY], return_exceptions=True)
     await app[SESSION_KEY].close()
 
 
@@ -140,11 +166,11 @@ async def _handle_rollout_call(request: web.Request) -> web.StreamResponse:
     path = "/" + request.match_info["tail"]
     dialect = DIALECT_BY_PATH.get(path)
     if dialect is None or request.method != hdrs.METH_POST:
-        return await _forward(request, target, None)
+        return await _forward(request, target, None, rollout_id)
     store = request.app[STORE_KEY]
     recording = _Recording(Exchange(rollout_id, dialect, path), store.claim(rollout_id))
     try:
-        return await _forward(request, target, recording)
+        return await _forward(request, target, recording, rollout_id)
     except asyncio.CancelledError:
         recording.exchange.fail(ErrorCategory.CLIENT_DISCONNECTED, "request cancelled")
         raise
@@ -175,6 +201,38 @@ class _Recording:
         await asyncio.shield(self.claim)
 
 
+async def _handle_release(request: web.Request) -> web.Response:
+    """``POST /ng-release/<rollout_id>``: the dispatcher ended this rollout; its session
+    is forgotten (an unknown one, after a restart, is harmless) and, with
+    ``--session-release-url``, the upstream is told once."""
+    rollout_id = request.match_info["rollout_id"]
+    if not is_valid_rollout_id(rollout_id):
+        return _error_response(400, "invalid_rollout_id", _BAD_ID)
+    upstream = request.app[UPSTREAM_KEY]
+    released = upstream.router.release(rollout_id)
+    if released and upstream.release_url is not None:
+        _tell_upstream(request.app, upstream.release_url, rollout_id)
+    return web.json_response({"session_id": rollout_id, "released": released})
+
+
+def _tell_upstream(app: web.Application, url: str, rollout_id: str) -> None:
+    """One short POST naming the session, in the background; a failure is logged only."""
+
+    async def tell() -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)
+            body = {"session_id": rollout_id}
+            async with app[SESSION_KEY].post(url, json=body, timeout=timeout) as answer:
+                if answer.status >= 400:
+                    log.warning("session_release_refused", session=rollout_id, status=answer.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("session_release_failed", session=rollout_id, error=repr(exc))
+
+    task = asyncio.get_running_loop().create_task(tell())
+    app[RELEASES_KEY].add(task)
+    task.add_done_callback(app[RELEASES_KEY].discard)
+
+
 async def _handle_passthrough(request: web.Request) -> web.StreamResponse:
     if request.path in DIALECT_BY_PATH and not request.app[UNATTRIBUTED_KEY]:
         # Said once: a model call without /ng-rollout/<id>/ names no rollout, so it is
@@ -182,7 +240,7 @@ async def _handle_passthrough(request: web.Request) -> web.StreamResponse:
         # like this; with them, Gym's own capture directory is the one to read.
         request.app[UNATTRIBUTED_KEY].append(request.path)
         log.warning("model_call_not_captured", path=request.path, reason="no /ng-rollout/<id>/")
-    return await _forward(request, request.rel_url.raw_path_qs, None)
+    return await _forward(request, request.rel_url.raw_path_qs, None, None)
 
 
 def _strip_prefix(request: web.Request) -> str:
@@ -193,33 +251,65 @@ def _strip_prefix(request: web.Request) -> str:
 
 
 async def _forward(
-    request: web.Request, target: str, recording: _Recording | None
+    request: web.Request, target: str, recording: _Recording | None, rollout_id: str | None
 ) -> web.StreamResponse:
-    upstream, session = request.app[UPSTREAM_KEY], request.app[SESSION_KEY]
+    router = request.app[UPSTREAM_KEY].router
     exchange = recording.exchange if recording is not None else None
     body = await request.read()
     if exchange is not None:
         exchange.request_body = body
-    try:
-        answer = await session.request(
-            request.method,
-            URL(upstream.base_url + target, encoded=True),
-            headers=_forwarded_headers(request.headers),
-            data=body or None,
-            allow_redirects=False,
-        )
-    except TimeoutError as exc:
-        failure = _no_answer(exchange, ErrorCategory.UPSTREAM_TIMEOUT, exc)
-    except aiohttp.ClientConnectorError as exc:
-        failure = _no_answer(exchange, ErrorCategory.UPSTREAM_UNREACHABLE, exc)
-    except aiohttp.ClientError as exc:
-        failure = _no_answer(exchange, ErrorCategory.UPSTREAM_ERROR, exc)
-    else:
-        async with answer:
-            return await _Relay(request, answer, recording).run()
+    headers = _forwarded_headers(request.headers)
+    if rollout_id is not None:
+        headers[SESSION_HEADER] = rollout_id
+        headers[GROUP_HEADER] = group_of(rollout_id)
+    index = router.pick(rollout_id) if rollout_id is not None else router.any()
+    # A call that cannot connect goes to the next upstream (the pin moves with it):
+    # each is tried once, and the last failure is the call's.
+    failure: tuple[ErrorCategory, Exception] | None = None
+    for _ in range(len(router.upstreams)):
+        if exchange is not None:
+            exchange.upstream = redact_url(router.upstreams[index].url)
+        router.started(index)
+        try:
+            return await _send(request, target, headers, body, recording, index)
+        except aiohttp.ClientConnectorError as exc:
+            failure = (ErrorCategory.UPSTREAM_UNREACHABLE, exc)
+        except TimeoutError as exc:
+            failure = (ErrorCategory.UPSTREAM_TIMEOUT, exc)
+            break
+        except aiohttp.ClientError as exc:
+            failure = (ErrorCategory.UPSTREAM_ERROR, exc)
+            break
+        finally:
+            router.ended(index)
+        index = router.unreachable(rollout_id, index) if rollout_id else router.after(index)
+    assert failure is not None
+    answer = _no_answer(exchange, *failure)
     if recording is not None:
         await recording.claimed()
-    return failure
+    return answer
+
+
+async def _send(
+    request: web.Request,
+    target: str,
+    headers: CIMultiDict[str],
+    body: bytes,
+    recording: _Recording | None,
+    index: int,
+) -> web.StreamResponse:
+    """One try at one upstream; the relayed answer, or the client's error to fail over on."""
+    app = request.app
+    base_url = app[UPSTREAM_KEY].router.upstreams[index].url
+    answer = await app[SESSION_KEY].request(
+        request.method,
+        URL(base_url + target, encoded=True),
+        headers=headers,
+        data=body or None,
+        allow_redirects=False,
+    )
+    async with answer:
+        return await _Relay(request, answer, recording).run()
 
 
 def _no_answer(exchange: Exchange | None, category: ErrorCategory, exc: Exception) -> web.Response:
@@ -364,7 +454,29 @@ def add_parser(subparsers: Any) -> None:
     """Register ``capture-proxy --listen HOST:PORT --upstream URL --capture-dir DIR``."""
     p = subparsers.add_parser("capture-proxy", help=command_help("capture-proxy"))
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
-    p.add_argument("--upstream", required=True, help="model server root URL, e.g. http://h:8000")
+    p.add_argument(
+        "--upstream",
+        required=True,
+        action="append",
+        help="model server root URL, e.g. http://h:8000; repeat it for replicas serving one model",
+    )
+    p.add_argument(
+        "--route",
+        choices=[policy.value for policy in RoutePolicy],
+        help="how a call picks an upstream: round_robin (per call), session (a rollout's "
+        "calls stay together), group (a task's repeats stay together; default with several)",
+    )
+    p.add_argument(
+        "--route-margin",
+        type=positive_int,
+        default=DEFAULT_MARGIN,
+        help="group: a pinned upstream with more than this many calls in flight above the "
+        f"least loaded one is passed over (default {DEFAULT_MARGIN})",
+    )
+    p.add_argument(
+        "--session-release-url",
+        help='POST {"session_id": ID} here once when the dispatcher ends a rollout',
+    )
     p.add_argument("--capture-dir", required=True, type=Path, help="where capture files go")
     p.add_argument(
         "--upstream-timeout-s", type=float, default=600.0, help="limit for one whole model call"
@@ -400,8 +512,9 @@ def _limits_from(args: argparse.Namespace) -> ProxyLimits:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    if not str(args.upstream).startswith(("http://", "https://")):
-        raise ConfigError(f"--upstream {args.upstream!r}: expected an http(s) URL")
+    for url in [*args.upstream, *([args.session_release_url] if args.session_release_url else [])]:
+        if not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"{redact_url(url)!r}: expected an http(s) URL")
     if args.upstream_timeout_s <= 0:
         raise ConfigError("--upstream-timeout-s must be > 0")
     app = build_proxy_app(
@@ -409,5 +522,8 @@ async def _main(args: argparse.Namespace) -> int:
         args.capture_dir,
         upstream_timeout_s=args.upstream_timeout_s,
         limits=_limits_from(args),
+        route=RoutePolicy(args.route) if args.route else None,
+        route_margin=args.route_margin,
+        release_url=args.session_release_url,
     )
     return await serve_until_signal(app, args.listen, "capture-proxy")

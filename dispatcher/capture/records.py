@@ -77,6 +77,8 @@ class Exchange:
     duration_s: float | None = None
     error_category: ErrorCategory | None = None
     error_detail: str | None = None
+    # The upstream the call went to (its last one, after a fail-over), credentials masked.
+    upstream: str | None = None
 
     @property
     def streamed(self) -> bool:
@@ -132,6 +134,8 @@ def encode_record(exchange: Exchange) -> bytes:
     }
     if exchange.error_detail:
         record["error_detail"] = exchange.error_detail
+    if exchange.upstream is not None:
+        record["upstream"] = exchange.upstream
     if request_raw is not None:
         record["request_raw"] = request_raw
     if response_raw is not None:

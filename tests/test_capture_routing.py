@@ -1,0 +1,175 @@
+"""The capture proxy routes a rollout's calls by its identity (capture/routing.py): the
+rules on a router alone, and through real sockets with several upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dispatcher.capture.proxy import build_proxy_app
+from dispatcher.capture.routing import RoutePolicy, Router, group_of
+from tests.helpers import wait_until
+from tests.test_capture_proxy import Servers, capture_lines, post_chat
+
+# ---- the rules ------------------------------------------------------------------------
+
+
+def test_the_group_of_a_rollout_is_its_task_within_its_hop() -> None:
+    assert group_of("3-0") == group_of("3-7") == group_of("3-1-a2") == "t3"
+    assert group_of("3-1.0a1b2c3d") == group_of("3-5-a1.0a1b2c3d") == "t3.0a1b2c3d"
+    assert group_of("3-1.0a1b2c3d") != group_of("3-1.ffffffff")  # another hop or job
+    assert group_of("my-own-id") == "my-own-id"  # names no siblings
+
+
+def test_session_pins_a_rollouts_calls_and_starts_it_on_the_least_loaded() -> None:
+    router = Router(["a", "b", "c"], RoutePolicy.SESSION)
+    first = [router.pick(f"{task}-0") for task in range(3)]
+    assert sorted(first) == [0, 1, 2]  # fewest live sessions first
+    assert [router.pick(f"{task}-0") for task in range(3)] == first
+    assert router.release("1-0") and not router.release("1-0")
+    assert router.pick("9-0") == first[1]  # the released one's upstream is the lightest
+
+
+def test_group_keeps_siblings_together_until_the_margin_is_passed() -> None:
+    router = Router(["a", "b"], RoutePolicy.GROUP, margin=2)
+    home = router.pick("5-0")
+    assert {router.pick(f"5-{i}") for i in range(1, 4)} == {home}
+    for _ in range(3):  # 3 calls in flight at home, 0 elsewhere: past the margin of 2
+        router.started(home)
+    moved = router.pick("5-4")
+    assert moved != home
+    assert router.pick("5-5") == moved  # the group's pin moved with it
+    assert router.pick("5-1") == home  # a session already started stays
+
+
+def test_round_robin_is_per_call() -> None:
+    router = Router(["a", "b", "c"], RoutePolicy.ROUND_ROBIN)
+    assert [router.pick("1-0") for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_sessions_and_groups_stay_bounded() -> None:
+    router = Router(["a", "b"], RoutePolicy.GROUP, max_sessions=10, max_groups=5)
+    for task in range(1000):
+        router.pick(f"{task}-0")
+    assert router.live_sessions == 10
+    assert sum(u.sessions for u in router.upstreams) == 10
+
+
+# ---- through real sockets -------------------------------------------------------------
+
+
+class Upstreams:
+    """Model servers that answer a chat completion and note each call's headers."""
+
+    def __init__(self, servers: Servers) -> None:
+        self.servers = servers
+        self.calls: list[tuple[int, dict[str, str]]] = []
+
+    async def start(self, count: int) -> list[str]:
+        return [await self.servers.start(self._app(index)) for index in range(count)]
+
+    def _app(self, index: int) -> web.Application:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            self.calls.append((index, dict(request.headers)))
+            answer = {"id": f"c{len(self.calls)}", "object": "chat.completion", "choices": []}
+            return web.json_response(answer)
+
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", handle)
+        return app
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[Servers]:
+    harness = Servers()
+    yield harness
+    await harness.close()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as client:
+        yield client
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def call(session: aiohttp.ClientSession, proxy: str, rollout_id: str, **kw: Any) -> None:
+    url = f"{proxy}/ng-rollout/{rollout_id}/v1/chat/completions"
+    async with post_chat(session, url, **kw) as answer:
+        assert answer.status == 200, await answer.text()
+
+
+async def test_a_groups_rollouts_and_their_turns_reach_one_upstream_with_both_headers(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    upstreams = Upstreams(servers)
+    proxy = await servers.start(build_proxy_app(await upstreams.start(3), tmp_path))
+    token = ".0a1b2c3d"
+    spoofed = {"X-Session-ID": "not-mine", "X-Prefix-Group": "not-mine"}
+    for _turn in range(3):
+        for task in range(4):
+            for repeat in range(4):
+                await call(session, proxy, f"{task}-{repeat}{token}", headers=spoofed)
+    by_group: dict[str, set[int]] = {}
+    for index, headers in upstreams.calls:
+        by_group.setdefault(headers["X-Prefix-Group"], set()).add(index)
+        assert headers["X-Session-ID"].endswith(token)  # the proxy's, not the agent's
+    assert sorted(by_group) == [f"t{task}{token}" for task in range(4)]
+    assert all(len(indexes) == 1 for indexes in by_group.values())
+    # Load-aware: the four groups did not all land on one upstream.
+    assert len({next(iter(i)) for i in by_group.values()}) > 1
+
+
+async def test_a_call_that_cannot_connect_fails_over_and_the_pin_moves(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    upstreams = Upstreams(servers)
+    [live] = await upstreams.start(1)
+    dead = f"http://127.0.0.1:{closed_port()}"
+    app = build_proxy_app([dead, live], tmp_path, route=RoutePolicy.SESSION)
+    proxy = await servers.start(app)
+    for _ in range(3):
+        await call(session, proxy, "7-0")
+    assert [index for index, _ in upstreams.calls] == [0, 0, 0]
+    await wait_until(lambda: len(capture_lines(tmp_path, "7-0")) == 3)  # written behind
+    records = capture_lines(tmp_path, "7-0")
+    assert [r["upstream"] for r in records] == [live] * 3
+    assert [r["error_category"] for r in records] == [None] * 3
+
+
+async def test_release_forgets_a_session_and_tells_the_upstream_once(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    upstreams = Upstreams(servers)
+    told: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def on_release(request: web.Request) -> web.Response:
+        await told.put(await request.json())
+        return web.json_response({})
+
+    release_app = web.Application()
+    release_app.router.add_post("/release", on_release)
+    release_url = await servers.start(release_app) + "/release"
+    app = build_proxy_app(await upstreams.start(2), tmp_path, release_url=release_url)
+    proxy = await servers.start(app)
+    await call(session, proxy, "1-0")
+    for expected in (True, False):  # a second release is an unknown session: harmless
+        async with session.post(f"{proxy}/ng-release/1-0") as answer:
+            assert answer.status == 200
+            assert await answer.json() == {"session_id": "1-0", "released": expected}
+    assert await asyncio.wait_for(told.get(), 10) == {"session_id": "1-0"}
+    assert told.empty()
