@@ -34,6 +34,10 @@ class SimModelConfig:
     error_status: int = 500
     truncate_rate: float = 0.0
     seed: int = 0
+    # A prefix cache of this many tokens (0: none, and every answer says
+    # ``cached_tokens``), and the prefill time of each prompt token it did not hold.
+    prefix_cache_tokens: int = 0
+    prefill_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "truncate_rate"):
@@ -41,8 +45,10 @@ class SimModelConfig:
                 raise ValueError(f"{name} must be within [0, 1]")
         if not 400 <= self.error_status <= 599:
             raise ValueError("error_status must be an HTTP error status (400-599)")
-        if min(self.latency_s, self.inter_chunk_s) < 0:
+        if min(self.latency_s, self.inter_chunk_s, self.prefill_s_per_token) < 0:
             raise ValueError("latencies must be >= 0")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must be >= 0")
 
 
 # --- answers -----------------------------------------------------------------------------
@@ -56,10 +62,14 @@ class _Usage:
     cached: int
 
 
+def prompt_bytes(body: JsonObject) -> bytes:
+    """The request's conversation as the sim counts its tokens: about four bytes each."""
+    return orjson.dumps(body.get("messages") or body.get("input") or body.get("prompt") or "")
+
+
 def _usage(config: SimModelConfig, body: JsonObject) -> _Usage:
-    conversation = body.get("messages") or body.get("input") or body.get("prompt") or ""
     # About four bytes per token; what matters is that it is deterministic.
-    prompt = max(1, len(orjson.dumps(conversation)) // 4)
+    prompt = max(1, len(prompt_bytes(body)) // 4)
     completion = max(1, config.completion_tokens)
     return _Usage(
         prompt,

@@ -21,7 +21,7 @@ import argparse
 import asyncio
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -29,8 +29,9 @@ from aiohttp import web
 
 from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError
-from dispatcher.sim.dialects import EVENTS, RESPONSES, JsonObject, SimModelConfig
+from dispatcher.sim.dialects import EVENTS, RESPONSES, JsonObject, SimModelConfig, prompt_bytes
 from dispatcher.sim.model_client import DIALECT_PATHS, ModelCallError, call_model
+from dispatcher.sim.prefix_cache import BYTES_PER_TOKEN, PrefixCache
 from dispatcher.telemetry.http_app import serve_until_signal
 
 __all__ = [
@@ -56,6 +57,8 @@ class SimModelStats:
 CONFIG_KEY = web.AppKey("sim_model_config", SimModelConfig)
 STATS_KEY = web.AppKey("sim_model_stats", SimModelStats)
 RNG_KEY = web.AppKey("sim_model_rng", random.Random)
+# Without a cache (0 tokens), answers say the configured cached_tokens as before.
+CACHE_KEY: web.AppKey[PrefixCache | None] = web.AppKey("sim_model_prefix_cache")
 
 
 def build_sim_model_app(config: SimModelConfig) -> web.Application:
@@ -64,6 +67,7 @@ def build_sim_model_app(config: SimModelConfig) -> web.Application:
     app[CONFIG_KEY] = config
     app[STATS_KEY] = SimModelStats()
     app[RNG_KEY] = random.Random(config.seed)
+    app[CACHE_KEY] = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
     for dialect, path in DIALECT_PATHS.items():
         app.router.add_post(path, _handler(dialect))
     app.router.add_get("/v1/models", _handle_models)
@@ -89,11 +93,26 @@ async def _answer(request: web.Request, dialect: str) -> web.StreamResponse:
     if fail:
         stats.errors += 1
         return _error(config.error_status)
+    config = await _prefill(request.app, config, body)
     response = RESPONSES[dialect](config, body)
     if stream:
         events = EVENTS[dialect](response, config, body)
         return await _stream(request, events, config, truncate, stats)
     return await _send_json(request, response, truncate, stats)
+
+
+async def _prefill(app: web.Application, config: SimModelConfig, body: Any) -> SimModelConfig:
+    """With a prefix cache: spend the prefill time of the prompt tokens it did not hold,
+    and answer with the cached ones counted (the config this call answers with)."""
+    cache = app[CACHE_KEY]
+    if cache is None:
+        return config
+    prompt = prompt_bytes(body)
+    cached = cache.admit(prompt)
+    uncached = max(1, len(prompt) // BYTES_PER_TOKEN) - cached
+    if config.prefill_s_per_token > 0 and uncached > 0:
+        await asyncio.sleep(uncached * config.prefill_s_per_token)
+    return replace(config, cached_tokens=cached)
 
 
 def _count(stats: SimModelStats, dialect: str, stream: bool, authorized: bool) -> None:
@@ -161,8 +180,11 @@ async def _handle_models(request: web.Request) -> web.Response:
 
 
 async def _handle_stats(request: web.Request) -> web.Response:
-    stats = request.app[STATS_KEY]
-    return web.Response(body=orjson.dumps(stats.__dict__), content_type="application/json")
+    stats, cache = request.app[STATS_KEY], request.app[CACHE_KEY]
+    body = dict(stats.__dict__)
+    if cache is not None:
+        body["prompt_tokens"], body["cached_tokens"] = cache.prompt_tokens, cache.cached_tokens
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -181,6 +203,19 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--error-status", type=int, default=500)
     p.add_argument("--truncate-rate", type=float, default=0.0, help="probability of a cut body")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="keep a prefix cache of this many prompt tokens, LRU (default 0: none); "
+        "answers then count the cached prompt tokens they reused",
+    )
+    p.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="with a prefix cache: microseconds of prefill per prompt token it did not hold",
+    )
     p.set_defaults(handler=_main, is_async=True)
 
 
@@ -199,6 +234,8 @@ def config_from_args(args: argparse.Namespace) -> SimModelConfig:
         error_status=args.error_status,
         truncate_rate=args.truncate_rate,
         seed=args.seed,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        prefill_s_per_token=args.prefill_us_per_token / 1e6,
     )
 
 
