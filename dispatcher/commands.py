@@ -47,7 +47,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "report",
         "dispatcher.ops.report",
-        "timing, limit hits, start deciles, reward and pass@k of a run",
+        "timing, limit hits, start deciles, timeline, reward and pass@k of a run; --html: pictures",
     ),
     Command(
         "merge",

@@ -173,7 +173,7 @@ def _parses_as_object(data: bytes) -> bool:
         return False
 
 
-def _nonblank_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def nonblank_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """``(line_no, raw)`` per non-blank line, streaming; nothing for a missing file."""
     try:
         f = path.open("rb")
@@ -187,7 +187,7 @@ def _nonblank_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 def iter_lines(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
     """Yield ``(line_no, raw, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
-    for line_no, line in _nonblank_lines(path):
+    for line_no, line in nonblank_lines(path):
         try:
             row = orjson.loads(line)
         except orjson.JSONDecodeError:
@@ -205,7 +205,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
 def iter_line_keys(path: Path) -> Iterator[int | None]:
     """``row_key`` of each non-blank line, None when unreadable; only the two
     indices are decoded, so a row of megabytes costs one scan, not its objects."""
-    for _, line in _nonblank_lines(path):
+    for _, line in nonblank_lines(path):
         yield line_key(line)
 
 
@@ -361,7 +361,7 @@ def _agent_of(row: dict[str, Any]) -> str:
 def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
     """Read successes and failures back (blocking: call it in a thread)."""
     state = RunState(max_attempts=max_attempts)
-    for _, line in _nonblank_lines(paths.output):
+    for _, line in nonblank_lines(paths.output):
         facts = success_facts(line)
         if facts is None:
             state.unreadable_rows += 1

@@ -1,6 +1,8 @@
 """``dispatcher report OUTPUT``: how long rollouts took, when they started, what they scored.
 
-Timing comes from ``_ng_dispatch`` (``started_at`` unix seconds,
+OUTPUT is a run's ``X.jsonl`` or a ``dispatcher serve`` job's folder (its
+``rollouts.jsonl``). The rows are read once, only the keys a report needs
+(``ops.attempts``). Timing comes from ``_ng_dispatch`` (``started_at`` unix seconds,
 ``duration_s``, ``replica``), which the dispatcher stamps on every success
 and failure row; a success row without it falls back to
 ``ng_perf.total_latency_ms``. Each row is one attempt, so a retried rollout
@@ -15,6 +17,10 @@ contributes each of its attempts.
   each with its start window relative to the first start, outcome counts and
   median duration. Late deciles that time out or fail more show work started
   too close to the end.
+- Timeline (``ops.timeline``): per minute of finish time (coarser past an
+  hour, at most 60 lines), attempts finished, succeeded and failed by class,
+  duration p50/p95 and the mean in flight. ``--html FILE`` draws the same over
+  time for the whole run, per agent and per replica (``ops.report_html``).
 - Reward: mean of numeric ``reward`` over success rows, per agent.
 - pass@k, per agent: the unbiased estimator 1 - C(n-c, k) / C(n, k) per task,
   averaged over the tasks with n >= k, where n counts the task's rollouts with
@@ -27,157 +33,38 @@ from __future__ import annotations
 
 import argparse
 import math
-from array import array
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import orjson
 
 from dispatcher.commands import command_help
+from dispatcher.errors import ConfigError
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
-from dispatcher.files.resume import OutputPaths, RunState, iter_rows
+from dispatcher.files.contracts import RunManifest
+from dispatcher.files.delivery_history import HopDelivery
 from dispatcher.latency.quantile import quantile
-from dispatcher.ops.runfiles import agent_name, read_manifest, render_delivery, require_run
-from dispatcher.ops.status import (
-    Standing,
-    add_attempt_cap_flags,
-    given_attempt_cap,
-    max_attempts_for,
-    standing,
-)
+from dispatcher.ops.attempts import FAILURE, SUCCESS, Attempts, ReportData, collect
+from dispatcher.ops.runfiles import is_state_dir, read_manifest, render_delivery, require_run
+from dispatcher.ops.status import add_attempt_cap_flags, given_attempt_cap, max_attempts_for
 from dispatcher.ops.table import format_table, utc_time
-from dispatcher.outcome import Outcome
+from dispatcher.ops.timeline import (
+    MAX_TEXT_BINS,
+    TEXT_BIN_S,
+    build_timeline,
+    render_timeline,
+    timeline_json,
+)
 from dispatcher.settings.args import positive_float
-from dispatcher.tasks.keys import row_key, task_of
 
 LIMIT_FRACTION = 0.99
 START_GROUPS = 10
-
-_SUCCESS, _FAILURE = 0, 1
-_FINAL = frozenset({Standing.SUCCEEDED, Standing.TERMINAL, Standing.ATTEMPTS_USED_UP})
-_NAN = math.nan
-
-
-@dataclass
-class Attempts:
-    """One entry per row; NaN where the row carried no timing. Compact for millions of rows."""
-
-    starts: array[float] = field(default_factory=lambda: array("d"))
-    durations: array[float] = field(default_factory=lambda: array("d"))
-    kinds: bytearray = field(default_factory=bytearray)
-    timeouts: bytearray = field(default_factory=bytearray)
-
-    def add(self, row: dict[str, Any], kind: int, timed_out: bool) -> None:
-        started, duration = row_timing(row)
-        self.starts.append(_NAN if started is None else started)
-        self.durations.append(_NAN if duration is None else duration)
-        self.kinds.append(kind)
-        self.timeouts.append(timed_out)
-
-
-@dataclass
-class RewardTally:
-    successes: int = 0
-    rewarded: int = 0
-    total: float = 0.0
-    positive: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "successes": self.successes,
-            "with_reward": self.rewarded,
-            "mean": self.total / self.rewarded if self.rewarded else None,
-            "positive_share": self.positive / self.rewarded if self.rewarded else None,
-        }
-
-
-@dataclass
-class ReportData:
-    """What one streaming pass over the three files collects."""
-
-    attempts: Attempts = field(default_factory=Attempts)
-    rewards: dict[str, RewardTally] = field(default_factory=lambda: defaultdict(RewardTally))
-    passed: set[int] = field(default_factory=set)
-    # (agent, task) -> [rollouts with a final outcome, of them passed]
-    tasks: dict[tuple[str, int], list[int]] = field(default_factory=lambda: defaultdict(_pair))
-
-
-def _pair() -> list[int]:
-    return [0, 0]
-
-
-def row_timing(row: dict[str, Any]) -> tuple[float | None, float | None]:
-    """``(started_at, duration_s)`` of a row, each None when the row does not say."""
-    started = duration = None
-    stamp = row.get(DISPATCH)
-    if isinstance(stamp, dict):
-        started = _number(stamp.get("started_at"))
-        duration = _number(stamp.get("duration_s"))
-    if duration is None:
-        perf = row.get("ng_perf")
-        latency_ms = _number(perf.get("total_latency_ms")) if isinstance(perf, dict) else None
-        duration = latency_ms / 1000.0 if latency_ms is not None else None
-    return started, duration
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def collect(paths: OutputPaths, max_attempts: int) -> ReportData:
-    """One streaming read of successes, failures, then materialized rows."""
-    data = ReportData()
-    state = RunState(max_attempts=max_attempts)
-    for _, row in iter_rows(paths.output):
-        key = row_key(row)
-        if row is None or key is None or key in state.successes:
-            continue
-        state.successes.add(key)
-        data.attempts.add(row, _SUCCESS, timed_out=False)
-        _note_reward(data, key, row)
-    for _, row in iter_rows(paths.failures):
-        key = row_key(row)
-        if row is None or key is None:
-            continue
-        failure_class = state.add_failure(key, row)
-        if failure_class is None:
-            continue  # an omitted rollout's row: no attempt (contracts §15)
-        data.attempts.add(row, _FAILURE, failure_class == Outcome.TIMEOUT_EXCEEDED)
-    _collect_tasks(paths, state, data)
-    return data
-
-
-def _note_reward(data: ReportData, key: int, row: dict[str, Any]) -> None:
-    tally = data.rewards[agent_name(row)]
-    tally.successes += 1
-    reward = row.get("reward")
-    value = float(reward) if isinstance(reward, int | float) else None
-    if value is None or not math.isfinite(value):
-        return
-    tally.rewarded += 1
-    tally.total += value
-    if value > 0:
-        tally.positive += 1
-        data.passed.add(key)
-
-
-def _collect_tasks(paths: OutputPaths, state: RunState, data: ReportData) -> None:
-    seen: set[int] = set()
-    for _, row in iter_rows(paths.materialized):
-        key = row_key(row)
-        if row is None or key is None or key in seen:
-            continue
-        seen.add(key)
-        if standing(state, key) not in _FINAL:
-            continue
-        counts = data.tasks[(agent_name(row), task_of(key))]
-        counts[0] += 1
-        counts[1] += key in data.passed
+# A `dispatcher serve` job's output, in its folder (serve/registry.py).
+JOB_OUTPUT = "rollouts.jsonl"
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -262,7 +149,7 @@ def _start_group(
     durations = sorted(
         attempts.durations[i] for i in members if not math.isnan(attempts.durations[i])
     )
-    successes = sum(1 for i in members if attempts.kinds[i] == _SUCCESS)
+    successes = sum(1 for i in members if attempts.kinds[i] == SUCCESS)
     hit = sum(1 for i in members if attempts.timeouts[i] or attempts.durations[i] >= threshold)
     return {
         "from_s": attempts.starts[members[0]] - first,
@@ -275,36 +162,59 @@ def _start_group(
     }
 
 
-def build_report(output: Path, timeout_s: float | None, max_attempts: int | None) -> dict[str, Any]:
-    """The report as one JSON-ready dict (read-only, streaming)."""
+@dataclass(frozen=True)
+class RunRead:
+    """What one pass over a run's files gives the text report and its pictures."""
+
+    output: Path
+    manifest: RunManifest | None
+    data: ReportData
+
+    @property
+    def hops(self) -> list[HopDelivery]:
+        return list(self.manifest.delivery_history or []) if self.manifest is not None else []
+
+
+def read_run(output: Path, max_attempts: int | None) -> RunRead:
     paths = require_run(output)
     manifest = read_manifest(paths.manifest)
+    return RunRead(output, manifest, collect(paths, max_attempts_for(max_attempts, manifest)))
+
+
+def build_report(
+    output: Path, timeout_s: float | None, max_attempts: int | None, bin_s: float = TEXT_BIN_S
+) -> dict[str, Any]:
+    """The report as one JSON-ready dict (read-only, streaming)."""
+    return report_of(read_run(output, max_attempts), timeout_s, bin_s)
+
+
+def report_of(run: RunRead, timeout_s: float | None, bin_s: float) -> dict[str, Any]:
+    manifest, attempts = run.manifest, run.data.attempts
     if timeout_s is None and manifest is not None and manifest.rollout_timeout_s is not None:
         timeout_s = float(manifest.rollout_timeout_s)
-    data = collect(paths, max_attempts_for(max_attempts, manifest))
-    attempts = data.attempts
-    by_kind: dict[int, list[float]] = {_SUCCESS: [], _FAILURE: []}
+    by_kind: dict[int, list[float]] = {SUCCESS: [], FAILURE: []}
     for kind, duration in zip(attempts.kinds, attempts.durations, strict=True):
         if not math.isnan(duration):
             by_kind[kind].append(duration)
     return {
-        "output": str(output),
+        "output": str(run.output),
         "attempts": {
             "total": len(attempts.kinds),
-            "successes": sum(1 for k in attempts.kinds if k == _SUCCESS),
-            "failures": sum(1 for k in attempts.kinds if k == _FAILURE),
+            "successes": sum(1 for k in attempts.kinds if k == SUCCESS),
+            "failures": sum(1 for k in attempts.kinds if k == FAILURE),
             "without_duration": sum(1 for d in attempts.durations if math.isnan(d)),
         },
         "durations_s": {
-            "success": duration_stats(by_kind[_SUCCESS]),
-            "failure": duration_stats(by_kind[_FAILURE]),
-            "all": duration_stats(by_kind[_SUCCESS] + by_kind[_FAILURE]),
+            "success": duration_stats(by_kind[SUCCESS]),
+            "failure": duration_stats(by_kind[FAILURE]),
+            "all": duration_stats(by_kind[SUCCESS] + by_kind[FAILURE]),
         },
         "limit": limit_figures(attempts, timeout_s),
         "starts": start_deciles(attempts, timeout_s),
-        "rewards": {a: t.to_json() for a, t in sorted(data.rewards.items())},
-        "pass_at_k": pass_at_k_table(data.tasks),
-        "delivery": delivery.summarize(manifest.delivery_history if manifest is not None else None),
+        "timeline": timeline_json(build_timeline(attempts, bin_s, MAX_TEXT_BINS)),
+        "rewards": {a: t.to_json() for a, t in sorted(run.data.rewards.items())},
+        "pass_at_k": pass_at_k_table(run.data.tasks),
+        "delivery": delivery.summarize(run.hops),
     }
 
 
@@ -317,6 +227,7 @@ def render_report(report: dict[str, Any]) -> str:
         _render_durations(report["durations_s"]),
         _render_limit(report["limit"]),
         _render_starts(report["starts"]),
+        render_timeline(report["timeline"]),
         _render_rewards(report["rewards"]),
         _render_pass_at_k(report["pass_at_k"]),
         render_delivery(report["delivery"]).lstrip("\n"),
@@ -434,7 +345,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "start time, mean reward per agent and pass@k over repeats."
         ),
     )
-    parser.add_argument("output", type=Path, metavar="OUTPUT", help="the run's --output X.jsonl")
+    parser.add_argument(
+        "output",
+        type=Path,
+        metavar="OUTPUT",
+        help="the run's --output X.jsonl, or a `dispatcher serve` job's folder STATE_DIR/jobs/ID",
+    )
     parser.add_argument(
         "--rollout-timeout-s",
         type=positive_float,
@@ -442,14 +358,59 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the run's per-rollout limit (default: the manifest's rollout_timeout_s, if any)",
     )
     add_attempt_cap_flags(parser, "for which rollouts count as final in pass@k")
+    parser.add_argument(
+        "--bin-s",
+        type=positive_float,
+        default=None,
+        help=(
+            f"width of the timeline's bins (default: {TEXT_BIN_S:g} s in the text, finer in "
+            f"the pictures); wider when the run would need more than {MAX_TEXT_BINS} lines"
+        ),
+    )
+    parser.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=(
+            "also write one self-contained page (no network) with pictures of throughput, "
+            "latency, in flight and failures over time, per agent and replica "
+            "(needs: pip install 'rollout-dispatcher[report]')"
+        ),
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
-    report = build_report(args.output, args.rollout_timeout_s, given_attempt_cap(args))
+    # Checked before the files are read: a missing extra should not cost a pass over them.
+    html = _html_writer() if args.html is not None else None
+    run = read_run(run_output(args.output), given_attempt_cap(args))
+    report = report_of(run, args.rollout_timeout_s, args.bin_s or TEXT_BIN_S)
+    if html is not None:
+        html.write_page(args.html, run, report, args.bin_s)
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
         print(render_report(report), end="")
     return 0
+
+
+def run_output(path: Path) -> Path:
+    """OUTPUT as given, or the output file of a `dispatcher serve` job's folder."""
+    if is_state_dir(path):
+        raise ConfigError(
+            f"{path} is a `dispatcher serve` state directory: report one of its jobs, "
+            f"{path}/jobs/ID (`dispatcher status {path}` lists them)"
+        )
+    if path.is_dir():
+        return path / JOB_OUTPUT
+    return path
+
+
+def _html_writer() -> ModuleType:
+    # Imported for --html only: it brings matplotlib, which the text report never needs.
+    from dispatcher.ops import report_html
+
+    report_html.require_matplotlib()
+    return report_html

@@ -138,7 +138,7 @@ def last_run(paths: OutputPaths, manifest: RunManifest | None) -> LastRun | None
     recorded = manifest.last_run if manifest is not None else None
     if recorded is None:
         return None
-    finished = _timestamp(recorded.finished_at)
+    finished = timestamp(recorded.finished_at)
     return LastRun(
         finished_at=finished,
         exit_code=recorded.exit_code,
@@ -159,7 +159,7 @@ def _written_after(paths: OutputPaths, when: float) -> bool:
     return False
 
 
-def _timestamp(value: str | float | None) -> float | None:
+def timestamp(value: str | float | None) -> float | None:
     """Unix seconds, or an ISO-8601 time (UTC when it names no zone)."""
     if not isinstance(value, str):
         return None if value is None else float(value)
