@@ -36,6 +36,8 @@ INSTALL_HINT = "pip install 'rollout-dispatcher[report]'"
 PICTURE_BIN_S = 1.0
 # Lines per panel of a per-agent or per-replica section: the busiest, the rest named.
 MAX_GROUPS = 8
+# The manifest keeps when each hop ended to the second: finer bins would place it wrong.
+HOP_MARK_MIN_BIN_S = 1.0
 PANELS = (
     "throughput (attempts finished per minute)",
     "latency (s)",
@@ -79,6 +81,8 @@ def write_page(path: Path, run: RunRead, report: dict[str, Any], bin_s: float | 
         run.data.attempts, bin_s or PICTURE_BIN_S, MAX_PICTURE_BINS, per_group=True
     )
     hops = [t for t in (timestamp(h.finished_at) for h in run.hops) if t is not None]
+    if timeline.bins is None or timeline.bins.width_s < HOP_MARK_MIN_BIN_S:
+        hops = []
     page = render_page(str(run.output), timeline, hops, render_report(report))
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -115,7 +119,7 @@ def _summary(timeline: Timeline, hop_ends: list[float]) -> str:
         "finish time; times in UTC."
     ]
     if hop_ends:
-        parts.append(f"Dotted lines: the end of each of the {len(hop_ends)} hop(s).")
+        parts.append(f"Dotted lines: the end of each of the {len(hop_ends)} hop(s), to the second.")
     if timeline.untimed:
         parts.append(f"{timeline.untimed} attempt(s) without timing are not drawn.")
     return " ".join(parts)
