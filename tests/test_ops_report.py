@@ -232,3 +232,33 @@ def test_render_without_timing(tmp_path: Path) -> None:
     text = render_report(build_report(paths.output, None, None))
     assert "no row carries _ng_dispatch.started_at" in text
     assert "reward: no success rows" in text
+
+
+def test_rows_are_read_for_the_keys_a_report_needs(tmp_path: Path) -> None:
+    """Only a row's own keys are decoded; a big answer, an index past 64 bits or a line
+    that is no object is read the way a whole parse would read it."""
+    from dispatcher.ops.attempts import FactsReader
+
+    reader = FactsReader(("_ng_task_index", "reward"))
+    big = {"response": {"text": "x" * 100_000, "n": [1, 2]}, "_ng_task_index": 3, "reward": 0.5}
+    assert reader.read(orjson.dumps(big)) == {"_ng_task_index": 3, "reward": 0.5}
+    assert reader.read(b'{"_ng_task_index": 1180591620717411303424, "reward": 1}') == {
+        "_ng_task_index": 2**70,
+        "reward": 1,
+    }
+    assert reader.read(b"[1, 2]") is None
+    assert reader.read(b'{"_ng_task_index": 1, "rew') is None
+    paths = OutputPaths.for_output(tmp_path / "big.jsonl")
+    write_jsonl(paths.materialized, [ident(0, 0, "a"), ident(0, 1, "a")])
+    huge = {**ok(0, 0, "a", 1, 0, 2.0), "response": "y" * 2_000_000}
+    past_64_bits = {**ok(0, 1, "a", 1, 1, 3.0), "_ng_task_index": 2**70}
+    paths.output.write_bytes(orjson.dumps(huge) + b"\n" + json_line(past_64_bits))
+    report = build_report(paths.output, None, None)
+    assert report["attempts"]["total"] == 1  # the out-of-bounds index names no rollout
+    assert report["durations_s"]["all"]["max"] == 2.0
+
+
+def json_line(row: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(row).encode() + b"\n"

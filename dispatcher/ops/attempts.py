@@ -2,8 +2,8 @@
 
 Each success or failure row is one attempt. Of a row only the keys a report
 needs are decoded (``_ng_dispatch``, the identity, agent, reward, ``ng_perf``
-and the failure keys): a row of megabytes is split at its top level and the
-rest of it is never turned into objects (``row_facts``). What is kept per
+and the failure keys): the rest of a row, megabytes or not, is skipped and
+never turned into objects (``FactsReader``). What is kept per
 attempt fits in a few compact arrays, so millions of rows stay cheap.
 """
 
@@ -15,8 +15,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
+import msgspec
 import orjson
 
 from dispatcher import jsonx
@@ -32,7 +33,6 @@ from dispatcher.tasks.keys import (
     NOT_DELIVERED,
     OMITTED_ROLLOUT,
     ROLLOUT_INDEX,
-    SPLIT_LINE_BYTES,
     TASK_INDEX,
     row_key,
     split_row,
@@ -45,6 +45,7 @@ NO_REPLICA = "<none>"
 
 _IDENTITY = (TASK_INDEX, ROLLOUT_INDEX, AGENT_REF)
 _SUCCESS_KEYS = (*_IDENTITY, "reward", DISPATCH, "ng_perf")
+# A failure row's keys for RunState.add_failure, and its timing.
 _FAILURE_KEYS = (
     *_IDENTITY,
     DISPATCH,
@@ -62,17 +63,14 @@ class Names:
     """Strings numbered in order of first sight: an attempt keeps a small int, not the name."""
 
     def __init__(self, *first: str) -> None:
-        self.names: list[str] = []
-        self._index: dict[str, int] = {}
-        for name in first:
-            self.number(name)
+        self._index = {name: i for i, name in enumerate(first)}
 
     def number(self, name: str) -> int:
-        found = self._index.get(name)
-        if found is None:
-            found = self._index[name] = len(self.names)
-            self.names.append(name)
-        return found
+        return self._index.setdefault(name, len(self._index))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._index)
 
 
 @dataclass
@@ -91,13 +89,14 @@ class Attempts:
     replica_names: Names = field(default_factory=Names)
     outcome_names: Names = field(default_factory=lambda: Names(SUCCESS_OUTCOME))
 
-    def add(self, row: dict[str, Any], outcome: str) -> None:
+    def add(self, row: dict[str, Any], outcome: str, agent: str | None = None) -> None:
+        """One attempt; ``agent``: the row's ``agent_name`` when the caller has it already."""
         started, duration = row_timing(row)
         self.starts.append(_NAN if started is None else started)
         self.durations.append(_NAN if duration is None else duration)
         self.kinds.append(SUCCESS if outcome == SUCCESS_OUTCOME else FAILURE)
         self.timeouts.append(outcome == Outcome.TIMEOUT_EXCEEDED)
-        self.agents.append(self.agent_names.number(agent_name(row)))
+        self.agents.append(self.agent_names.number(agent or agent_name(row)))
         self.replicas.append(self.replica_names.number(_replica(row)))
         self.outcomes.append(self.outcome_names.number(outcome))
 
@@ -133,32 +132,39 @@ def _pair() -> list[int]:
     return [0, 0]
 
 
-def row_facts(line: bytes, keys: tuple[str, ...]) -> dict[str, Any] | None:
-    """The row of one line with at least ``keys``; None when it is no JSON object.
+class FactsReader:
+    """Reads ``keys`` of a row, nothing else: msgspec decodes those keys into a dict
+    and skips the rest of the line without building it (a 1.2 KB row: 0.7 us against
+    orjson's 2.2 us for the whole row; a 1 MB one: a third of orjson's time)."""
 
-    A short line is parsed whole (faster than the split, see ``SPLIT_LINE_BYTES``);
-    a long one has only ``keys`` decoded.
-    """
-    if len(line) < SPLIT_LINE_BYTES:
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        shape: Any = TypedDict("Facts", dict.fromkeys(keys, Any), total=False)  # type: ignore[misc]
+        self._decoder: msgspec.json.Decoder[dict[str, Any]] = msgspec.json.Decoder(shape)
+
+    def read(self, line: bytes) -> dict[str, Any] | None:
+        """The row's ``keys`` (those it has); None when the line is no JSON object."""
         try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            return None
-        return row if isinstance(row, dict) else None
+            return self._decoder.decode(line)
+        except msgspec.DecodeError:
+            # Not an object, or an integer past 64 bits in one of the keys, which
+            # jsonx keeps exact (so an index that large reads as out of bounds).
+            return _split_facts(line, self.keys)
+
+
+def _split_facts(line: bytes, keys: tuple[str, ...]) -> dict[str, Any] | None:
     split = split_row(line)
     if split is None:
         return None
-    facts: dict[str, Any] = {}
-    for key in keys:
-        if key in split:
-            # jsonx keeps an index past 64 bits exact, so it reads as out of bounds.
-            facts[key] = jsonx.loads(bytes(split[key]))
-    return facts
+    try:
+        return {key: jsonx.loads(bytes(split[key])) for key in keys if key in split}
+    except orjson.JSONDecodeError:
+        return None
 
 
-def iter_facts(path: Path, keys: tuple[str, ...]) -> Iterator[dict[str, Any] | None]:
+def iter_facts(path: Path, reader: FactsReader) -> Iterator[dict[str, Any] | None]:
     for _, line in nonblank_lines(path):
-        yield row_facts(line, keys)
+        yield reader.read(line)
 
 
 def row_timing(row: dict[str, Any]) -> tuple[float | None, float | None]:
@@ -187,18 +193,24 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+_SUCCESSES = FactsReader(_SUCCESS_KEYS)
+_FAILURES = FactsReader(_FAILURE_KEYS)
+_INPUTS = FactsReader(_IDENTITY)
+
+
 def collect(paths: OutputPaths, max_attempts: int) -> ReportData:
     """One streaming read of successes, failures, then materialized rows."""
     data = ReportData()
     state = RunState(max_attempts=max_attempts)
-    for row in iter_facts(paths.output, _SUCCESS_KEYS):
+    for row in iter_facts(paths.output, _SUCCESSES):
         key = row_key(row)
         if row is None or key is None or key in state.successes:
             continue
         state.successes.add(key)
-        data.attempts.add(row, SUCCESS_OUTCOME)
-        _note_reward(data, key, row)
-    for row in iter_facts(paths.failures, _FAILURE_KEYS):
+        agent = agent_name(row)
+        data.attempts.add(row, SUCCESS_OUTCOME, agent)
+        _note_reward(data, key, row, agent)
+    for row in iter_facts(paths.failures, _FAILURES):
         key = row_key(row)
         if row is None or key is None:
             continue
@@ -210,8 +222,8 @@ def collect(paths: OutputPaths, max_attempts: int) -> ReportData:
     return data
 
 
-def _note_reward(data: ReportData, key: int, row: dict[str, Any]) -> None:
-    tally = data.rewards[agent_name(row)]
+def _note_reward(data: ReportData, key: int, row: dict[str, Any], agent: str) -> None:
+    tally = data.rewards[agent]
     tally.successes += 1
     reward = row.get("reward")
     value = float(reward) if isinstance(reward, int | float) else None
@@ -226,7 +238,7 @@ def _note_reward(data: ReportData, key: int, row: dict[str, Any]) -> None:
 
 def _collect_tasks(paths: OutputPaths, state: RunState, data: ReportData) -> None:
     seen: set[int] = set()
-    for row in iter_facts(paths.materialized, _IDENTITY):
+    for row in iter_facts(paths.materialized, _INPUTS):
         key = row_key(row)
         if row is None or key is None or key in seen:
             continue

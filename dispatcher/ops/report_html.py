@@ -38,6 +38,7 @@ PICTURE_BIN_S = 1.0
 MAX_GROUPS = 8
 # The manifest keeps when each hop ended to the second: finer bins would place it wrong.
 HOP_MARK_MIN_BIN_S = 1.0
+MAX_DOTTED_BINS = 40
 PANELS = (
     "throughput (attempts finished per minute)",
     "latency (s)",
@@ -161,7 +162,9 @@ def _sections(timeline: Timeline, hop_ends: list[float]) -> list[Section]:
 def _figure(bins: Bins, panels: Sequence[str] = PANELS) -> tuple[Figure, Sequence[Axes]]:
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 9.5), layout="constrained")
+    # Fixed margins, not a layout engine: constrained layout draws each figure twice more.
+    figure = Figure(figsize=(10, 9.5))
+    figure.subplots_adjust(left=0.07, right=0.78, top=0.97, bottom=0.07, hspace=0.3)
     axes = figure.subplots(len(panels), 1, sharex=True)
     for ax, panel in zip(axes, panels, strict=True):
         ax.set_title(panel, loc="left", fontsize=10)
@@ -184,18 +187,24 @@ def _dates(unix_s: Sequence[float]) -> list[float]:
 
 
 def _per_minute(counts: Sequence[int], bins: Bins) -> list[float]:
-    widths = [bins.edge(i + 1) - bins.edge(i) for i in range(bins.count)]
-    return [60.0 * n / w if w > 0 else 0.0 for n, w in zip(counts, widths, strict=True)]
+    # Over the whole bin, also where the run began or ended inside it: a rate over the
+    # few seconds of a last bin would draw a spike out of two rows.
+    return [60.0 * n / bins.width_s for n in counts]
+
+
+def _style(bins: Bins) -> str:
+    """A dot on each point while they are few enough to tell apart; a line alone past that."""
+    return ".-" if bins.count <= MAX_DOTTED_BINS else "-"
 
 
 def _whole_svg(bins: Bins, whole: Series, hop_ends: list[float]) -> str:
     figure, (rate, latency, flight, failed) = _figure(bins)
-    x = _times(bins)
-    rate.plot(x, _per_minute(whole.finished, bins), ".-", label="finished")
-    rate.plot(x, _per_minute(whole.succeeded, bins), ".-", label="succeeded")
-    latency.plot(x, _gaps(whole.p50_s), ".-", label="p50")
-    latency.plot(x, _gaps(whole.p95_s), ".-", label="p95")
-    flight.plot(x, whole.in_flight, ".-", label="in flight")
+    x, style = _times(bins), _style(bins)
+    rate.plot(x, _per_minute(whole.finished, bins), style, label="finished")
+    rate.plot(x, _per_minute(whole.succeeded, bins), style, label="succeeded")
+    latency.plot(x, _gaps(whole.p50_s), style, label="p50")
+    latency.plot(x, _gaps(whole.p95_s), style, label="p95")
+    flight.plot(x, whole.in_flight, style, label="in flight")
     _failure_bars(failed, x, bins, whole.failed)
     return _finish(figure, (rate, latency, flight, failed), hop_ends)
 
@@ -215,15 +224,15 @@ def _groups_svg(bins: Bins, groups: dict[str, Series], hop_ends: list[float]) ->
     panels = list(PANELS)
     panels[1] = "latency (s): p95 solid, p50 dashed"
     figure, (rate, latency, flight, failed) = _figure(bins, panels)
-    x = _times(bins)
+    x, style = _times(bins), _style(bins)
     for name, series in groups.items():
-        (line,) = rate.plot(x, _per_minute(series.finished, bins), ".-", label=name)
+        (line,) = rate.plot(x, _per_minute(series.finished, bins), style, label=name)
         color = line.get_color()
-        latency.plot(x, _gaps(series.p95_s), ".-", color=color, label=name)
+        latency.plot(x, _gaps(series.p95_s), style, color=color, label=name)
         latency.plot(x, _gaps(series.p50_s), "--", color=color, linewidth=0.8)
-        flight.plot(x, series.in_flight, ".-", color=color, label=name)
+        flight.plot(x, series.in_flight, style, color=color, label=name)
         failures = [sum(c[i] for c in series.failed.values()) for i in range(bins.count)]
-        failed.plot(x, _per_minute(failures, bins), ".-", color=color, label=name)
+        failed.plot(x, _per_minute(failures, bins), style, color=color, label=name)
     return _finish(figure, (rate, latency, flight, failed), hop_ends)
 
 

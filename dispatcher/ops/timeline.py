@@ -169,11 +169,12 @@ def build_timeline(
     bins = choose_bins(first, end, min_width_s, max_bins)
     whole, agents, replicas = _tally(attempts, timed, bins, per_group)
     names = attempts.outcome_names.names
+    agent_names, replica_names = attempts.agent_names.names, attempts.replica_names.names
     return Timeline(
         bins,
         whole.series(bins, names),
-        {attempts.agent_names.names[k]: t.series(bins, names) for k, t in sorted(agents.items())},
-        {attempts.replica_names.names[k]: t.series(bins, names) for k, t in replicas.items()},
+        {agent_names[k]: t.series(bins, names) for k, t in sorted(agents.items())},
+        {replica_names[k]: t.series(bins, names) for k, t in replicas.items()},
         untimed,
     )
 
