@@ -275,3 +275,19 @@ def assert_curves_drawn(shot: Path) -> None:
             1 for p in pixels if all(abs(a - b) <= 12 for a, b in zip(p, colour, strict=True))
         )
         assert near > 300, (colour, near)
+
+
+async def test_a_run_without_timing_gets_a_page_that_says_so(tmp_path: Path) -> None:
+    output = tmp_path / "bare.jsonl"
+    (tmp_path / "bare_materialized_inputs.jsonl").write_bytes(
+        b'{"agent_ref": {"name": "a"}, "_ng_task_index": 0, "_ng_rollout_index": 0}\n'
+    )
+    output.write_bytes(
+        b'{"agent_ref": {"name": "a"}, "_ng_task_index": 0, "_ng_rollout_index": 0}\n'
+    )
+    page = tmp_path / "bare.html"
+    result = await html_report(output, page)
+    assert "timeline from" not in result.stdout
+    text = page.read_text()
+    assert_loads_nothing(text)
+    assert "<svg" not in text and "nothing to draw" in text

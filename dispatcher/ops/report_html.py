@@ -116,7 +116,7 @@ def _summary(timeline: Timeline, hop_ends: list[float]) -> str:
     if bins is None:
         return "No attempt carries _ng_dispatch.started_at and a duration: nothing to draw."
     parts = [
-        f"From {utc_time(bins.t0)} to {utc_time(bins.end)}, in bins of {bins.width_s:g} s by "
+        f"From {utc_time(bins.first)} to {utc_time(bins.end)}, in bins of {bins.width_s:g} s by "
         "finish time; times in UTC."
     ]
     if hop_ends:
