@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +114,21 @@ class _Tally:
                 counts = self.failed[outcome] = [0] * len(self.finished)
             counts[end_bin] += 1
 
+    @classmethod
+    def merged(cls, count: int, parts: Iterable[_Tally]) -> _Tally:
+        """The sum of tallies over the same bins (the whole run from its agents)."""
+        total = cls(count)
+        for part in parts:
+            for name in ("finished", "starts", "start_sum", "ends", "end_sum"):
+                mine, theirs = getattr(total, name), getattr(part, name)
+                mine[:] = [a + b for a, b in zip(mine, theirs, strict=True)]
+            for durations, more in zip(total.durations, part.durations, strict=True):
+                durations.extend(more)
+            for outcome, counts in part.failed.items():
+                into = total.failed.setdefault(outcome, [0] * count)
+                into[:] = [a + b for a, b in zip(into, counts, strict=True)]
+        return total
+
     def series(self, bins: Bins, outcome_names: list[str]) -> Series:
         p50: list[float | None] = []
         p95: list[float | None] = []
@@ -182,27 +197,40 @@ def build_timeline(
 def _tally(
     attempts: Attempts, timed: list[int], bins: Bins, per_group: bool
 ) -> tuple[_Tally, dict[int, _Tally], dict[int, _Tally]]:
-    whole = _Tally(bins.count)
-    agents: dict[int, _Tally] = {}
-    replicas: dict[int, _Tally] = {}
+    """One pass: per agent and per replica (the whole run is their sum), or the whole run."""
+    if not per_group:
+        whole = _tally_by(attempts, timed, bins, None)[0]
+        return whole, {}, {}
+    agents = _tally_by(attempts, timed, bins, attempts.agents)
+    replicas = _tally_by(attempts, timed, bins, attempts.replicas)
+    return _Tally.merged(bins.count, agents.values()), agents, replicas
+
+
+def _tally_by(
+    attempts: Attempts, timed: list[int], bins: Bins, groups: array[int] | None
+) -> dict[int, _Tally]:
+    # The hot loop of a big run: locals, no calls but the tally's own.
+    t0, width, last = bins.t0, bins.width_s, bins.count - 1
+    starts, durations, kinds, outcomes = (
+        attempts.starts,
+        attempts.durations,
+        attempts.kinds,
+        attempts.outcomes,
+    )
+    tallies: dict[int, _Tally] = {}
     for i in timed:
-        start = attempts.starts[i]
-        end = start + attempts.durations[i]
         # Seconds after t0 keep the sums of millions of starts exact enough.
-        where = (bins.index(start), start - bins.t0, bins.index(end), end - bins.t0)
-        outcome = attempts.outcomes[i] if attempts.kinds[i] == FAILURE else 0
-        whole.add(*where, outcome)
-        if per_group:
-            _group(agents, attempts.agents[i], bins).add(*where, outcome)
-            _group(replicas, attempts.replicas[i], bins).add(*where, outcome)
-    return whole, agents, replicas
-
-
-def _group(tallies: dict[int, _Tally], key: int, bins: Bins) -> _Tally:
-    found = tallies.get(key)
-    if found is None:
-        found = tallies[key] = _Tally(bins.count)
-    return found
+        start = starts[i] - t0
+        end = start + durations[i]
+        start_bin, end_bin = int(start // width), int(end // width)
+        start_bin = start_bin if start_bin < last else last
+        end_bin = end_bin if end_bin < last else last
+        key = groups[i] if groups is not None else 0
+        tally = tallies.get(key)
+        if tally is None:
+            tally = tallies[key] = _Tally(bins.count)
+        tally.add(start_bin, start, end_bin, end, outcomes[i] if kinds[i] == FAILURE else 0)
+    return tallies or {0: _Tally(bins.count)}
 
 
 # -- the text report's table ----------------------------------------------------------------
