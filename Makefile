@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/latency_window.py
 	$(BIN)/python bench/step_control.py
 	$(BIN)/python bench/cli_startup.py
+	$(BIN)/python bench/report_timeline.py
 
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/dispatch_overhead.py --smoke
@@ -58,6 +59,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/service.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
 	$(BIN)/python bench/step_control.py --smoke
+	$(BIN)/python bench/report_timeline.py --smoke
 	$(BIN)/python bench/service_hostile.py --smoke
 	$(BIN)/python bench/cli_startup.py --smoke
 
