@@ -1,7 +1,7 @@
 """``dispatcher report --html``: the real CLI on a real run's files, then a real browser.
 
 The run is a real ``dispatcher run`` against simulated agents (two replicas of
-one agent, one of which fails a share of its requests, and a second agent),
+one agent, one of which fails half of its requests, and a second agent),
 so the page draws what the dispatcher wrote. Chromium (Debian: ``apt-get
 install chromium``; ``.ci/run`` installs it) lays the page out headless: the
 test reads back each picture's size and text, and looks at a screenshot's
@@ -50,9 +50,9 @@ def run_command(tasks: Path, output: Path, math_urls: list[str], code_url: str) 
 
 
 async def real_run(tmp_path: Path, sim_agent: SimAgentFactory) -> Path:
-    """A finished run's output: agent math on two replicas (one failing 30 %), code on one."""
+    """A finished run: agent math on two replicas (one fails half its requests), code on one."""
     steady, _ = await sim_agent(latency_s=0.02)
-    flaky, _ = await sim_agent(latency_s=0.02, fail_500=0.3, seed=3)
+    flaky, _ = await sim_agent(latency_s=0.02, fail_500=0.5, seed=3)
     code, _ = await sim_agent(latency_s=0.05)
     tasks = tmp_path / "tasks.jsonl"
     agents = ["code" if i % 3 == 0 else "math" for i in range(TASKS)]
