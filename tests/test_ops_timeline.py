@@ -64,6 +64,8 @@ def test_mean_in_flight_matches_a_brute_force_sum_on_random_attempts() -> None:
     timeline = build_timeline(attempts, 30.0, 100)
     bins, whole = timeline.bins, timeline.whole
     assert bins is not None and whole is not None
+    # The pictures' whole run is the sum of its agents' tallies: the same figures.
+    assert build_timeline(attempts, 30.0, 100, per_group=True).whole == whole
     for i, mean in enumerate(whole.in_flight):
         lo, hi = bins.t0 + bins.edge(i), bins.t0 + bins.edge(i + 1)
         assert mean == pytest.approx(brute_in_flight(spans, lo, hi), rel=1e-6, abs=1e-6)
@@ -131,5 +133,9 @@ def test_report_has_a_per_minute_timeline_capped_in_length(tmp_path: Path) -> No
     text = render_report(report)
     assert "per 5 min of finish time" in text
     assert "agent_run_error" in text.split("timeline from")[1]
+    lines = text.split("timeline from")[1].split("\n\n")[0].splitlines()
+    assert len(lines) == 2 + 49  # its heading, the columns' and one line a bin
+    # 22:10 to 02:10 UTC: past midnight, a bin's start says its date too.
+    assert lines[2].split()[:2] == ["2023-11-14", "22:10:00"]
     minute = build_report(paths.output, None, None, bin_s=60.0)["timeline"]["bin_s"]
     assert minute == 300.0  # --bin-s 60 still keeps the table to 60 lines

@@ -269,7 +269,11 @@ def render_timeline(timeline: dict[str, Any]) -> str:
     shown, rest = ranked[:_CLASS_COLUMNS], set(ranked[_CLASS_COLUMNS:])
     headers = ["start (UTC)", "finished", "ok", *shown, *(["other failed"] if rest else [])]
     headers += ["p50 s", "p95 s", "in flight"]
-    rows = [_timeline_row(row, shown, rest) for row in timeline["bins"]]
+    bins = timeline["bins"]
+    # The time of day, or the date too when the table crosses midnight (UTC).
+    one_day = utc_time(bins[0]["start"])[:10] == utc_time(bins[-1]["start"])[:10]
+    day = slice(11, 19) if one_day else slice(0, 19)
+    rows = [_timeline_row(row, shown, rest, day) for row in bins]
     width = timeline["bin_s"]
     head = (
         f"timeline from {utc_time(timeline['bins'][0]['start'])}, per {_width_words(width)} "
@@ -278,9 +282,11 @@ def render_timeline(timeline: dict[str, Any]) -> str:
     return head + "\n" + format_table(headers, rows)
 
 
-def _timeline_row(row: dict[str, Any], shown: list[str], rest: set[str]) -> list[object]:
+def _timeline_row(
+    row: dict[str, Any], shown: list[str], rest: set[str], part: slice
+) -> list[object]:
     failed = row["failed"]
-    cells: list[object] = [utc_time(row["start"])[11:-1], row["finished"], row["succeeded"]]
+    cells: list[object] = [utc_time(row["start"])[part], row["finished"], row["succeeded"]]
     cells += [failed.get(cls, 0) for cls in shown]
     if rest:
         cells.append(sum(n for cls, n in failed.items() if cls in rest))
