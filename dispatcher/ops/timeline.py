@@ -45,9 +45,6 @@ class Bins:
     first: float
     end: float
 
-    def index(self, t: float) -> int:
-        return max(0, min(int((t - self.t0) // self.width_s), self.count - 1))
-
     def edge(self, i: int) -> float:
         """Where the run's part of bin ``i`` starts, relative to ``t0`` (``edge(count)``: the
         end): a mean over the bin is over the time the run was running."""
