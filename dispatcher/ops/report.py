@@ -342,7 +342,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=(
             "Read a run's rows (without changing them) and report rollout duration "
             "percentiles, attempts that hit the per-rollout limit, how outcomes vary with "
-            "start time, mean reward per agent and pass@k over repeats."
+            "start time, a per-minute timeline of finishes, failures, latency and rollouts in "
+            "flight, mean reward per agent and pass@k over repeats; --html draws the timeline."
         ),
     )
     parser.add_argument(
