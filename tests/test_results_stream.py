@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,55 @@ async def test_a_waiting_stream_has_a_new_line_one_turn_of_the_loop_after_it_is_
         assert orjson.loads(got[0])["_ng_seq"] == 1
     finally:
         await cancel_and_wait(reader)
+
+
+def fds_on(path: Path) -> int:
+    """This process's open file descriptors on ``path``."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            count += fd.readlink() == path
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return count
+
+
+class Gated(ThreadPoolExecutor):
+    """Reads that start only once the test lets them (after their reader has gone)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=32)
+        self.started = asyncio.Event()
+        self.release = threading.Event()
+        self.loop = asyncio.get_running_loop()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        def gated() -> Any:
+            self.loop.call_soon_threadsafe(self.started.set)
+            self.release.wait()
+            return fn(*args, **kwargs)
+
+        return super().submit(gated)
+
+
+@pytest.mark.parametrize("group", [False, True])
+async def test_a_reader_gone_while_its_read_waits_for_a_thread_leaves_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: bool
+) -> None:
+    # A client that goes away cancels its stream while the stream's first read is
+    # queued in a thread: the file was opened there after the stream had closed it,
+    # and stayed open (552 descriptors after 2,500 readers, then EMFILE).
+    gated = Gated()
+    monkeypatch.setattr(results, "_READERS", gated)
+    big = "x" * (results.READ_ON_LOOP_BYTES + 1)
+    source = job_files(tmp_path, [{"text": big, "n": n} for n in range(3)])
+    readers = []
+    for _ in range(20):
+        gated.started.clear()
+        readers.append(asyncio.create_task(streamed(source, group)))
+        await gated.started.wait()
+        await cancel_and_wait(readers[-1], reraise=False)
+    gated.release.set()
+    await asyncio.to_thread(gated.shutdown, wait=True)
+    assert fds_on(source.output) == 0
+    assert fds_on(source.groups_path) == 0

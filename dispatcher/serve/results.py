@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -158,25 +159,56 @@ def _chunk_end(index: LineIndex, first: int, end: int, chunk_bytes: int) -> int:
     return last
 
 
+class ReaderClosed(Exception):
+    """A read that reached its thread after its stream had ended."""
+
+
 class _Reader:
-    """A file read with ``pread``, opened when first read."""
+    """A file read with ``pread``, opened when first read.
+
+    A read may run in a thread that outlives its stream (a client gone cancels the
+    stream, not the thread): opening there after the stream closed the reader left
+    the descriptor open for good (EMFILE after thousands of readers), and closing
+    while a thread reads could hand it another file's descriptor. So the reader
+    counts reads in progress under a lock, refuses new ones once closed, and the
+    last one out closes the file.
+    """
 
     def __init__(self, path: Path) -> None:
         self._path = path
         self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._reading = 0
+        self._closed = False
 
     def __enter__(self) -> _Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
+        with self._lock:
+            self._closed = True
+            self._close_if_idle()
 
     def read(self, start: int, end: int) -> bytes:
-        # Opened on first use: a queued job's files do not exist yet.
-        if self._fd is None:
-            self._fd = os.open(self._path, os.O_RDONLY)
-        return os.pread(self._fd, end - start, start)
+        with self._lock:
+            if self._closed:
+                raise ReaderClosed(str(self._path))
+            # Opened on first use: a queued job's files do not exist yet.
+            if self._fd is None:
+                self._fd = os.open(self._path, os.O_RDONLY)
+            fd = self._fd
+            self._reading += 1
+        try:
+            return os.pread(fd, end - start, start)
+        finally:
+            with self._lock:
+                self._reading -= 1
+                self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if self._closed and not self._reading and self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def lines(self, index: LineIndex, first: int, last: int) -> list[bytes]:
         """Lines ``first``..``last`` of the file ``index`` indexes."""
