@@ -18,6 +18,7 @@ from dispatcher import __version__
 from dispatcher.commands import COMMANDS
 from dispatcher.errors import DispatcherError, ExitCode
 from dispatcher.telemetry.logs import configure_logging, flush_logs
+from dispatcher.urls import scrub
 
 
 class CliParser(argparse.ArgumentParser):
@@ -170,12 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(result)
     except DispatcherError as exc:
         flush_logs()
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(scrub(f"error: {exc}\n"))
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return int(ExitCode.RESUMABLE)
     except Exception as exc:
         structlog.get_logger("dispatcher").exception("unexpected_error")
         flush_logs()
-        sys.stderr.write(f"error: unexpected {type(exc).__name__}: {exc}\n")
+        sys.stderr.write(scrub(f"error: unexpected {type(exc).__name__}: {exc}\n"))
         return int(ExitCode.UNEXPECTED)

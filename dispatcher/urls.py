@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from urllib.parse import unquote
 
+import orjson
 from yarl import URL
 
 MASK = "***"
@@ -85,3 +87,44 @@ def agent_url_problem(url: str) -> str | None:
         # rollout would go to .../run/run and get a 404.
         return "ends in /run: give the base URL, the dispatcher appends /run"
     return None
+
+
+# Secrets this process knows (the API token, agents' passwords): masked in every
+# line it writes, whatever message carries them. Shorter ones are not searched
+# for: masking every "ab" would garble the log and hide nothing worth hiding.
+_SECRETS: set[str] = set()
+MIN_SECRET_CHARS = 4
+
+
+def hide_secret(secret: str) -> None:
+    """Mask ``secret`` in every log line and error message from now on."""
+    if len(secret) < MIN_SECRET_CHARS:
+        return
+    # As a JSON line shows it too (a quote or backslash escaped).
+    for shown in (secret, orjson.dumps(secret).decode()[1:-1]):
+        _SECRETS.add(shown)
+
+
+def hide_url_secret(url: str) -> None:
+    """Mask the password (or lone token) of ``url``, as written and as decoded."""
+    _, _, rest = url.partition("://") if "://" in url else ("", "", url)
+    userinfo, at, _ = rest.rpartition("@")
+    if not at:
+        return
+    user, colon, password = userinfo.partition(":")
+    secret = password if colon and "/" not in user else userinfo
+    hide_secret(secret)
+    hide_secret(unquote(secret))
+
+
+def forget_secrets() -> None:
+    """Mask no secret any more (for tests)."""
+    _SECRETS.clear()
+
+
+def scrub(text: str) -> str:
+    """``text`` with every known secret replaced by ``***``."""
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text

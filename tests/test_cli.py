@@ -161,3 +161,21 @@ def test_jobs_imports_the_client_and_not_the_service() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert out.splitlines() == ["['dispatcher.ops.jobs']", "[]"]
+
+
+async def test_an_unexpected_error_shows_no_agent_password(tmp_path: Path) -> None:
+    # An output folder in a symlink loop fails where nothing expects it: the
+    # traceback's frames (argv, the settings) held the agent URL, password and all.
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 1)
+
+    result = await run_cli(
+        "run", "--input", str(tasks), "--output", str(tmp_path / "a" / "out.jsonl"),
+        "--agent", "sim=http://user:pa55-w0rd-x@127.0.0.1:9", "--log-format", "json",
+        "--metrics-listen", "off",
+    )  # fmt: skip
+
+    assert result.returncode in (1, 2), result.stderr[-2000:]
+    assert "error:" in result.stderr
+    assert "pa55-w0rd-x" not in result.stdout + result.stderr

@@ -280,3 +280,23 @@ async def test_a_tls_handshake_never_finished_is_closed_after_the_header_timeout
     finally:
         code, output = await stop(daemon)
     assert code == 0, output[-3000:]
+
+
+async def test_an_input_root_in_a_symlink_loop_is_one_line_that_shows_no_secret(
+    tmp_path: Path,
+) -> None:
+    # It was a traceback with every frame's locals: the token and the agent's
+    # password among them.
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+
+    result = await run_cli(
+        "serve", "--state-dir", str(tmp_path / "state"), "--log-format", "json",
+        "--agent", f"sim=http://user:{SECRET}@127.0.0.1:9",
+        "--api-token-file", str(token_file(tmp_path)), "--input-root", str(tmp_path / "a"),
+    )  # fmt: skip
+
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == f"error: --input-root {tmp_path / 'a'}: a symlink loop\n"
+    assert TOKEN not in result.stdout + result.stderr
+    assert SECRET not in result.stdout + result.stderr

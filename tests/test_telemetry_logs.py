@@ -16,6 +16,7 @@ import structlog
 
 from dispatcher.outcome import Outcome
 from dispatcher.telemetry.logs import (
+    LogFormat,
     configure_logging,
     get_logger,
     reset_logging,
@@ -27,6 +28,7 @@ from dispatcher.telemetry.progress import (
     format_progress,
     progress_fields,
 )
+from dispatcher.urls import forget_secrets, hide_secret
 from tests.helpers import wait_until
 
 
@@ -41,6 +43,7 @@ class TTY(io.StringIO):
 def clean_logging() -> Iterator[None]:
     yield
     reset_logging()
+    forget_secrets()
 
 
 def snapshot(**overrides: Any) -> dict[str, Any]:
@@ -107,6 +110,45 @@ def test_json_lines_carry_exceptions_and_odd_values() -> None:
     assert line["ratio"] is None
     assert line["by_quantile"] == {"0.5": 1.0}
     assert line["exception"][0]["exc_type"] == "RuntimeError"
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_a_traceback_never_shows_frame_locals(fmt: LogFormat) -> None:
+    # A crash's frames held the agent URLs and the API token: rendered with their
+    # locals, one run's log held 14 copies of a password.
+    stream = io.StringIO()
+    configure_logging(fmt, stream=stream)
+
+    def fails(password: str) -> None:
+        raise RuntimeError("boom")
+
+    try:
+        fails("pw-" + "hidden-in-a-local")
+    except RuntimeError:
+        structlog.get_logger().exception("unexpected_error")
+
+    text = stream.getvalue()
+    assert "boom" in text and "fails" in text
+    assert "pw-hidden-in-a-local" not in text
+    assert '"locals"' not in text
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_a_secret_made_known_never_reaches_the_log(fmt: LogFormat) -> None:
+    # Whatever message carries it (an exception's text, a field): the token and
+    # the agents' passwords are masked on their way out.
+    stream = io.StringIO()
+    configure_logging(fmt, stream=stream)
+    hide_secret("s3cr3t-pw/+=")
+    try:
+        raise OSError("http://u:s3cr3t-pw/+=@host refused")
+    except OSError as exc:
+        structlog.get_logger().exception("unexpected_error", error=str(exc))
+    logging.getLogger("aiohttp.client").warning("to s3cr3t-pw/+=")
+
+    text = stream.getvalue()
+    assert "s3cr3t-pw" not in text
+    assert text.count("***") >= 3
 
 
 def test_stdlib_warnings_join_the_json_stream() -> None:

@@ -15,6 +15,7 @@ written to the state directory and never part of an answer.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -31,6 +32,7 @@ from aiohttp.typedefs import Middleware
 from dispatcher.errors import ConfigError
 from dispatcher.serve.browsers import Hosts, guard, hosts_for, is_loopback
 from dispatcher.telemetry.server import Routes, json_response
+from dispatcher.urls import hide_secret
 
 log = structlog.get_logger("dispatcher.serve")
 
@@ -110,6 +112,7 @@ def _read_token_file(path: Path) -> str:
 def _checked(value: str, where: str) -> str:
     # One trailing newline is how files end: strip the white space around it.
     token = value.strip()
+    hide_secret(token)
     if not token:
         raise ConfigError(f"{where}: the token is empty")
     if not set(token) <= _TOKEN_CHARS:
@@ -159,10 +162,21 @@ def _which_tls_file(cert: str, key: str) -> str:
 
 
 def _input_root(value: str | None) -> Path:
-    root = Path(value if value is not None else os.getcwd()).resolve()
+    try:
+        root = Path(value if value is not None else os.getcwd()).resolve()
+    except (OSError, RuntimeError) as exc:
+        raise ConfigError(f"--input-root {value}: {_unresolved(exc)}") from None
     if not root.is_dir():
         raise ConfigError(f"--input-root {value}: not a directory")
     return root
+
+
+def _unresolved(exc: OSError | RuntimeError) -> str:
+    """Why a path did not resolve: Python 3.11 and 3.12 raise RuntimeError for a
+    symlink loop, later ones OSError(ELOOP)."""
+    if isinstance(exc, RuntimeError) or exc.errno == errno.ELOOP:
+        return "a symlink loop"
+    return f"cannot resolve it ({exc.strerror})"
 
 
 # ---- the middleware -------------------------------------------------------------------

@@ -33,7 +33,7 @@ from dispatcher.settings.gym_habits import agent_flag_hint
 from dispatcher.settings.serve import SERVE_KEYS
 from dispatcher.tasks.keys import repeats_problem
 from dispatcher.tasks.materialize import MaterializeSpec
-from dispatcher.urls import agent_url_problem, redact_url, redact_urls
+from dispatcher.urls import agent_url_problem, hide_url_secret, redact_url, redact_urls
 
 ENV_PREFIX = "DISPATCHER_"
 LogFormat = Literal["json", "console"]
@@ -124,6 +124,7 @@ class RunSettings(BaseModel):
             if not urls:
                 raise ValueError(f"agent {name!r} has no URL")
             for url in urls:
+                hide_url_secret(url)
                 problem = agent_url_problem(url)
                 if problem is not None:
                     raise ValueError(f"agent {name!r}: {redact_url(url)!r} {problem}")

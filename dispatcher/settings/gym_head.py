@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from dispatcher.errors import ConfigError
-from dispatcher.urls import agent_url_problem, redact_url
+from dispatcher.urls import agent_url_problem, hide_url_secret, redact_url
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +45,7 @@ def head_url(value: str) -> str:
     url = value.strip().rstrip("/")
     if "://" not in url:
         url = f"http://{url}"
+    hide_url_secret(url)
     problem = agent_url_problem(url)
     if problem is not None:
         raise ConfigError(f"--gym-head-server {redact_url(value)!r}: {problem}")

@@ -28,6 +28,7 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 
 from dispatcher.telemetry.console import ConsoleFolding
 from dispatcher.telemetry.progress import is_terminal, live_terminal, set_console_stream
+from dispatcher.urls import scrub
 
 LogFormat = Literal["json", "console"]
 DEFAULT_LOGGER = "dispatcher"
@@ -82,11 +83,15 @@ def configure_logging(
     renderer: list[Processor]
     out: TextIO = stream
     if resolved == "json":
-        renderer = [structlog.processors.dict_tracebacks, _first_keys, _json_renderer()]
+        renderer = [_TRACEBACKS, _first_keys, _json_renderer()]
         if stream is sys.stderr:
             out = _coalescing_stderr()
     else:
-        renderer = [structlog.dev.ConsoleRenderer(colors=is_terminal(stream))]
+        renderer = [
+            structlog.dev.ConsoleRenderer(
+                colors=is_terminal(stream), exception_formatter=structlog.dev.plain_traceback
+            )
+        ]
         if is_terminal(stream):
             # Shares the stream with the live progress line, which it redraws.
             out = cast(TextIO, live_terminal(stream))
@@ -109,8 +114,17 @@ def configure_logging(
     return resolved
 
 
+# Tracebacks as data, without their frames' locals: those held agent URLs and the
+# API token (structlog's ``dict_tracebacks`` renders them).
+_TRACEBACKS = structlog.processors.ExceptionRenderer(
+    structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+)
+
+
 class _Unfailing:
-    """A stream whose write and flush errors are counted and swallowed.
+    """A stream whose write and flush errors are counted and swallowed, and whose
+    lines never show a secret the process knows (``urls.scrub``): every log line,
+    ours or the stdlib's, goes through it.
 
     Not marked broken for good after one error: a full disk may get space back.
     """
@@ -122,7 +136,7 @@ class _Unfailing:
 
     def write(self, text: str) -> int:
         try:
-            return self._raw.write(text)
+            return self._raw.write(scrub(text))
         except (OSError, ValueError):
             _Unfailing.dropped += 1
             return len(text)
@@ -315,7 +329,7 @@ _CONTEXT_PREFIX = "structlog_"
 
 def _json_line(logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
     """The JSON chain in one step: ``merge_contextvars``, ``add_log_level``,
-    ``_utc_timestamp``, ``_add_logger_name``, ``dict_tracebacks``, ``_first_keys``
+    ``_utc_timestamp``, ``_add_logger_name``, ``_TRACEBACKS``, ``_first_keys``
     and the orjson renderer give this same line."""
     for var, value in contextvars.copy_context().items():
         if value is not Ellipsis and var.name.startswith(_CONTEXT_PREFIX):
@@ -325,7 +339,7 @@ def _json_line(logger: WrappedLogger, method: str, event_dict: EventDict) -> str
     if "logger" not in event_dict:
         event_dict["logger"] = getattr(logger, "name", None) or DEFAULT_LOGGER
     if "exc_info" in event_dict:
-        event_dict = structlog.processors.dict_tracebacks(logger, method, event_dict)
+        event_dict = _TRACEBACKS(logger, method, event_dict)
     line = {"event": event_dict.get("event")} if "event" in event_dict else {}
     line["level"] = event_dict["level"]
     line["timestamp"] = event_dict["timestamp"]
