@@ -30,7 +30,7 @@ _BIG_INT_ERROR = "Integer exceeds 64-bit range"
 _SUPPORTED = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SORT_KEYS
 
 
-def loads(raw: bytes | bytearray | str) -> Any:
+def loads(raw: bytes | bytearray | memoryview | str) -> Any:
     """Parse like ``orjson.loads`` (raising its ``JSONDecodeError``), integers kept exact."""
     try:
         return _DECODER.decode(raw)
@@ -38,7 +38,7 @@ def loads(raw: bytes | bytearray | str) -> Any:
         message = str(exc)
         at = _AT_BYTE.search(message)
         pos = int(at[1]) if at else 0
-        text = raw if isinstance(raw, str) else raw[:pos].decode("utf-8", "replace")
+        text = raw if isinstance(raw, str) else bytes(raw[:pos]).decode("utf-8", "replace")
         raise orjson.JSONDecodeError(_AT_BYTE.sub("", message), text, min(pos, len(text))) from None
     except RecursionError:  # msgspec's depth limit is the interpreter's
         raise orjson.JSONDecodeError("depth limit exceeded", "", 0) from None

@@ -179,3 +179,22 @@ async def test_an_unexpected_error_shows_no_agent_password(tmp_path: Path) -> No
     assert result.returncode in (1, 2), result.stderr[-2000:]
     assert "error:" in result.stderr
     assert "pa55-w0rd-x" not in result.stdout + result.stderr
+
+
+async def test_a_task_line_over_the_bound_is_one_line_naming_file_and_line(
+    tmp_path: Path,
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"q": 0}\n{"text": "' + "x" * 5000 + '"}\n')
+
+    result = await run_cli(
+        "run", "--input", str(tasks), "--output", str(tmp_path / "out.jsonl"),
+        "--agent", "sim=http://127.0.0.1:9", "--default-agent", "sim",
+        "--max-task-line-bytes", "4096", "--metrics-listen", "off",
+    )  # fmt: skip
+
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == (
+        f"error: {tasks}:2: a task line is longer than --max-task-line-bytes (4096 bytes)\n"
+    )
+    assert not (tmp_path / "out.jsonl").exists()

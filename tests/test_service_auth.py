@@ -197,6 +197,11 @@ async def test_a_jobs_input_must_resolve_inside_the_input_root(
         (["--tls-cert", "{tmp}/empty", "--tls-key", "{tmp}/absent"], "--tls-key {tmp}/absent"),
         (["--tls-cert", "{tmp}/empty", "--tls-key", "{tmp}/empty"], "--tls-cert {tmp}/empty: not"),
         (["--input-root", "{tmp}/absent"], "--input-root {tmp}/absent"),
+        (
+            ["--max-job-bytes", str(1 << 50)],
+            "--max-job-bytes 1125899906842624: Input should be less than or equal to",
+        ),
+        (["--max-task-line-bytes", str(1 << 40)], "--max-task-line-bytes"),
     ],
 )
 async def test_refused_at_start_with_exit_2_naming_the_flag(

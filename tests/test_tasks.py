@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import tracemalloc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,10 +13,12 @@ import pytest
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
+from dispatcher.tasks import materialize as materialize_module
 from dispatcher.tasks.materialize import (
     MaterializeResult,
     MaterializeSpec,
     Rollout,
+    iter_input_rows,
     materialize,
     rollout_id_for,
 )
@@ -256,3 +260,48 @@ def test_an_invalid_own_rollout_id_is_an_error(tmp_path: Path, bad: Any) -> None
 def test_an_own_rollout_id_cannot_be_repeated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot be repeated"):
         run(tmp_path, [row(_ng_rollout_id="x")], num_repeats=2)
+
+
+def test_a_line_longer_than_the_bound_is_an_error_naming_file_and_line(tmp_path: Path) -> None:
+    # Read up to the bound and no further: a line of gigabytes never gets read whole.
+    tasks = tmp_path / "tasks.jsonl"
+    with pytest.raises(ConfigError) as info:
+        run(tmp_path, [row(q=0), row(text="x" * 5000)], max_line_bytes=4096)
+    assert str(info.value) == (
+        f"{tasks}:2: a task line is longer than --max-task-line-bytes (4096 bytes)"
+    )
+
+
+def test_lines_longer_than_a_read_block_keep_their_rows_and_identity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(materialize_module, "READ_BLOCK_BYTES", 64)
+    big = row(text="y" * 300)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_bytes(
+        orjson.dumps(big) + b"\r\n  " + orjson.dumps(row(q=1)) + b"\n\n\t"
+        + orjson.dumps(big) + b"  \n" + orjson.dumps(row(q=2))
+    )  # fmt: skip
+    out = tmp_path / "m.jsonl"
+    result = materialize(spec_for(tasks), out)
+    rows = read_jsonl(out)
+    assert [(r.get("q"), r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows] == [
+        (None, 0, 0), (1, 1, 0), (None, 0, 1), (2, 2, 0)
+    ]  # fmt: skip
+    assert result.input_digest == hashlib.sha256(tasks.read_bytes()).hexdigest()
+
+
+def test_a_big_line_is_held_once_while_it_is_read(tmp_path: Path) -> None:
+    # Read by lines, a line was joined from its pieces, then stripped into a copy:
+    # a 1 GiB line cost 2.1 GB before it was even parsed. Now it is read into one
+    # buffer that is parsed in place; what is left is the parsed row itself.
+    size = 8 << 20
+    tasks = write_lines(tmp_path / "tasks.jsonl", [row(text="z" * size)])
+    tracemalloc.start()
+    try:
+        for _ in iter_input_rows(tasks, None, False, hashlib.sha256()):
+            pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.4 * size, f"peak {peak / size:.2f}x the line"

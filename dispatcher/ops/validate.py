@@ -36,7 +36,7 @@ from dispatcher.tasks.materialize import (
     Materializer,
     MaterializeResult,
     _encoded_batches,
-    iter_input_rows,
+    spec_rows,
 )
 from dispatcher.urls import redact_url, replica_names
 
@@ -72,7 +72,7 @@ def count_rollouts(settings: RunSettings, shard_filter: ShardFilter) -> Material
     input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
     input_rows = rollouts = 0
     by_agent: dict[str, int] = {}
-    rows = iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, input_hash)
+    rows = spec_rows(spec, input_hash)
     for where, raw, row in rows:
         input_rows += 1
         # The same encoding as `materialize`, so the digest is the one a run records.

@@ -32,7 +32,7 @@ from dispatcher.files.writer import FsyncPolicy
 from dispatcher.settings.gym_habits import agent_flag_hint
 from dispatcher.settings.serve import SERVE_KEYS
 from dispatcher.tasks.keys import repeats_problem
-from dispatcher.tasks.materialize import MaterializeSpec
+from dispatcher.tasks.materialize import DEFAULT_MAX_LINE_BYTES, MaterializeSpec
 from dispatcher.urls import agent_url_problem, hide_url_secret, redact_url, redact_urls
 
 ENV_PREFIX = "DISPATCHER_"
@@ -55,6 +55,7 @@ class RunSettings(BaseModel):
     limit: int | None = Field(default=None, ge=0)
     responses_create_params: dict[str, Any] = Field(default_factory=dict)
     skip_invalid_rows: bool = False
+    max_task_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, ge=1, le=1024 * 1024 * 1024)
     allow_empty: bool = False
     shard: str | None = None
 
@@ -188,6 +189,7 @@ class RunSettings(BaseModel):
             overrides=self.responses_create_params,
             skip_invalid_rows=self.skip_invalid_rows,
             shard_filter=shard_filter,
+            max_line_bytes=self.max_task_line_bytes,
         )
 
     @field_validator("num_repeats")

@@ -33,6 +33,8 @@ _RUN_FLAGS: dict[str, str] = {
     "(--agent wins for a name it gives)",
     "--num-repeats": 'repeats per task: N, or a JSON map like {"a": 4, "_default": 1}',
     "--limit": "read at most N input rows",
+    "--max-task-line-bytes": "longest task line; a longer one is an error naming it "
+    "(default 64 MiB, at most 1 GiB)",
     "--concurrency": "rollouts in flight at most (default 64; 'unbounded' for no bound), "
     "or 'auto': each replica's limit adapts to its latency and 429s",
     "--concurrency-min": "with 'auto': an agent's limit never below this (default 1)",

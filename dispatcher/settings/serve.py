@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dispatcher.errors import ConfigError
 
 MIB = 1024 * 1024
+MAX_JOB_BYTES = 1024 * 1024 * MIB
 
 
 class ServeLimits(BaseModel):
@@ -47,7 +48,8 @@ class ServeLimits(BaseModel):
     body_timeout_s: float = Field(default=120.0, gt=0)
     header_timeout_s: float = Field(default=30.0, gt=0)
     max_job_rollouts: int = Field(default=1_000_000, ge=1)
-    max_job_bytes: int = Field(default=16 * 1024 * MIB, ge=1)
+    # Bounded: a job of more could not be held by any disk it would run on.
+    max_job_bytes: int = Field(default=16 * 1024 * MIB, ge=1, le=MAX_JOB_BYTES)
 
     @model_validator(mode="after")
     def _a_body_fits(self) -> ServeLimits:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,15 @@ DEFAULT_REPEATS_KEY = "_default"
 # ``_ng_task_index`` and ``_ng_rollout_id`` (§1, §2); ``_ng_rollout_index``
 # is always reassigned.
 RESERVED_INPUT_KEYS = FAILURE_KEYS | {ATTEMPT_INDEX, NO_PERSIST, DISPATCH_KEY, CAPTURE_ID}
+# A task line's bytes at most (``--max-task-line-bytes``): reading and parsing one
+# costs about twice its size, and materializing it (and each repeat) as much again.
+DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
+# The task file is read in blocks of this size, a line longer than one gathered.
+READ_BLOCK_BYTES = 1 << 20
+_WHITE = frozenset(b" \t\n\r\x0b\x0c")
+_NOT_WHITE = re.compile(rb"[^ \t\n\r\x0b\x0c]")
+# A task line as read: a block's slice, a long line's own buffer, or a view of either.
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +142,8 @@ class MaterializeSpec:
     shard_filter: Callable[[int], bool] | None = None
     # Every row must carry ``responses_create_params`` (a served job's task file).
     require_params: bool = False
+    # A longer task line is an error naming it (``--max-task-line-bytes``).
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
 
 
 @dataclass(frozen=True)
@@ -237,7 +249,7 @@ class Materializer:
         self._next_task = 0
         self.tasks = 0
 
-    def expand(self, raw: bytes, row: dict[str, Any], where: str) -> Iterator[dict[str, Any]]:
+    def expand(self, raw: Buffer, row: dict[str, Any], where: str) -> Iterator[dict[str, Any]]:
         """The materialized rows for one input row, made one at a time as they are consumed.
 
         Validation happens before this returns; the rows are lazy so that a
@@ -298,7 +310,7 @@ class Materializer:
         if self._spec.overrides:
             row[RESPONSES_CREATE_PARAMS] = {**(params or {}), **self._spec.overrides}
 
-    def _task_index(self, raw: bytes, row: dict[str, Any], where: str) -> int:
+    def _task_index(self, raw: Buffer, row: dict[str, Any], where: str) -> int:
         own = row.get(TASK_INDEX)
         if own is not None:
             problem = task_index_problem(own)
@@ -357,16 +369,21 @@ def _check_own_rollout_id(value: Any, repeats: int, where: str) -> None:
 
 
 def iter_input_rows(
-    path: Path, limit: int | None, skip_invalid: bool, hasher: Any
-) -> Iterator[tuple[str, bytes, dict[str, Any]]]:
-    """Yield ``(where, raw, row)`` per task line, streaming; ``hasher`` sees every byte read."""
+    path: Path,
+    limit: int | None,
+    skip_invalid: bool,
+    hasher: Any,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Iterator[tuple[str, Buffer, dict[str, Any]]]:
+    """Yield ``(where, raw, row)`` per task line, streaming; ``hasher`` sees every byte read.
+    ``raw`` is the line without its surrounding white space, valid until the next one."""
     taken = 0
     with _open_input(path) as f:
-        for line_no, line in enumerate(f, 1):
+        for line_no, line in enumerate(_lines(f, max_line_bytes, path), 1):
             if limit is not None and taken >= limit:
                 return
             hasher.update(line)
-            raw = line.strip()
+            raw = _stripped(line)
             if not raw:
                 continue
             where = f"{path}:{line_no}"
@@ -375,6 +392,63 @@ def iter_input_rows(
                 continue
             taken += 1
             yield where, raw, row
+
+
+def spec_rows(spec: MaterializeSpec, hasher: Any) -> Iterator[tuple[str, Buffer, dict[str, Any]]]:
+    """``iter_input_rows`` of the spec's task file, as its settings say."""
+    return iter_input_rows(
+        spec.input_path, spec.limit, spec.skip_invalid_rows, hasher, spec.max_line_bytes
+    )
+
+
+def _lines(f: BinaryIO, max_bytes: int, path: Path) -> Iterator[bytes | bytearray]:
+    """The lines of ``f``, newline included; ``ConfigError`` naming the first one longer
+    than ``max_bytes``, once that much of it is read.
+
+    A line longer than a block is gathered in one bytearray, grown in place, and
+    given out as it is: reading by lines joined a long line from its pieces (two
+    copies of it at once), and ``strip`` made a third.
+    """
+    line_no = 0
+    pending = bytearray()
+    while block := f.read(READ_BLOCK_BYTES):
+        start = 0
+        while (end := block.find(b"\n", start)) != -1:
+            line_no += 1
+            if pending:
+                pending += memoryview(block)[start : end + 1]
+                _check_length(len(pending), max_bytes, path, line_no)
+                yield pending
+                pending = bytearray()
+            else:
+                _check_length(end + 1 - start, max_bytes, path, line_no)
+                yield block[start : end + 1]
+            start = end + 1
+        pending += memoryview(block)[start:]
+        _check_length(len(pending), max_bytes, path, line_no + 1)
+    if pending:
+        yield pending
+
+
+def _check_length(size: int, max_bytes: int, path: Path, line_no: int) -> None:
+    # The newline does not count: a line of exactly the bound is fine.
+    if size > max_bytes + 1:
+        raise ConfigError(
+            f"{path}:{line_no}: a task line is longer than --max-task-line-bytes "
+            f"({max_bytes} bytes)"
+        )
+
+
+def _stripped(line: bytes | bytearray) -> Buffer:
+    """``line`` without its surrounding white space, as ``bytes.strip`` would cut it, but
+    a view rather than a copy (a task line may be hundreds of megabytes)."""
+    found = _NOT_WHITE.search(line)
+    if found is None:
+        return b""
+    end = len(line)
+    while line[end - 1] in _WHITE:
+        end -= 1
+    return memoryview(line)[found.start() : end]
 
 
 def _open_input(path: Path) -> BinaryIO:
@@ -386,7 +460,7 @@ def _open_input(path: Path) -> BinaryIO:
         raise ConfigError(f"{path}: cannot read input: {exc.strerror}") from None
 
 
-def _parse_row(raw: bytes, where: str, skip_invalid: bool) -> dict[str, Any] | None:
+def _parse_row(raw: Buffer, where: str, skip_invalid: bool) -> dict[str, Any] | None:
     try:
         row = jsonx.loads(raw)
         problem = None if isinstance(row, dict) else "line is not a JSON object"
@@ -408,7 +482,7 @@ def input_digest(spec: MaterializeSpec) -> str:
         if whole is not None:
             return whole
     hasher = hashlib.sha256()
-    for _ in iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, hasher):
+    for _ in spec_rows(spec, hasher):
         pass
     return hasher.hexdigest()
 
@@ -435,7 +509,7 @@ def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:
     input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
     input_rows = rollouts = 0
     by_agent: dict[str, int] = {}
-    rows = iter_input_rows(spec.input_path, spec.limit, spec.skip_invalid_rows, input_hash)
+    rows = spec_rows(spec, input_hash)
     with destination.open("wb") as out:
         for where, raw, row in rows:
             input_rows += 1
