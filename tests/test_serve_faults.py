@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import resource
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -459,3 +460,38 @@ async def test_a_full_disk_fails_the_job_with_the_reason_and_a_restart_resumes_i
         job_dir(state, "j") / "rollouts.jsonl", {(t, 0) for t in range(3)}, max_attempts=3
     )
     assert len(audit.successes) == 3
+
+
+# ---- too many open files ----------------------------------------------------------------
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_a_job_that_hits_emfile_when_it_starts_waits_and_starts_once_fds_are_back(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    # EMFILE is the dispatcher's own fault (contracts §11): the job stays pending
+    # and starts again, where it was failed until a restart.
+    serve = await Serve.start(tmp_path / "state", gated_agent.url)
+    pid = serve.proc.proc.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    try:
+        await serve.job("warm")  # the session's connection is open before the limit falls
+        # Room for a request's files one at a time, not for a job's files at once.
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_fds(pid) + 2, hard))
+        await serve.submit(job_id="j", rows=rows(2))
+        await wait_until(lambda: serve.proc.saw("job_start_deferred"), timeout_s=30)
+        waiting = await serve.job("j")
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        gated_agent.open()
+        stream = await ended(serve, "j")
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        assert await serve.stop() == 0
+    assert waiting["state"] in ("queued", "running") and not waiting["final"], waiting
+    deferred = [e for e in serve.proc.events() if e["event"] == "job_start_deferred"]
+    assert "Too many open files" in deferred[0]["error"]
+    assert stream[-1] == {"end": "done"}
+    assert len([line for line in stream if "_ng_seq" in line]) == 2

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import structlog
 
 from dispatcher.aio import cancel_and_wait
+from dispatcher.delivery.faults import as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.contracts import JobStatus
 from dispatcher.files.resume import RunState
@@ -105,6 +106,8 @@ class ServedJob:
         self.earlier_outcomes: Counter[str] = Counter()
         self.job: Job | None = self._new_job()
         self._cancelled = asyncio.Event()
+        # Whether a hop has loaded the job's files (its groups, earlier outcomes).
+        self._loaded = False
 
     def _new_job(self) -> Job:
         """One hop of the job: a ``Job`` on its files, sharing its indexes and groups."""
@@ -172,7 +175,7 @@ class ServedJob:
         hop = idle_hops = 0
         while True:
             job = self.job if hop == 0 and self.job is not None else self._next_job()
-            state, error = await self._hop(job, first=hop == 0)
+            state, error = await self._hop(job)
             if state is not JobState.INCOMPLETE or self._stopping() or self.step.satisfied:
                 break
             idle_hops = 0 if job.final_this_run else idle_hops + 1
@@ -205,18 +208,38 @@ class ServedJob:
         self.job = self._new_job()
         return self.job
 
-    async def _hop(self, job: Job, *, first: bool) -> tuple[JobState, str | None]:
-        """Open, dispatch and close one hop; its final state and error."""
+    async def _opened(self, job: Job) -> tuple[JobState, str | None] | None:
+        """Open the hop's files; None when they are open, else the hop's end.
+
+        Running out of file descriptors (or memory) is the dispatcher's own fault
+        (contracts §11), not the job's: the hop ends ``incomplete`` and the next
+        one opens them again, after the pause of a hop that made no progress."""
         try:
             await job.open()
-        except DispatcherError as exc:
+        except Exception as exc:
+            fault = as_local_fault(exc)
+            if fault is not None:
+                log.warning("job_start_deferred", job_id=self.job_id, fault=fault.kind,
+                            error=one_line(exc))  # fmt: skip
+                return JobState.INCOMPLETE, None
+            if not isinstance(exc, DispatcherError):
+                raise
             self.service.disk_fault(exc)
             return JobState.FAILED, str(exc)
+        return None
+
+    async def _hop(self, job: Job) -> tuple[JobState, str | None]:
+        """Open, dispatch and close one hop; its final state and error."""
+        if (ended := await self._opened(job)) is not None:
+            return ended
         prepared = job.prepared
         assert prepared is not None and self.groups is not None
         structlog.contextvars.bind_contextvars(run_id=prepared.record.run_id)
         try:
-            if first:
+            if not self._loaded:
+                # The first hop that opened its files: the earlier ones (deferred
+                # by a fault of ours) read nothing.
+                self._loaded = True
                 self.earlier_outcomes.update(file_outcomes(prepared.state))
                 missing = await asyncio.to_thread(
                     self.groups.load,
