@@ -8,6 +8,7 @@ same flag against a real Gym 0.7.0 stack.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,134 @@ async def test_an_unknown_agent_or_an_unreachable_head_server_is_exit_2(
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith(f"error: Gym head server http://{dead} does not answer")
         assert "Traceback" not in result.stderr
+
+
+async def start_head(app: web.Application, runners: list[web.AppRunner]) -> str:
+    runner, url = await serve(app)
+    runners.append(runner)
+    return url
+
+
+@pytest.fixture
+async def runners() -> AsyncIterator[list[web.AppRunner]]:
+    started: list[web.AppRunner] = []
+    yield started
+    for runner in started:
+        await runner.cleanup()
+
+
+async def run_with_head(tmp_path: Path, url: str, *flags: str) -> Any:
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 1)
+    return await run_cli(
+        "run", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"),
+        "--metrics-listen", "off", "--gym-head-server", url, *flags,
+    )  # fmt: skip
+
+
+def the_error(result: Any) -> str:
+    """The run's one error line: exit 2, no traceback."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    return str(line)
+
+
+async def test_a_head_server_that_drips_its_answer_is_cut_at_the_deadline(
+    tmp_path: Path, runners: list[web.AppRunner]
+) -> None:
+    # A byte now and then kept every read under its timeout: start-up waited for
+    # as long as the server dripped.
+    done = asyncio.Event()
+
+    async def drip(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await answer.prepare(request)
+        while not done.is_set():
+            await answer.write(b" ")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.05)  # the drip's pace
+        return answer
+
+    app = web.Application()
+    app.router.add_get("/global_config_dict_yaml", drip)
+    url = await start_head(app, runners)
+    try:
+        result = await run_with_head(tmp_path, url, "--gym-head-timeout-s", "0.5")
+    finally:
+        done.set()
+    assert the_error(result) == (
+        f"error: Gym head server {url}: no whole answer within 0.5 s (--gym-head-timeout-s)"
+    )
+
+
+async def test_a_head_server_that_redirects_is_an_error_naming_where_to(
+    tmp_path: Path, runners: list[web.AppRunner], sim_agent: SimAgentFactory
+) -> None:
+    agent_url, _ = await sim_agent()
+    asked: list[str] = []
+
+    async def config_yaml(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response(yaml.safe_dump(gym_config(sim=agent_instance(agent_url))))
+
+    other = web.Application()
+    other.router.add_get("/global_config_dict_yaml", config_yaml)
+    elsewhere = await start_head(other, runners)
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"{elsewhere}/global_config_dict_yaml")
+
+    app = web.Application()
+    app.router.add_get("/global_config_dict_yaml", moved)
+    url = await start_head(app, runners)
+    result = await run_with_head(tmp_path, url)
+    assert the_error(result) == (
+        f"error: Gym head server {url}: GET /global_config_dict_yaml answered 307, a redirect "
+        f"to {elsewhere}/global_config_dict_yaml (not followed: give --gym-head-server the "
+        "head server itself)"
+    )
+    assert asked == []
+
+
+async def test_a_deeply_nested_head_config_is_one_line(
+    tmp_path: Path, runners: list[web.AppRunner]
+) -> None:
+    deep = "a: " + "[" * 50_000 + "]" * 50_000
+
+    async def config_yaml(request: web.Request) -> web.Response:
+        return web.json_response(deep)
+
+    app = web.Application()
+    app.router.add_get("/global_config_dict_yaml", config_yaml)
+    url = await start_head(app, runners)
+    result = await run_with_head(tmp_path, url)
+    assert the_error(result) == (
+        f"error: Gym head server {url}: /global_config_dict_yaml is nested too deeply"
+    )
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_head_config_over_the_bound_is_an_error_read_no_further(
+    tmp_path: Path, runners: list[web.AppRunner], chunked: bool
+) -> None:
+    # A 300 MB config cost 1.24 GB: it is read up to the bound, then refused.
+    big = orjson.dumps(yaml.safe_dump(gym_config(pad={"x": "y" * 5000})))
+
+    async def config_yaml(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=big, content_type="application/json")
+        answer = web.StreamResponse(headers={"Content-Type": "application/json"})
+        answer.enable_chunked_encoding()
+        await answer.prepare(request)
+        for start in range(0, len(big), 1000):
+            await answer.write(big[start : start + 1000])
+        return answer
+
+    app = web.Application()
+    app.router.add_get("/global_config_dict_yaml", config_yaml)
+    url = await start_head(app, runners)
+    result = await run_with_head(tmp_path, url, "--gym-head-max-bytes", "4096")
+    assert the_error(result) == (
+        f"error: Gym head server {url}: /global_config_dict_yaml is larger than "
+        "--gym-head-max-bytes (4096 bytes)"
+    )

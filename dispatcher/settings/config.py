@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
 )
 
@@ -30,6 +31,12 @@ from dispatcher.delivery.limits import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_
 from dispatcher.errors import ConfigError
 from dispatcher.files.writer import FsyncPolicy
 from dispatcher.settings.gym_habits import agent_flag_hint
+from dispatcher.settings.gym_head import (
+    FETCH_TIMEOUT_S,
+    MAX_CONFIG_BYTES,
+    HeadBounds,
+    with_head_agents,
+)
 from dispatcher.settings.serve import SERVE_KEYS
 from dispatcher.tasks.keys import repeats_problem
 from dispatcher.tasks.materialize import DEFAULT_MAX_LINE_BYTES, MaterializeSpec
@@ -50,6 +57,8 @@ class RunSettings(BaseModel):
     agents: dict[str, list[str]] = Field(default_factory=dict)
     # contracts §15: agents from a Gym head server's config; `agents` wins by name.
     gym_head_server: str | None = None
+    gym_head_timeout_s: float = Field(default=FETCH_TIMEOUT_S, gt=0)
+    gym_head_max_bytes: int = Field(default=MAX_CONFIG_BYTES, ge=1)
     default_agent: str | None = None
     num_repeats: int | dict[str, int] = 1
     limit: int | None = Field(default=None, ge=0)
@@ -260,9 +269,7 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
             merged[key], sources[key] = value, flag_for(key)
     _normalize_unbounded(merged)
     if merged.get("gym_head_server"):
-        from dispatcher.settings.gym_head import with_head_agents
-
-        merged["agents"] = with_head_agents(merged["gym_head_server"], merged.get("agents"))
+        _add_head_agents(merged, sources)
     try:
         return RunSettings.model_validate(merged)
     except ValidationError as exc:
@@ -295,6 +302,27 @@ def layered(
         elif key in file_values:
             found[key] = file_values[key], path
     return found
+
+
+_HEAD_BOUNDS = ("gym_head_timeout_s", "gym_head_max_bytes")
+
+
+def _add_head_agents(merged: dict[str, Any], sources: Mapping[str, str]) -> None:
+    """The head server's agents into ``merged``, fetched within the bounds it sets
+    (checked first: a bad bound is named, not used)."""
+    # The two fields of RunSettings, with their constraints, checked on their own.
+    fields: dict[str, Any] = {
+        k: (RunSettings.model_fields[k].annotation, RunSettings.model_fields[k])
+        for k in _HEAD_BOUNDS
+    }
+    try:
+        checked = create_model("HeadBounds", **fields).model_validate(
+            {k: merged[k] for k in _HEAD_BOUNDS if k in merged}
+        )
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, sources)) from None
+    bounds = HeadBounds(checked.gym_head_timeout_s, checked.gym_head_max_bytes)
+    merged["agents"] = with_head_agents(merged["gym_head_server"], merged.get("agents"), bounds)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

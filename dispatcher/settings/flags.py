@@ -31,6 +31,8 @@ _RUN_FLAGS: dict[str, str] = {
     "--default-agent": "agent for rows without agent_ref",
     "--gym-head-server": "URL of a running NeMo Gym head server: its agents, by name "
     "(--agent wins for a name it gives)",
+    "--gym-head-timeout-s": "seconds the head server's whole answer may take (default 10)",
+    "--gym-head-max-bytes": "largest head server config answer (default 16 MiB)",
     "--num-repeats": 'repeats per task: N, or a JSON map like {"a": 4, "_default": 1}',
     "--limit": "read at most N input rows",
     "--max-task-line-bytes": "longest task line; a longer one is an error naming it "

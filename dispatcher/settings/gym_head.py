@@ -16,18 +16,25 @@ instance: one replica per agent. An agent fronted by several environment
 servers cannot be routed by name (Gym refuses it too); it is left out, with
 the reason logged, so a run whose rows name it stops on "not configured".
 
-The fetch is blocking: it runs once at start-up, before any task exists.
+The fetch is blocking: it runs once at start-up, before any task exists. It has
+a total deadline, follows no redirect (the config must come from the server
+named) and reads at most a bounded number of bytes.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
 import json
-import urllib.error
-import urllib.request
+import socket
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from yarl import URL
 
 from dispatcher.errors import ConfigError
 from dispatcher.urls import agent_url_problem, hide_url_secret, redact_url
@@ -37,7 +44,10 @@ log = structlog.get_logger(__name__)
 CONFIG_PATH = "/global_config_dict_yaml"
 AGENT_TYPE = "responses_api_agents"
 ENVIRONMENT_TYPE = "environment_servers"
+# The whole answer's deadline (``--gym-head-timeout-s``) and size (``--gym-head-max-bytes``):
+# a Gym config is kilobytes, and parsing its YAML costs several times its size.
 FETCH_TIMEOUT_S = 10.0
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
 def head_url(value: str) -> str:
@@ -52,24 +62,115 @@ def head_url(value: str) -> str:
     return url
 
 
-def fetch_global_config(url: str, timeout_s: float = FETCH_TIMEOUT_S) -> dict[str, Any]:
+@dataclass(frozen=True)
+class HeadBounds:
+    """What fetching the head's config may take: a total deadline and a size."""
+
+    timeout_s: float = FETCH_TIMEOUT_S
+    max_bytes: int = MAX_CONFIG_BYTES
+
+
+def fetch_global_config(url: str, bounds: HeadBounds = HeadBounds()) -> dict[str, Any]:
     """The head server's global config, parsed; ``ConfigError`` naming the server otherwise."""
-    shown = redact_url(url)
-    try:
-        with urllib.request.urlopen(url + CONFIG_PATH, timeout=timeout_s) as answer:
-            raw = answer.read()
-    except urllib.error.HTTPError as exc:
+    fetch = _Fetch(url, bounds)
+    # In a thread so that the deadline is the whole answer's: a server that
+    # drips a byte now and then keeps every read under a socket timeout.
+    worker = threading.Thread(target=fetch.run, name="gym-head-fetch", daemon=True)
+    worker.start()
+    worker.join(bounds.timeout_s)
+    if worker.is_alive():
+        fetch.abort()
+        worker.join()
         raise ConfigError(
-            f"Gym head server {shown}: GET {CONFIG_PATH} answered {exc.code}; "
-            "is this a NeMo Gym head server?"
-        ) from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ConfigError(
-            f"Gym head server {shown} does not answer ({reason}); start the stack with "
-            "`gym env start` or check --gym-head-server"
-        ) from None
-    return parse_global_config(raw, shown)
+            f"Gym head server {fetch.shown}: no whole answer within {bounds.timeout_s:g} s "
+            "(--gym-head-timeout-s)"
+        )
+    if fetch.error is not None:
+        raise fetch.error
+    assert fetch.body is not None
+    return parse_global_config(fetch.body, fetch.shown)
+
+
+class _Fetch:
+    """One ``GET`` of the config: no redirect followed, the body read up to its bound."""
+
+    def __init__(self, url: str, bounds: HeadBounds) -> None:
+        self.url = URL(url)
+        self.shown = redact_url(url)
+        self.bounds = bounds
+        self.body: bytes | None = None
+        self.error: ConfigError | None = None
+        self._conn: http.client.HTTPConnection | None = None
+
+    def run(self) -> None:
+        try:
+            self.body = self._get()
+        except ConfigError as exc:
+            self.error = exc
+        except (OSError, http.client.HTTPException) as exc:
+            self.error = ConfigError(
+                f"Gym head server {self.shown} does not answer ({_reason(exc)}); start the "
+                "stack with `gym env start` or check --gym-head-server"
+            )
+
+    def abort(self) -> None:
+        """End a read in progress (the deadline passed): the thread sees an error."""
+        sock = self._conn.sock if self._conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _get(self) -> bytes:
+        https = self.url.scheme == "https"
+        kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        host, timeout_s = self.url.raw_host or "", self.bounds.timeout_s
+        self._conn = conn = kind(host, self.url.port, timeout=timeout_s)
+        try:
+            conn.request("GET", self.url.path.rstrip("/") + CONFIG_PATH, headers=self._headers())
+            answer = conn.getresponse()
+            self._check_status(answer)
+            return self._read(answer)
+        finally:
+            conn.close()
+
+    def _headers(self) -> dict[str, str]:
+        if self.url.user is None:
+            return {}
+        pair = f"{self.url.user}:{self.url.password or ''}".encode()
+        return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
+
+    def _check_status(self, answer: http.client.HTTPResponse) -> None:
+        if 300 <= answer.status < 400:
+            where = redact_url(answer.getheader("Location") or "nowhere")
+            raise ConfigError(
+                f"Gym head server {self.shown}: GET {CONFIG_PATH} answered {answer.status}, a "
+                f"redirect to {where} (not followed: give --gym-head-server the head server "
+                "itself)"
+            )
+        if answer.status != 200:
+            raise ConfigError(
+                f"Gym head server {self.shown}: GET {CONFIG_PATH} answered {answer.status}; "
+                "is this a NeMo Gym head server?"
+            )
+
+    def _read(self, answer: http.client.HTTPResponse) -> bytes:
+        """The body, refused once it passes the bound (never read whole first)."""
+        limit = self.bounds.max_bytes
+        body = bytearray()
+        while chunk := answer.read1(1 << 16):
+            body += chunk
+            if len(body) > limit:
+                raise ConfigError(
+                    f"Gym head server {self.shown}: {CONFIG_PATH} is larger than "
+                    f"--gym-head-max-bytes ({limit} bytes)"
+                )
+        return bytes(body)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def parse_global_config(raw: bytes, shown: str) -> dict[str, Any]:
@@ -81,6 +182,8 @@ def parse_global_config(raw: bytes, shown: str) -> dict[str, Any]:
         config = yaml.safe_load(text) if isinstance(text, str) else None
     except (ValueError, yaml.YAMLError):
         config = None
+    except RecursionError:
+        raise ConfigError(f"Gym head server {shown}: {CONFIG_PATH} is nested too deeply") from None
     if not isinstance(config, dict):
         raise ConfigError(
             f"Gym head server {shown}: {CONFIG_PATH} is not a YAML mapping in a JSON string"
@@ -113,11 +216,11 @@ def gym_agents(config: Mapping[str, Any]) -> dict[str, list[str]]:
 
 
 def with_head_agents(
-    head_server: str, explicit: Mapping[str, list[str]] | None
+    head_server: str, explicit: Mapping[str, list[str]] | None, bounds: HeadBounds = HeadBounds()
 ) -> dict[str, list[str]]:
     """The head server's agents, with ``--agent`` winning for every name it gives."""
     url = head_url(head_server)
-    agents = gym_agents(fetch_global_config(url))
+    agents = gym_agents(fetch_global_config(url, bounds))
     if not agents and not explicit:
         raise ConfigError(f"Gym head server {redact_url(url)}: its config has no agent")
     return {**agents, **(explicit or {})}
