@@ -187,6 +187,29 @@ async def test_max_resident_tasks_bounds_what_is_at_the_agents(start_stack: Any)
     assert len(await stack.jobs()) >= 3  # handed over a window at a time
 
 
+async def test_a_window_bigger_than_the_daemons_body_bound_is_split_and_succeeds(
+    start_stack: Any,
+) -> None:
+    # Every example of a window over --max-body-bytes failed with the 413; an
+    # example too big alone fails by itself, with the daemon's reason.
+    stack = await start_stack(HeldAgent(held=False), "--max-body-bytes", "4096")
+    rows = examples(40)
+    for row in rows:
+        row["pad"] = "p" * 200
+    rows[7]["pad"] = "p" * 5000
+    outcomes = await asyncio.gather(
+        *RolloutCollectionHelper(stack.url).run_examples(rows), return_exceptions=True
+    )
+    [failed] = [o for o in outcomes if isinstance(o, BaseException)]
+    assert isinstance(failed, ClientError) and failed.status == 413
+    assert "--max-body-bytes 4096" in str(failed)
+    # In completion order: the one that failed is q7, the one never sent.
+    assert set(stack.agent.bodies) == {f"q{i}" for i in range(40)} - {"q7"}
+    # Learned once: later windows are cut before they are sent.
+    jobs = await stack.jobs()
+    assert 4 <= len(jobs) <= 16, len(jobs)
+
+
 async def test_a_spent_budget_drains_what_was_not_handed_over(start_stack: Any) -> None:
     stack = await start_stack(HeldAgent(held=False))
     helper = RolloutCollectionHelper(stack.url)

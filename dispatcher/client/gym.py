@@ -57,6 +57,10 @@ Gym's keyword arguments:
   ``--concurrency`` bounds the requests to them.
 - ``environment_server_name``: only None; rows route by ``agent_ref``.
 
+Examples whose body would pass the daemon's ``--max-body-bytes`` are split: a
+job refused with a 413 is cut into jobs of half its bytes, and that bound holds
+for the later windows; only an example too big alone resolves to the 413.
+
 A job that ends cancelled or incomplete resolves its unrun examples to the
 drained result; a job that fails raises ``ClientError`` from theirs.
 ``Completions.aclose()`` stops early: the jobs still running are cancelled.
@@ -68,12 +72,13 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
 
+from dispatcher import jsonx
 from dispatcher.client.aio import AsyncClient
 from dispatcher.client.gym_plan import (
     DISPATCHER_KEYS,
@@ -184,6 +189,9 @@ class Collection:
         self._room = asyncio.Event()
         self._durations = Durations()
         self._jobs: list[str] = []
+        # The bytes of a job's rows at most, once a 413 (a body over the daemon's
+        # --max-body-bytes) has taught one.
+        self._body_bytes: int | None = None
         self._prefix = f"gym-{uuid.uuid4().hex[:12]}"
         # Gym counts the budget from the call, not from the first await.
         budget = options.dispatch_budget_s
@@ -242,10 +250,10 @@ class Collection:
                 if drained is not None:
                     self._drain_rest(drained)
                     return
-                plan = plan_job(self._examples, range(self._next, self._next + count))
+                positions = range(self._next, self._next + count)
                 self._next += count
-                job_id = await self._submit(plan)
-                jobs.create_task(self._follow(job_id, plan))
+                async for job_id, plan in self._hand_over(positions):
+                    jobs.create_task(self._follow(job_id, plan))
 
     async def _room_for(self, window: int, total: int) -> int:
         """How many examples to submit next: once half the window is free (or all the rest)."""
@@ -272,11 +280,58 @@ class Collection:
             self._resolve(position, drained_result(message))
         self._next = len(self._examples)
 
+    async def _hand_over(self, positions: range) -> AsyncIterator[tuple[str, JobPlan]]:
+        """Submit ``positions`` as jobs whose bodies the daemon takes (``--max-body-bytes``).
+
+        A job it refuses as too big (413) sets the bound of a job's rows to half that
+        body's bytes, from then on: later windows are cut before they are sent. An
+        example too big alone resolves to the daemon's 413.
+        """
+        pieces = self._cut(list(positions))
+        while pieces:
+            piece = pieces.pop()
+            plan = plan_job(self._examples, piece)
+            try:
+                yield await self._submit(plan), plan
+            except ClientError as exc:
+                if exc.status != 413:
+                    raise
+                if len(piece) == 1:
+                    self._resolve(piece[0], exc)
+                    continue
+                self._body_bytes = self._bytes_of(piece) // 2
+                pieces += self._cut(piece)
+
+    def _cut(self, positions: list[int]) -> list[list[int]]:
+        """``positions`` in pieces of rows under the learned bound, last piece first."""
+        if self._body_bytes is None:
+            return [positions]
+        pieces: list[list[int]] = [[]]
+        size = 0
+        for position in positions:
+            row_bytes = self._bytes_of([position])
+            if pieces[-1] and size + row_bytes > self._body_bytes:
+                pieces.append([])
+                size = 0
+            pieces[-1].append(position)
+            size += row_bytes
+        return pieces[::-1]
+
+    def _bytes_of(self, positions: list[int]) -> int:
+        """About what the rows at ``positions`` take in a submit's body."""
+        return sum(len(jsonx.dumps(self._examples[p])) + 1 for p in positions)
+
     async def _submit(self, plan: JobPlan) -> str:
         job_id = f"{self._prefix}-{len(self._jobs)}"
         self._jobs.append(job_id)
-        # With a job_id the submit is idempotent, so a lost answer is retried.
-        await self._client.submit(plan.rows, job_id=job_id, num_repeats=1)
+        try:
+            # With a job_id the submit is idempotent, so a lost answer is retried.
+            await self._client.submit(plan.rows, job_id=job_id, num_repeats=1)
+        except ClientError as exc:
+            if exc.status == 413:
+                # Refused before it was read: no such job (its id is used again).
+                self._jobs.pop()
+            raise
         return job_id
 
     async def _follow(self, job_id: str, plan: JobPlan) -> None:
