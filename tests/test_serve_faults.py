@@ -8,6 +8,7 @@ gated by the test where ordering matters, no sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import resource
@@ -16,6 +17,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
@@ -495,3 +497,52 @@ async def test_a_job_that_hits_emfile_when_it_starts_waits_and_starts_once_fds_a
     assert "Too many open files" in deferred[0]["error"]
     assert stream[-1] == {"end": "done"}
     assert len([line for line in stream if "_ng_seq" in line]) == 2
+
+
+def fds_on(pid: int, path: Path) -> int:
+    """The process's open file descriptors on ``path``."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += fd.readlink() == path
+    return count
+
+
+async def hang_up(url: str, job_id: str, after: int) -> None:
+    """A results reader that goes away as soon as its request is sent."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    writer.write(
+        f"GET /v1/jobs/{job_id}/results?after={after}&wait=true HTTP/1.1\r\n"
+        f"Host: {parts.netloc}\r\n\r\n".encode()
+    )
+    if after % 2:
+        await reader.readline()  # some go once the answer has started
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
+async def test_readers_that_go_away_leave_no_descriptor_on_the_rows(tmp_path: Path) -> None:
+    # Rows of an earlier daemon big enough to be read in a thread: a reader gone
+    # while its read waited there left the file open (552 after 2,500 readers).
+    agent = FakeAgent(lambda body: web.json_response({"reward": 1.0, "pad": "p" * 20_000}))
+    await agent.start()
+    state = tmp_path / "state"
+    try:
+        first = await Serve.start(state, agent.url)
+        await first.submit(job_id="j", rows=rows(40))
+        assert (await ended(first, "j"))[-1] == {"end": "done"}
+        assert await first.stop() == 0
+        serve = await Serve.start(state, agent.url, "--max-streams", "1024")
+        pid = serve.proc.proc.pid
+        try:
+            for _ in range(5):
+                await asyncio.gather(*(hang_up(serve.url, "j", n % 40) for n in range(100)))
+            await wait_until(serve.streams_open(0), timeout_s=30)
+            leaked = fds_on(pid, job_dir(state, "j").resolve() / "rollouts.jsonl")
+        finally:
+            assert await serve.stop() == 0
+    finally:
+        await agent.close()
+    assert leaked == 0

@@ -82,6 +82,15 @@ class Serve:
 
         return check
 
+    def streams_open(self, count: int) -> Any:
+        """A condition: ``count`` results streams are open (from /status)."""
+
+        async def check() -> bool:
+            async with self.http.get(f"{self.url}/status") as r:
+                return bool((await r.json())["streams_open"] == count)
+
+        return check
+
     async def metrics(self) -> str:
         async with self.http.get(f"{self.url}/metrics") as r:
             return await r.text()
