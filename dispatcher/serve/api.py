@@ -27,6 +27,7 @@ its client takes nothing (``sending.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -255,12 +256,15 @@ class _Handlers:
         sender = Sender(request, response, buffer_bytes=limits.stream_buffer_bytes,
                         idle_s=limits.stream_idle_timeout_s)  # fmt: skip
         chunk_bytes = limits.stream_buffer_bytes
+        lines = stream(source, after, group, wait, filtered, chunk_bytes=chunk_bytes,
+                       gone=sender.gone)  # fmt: skip
         try:
-            lines = stream(source, after, group, wait, filtered, chunk_bytes=chunk_bytes,
-                           gone=sender.gone)  # fmt: skip
-            async for chunk, born in lines:
-                await sender.write(chunk)
-                self.service.delivered(born, group)
+            # Closed here, whatever ends the stream: left to the loop's finalizer, a
+            # stream whose client went away held its files until a GC pass found it.
+            async with contextlib.aclosing(lines):
+                async for chunk, born in lines:
+                    await sender.write(chunk)
+                    self.service.delivered(born, group)
             await sender.write_eof()
         except StreamIdle as exc:
             log.info("results_stream_cut", job_id=job.job_id, reason=str(exc))

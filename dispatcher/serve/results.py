@@ -27,7 +27,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +88,7 @@ async def stream(
     *,
     chunk_bytes: int,
     gone: Callable[[], bool] = lambda: False,
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line.
     A chunk carries at most ``chunk_bytes`` of rows, or one row bigger than that. A
     waiting stream whose client is ``gone`` ends (checked at each wake)."""
