@@ -59,7 +59,7 @@ RESERVED_INPUT_KEYS = FAILURE_KEYS | {ATTEMPT_INDEX, NO_PERSIST, DISPATCH_KEY, C
 # A task line's bytes at most (``--max-task-line-bytes``): reading and parsing one
 # costs about twice its size, and materializing it (and each repeat) as much again.
 DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
-# The task file is read in blocks of this size, a line longer than one gathered.
+# The task file is read a line at a time up to this size; a longer line is gathered.
 READ_BLOCK_BYTES = 1 << 20
 _WHITE = frozenset(b" \t\n\r\x0b\x0c")
 _NOT_WHITE = re.compile(rb"[^ \t\n\r\x0b\x0c]")
@@ -403,45 +403,45 @@ def spec_rows(spec: MaterializeSpec, hasher: Any) -> Iterator[tuple[str, Buffer,
 
 def _lines(f: BinaryIO, max_bytes: int, path: Path) -> Iterator[bytes | bytearray]:
     """The lines of ``f``, newline included; ``ConfigError`` naming the first one longer
-    than ``max_bytes``, once that much of it is read.
-
-    A line longer than a block is gathered in one bytearray, grown in place, and
-    given out as it is: reading by lines joined a long line from its pieces (two
-    copies of it at once), and ``strip`` made a third.
-    """
+    than ``max_bytes``, once that much of it is read."""
     line_no = 0
-    pending = bytearray()
-    while block := f.read(READ_BLOCK_BYTES):
-        start = 0
-        while (end := block.find(b"\n", start)) != -1:
-            line_no += 1
-            if pending:
-                pending += memoryview(block)[start : end + 1]
-                _check_length(len(pending), max_bytes, path, line_no)
-                yield pending
-                pending = bytearray()
-            else:
-                _check_length(end + 1 - start, max_bytes, path, line_no)
-                yield block[start : end + 1]
-            start = end + 1
-        pending += memoryview(block)[start:]
-        _check_length(len(pending), max_bytes, path, line_no + 1)
-    if pending:
-        yield pending
+    while line := f.readline(READ_BLOCK_BYTES):
+        line_no += 1
+        if len(line) == READ_BLOCK_BYTES and not line.endswith(b"\n"):
+            yield _long_line(f, line, max_bytes, f"{path}:{line_no}")
+            continue
+        _check_length(len(line), max_bytes, f"{path}:{line_no}")
+        yield line
 
 
-def _check_length(size: int, max_bytes: int, path: Path, line_no: int) -> None:
+def _long_line(f: BinaryIO, first: bytes, max_bytes: int, where: str) -> bytearray:
+    """A line longer than a block, read on from its ``first`` block into one buffer
+    grown in place: read whole by ``readline``, a long line was joined from its
+    pieces (two copies of it at once), and ``strip`` made a third."""
+    line = bytearray(first)
+    while not line.endswith(b"\n"):
+        _check_length(len(line), max_bytes, where)
+        more = f.readline(READ_BLOCK_BYTES)
+        if not more:
+            break
+        line += more
+    _check_length(len(line), max_bytes, where)
+    return line
+
+
+def _check_length(size: int, max_bytes: int, where: str) -> None:
     # The newline does not count: a line of exactly the bound is fine.
     if size > max_bytes + 1:
         raise ConfigError(
-            f"{path}:{line_no}: a task line is longer than --max-task-line-bytes "
-            f"({max_bytes} bytes)"
+            f"{where}: a task line is longer than --max-task-line-bytes ({max_bytes} bytes)"
         )
 
 
 def _stripped(line: bytes | bytearray) -> Buffer:
     """``line`` without its surrounding white space, as ``bytes.strip`` would cut it, but
     a view rather than a copy (a task line may be hundreds of megabytes)."""
+    if isinstance(line, bytes):
+        return line.strip()  # at most a block's size: a copy costs less than a view
     found = _NOT_WHITE.search(line)
     if found is None:
         return b""
