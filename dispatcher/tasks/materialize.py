@@ -13,6 +13,7 @@ How a rollout is named and keyed (ids, the integer key, their bounds) is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -378,12 +379,20 @@ def iter_input_rows(
     """Yield ``(where, raw, row)`` per task line, streaming; ``hasher`` sees every byte read.
     ``raw`` is the line without its surrounding white space, valid until the next one."""
     taken = 0
+    # The newline does not count: a line of exactly the bound is fine.
+    longest = min(max_line_bytes + 1, READ_BLOCK_BYTES)
     with _open_input(path) as f:
-        for line_no, line in enumerate(_lines(f, max_line_bytes, path), 1):
+        lines = iter(functools.partial(f.readline, READ_BLOCK_BYTES), b"")
+        for line_no, read in enumerate(lines, 1):
             if limit is not None and taken >= limit:
                 return
-            hasher.update(line)
-            raw = _stripped(line)
+            if len(read) < longest:
+                hasher.update(read)
+                raw: Buffer = read.strip()
+            else:
+                line = _long_line(f, read, max_line_bytes, f"{path}:{line_no}")
+                hasher.update(line)
+                raw = _stripped(line)
             if not raw:
                 continue
             where = f"{path}:{line_no}"
@@ -401,23 +410,14 @@ def spec_rows(spec: MaterializeSpec, hasher: Any) -> Iterator[tuple[str, Buffer,
     )
 
 
-def _lines(f: BinaryIO, max_bytes: int, path: Path) -> Iterator[bytes | bytearray]:
-    """The lines of ``f``, newline included; ``ConfigError`` naming the first one longer
-    than ``max_bytes``, once that much of it is read."""
-    line_no = 0
-    while line := f.readline(READ_BLOCK_BYTES):
-        line_no += 1
-        if len(line) == READ_BLOCK_BYTES and not line.endswith(b"\n"):
-            yield _long_line(f, line, max_bytes, f"{path}:{line_no}")
-            continue
-        _check_length(len(line), max_bytes, f"{path}:{line_no}")
-        yield line
-
-
-def _long_line(f: BinaryIO, first: bytes, max_bytes: int, where: str) -> bytearray:
-    """A line longer than a block, read on from its ``first`` block into one buffer
-    grown in place: read whole by ``readline``, a long line was joined from its
-    pieces (two copies of it at once), and ``strip`` made a third."""
+def _long_line(f: BinaryIO, first: bytes, max_bytes: int, where: str) -> bytes | bytearray:
+    """A line whose ``first`` read filled a block or passed the bound: checked, and
+    read on into one buffer grown in place when it goes on. Read whole by
+    ``readline``, a long line was joined from its pieces (two copies of it at
+    once), and ``strip`` made a third."""
+    if first.endswith(b"\n"):
+        _check_length(len(first), max_bytes, where)
+        return first
     line = bytearray(first)
     while not line.endswith(b"\n"):
         _check_length(len(line), max_bytes, where)
@@ -440,8 +440,6 @@ def _check_length(size: int, max_bytes: int, where: str) -> None:
 def _stripped(line: bytes | bytearray) -> Buffer:
     """``line`` without its surrounding white space, as ``bytes.strip`` would cut it, but
     a view rather than a copy (a task line may be hundreds of megabytes)."""
-    if isinstance(line, bytes):
-        return line.strip()  # at most a block's size: a copy costs less than a view
     found = _NOT_WHITE.search(line)
     if found is None:
         return b""
