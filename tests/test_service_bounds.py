@@ -385,3 +385,24 @@ async def test_bodies_that_all_wait_for_room_let_the_youngest_give_way() -> None
             await young
         assert budget.held == 80
     assert budget.held == budget.waiting == 0
+
+
+async def test_a_jobs_task_line_over_the_bound_is_a_400_naming_file_and_line(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    line = {"agent_ref": {"name": "sim"}, "responses_create_params": {"input": "q"}}
+    tasks.write_bytes(
+        orjson.dumps(line) + b"\n" + orjson.dumps({**line, "pad": "x" * 5000}) + b"\n"
+    )
+    serve = await Serve.start(
+        tmp_path / "state", gated_agent.url, "--input-root", str(tmp_path),
+        "--max-task-line-bytes", "4096",
+    )  # fmt: skip
+    try:
+        async with serve.http.post(f"{serve.url}/v1/jobs", json={"input": str(tasks)}) as r:
+            status, error = r.status, orjson.loads(await r.text())["error"]
+    finally:
+        assert await serve.stop() == 0
+    assert status == 400
+    assert error == f"{tasks}:2: a task line is longer than --max-task-line-bytes (4096 bytes)"
