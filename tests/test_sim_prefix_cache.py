@@ -15,6 +15,9 @@ from dispatcher.capture.routing import RoutePolicy
 from dispatcher.sim.dialects import SimModelConfig
 from dispatcher.sim.model import build_sim_model_app
 from dispatcher.sim.prefix_cache import BLOCK_TOKENS, BYTES_PER_TOKEN, PrefixCache
+from tests.conftest import SimAgentFactory
+from tests.helpers import run_cli, write_tasks
+from tests.test_capture_e2e import Stack, sim_agent_config
 from tests.test_capture_proxy import Servers
 
 BLOCK = b"x" * (BLOCK_TOKENS * BYTES_PER_TOKEN)
@@ -87,3 +90,31 @@ async def test_routing_by_group_reuses_more_prefix_than_round_robin(
 def test_without_a_cache_the_configured_cached_tokens_are_answered() -> None:
     # The default (0 tokens of cache) keeps what every earlier test and bench relies on.
     assert SimModelConfig().prefix_cache_tokens == 0
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    harness = Stack(tmp_path)
+    yield harness
+    await harness.close()
+
+
+async def test_a_multi_turn_rollouts_later_turns_reuse_its_earlier_ones_through_a_run(
+    stack: Stack, sim_agent: SimAgentFactory
+) -> None:
+    await stack.start(SimModelConfig(prefix_cache_tokens=100_000, tool_calls=0))
+    config = sim_agent_config(stack, 3, turns=True, prompt_tokens=400)
+    url, _ = await sim_agent(**config)
+    write_tasks(stack.tasks, 2)
+    result = await run_cli(*stack.args(url, "--num-repeats", "2", "--concurrency", "1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(r["_ng_task_index"], r["_ng_rollout_index"]): r for r in stack.rows()}
+    for (_, repeat), row in sorted(rows.items()):
+        calls = row["ng_model_call_capture"]["calls"]
+        prompts = [call["tokens_in"] for call in calls]
+        cached = [call["cached_tokens"] for call in calls]
+        assert prompts == sorted(prompts) and prompts[0] >= 400  # the context grows
+        # Each turn reuses all whole blocks of the turn before; the second repeat of a
+        # task finds even its first turn's prompt cached (one replica here).
+        assert all(c >= p - BLOCK_TOKENS for c, p in zip(cached[1:], prompts, strict=False))
+        assert (cached[0] > 0) == (repeat == 1)

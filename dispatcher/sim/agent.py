@@ -65,6 +65,10 @@ class SimAgentConfig:
     capacity_then: int = 0
     capacity_change_after_s: float = 0.0
     row_bytes: int = 0
+    # Multi-turn: each model call carries the conversation so far (the task's prompt
+    # of about ``prompt_tokens``, then every answer and a user turn after it).
+    turns: bool = False
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -213,6 +217,8 @@ async def _call_model(
         return []
     rollout_id = _rollout_id(row)
     session = request.app[SESSION_KEY]
+    if config.turns:
+        return await _converse(session, config, rollout_id, task_prompt(row, config))
     return [
         await call_model(
             session,
@@ -223,6 +229,38 @@ async def _call_model(
         )
         for _ in range(config.model_calls)
     ]
+
+
+async def _converse(
+    session: aiohttp.ClientSession, config: SimAgentConfig, rollout_id: str, prompt: str
+) -> list[Any]:
+    """``model_calls`` turns of one conversation: each call sends it all so far."""
+    assert config.model_url is not None
+    messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
+    calls = []
+    for _ in range(config.model_calls):
+        answer = await call_model(
+            session,
+            config.model_url,
+            rollout_id,
+            dialect="chat",
+            stream=config.model_stream,
+            messages=messages,
+        )
+        calls.append(answer)
+        content = str(answer["choices"][0]["message"].get("content") or "")
+        messages = [*messages, {"role": "assistant", "content": content}]
+        messages.append({"role": "user", "content": f"go on ({len(calls)})"})
+    return calls
+
+
+def task_prompt(row: dict[str, Any], config: SimAgentConfig) -> str:
+    """The task's prompt: its input, padded to about ``prompt_tokens`` (4 bytes each) with
+    text of its own, so the repeats of one task share it and other tasks do not."""
+    text = orjson.dumps(row.get("responses_create_params", {}).get("input", "")).decode()
+    pad = f" context of task {row.get(TASK_INDEX)}"
+    want = config.prompt_tokens * 4
+    return text + pad * max(0, (want - len(text)) // len(pad) + 1) if want else text
 
 
 def _rollout_id(row: dict[str, Any]) -> str:
@@ -364,6 +402,18 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model-calls", type=int, default=0, help="model calls per rollout")
     p.add_argument("--model-dialect", choices=("chat", "responses", "messages"), default="chat")
     p.add_argument("--model-stream", action="store_true")
+    p.add_argument(
+        "--turns",
+        action="store_true",
+        help="the model calls are the turns of one conversation, each sending it all so far "
+        "(chat dialect)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="with --turns: the task's prompt padded to about N tokens, shared by its repeats",
+    )
     p.add_argument(
         "--agent-trajectory", action="store_true", help="return the agent's own ng_trajectory"
     )

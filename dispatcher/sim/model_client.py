@@ -32,9 +32,17 @@ class ModelCallError(Exception):
         self.status = status
 
 
-def request_body(dialect: str, *, stream: bool, prompt: str, model: str) -> JsonObject:
-    """A minimal valid request of ``dialect``; usage is asked for on streams too."""
-    messages = [{"role": "user", "content": prompt}]
+def request_body(
+    dialect: str,
+    *,
+    stream: bool,
+    prompt: str,
+    model: str,
+    messages: Sequence[Mapping[str, str]] | None = None,
+) -> JsonObject:
+    """A minimal valid request of ``dialect`` (``messages``, for chat: the conversation so
+    far); usage is asked for on streams too."""
+    messages = list(messages) if messages else [{"role": "user", "content": prompt}]
     body: JsonObject
     if dialect == "chat":
         body = {"model": model, "messages": messages}
@@ -62,9 +70,10 @@ async def call_model(
     prompt: str = "Solve the task.",
     model: str = "sim-model",
     headers: Mapping[str, str] | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
 ) -> JsonObject:
     """POST one call to ``{base_url}/ng-rollout/{rollout_id}/v1/...``; the final response."""
-    body = request_body(dialect, stream=stream, prompt=prompt, model=model)
+    body = request_body(dialect, stream=stream, prompt=prompt, model=model, messages=messages)
     url = f"{base_url.rstrip('/')}/ng-rollout/{rollout_id}{DIALECT_PATHS[dialect]}"
     sent_headers = {"Content-Type": "application/json", **(headers or {})}
     async with session.post(url, data=orjson.dumps(body), headers=sent_headers) as answer:
