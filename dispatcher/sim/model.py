@@ -51,6 +51,10 @@ class SimModelStats:
     errors: int = 0
     truncated: int = 0
     with_authorization: int = 0
+    # Calls that carried both identity headers of the capture proxy (routing by rollout).
+    with_identity: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
     by_dialect: dict[str, int] = field(default_factory=dict)
 
 
@@ -83,10 +87,22 @@ def _handler(dialect: str) -> Callable[[web.Request], Any]:
 
 
 async def _answer(request: web.Request, dialect: str) -> web.StreamResponse:
-    config, stats, rng = request.app[CONFIG_KEY], request.app[STATS_KEY], request.app[RNG_KEY]
+    stats = request.app[STATS_KEY]
     body = await request.json(loads=orjson.loads)
     stream = bool(body.get("stream"))
-    _count(stats, dialect, stream, "Authorization" in request.headers)
+    _count(stats, dialect, stream, request.headers)
+    stats.in_flight += 1
+    stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
+    try:
+        return await _answer_body(request, dialect, body, stream)
+    finally:
+        stats.in_flight -= 1
+
+
+async def _answer_body(
+    request: web.Request, dialect: str, body: Any, stream: bool
+) -> web.StreamResponse:
+    config, stats, rng = request.app[CONFIG_KEY], request.app[STATS_KEY], request.app[RNG_KEY]
     fail, truncate = rng.random() < config.error_rate, rng.random() < config.truncate_rate
     if config.latency_s > 0:
         await asyncio.sleep(config.latency_s)
@@ -115,10 +131,11 @@ async def _prefill(app: web.Application, config: SimModelConfig, body: Any) -> S
     return replace(config, cached_tokens=cached)
 
 
-def _count(stats: SimModelStats, dialect: str, stream: bool, authorized: bool) -> None:
+def _count(stats: SimModelStats, dialect: str, stream: bool, headers: Any) -> None:
     stats.requests += 1
     stats.streamed += stream
-    stats.with_authorization += authorized
+    stats.with_authorization += "Authorization" in headers
+    stats.with_identity += "X-Session-ID" in headers and "X-Prefix-Group" in headers
     stats.by_dialect[dialect] = stats.by_dialect.get(dialect, 0) + 1
 
 
