@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/latency_window.py
 	$(BIN)/python bench/step_control.py
 	$(BIN)/python bench/cli_startup.py
+	$(BIN)/python bench/routing.py
 	$(BIN)/python bench/report_timeline.py
 
 bench-smoke: $(STAMP)
@@ -62,6 +63,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/report_timeline.py --smoke
 	$(BIN)/python bench/service_hostile.py --smoke
 	$(BIN)/python bench/cli_startup.py --smoke
+	$(BIN)/python bench/routing.py --smoke
 
 clean:
 	rm -rf $(VENV) demo-output
