@@ -13,10 +13,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dispatcher.capture.proxy import build_proxy_app
+from dispatcher.capture.proxy import UPSTREAM_KEY, build_proxy_app
 from dispatcher.capture.routing import RoutePolicy, Router, group_of
-from tests.helpers import wait_until
+from dispatcher.sim.dialects import SimModelConfig
+from dispatcher.sim.model import build_sim_model_app
+from tests.conftest import SimAgentFactory
+from tests.helpers import run_args, run_cli, wait_until, write_tasks
 from tests.test_capture_proxy import Servers, capture_lines, post_chat
+from tests.test_service_e2e import Serve, rows
 
 # ---- the rules ------------------------------------------------------------------------
 
@@ -33,7 +37,7 @@ def test_session_pins_a_rollouts_calls_and_starts_it_on_the_least_loaded() -> No
     first = [router.pick(f"{task}-0") for task in range(3)]
     assert sorted(first) == [0, 1, 2]  # fewest live sessions first
     assert [router.pick(f"{task}-0") for task in range(3)] == first
-    assert router.release("1-0") and not router.release("1-0")
+    assert router.release("1-0") == "1-0" and router.release("1-0") is None
     assert router.pick("9-0") == first[1]  # the released one's upstream is the lightest
 
 
@@ -173,3 +177,69 @@ async def test_release_forgets_a_session_and_tells_the_upstream_once(
             assert await answer.json() == {"session_id": "1-0", "released": expected}
     assert await asyncio.wait_for(told.get(), 10) == {"session_id": "1-0"}
     assert told.empty()
+
+
+# ---- the dispatcher releases each rollout's session when it ends ----------------------
+
+
+class ReleaseSpy:
+    """The proxy's --session-release-url: the sessions it was told of, in order."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def start(self, servers: Servers) -> str:
+        async def on_release(request: web.Request) -> web.Response:
+            self.released.append((await request.json())["session_id"])
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post("/release", on_release)
+        return await servers.start(app) + "/release"
+
+
+async def routed_stack(
+    servers: Servers, tmp_path: Path, spy: ReleaseSpy, error_rate: float = 0.0
+) -> tuple[str, Any]:
+    """Two sim models behind a routing proxy that tells ``spy`` of each release."""
+    config = SimModelConfig(error_rate=error_rate, seed=3)
+    models = [await servers.start(build_sim_model_app(config)) for _ in range(2)]
+    app = build_proxy_app(models, tmp_path / "captures", release_url=await spy.start(servers))
+    return await servers.start(app), app[UPSTREAM_KEY].router
+
+
+async def test_a_run_releases_every_rollouts_session_as_it_ends(
+    servers: Servers, tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    spy = ReleaseSpy()
+    proxy, router = await routed_stack(servers, tmp_path, spy)
+    agent_url, _ = await sim_agent(model_url=proxy, model_calls=2, reward_p=1.0)
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 5)
+    args = run_args(tasks, tmp_path / "out" / "x.jsonl", agent_url, "--num-repeats", "2")
+    args += ["--capture-dir", str(tmp_path / "captures"), "--capture-proxy-url", proxy]
+    result = await run_cli(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = {f"{task}-{repeat}" for task in range(5) for repeat in range(2)}
+    await wait_until(lambda: len(spy.released) == len(expected))
+    assert set(spy.released) == expected
+    assert router.live_sessions == 0
+
+
+async def test_a_served_job_releases_its_rollouts_sessions_failed_ones_too(
+    servers: Servers, tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    spy = ReleaseSpy()
+    # Half the model calls fail: their agents answer 500 (agent_run_error), after a call.
+    proxy, router = await routed_stack(servers, tmp_path, spy, error_rate=0.5)
+    agent_url, _ = await sim_agent(model_url=proxy, model_calls=1)
+    serve = await Serve.start(
+        tmp_path / "state", agent_url, "--capture-proxy-url", proxy, "--max-attempts", "1"
+    )
+    try:
+        await serve.submit(job_id="j", rows=rows(6))
+        assert (await serve.results("j", wait=True))[-1]["end"] in ("done", "failed")
+    finally:
+        await serve.stop()
+    await wait_until(lambda: len(spy.released) == 6)
+    assert sorted(spy.released) == [f"{task}-0" for task in range(6)]
+    assert router.live_sessions == 0

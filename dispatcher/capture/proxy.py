@@ -209,10 +209,11 @@ async def _handle_release(request: web.Request) -> web.Response:
     if not is_valid_rollout_id(rollout_id):
         return _error_response(400, "invalid_rollout_id", _BAD_ID)
     upstream = request.app[UPSTREAM_KEY]
-    released = upstream.router.release(rollout_id)
-    if released and upstream.release_url is not None:
-        _tell_upstream(request.app, upstream.release_url, rollout_id)
-    return web.json_response({"session_id": rollout_id, "released": released})
+    session_id = upstream.router.release(rollout_id)
+    if session_id is not None and upstream.release_url is not None:
+        _tell_upstream(request.app, upstream.release_url, session_id)
+    released = session_id is not None
+    return web.json_response({"session_id": session_id or rollout_id, "released": released})
 
 
 def _tell_upstream(app: web.Application, url: str, rollout_id: str) -> None:

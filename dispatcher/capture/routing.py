@@ -43,6 +43,9 @@ DEFAULT_MAX_GROUPS = 100_000
 _DISPATCHER_ID = re.compile(r"(?P<task>\d+)-\d+(?:-a\d+)?(?P<token>\.[0-9a-f]{8})?")
 
 
+_TOKEN = re.compile(r"\.[0-9a-f]{8}$")
+
+
 def group_of(rollout_id: str) -> str:
     """The prefix group of a rollout: its task (within its hop) for the dispatcher's ids;
     a row's own ``_ng_rollout_id`` names no siblings, so it is its own group."""
@@ -128,13 +131,16 @@ class Router:
             self._remember(self._groups, group_of(rollout_id), following, self._max_groups)
         return following
 
-    def release(self, rollout_id: str) -> bool:
-        """Forget a rollout's session (its rollout ended); False if it had none."""
-        index = self._sessions.pop(rollout_id, None)
-        if index is None:
-            return False
-        self.upstreams[index].sessions -= 1
-        return True
+    def release(self, rollout_id: str) -> str | None:
+        """Forget a rollout's session (its rollout ended): the session's id, or None if
+        it had none. The dispatcher names a rollout by its capture id (``<rollout
+        id>.<token>``), which an agent may have called under, or under the rollout id."""
+        for session_id in (rollout_id, _TOKEN.sub("", rollout_id)):
+            index = self._sessions.pop(session_id, None)
+            if index is not None:
+                self.upstreams[index].sessions -= 1
+                return session_id
+        return None
 
     # ---- choosing -----------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from dispatcher.admission.bytebudget import CommitQueue
 from dispatcher.admission.pause import AdmissionPause
 from dispatcher.admission.pool import Budget, RolloutPool
 from dispatcher.aio import Wakeup, cancel_and_wait
+from dispatcher.capture.release import SessionReleaser
 from dispatcher.delivery.adaptive import AimdPolicy
 from dispatcher.delivery.client import (
     AgentClient,
@@ -47,6 +48,7 @@ from dispatcher.errors import ConfigError, DispatcherError, ExitCode
 from dispatcher.lifecycle import Lifecycle, Phase
 from dispatcher.rows.offload import AnswerClassifier
 from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.materialize import Rollout
 from dispatcher.telemetry.discovery import MetricsEndpoint, resolve_listen
 from dispatcher.telemetry.lag import LoopLagMonitor
 from dispatcher.telemetry.logs import flush_logs
@@ -116,6 +118,7 @@ class Daemon:
         )
         self.concurrency = settings.pool_concurrency
         self.metrics_endpoint: MetricsEndpoint | None = None
+        self.releaser: SessionReleaser | None = None
         # Service mode: a daemon whose budget is spent stops (its jobs resume
         # on the next allocation); a run's job settles its drained rollouts itself.
         self.stop_at_budget_end = False
@@ -198,6 +201,20 @@ class Daemon:
         self._spawn(progress_line.run(status), "progress-line")
         self._spawn(self._tick(status), "ticker")
         self._spawn(self.load.probe(), "prober")
+        self._start_releaser()
+
+    def _start_releaser(self) -> None:
+        if self.settings.capture_proxy_url is None:
+            return
+        releaser = self.releaser = SessionReleaser(self.settings.capture_proxy_url)
+        releaser.start()
+        # Closed first at shutdown: a rollout that ended during it is told too.
+        self._stack.push_async_callback(releaser.close)
+
+    def release_session(self, rollout: Rollout) -> None:
+        """An attempt of ``rollout`` ended: the capture proxy may forget its session."""
+        if self.releaser is not None:
+            self.releaser.release(rollout.capture_id or rollout.rollout_id)
 
     def begin_dispatch(self) -> None:
         """Fix the budget's deadline (it counts from here, not from startup) and run."""

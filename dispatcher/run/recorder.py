@@ -110,6 +110,7 @@ class Recorder:
                 self._on_final(rollout, outcome, seq, row)
         self._keep_state(rollout, outcome, row, duration_s)
         self.daemon.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
+        self.daemon.release_session(rollout)
         log_rollout_finished(self.log, rollout, outcome, final, duration_s, attempt, row, capture)
 
     def not_started(self, rollout: Rollout, outcome: Outcome) -> None:

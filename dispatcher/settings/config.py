@@ -109,6 +109,8 @@ class RunSettings(BaseModel):
     offload_bytes: int = Field(default=256 * 1024, ge=0)
 
     capture_dir: Path | None = None
+    # The capture proxy, told when each rollout's attempt ends (it forgets the session).
+    capture_proxy_url: str | None = None
     capture_poll_s: float = Field(default=0.05, gt=0)
     capture_wait_limit_s: float = Field(default=10.0, ge=0)
     capture_include_payloads: bool = False

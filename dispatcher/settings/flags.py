@@ -69,6 +69,8 @@ _RUN_FLAGS: dict[str, str] = {
     ),
     "--progress-interval-s": "seconds between progress events (default 30)",
     "--capture-dir": "capture directory shared with the capture proxy",
+    "--capture-proxy-url": "the capture proxy's URL: told when each rollout ends, so it "
+    "releases the rollout's session (routing by rollout)",
     "--capture-poll-s": "capture quiescence poll interval (default 0.05)",
     "--capture-wait-limit-s": "capture quiescence limit (default 10)",
     "--responses-create-params": "JSON object merged over each row's responses_create_params",
