@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +204,25 @@ async def serve(
     limits: ServeLimits,
 ) -> ExitCode:
     """Run the daemon until a stop; the exit code (75 while jobs are unfinished)."""
+    async with serving(
+        settings, state_dir, max_off_policy_steps, budget_s, access, limits
+    ) as service:
+        _announce(service.daemon, state_dir, access)
+        await service.daemon.stop_requested.wait()
+    return service.exit_code()
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: RunSettings,
+    state_dir: Path,
+    max_off_policy_steps: int | None,
+    budget_s: float | None,
+    access: auth.Access,
+    limits: ServeLimits,
+) -> AsyncIterator[Service]:
+    """The service of ``state_dir``, listening, its unfinished jobs resumed; on exit
+    its jobs settle with the grace, then the daemon, the listener last."""
     registry = Registry(state_dir)
     await asyncio.to_thread(registry.lock)
     try:
@@ -232,9 +251,7 @@ async def serve(
             stack.push_async_callback(service.close)
             await service.resume()
             await asyncio.to_thread(_publish_target, daemon, state_dir, settings)
-            _announce(daemon, state_dir, access)
-            await daemon.stop_requested.wait()
-        return service.exit_code()
+            yield service
     finally:
         registry.unlock()
 
