@@ -308,6 +308,9 @@ class RowWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        # Closed, it reports nothing more; its owner's callback would hold the
+        # owner in a reference cycle (what a long-lived daemon frees late).
+        self._on_error = None
 
     async def _flush_loop(self) -> None:
         """Write batches until closed; if it dies, every waiting row fails with it.

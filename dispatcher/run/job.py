@@ -407,6 +407,9 @@ class Job:
         finally:
             # The lock and the files are given back even when the disk is full.
             await self._resources.aclose()
+            # Its flights' parts are bound methods of the job: a reference cycle
+            # that would keep the job's rows' state until a rare full GC pass.
+            self._parts = None
 
     async def _record_hop(self) -> None:
         """Gym's aggregate file, the hop's state, the manifest's ``last_run``, the summary."""

@@ -314,6 +314,7 @@ class ServedJob:
             self.groups.index.grew.fire()
         self.job = None
         self.groups = None
+        self.step.forget_callbacks()
         self.service.finished(self)
 
     def _record_final(self, state: JobState, error: str | None) -> None:

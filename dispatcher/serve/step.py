@@ -82,6 +82,10 @@ class StepControl:
         else:
             self._on_satisfied.append(callback)
 
+    def forget_callbacks(self) -> None:
+        """The job is final: nothing more is told (a callback holds the job, in a cycle)."""
+        self._on_satisfied.clear()
+
     # ---- what it is told ---------------------------------------------------------------
 
     def reopen(self, tasks: Sequence[int]) -> None:
