@@ -284,8 +284,8 @@ def check_tasks(
 
 
 def _check_size(spec: JobSpec, tasks: Path, settings: RunSettings, limits: ServeLimits) -> None:
-    """Rows x repeats and input bytes x repeats against the daemon's bounds, before
-    anything of that size is written: one request must not fill the disk."""
+    """Rows x repeats and the bytes the job materializes against the daemon's bounds,
+    before anything of that size is written: one request must not fill the disk."""
     repeats = settings.num_repeats
     most = max(repeats.values(), default=1) if isinstance(repeats, dict) else repeats
     rows = len(spec.rows) if spec.rows is not None else _lines(tasks)
@@ -294,11 +294,34 @@ def _check_size(spec: JobSpec, tasks: Path, settings: RunSettings, limits: Serve
             f"num_repeats: {rows} rows x {most} repeats = {rows * most} rollouts, more than "
             f"the daemon's --max-job-rollouts {limits.max_job_rollouts}"
         )
-    size = tasks.stat().st_size * most
-    if size > limits.max_job_bytes:
+    _check_bytes(tasks.stat().st_size, rows, most, _params_bytes(settings), limits)
+
+
+def _params_bytes(settings: RunSettings) -> int:
+    """The bytes of the ``responses_create_params`` merged into every row of the job."""
+    params = settings.responses_create_params
+    return len(orjson.dumps(params)) if params else 0
+
+
+def _check_bytes(
+    rows_bytes: int, rows: int, repeats: int, params: int, limits: ServeLimits
+) -> None:
+    """What the job materializes, counted as (its rows' bytes + the merged params once
+    per row) x repeats: its materialized file's size but for the few keys each line
+    gains (a row whose own params share keys with them takes less)."""
+    bound = limits.max_job_bytes
+    plain = rows_bytes * repeats
+    if plain > bound:
         raise TooBig(
-            f"num_repeats: {tasks.stat().st_size} bytes of rows x {most} repeats = {size} "
-            f"bytes, more than the daemon's --max-job-bytes {limits.max_job_bytes}"
+            f"num_repeats: {rows_bytes} bytes of rows x {repeats} repeats = {plain} "
+            f"bytes, more than the daemon's --max-job-bytes {bound}"
+        )
+    size = plain + params * rows * repeats
+    if size > bound:
+        raise TooBig(
+            f"responses_create_params: {params} bytes merged into each of {rows} rows x "
+            f"{repeats} repeats, with {rows_bytes} bytes of rows, = {size} bytes, more than "
+            f"the daemon's --max-job-bytes {bound}"
         )
 
 

@@ -18,8 +18,9 @@ Each flag bounds one thing a client could otherwise grow without end:
   headers this long after connecting (or after its last answer) is closed;
   with TLS, one whose handshake has not ended this long after connecting too.
 - ``--max-job-rollouts``: rows × repeats of one job (over it: 400).
-- ``--max-job-bytes``: input bytes × repeats of one job, what its files grow
-  to at the least (over it: 413).
+- ``--max-job-bytes``: what one job materializes, (input bytes + rows × the
+  bytes of the ``responses_create_params`` merged into each row) × repeats,
+  what its files grow to at the least (over it: 413).
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--body-timeout-s": ("answer 408 to a request body not received whole this long", "S"),
     "--header-timeout-s": ("close a connection that sent no whole request headers this long", "S"),
     "--max-job-rollouts": ("rows x repeats of one job at most; more answers 400", "N"),
-    "--max-job-bytes": ("input bytes x repeats of one job at most; more answers 413", "BYTES"),
+    "--max-job-bytes": (
+        "(input bytes + rows x the job's responses_create_params) x repeats of one job at "
+        "most; more answers 413",
+        "BYTES",
+    ),
 }
 
 
