@@ -1,4 +1,5 @@
-"""What a final job keeps (contracts §12): its rows' state is freed the moment it ends.
+"""What a final job keeps (contracts §12): its rows' state is freed the moment it ends,
+and a restart reads the settled jobs' records one at a time.
 
 The daemon makes the cyclic GC rare (``aio.tune_gc``: its old generation is
 walked about once every two billion allocations), so whatever a final job
@@ -11,9 +12,11 @@ by reference counting alone, as in the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import tracemalloc
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,9 @@ import pytest
 from dispatcher.serve import auth
 from dispatcher.serve.command import serving
 from dispatcher.serve.jobs import Service
+from dispatcher.serve.registry import JobRecord, Registry, now_iso
 from dispatcher.serve.served import ServedJob
+from dispatcher.serve.spec import STORED
 from dispatcher.settings.config import load_settings
 from dispatcher.settings.serve import ServeLimits
 from tests.helpers import FakeAgent, wait_until
@@ -57,11 +62,18 @@ async def gated_agent() -> AsyncIterator[FakeAgent]:
 @pytest.fixture
 async def service(tmp_path: Path, gated_agent: FakeAgent) -> AsyncIterator[Service]:
     """``dispatcher serve`` in this process, its jobs API on 127.0.0.1."""
+    async with in_process(tmp_path, gated_agent) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def in_process(tmp_path: Path, agent: FakeAgent) -> AsyncIterator[Service]:
+    """``dispatcher serve`` on ``tmp_path/state`` in this process, until the block ends."""
     state = tmp_path / "state"
     values = {
         "input": str(state / "jobs"),
         "output": str(state / "jobs" / "x.jsonl"),
-        "agents": {"sim": [gated_agent.url]},
+        "agents": {"sim": [agent.url]},
         "metrics_listen": "127.0.0.1:0",
         "fsync": "never",
     }
@@ -122,3 +134,51 @@ async def test_a_final_jobs_per_row_state_is_freed_by_reference_counting(
     gc.collect()
     kept = {type(o).__name__ for o in gc.garbage} & {"ServedJob", "Job", "Groups", "RunState"}
     assert not kept, kept
+
+
+PARAMS_BYTES = 1 << 20
+JOBS = 24
+
+
+def settled_jobs(state: Path, count: int) -> None:
+    """``count`` done jobs in a state directory, each with PARAMS_BYTES of params."""
+    registry = Registry(state)
+    registry.jobs_dir.mkdir(parents=True)
+    params = {"instructions": "p" * PARAMS_BYTES}
+    for n in range(count):
+        spec = {"job_id": f"j{n}", "responses_create_params": params}
+        fields = {"spec": spec, "digest": f"d{n}", "submitted_seq": n + 1, "state": "done",
+                  "submitted_at": now_iso(), "rows_file": "input.jsonl"}  # fmt: skip
+        record = JobRecord.model_validate(fields, context=STORED)
+        registry.create(record, rows(1))
+
+
+def peak_bytes(read: Callable[[], object]) -> int:
+    """The most ``read`` held at once, by tracemalloc's count."""
+    tracemalloc.start()
+    try:
+        read()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+async def test_a_restart_holds_one_settled_jobs_record_at_a_time(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    settled_jobs(tmp_path / "state", JOBS)
+    # Reading one record (its params parsed, then checked) takes a few times its size.
+    one = peak_bytes(lambda: Registry(tmp_path / "state").read(tmp_path / "state/jobs/j0"))
+    tracemalloc.start()
+    try:
+        async with in_process(tmp_path, gated_agent) as service, aiohttp.ClientSession() as http:
+            async with http.get(f"{url_of(service)}/v1/jobs") as r:
+                jobs = (await r.json())["jobs"]
+            peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(job["job_id"] for job in jobs) == sorted(f"j{n}" for n in range(JOBS))
+    assert {job["state"] for job in jobs} == {"done"}
+    # The daemon's start and the listing, and one record at a time: never all of them
+    # (24 MiB of params, held at once before).
+    assert peak < one + 8 * PARAMS_BYTES, (peak / PARAMS_BYTES, one / PARAMS_BYTES)

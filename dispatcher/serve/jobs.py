@@ -42,6 +42,7 @@ from dispatcher.serve.registry import (
     JobRecord,
     Registry,
     Unreadable,
+    in_submission_order,
     now_iso,
 )
 from dispatcher.serve.sending import Slots
@@ -109,15 +110,15 @@ class Service:
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done, cancelled or
         satisfied)."""
-        for record in await asyncio.to_thread(self.registry.all):
+        for record in await asyncio.to_thread(self._read_registry):
             if isinstance(record, Unreadable):
                 self.jobs[record.job_id] = BrokenJob(record)
                 log.error("job_unreadable", job_id=record.job_id, error=record.reason)
                 continue
             self._next_seq = max(self._next_seq, record.submitted_seq + 1)
-            if record.state in SETTLED_STATES:
+            if isinstance(record, FinalJob):
                 # Its status and rows are read from its files when asked for.
-                self.jobs[record.job_id] = FinalJob.of(record, self.registry)
+                self.jobs[record.job_id] = record
                 continue
             record.state = record.error = record.outcomes = record.final_status = None
             served = ServedJob(self, record)
@@ -125,6 +126,18 @@ class Service:
             served.start()
             log.info("job_resumed", job_id=record.job_id)
         self.resumed = True
+
+    def _read_registry(self) -> list[JobRecord | FinalJob | Unreadable]:
+        """The registry's jobs (blocking), each settled one kept as a ``FinalJob`` as
+        soon as it is read: a restart holds one settled record at a time, however
+        big their bodies (a job's ``responses_create_params`` may be megabytes)."""
+        settled = (
+            FinalJob.of(record, self.registry)
+            if isinstance(record, JobRecord) and record.state in SETTLED_STATES
+            else record
+            for record in self.registry.each()
+        )
+        return in_submission_order(settled)
 
     async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """Accept a job: (201, status) new, (200, status) the same again; raises

@@ -30,10 +30,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
@@ -233,22 +233,22 @@ class Registry:
         write_atomic(self.job_dir(record.job_id) / "job.json", [record.to_json()])
 
     def all(self) -> list[JobRecord | Unreadable]:
-        """Every job: the records in submission order, then the unreadable ones.
-        Stray files and empty folders are left out (and logged)."""
-        records: list[JobRecord] = []
-        unreadable: list[Unreadable] = []
+        """Every job: the records in submission order, then the unreadable ones."""
+        return in_submission_order(self.each())
+
+    def each(self) -> Iterator[JobRecord | Unreadable]:
+        """Every job's record, one folder at a time (a caller keeps what it needs of
+        each, not every record at once). Stray files and empty folders are left out
+        (and logged)."""
         for folder in sorted(self.jobs_dir.iterdir()):
             if not folder.is_dir():
                 log.warning("state_dir_stray_file", path=str(folder), action="ignored")
                 continue
             record = self.read(folder)
-            if isinstance(record, JobRecord):
-                records.append(record)
-            elif record is not None:
-                unreadable.append(record)
-            else:
+            if record is None:
                 log.warning("state_dir_empty_job_folder", path=str(folder), action="ignored")
-        return [*sorted(records, key=lambda r: r.submitted_seq), *unreadable]
+            else:
+                yield record
 
     def read_policy(self) -> int:
         """The policy version last set; 0 without ``policy.json``; a ``ConfigError``
@@ -316,6 +316,17 @@ class Registry:
         """Write a small file to the state directory: raises while it cannot be written."""
         self.scratch.mkdir(exist_ok=True)
         write_json_atomic(self.scratch / "probe.json", {"at": now_iso()})
+
+
+_Job = TypeVar("_Job")
+
+
+def in_submission_order(jobs: Iterable[_Job]) -> list[_Job]:
+    """Jobs in submission order, then the unreadable ones (in folder order: the sort
+    is stable)."""
+    return sorted(
+        jobs, key=lambda job: (isinstance(job, Unreadable), getattr(job, "submitted_seq", 0))
+    )
 
 
 def now_iso() -> str:
