@@ -140,11 +140,11 @@ PARAMS_BYTES = 1 << 20
 JOBS = 24
 
 
-def settled_jobs(state: Path, count: int) -> None:
-    """``count`` done jobs in a state directory, each with PARAMS_BYTES of params."""
+def settled_jobs(state: Path, count: int, params_bytes: int = PARAMS_BYTES) -> None:
+    """``count`` done jobs in a state directory, each with ``params_bytes`` of params."""
     registry = Registry(state)
     registry.jobs_dir.mkdir(parents=True)
-    params = {"instructions": "p" * PARAMS_BYTES}
+    params = {"instructions": "p" * params_bytes}
     for n in range(count):
         spec = {"job_id": f"j{n}", "responses_create_params": params}
         fields = {"spec": spec, "digest": f"d{n}", "submitted_seq": n + 1, "state": "done",
@@ -182,3 +182,29 @@ async def test_a_restart_holds_one_settled_jobs_record_at_a_time(
     # The daemon's start and the listing, and one record at a time: never all of them
     # (24 MiB of params, held at once before).
     assert peak < one + 8 * PARAMS_BYTES, (peak / PARAMS_BYTES, one / PARAMS_BYTES)
+
+
+async def held_after_restart(folder: Path, agent: FakeAgent, count: int) -> int:
+    """What a daemon holds once it has resumed ``count`` settled jobs (tracemalloc)."""
+    settled_jobs(folder / "state", count, params_bytes=100)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        async with in_process(folder, agent):
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
+async def test_a_settled_job_costs_the_daemon_a_few_hundred_bytes(
+    tmp_path_factory: pytest.TempPathFactory, gated_agent: FakeAgent
+) -> None:
+    # A first start warms what every start shares (caches, first uses).
+    await held_after_restart(tmp_path_factory.mktemp("warm"), gated_agent, 10)
+    few = await held_after_restart(tmp_path_factory.mktemp("few"), gated_agent, 10)
+    many = await held_after_restart(tmp_path_factory.mktemp("many"), gated_agent, 410)
+    per_job = (many - few) / 400
+    # About 250 bytes: its id, digest, state and order in a slotted record, its
+    # folder derived when asked (with a Path of its own and a __dict__: ~510).
+    assert per_job < 400, per_job

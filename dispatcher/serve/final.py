@@ -29,12 +29,13 @@ from dispatcher.serve.registry import JobRecord, Registry, Unreadable
 from dispatcher.serve.results import Source
 
 
-@dataclass
+@dataclass(slots=True)
 class FinalJob:
-    """A final job: a few fields in memory, the rest in its folder."""
+    """A final job: a few fields in memory, the rest in its folder. A daemon keeps one
+    for every job it ran: slotted, its folder derived from the registry's (shared)."""
 
     job_id: str
-    folder: Path
+    jobs_dir: Path
     state: JobState
     error: str | None
     submitted_seq: int
@@ -51,7 +52,7 @@ class FinalJob:
         seq = (record.step or {}).get("satisfied_seq")
         return cls(
             job_id=record.job_id,
-            folder=registry.job_dir(record.job_id),
+            jobs_dir=registry.jobs_dir,
             state=record.state,
             error=record.error,
             submitted_seq=record.submitted_seq,
@@ -71,6 +72,10 @@ class FinalJob:
             if isinstance(record, Unreadable) and error is None:
                 error = f"{record.reason}; its status is as the daemon last knew it"
         return {**status, "state": self.state.value, "final": True, "error": error}
+
+    @property
+    def folder(self) -> Path:
+        return self.jobs_dir / self.job_id
 
     @property
     def output(self) -> Path:
