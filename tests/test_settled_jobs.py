@@ -109,8 +109,9 @@ def per_row_state(served: ServedJob) -> dict[str, weakref.ref[Any]]:
     return {name: weakref.ref(value) for name, value in held.items()}
 
 
+@pytest.mark.parametrize("end", ["done", "cancelled"])
 async def test_a_final_jobs_per_row_state_is_freed_by_reference_counting(
-    service: Service, gated_agent: FakeAgent, refcounting_only: None
+    service: Service, gated_agent: FakeAgent, refcounting_only: None, end: str
 ) -> None:
     url = url_of(service)
     async with aiohttp.ClientSession() as http:
@@ -122,11 +123,16 @@ async def test_a_final_jobs_per_row_state_is_freed_by_reference_counting(
         assert isinstance(served, ServedJob)
         refs = per_row_state(served)
         del served
-        gated_agent.open()
+        if end == "done":
+            gated_agent.open()
+        else:
+            async with http.delete(f"{url}/v1/jobs/j") as r:
+                assert r.status == 200
         query = {"group": "true", "wait": "true"}
         async with http.get(f"{url}/v1/jobs/j/results", params=query) as r:
             lines = [orjson.loads(line) async for line in r.content if line.strip()]
-        assert lines[-1] == {"end": "done"} and len(lines) == 51
+        assert lines[-1] == {"end": end}
+        assert len(lines) == (51 if end == "done" else 1)
     # No collection has run since the job started: what is gone, refcounting freed.
     alive = sorted(name for name, ref in refs.items() if ref() is not None)
     assert alive == [], f"left for the cyclic collector: {alive}"

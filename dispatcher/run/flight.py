@@ -159,6 +159,9 @@ class Flight:
         """The task's done callback: its job records the landing."""
         self._move(Stage.DONE)
         self._parts.landed(self, task)
+        # Landed, it lets go of its task: a cancelled task's exception holds the
+        # flight's frames, and so the flight and its job, in a reference cycle.
+        self.task = None
 
     def leave_agent(self) -> None:
         """Free the slots and leave the job's in-flight count, once: also for a task
