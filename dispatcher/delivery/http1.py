@@ -116,6 +116,10 @@ class _AfterAnswer(Exception):
     """Raised in a parser callback to stop at bytes that follow a whole answer."""
 
 
+# What a closed connection's parser becomes: one bound to nothing.
+_SPENT_PARSER = httptools.HttpResponseParser(object())
+
+
 class Connection(asyncio.BufferedProtocol):
     """One keep-alive connection; during a call, its answer: ``status``, headers, body."""
 
@@ -336,6 +340,10 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
+        # Nothing more is fed to a closed connection: its parser, whose callbacks
+        # are this connection's bound methods (a reference cycle that a long-lived
+        # daemon's rare full GC passes would keep, buffers and all), goes.
+        self._parser = _SPENT_PARSER
         if self._head is None or self._complete:
             return
         # (Whether the head is in is its status: the call it wakes may wait a turn.)
