@@ -259,27 +259,23 @@ async def test_loose_types_deep_json_and_oversized_jobs_are_refused_naming_why(
 async def test_a_jobs_responses_create_params_count_toward_max_job_bytes_once_per_row(
     tmp_path: Path, gated_agent: FakeAgent
 ) -> None:
-    # Merged into each of 100 rows, 1 MiB of params is ~100 MiB materialized:
-    # ten times the bound, though the body is 1 MiB.
-    serve = await Serve.start(tmp_path / "state", gated_agent.url, "--max-job-bytes", "10000000")
-    params = {"instructions": "p" * (1 << 20)}
+    # Merged into each of 100 rows, 64 KiB of params is ~6.5 MB materialized:
+    # six times the bound, though the body is 64 KiB.
+    serve = await Serve.start(tmp_path / "state", gated_agent.url, "--max-job-bytes", "1000000")
+    params = {"instructions": "p" * (64 << 10)}
     try:
         body = orjson.dumps({"rows": rows(100), "responses_create_params": params})
-        async with serve.http.post(f"{serve.url}/v1/jobs", data=io.BytesIO(body)) as r:
+        async with serve.http.post(f"{serve.url}/v1/jobs", data=body) as r:
             text = await r.text()
         assert r.status == 413, text
         error = orjson.loads(text)["error"]
         assert error.startswith("responses_create_params: ") and "\n" not in error, error
-        assert "100 rows" in error and "--max-job-bytes 10000000" in error, error
+        assert "100 rows" in error and "--max-job-bytes 1000000" in error, error
         assert list((tmp_path / "state" / "jobs").iterdir()) == []
-        # The same params on 9 rows fit (9 x 1 MiB and the rows' bytes).
+        # The same params on 9 rows fit (9 x 64 KiB and the rows' bytes).
         gated_agent.open()
-        fits = {"job_id": "fits", "rows": rows(9), "responses_create_params": params}
-        async with serve.http.post(
-            f"{serve.url}/v1/jobs", data=io.BytesIO(orjson.dumps(fits))
-        ) as r:
-            assert r.status == 201, await r.text()
-        await wait_until(final(serve, "fits"), timeout_s=60)
+        await serve.submit(job_id="fits", rows=rows(9), responses_create_params=params)
+        await wait_until(serve.in_state("fits", "done"), timeout_s=60)
     finally:
         gated_agent.open()
         assert await serve.stop() == 0
