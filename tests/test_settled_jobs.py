@@ -80,7 +80,7 @@ async def in_process(tmp_path: Path, agent: FakeAgent) -> AsyncIterator[Service]
     settings = load_settings(values, env={})
     access = auth.access_from_flags(
         listen="127.0.0.1:0", host="127.0.0.1", token_file=None, allow_unauthenticated=False,
-        tls_cert=None, tls_key=None, input_root=str(tmp_path), env={},
+        tls_cert=None, tls_key=None, input_root=str(tmp_path), allowed_hosts=[], env={},
     )  # fmt: skip
     async with serving(settings, state, None, None, access, ServeLimits()) as running:
         yield running
