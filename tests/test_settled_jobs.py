@@ -37,6 +37,8 @@ from tests.test_service_e2e import rows
 
 pytestmark = pytest.mark.timeout(120)
 
+JSON = {"Content-Type": "application/json"}
+
 
 @pytest.fixture
 def refcounting_only() -> Iterator[None]:
@@ -116,7 +118,7 @@ async def test_a_final_jobs_per_row_state_is_freed_by_reference_counting(
     url = url_of(service)
     async with aiohttp.ClientSession() as http:
         body = orjson.dumps({"job_id": "j", "rows": rows(50), "num_repeats": 2})
-        async with http.post(f"{url}/v1/jobs", data=body) as r:
+        async with http.post(f"{url}/v1/jobs", data=body, headers=JSON) as r:
             assert r.status == 201, await r.text()
         await wait_until(lambda: gated_agent.holding > 0, timeout_s=30)
         served = service.jobs["j"]
