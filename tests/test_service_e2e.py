@@ -377,6 +377,8 @@ async def test_bad_job_bodies_are_400_naming_the_field_and_create_nothing(
         result = await second.wait()
         assert result.returncode == 2
         assert "--state-dir" in result.stderr and "another dispatcher serve" in result.stderr
+        # Its one job ends before the stop: exit 0 says every job is final (else 75).
+        assert (await serve.results("once", wait=True))[-1] == {"end": "done"}
     finally:
         assert await serve.stop() == 0
 
