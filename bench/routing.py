@@ -7,7 +7,7 @@ rollouts to a simulated multi-turn agent (``sim-agent --turns``: each of its
 ``--prompt-tokens`` that a task's repeats share), whose calls go through the
 proxy to ``--replicas`` simulated model servers. Each keeps a prefix cache of
 ``--cache-tokens`` (LRU) and spends ``--prefill-us`` of prefill per prompt token
-it did not hold, as an engine does.
+it did not hold, one prefill at a time, as an engine does.
 
 Printed per policy, from the model servers' own counts (``/stats``): prefix-token
 hit (cached prompt tokens over prompt tokens), prefill work (uncached prompt
@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--cache-tokens", type=int, default=100_000, help="per replica")
+    p.add_argument("--cache-tokens", type=int, default=20_000, help="per replica")
     p.add_argument("--prefill-us", type=float, default=20.0, help="per uncached prompt token")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--policies", default=",".join(POLICIES))

@@ -63,6 +63,7 @@ STATS_KEY = web.AppKey("sim_model_stats", SimModelStats)
 RNG_KEY = web.AppKey("sim_model_rng", random.Random)
 # Without a cache (0 tokens), answers say the configured cached_tokens as before.
 CACHE_KEY: web.AppKey[PrefixCache | None] = web.AppKey("sim_model_prefix_cache")
+PREFILL_KEY = web.AppKey("sim_model_prefill", asyncio.Lock)
 
 
 def build_sim_model_app(config: SimModelConfig) -> web.Application:
@@ -72,6 +73,7 @@ def build_sim_model_app(config: SimModelConfig) -> web.Application:
     app[STATS_KEY] = SimModelStats()
     app[RNG_KEY] = random.Random(config.seed)
     app[CACHE_KEY] = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens else None
+    app[PREFILL_KEY] = asyncio.Lock()
     for dialect, path in DIALECT_PATHS.items():
         app.router.add_post(path, _handler(dialect))
     app.router.add_get("/v1/models", _handle_models)
@@ -127,7 +129,10 @@ async def _prefill(app: web.Application, config: SimModelConfig, body: Any) -> S
     cached = cache.admit(prompt)
     uncached = max(1, len(prompt) // BYTES_PER_TOKEN) - cached
     if config.prefill_s_per_token > 0 and uncached > 0:
-        await asyncio.sleep(uncached * config.prefill_s_per_token)
+        # One prefill at a time, as an engine's compute is one: what routing saves
+        # shows in the time to the last row, not only in tokens.
+        async with app[PREFILL_KEY]:
+            await asyncio.sleep(uncached * config.prefill_s_per_token)
     return replace(config, cached_tokens=cached)
 
 
