@@ -22,6 +22,8 @@ import orjson
 
 from dispatcher import jsonx
 from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
+from dispatcher.files.contracts import RunManifest
+from dispatcher.files.delivery_history import HopDelivery
 from dispatcher.files.resume import OutputPaths, RunState, nonblank_lines
 from dispatcher.ops.runfiles import agent_name
 from dispatcher.ops.status import Standing, standing
@@ -248,3 +250,16 @@ def _collect_tasks(paths: OutputPaths, state: RunState, data: ReportData) -> Non
         counts = data.tasks[(agent_name(row), task_of(key))]
         counts[0] += 1
         counts[1] += key in data.passed
+
+
+@dataclass(frozen=True)
+class RunRead:
+    """What one pass over a run's files gives the text report and its pictures."""
+
+    output: Path
+    manifest: RunManifest | None
+    data: ReportData
+
+    @property
+    def hops(self) -> list[HopDelivery]:
+        return list(self.manifest.delivery_history or []) if self.manifest is not None else []

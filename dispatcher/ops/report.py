@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -45,10 +44,8 @@ from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.contracts import DISPATCH_KEY as DISPATCH
-from dispatcher.files.contracts import RunManifest
-from dispatcher.files.delivery_history import HopDelivery
 from dispatcher.latency.quantile import quantile
-from dispatcher.ops.attempts import FAILURE, SUCCESS, Attempts, ReportData, collect
+from dispatcher.ops.attempts import FAILURE, SUCCESS, Attempts, RunRead, collect
 from dispatcher.ops.runfiles import is_state_dir, read_manifest, render_delivery, require_run
 from dispatcher.ops.status import add_attempt_cap_flags, given_attempt_cap, max_attempts_for
 from dispatcher.ops.table import format_table, utc_time
@@ -160,19 +157,6 @@ def _start_group(
         "hit_limit": hit,
         "p50_duration_s": quantile(durations, 0.5),
     }
-
-
-@dataclass(frozen=True)
-class RunRead:
-    """What one pass over a run's files gives the text report and its pictures."""
-
-    output: Path
-    manifest: RunManifest | None
-    data: ReportData
-
-    @property
-    def hops(self) -> list[HopDelivery]:
-        return list(self.manifest.delivery_history or []) if self.manifest is not None else []
 
 
 def read_run(output: Path, max_attempts: int | None) -> RunRead:
@@ -389,7 +373,7 @@ def run_report(args: argparse.Namespace) -> int:
     run = read_run(run_output(args.output), given_attempt_cap(args))
     report = report_of(run, args.rollout_timeout_s, args.bin_s or TEXT_BIN_S)
     if html is not None:
-        html.write_page(args.html, run, report, args.bin_s)
+        html.write_page(args.html, run, render_report(report), args.bin_s)
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:

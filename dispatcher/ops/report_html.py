@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dispatcher.errors import ConfigError
 from dispatcher.ops.runfiles import timestamp
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from dispatcher.ops.report import RunRead
+    from dispatcher.ops.attempts import RunRead
 
 INSTALL_HINT = "pip install 'rollout-dispatcher[report]'"
 # Finest bins of the pictures when --bin-s is not given: short runs still get a curve.
@@ -74,17 +74,16 @@ class Section:
     note: str = ""
 
 
-def write_page(path: Path, run: RunRead, report: dict[str, Any], bin_s: float | None) -> None:
-    """Render the page and put it at ``path`` whole (a temporary file, then a rename)."""
-    from dispatcher.ops.report import render_report
-
+def write_page(path: Path, run: RunRead, text: str, bin_s: float | None) -> None:
+    """Render the page, with the text report ``text`` in it, and put it at ``path`` whole
+    (a temporary file, then a rename)."""
     timeline = build_timeline(
         run.data.attempts, bin_s or PICTURE_BIN_S, MAX_PICTURE_BINS, per_group=True
     )
     hops = [t for t in (timestamp(h.finished_at) for h in run.hops) if t is not None]
     if timeline.bins is None or timeline.bins.width_s < HOP_MARK_MIN_BIN_S:
         hops = []
-    page = render_page(str(run.output), timeline, hops, render_report(report))
+    page = render_page(str(run.output), timeline, hops, text)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         temporary.write_text(page, encoding="utf-8")
