@@ -30,6 +30,7 @@ import structlog
 
 from dispatcher.admission.pause import MAX_TTL_S
 from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.heap import HeapTrimmer
 from dispatcher.latency.quantile import quantile
 from dispatcher.run.daemon import Daemon, peak_rss_mb
 from dispatcher.serve.bodies import BodyBudget
@@ -85,6 +86,7 @@ class Service:
         # Bytes of request bodies in hand, against --max-body-bytes-in-flight.
         self.bodies = BodyBudget(limits.max_body_bytes_in_flight)
         self.jobs: dict[str, AnyJob] = {}
+        self.heap = HeapTrimmer()
         self.health = StateDirHealth(registry)
         # False until the registry is read (the API answers 503 until then).
         self.resumed = False
@@ -185,9 +187,11 @@ class Service:
         return spec, spec.digest()
 
     def finished(self, served: ServedJob) -> None:
-        """A job is final: keep what its status needs, the rest is in its files."""
+        """A job is final: keep what its status needs, the rest is in its files (and
+        the memory its rows took goes back to the system)."""
         if self.jobs.get(served.job_id) is served:
             self.jobs[served.job_id] = FinalJob.of(served.record, self.registry)
+        self.heap.soon()
 
     async def status_of(self, job: AnyJob) -> dict[str, Any]:
         """A job's status; a final job's is read from its record."""
@@ -348,6 +352,7 @@ class Service:
         tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
         if tasks:
             await asyncio.wait(tasks)
+        await self.heap.close()
         self._bodies_thread.shutdown(wait=False, cancel_futures=True)
 
     def exit_code(self) -> ExitCode:
