@@ -10,7 +10,7 @@ and its siblings' shared prompt, come back to them:
   live sessions, then fewest calls in flight); its later calls follow it.
 - ``group``: a rollout's first call goes where its group went, unless that upstream
   has more than ``margin`` calls in flight above the least loaded one: then to the
-  least loaded, and the group's pin moves there. A pin never becomes a hot spot
+  least loaded, the group staying where it was. A pin never becomes a hot spot
   (consistent hashing without load awareness is how one published run fell from
   98 % to 5 % prefix hits).
 
@@ -155,9 +155,12 @@ class Router:
 
     def _for_group(self, group: str) -> int:
         pinned = self._groups.get(group)
-        least = self._least_loaded()
-        if pinned is None or self._overloaded(pinned):
-            pinned = least
+        if pinned is None:
+            pinned = self._least_loaded()
+        elif self._overloaded(pinned):
+            # This rollout goes elsewhere; the group stays where its prefix is cached
+            # (moving the pin made every overflow a cold start on the new upstream).
+            return self._least_loaded()
         self._remember(self._groups, group, pinned, self._max_groups)
         return pinned
 
