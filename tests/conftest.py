@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from dispatcher.sim.agent import STATS_KEY, SimAgentConfig, SimAgentStats, build_sim_agent_app
-from tests.helpers import serve
+from tests.helpers import FakeAgent, serve
 from tests.prometheus_helpers import require_binary
 
 SimAgentFactory = Callable[..., Coroutine[Any, Any, tuple[str, SimAgentStats]]]
@@ -28,6 +28,15 @@ async def sim_agent() -> AsyncIterator[SimAgentFactory]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+@pytest.fixture
+async def gated_agent() -> AsyncIterator[FakeAgent]:
+    """A ``FakeAgent`` on 127.0.0.1 that holds each request until the test releases it."""
+    agent = FakeAgent(gated=True)
+    await agent.start()
+    yield agent
+    await agent.close()
 
 
 # A test that needs a Prometheus tool asks for it as a fixture, so that it skips

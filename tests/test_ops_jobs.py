@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +64,6 @@ def said_once(result: CliResult, *phrases: str) -> None:
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     for phrase in phrases:
         assert phrase in result.stderr, result.stderr
-
-
-@pytest.fixture
-async def gated() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent(gated=True)
-    await agent.start()
-    yield agent
-    await agent.close()
 
 
 async def test_submit_wait_list_show_tail_and_policy(
@@ -200,20 +191,20 @@ async def check_interrupted_tail(daemon: Serve) -> None:
 
 
 async def test_tail_follow_prints_each_row_as_it_becomes_durable(
-    tmp_path: Path, gated: FakeAgent
+    tmp_path: Path, gated_agent: FakeAgent
 ) -> None:
     rows = write_tasks(tmp_path / "rows.jsonl", 3)
-    daemon = await Serve.start(tmp_path / "state", gated.url)
+    daemon = await Serve.start(tmp_path / "state", gated_agent.url)
     try:
         url = daemon.url
         assert (await jobs(url, "submit", "--rows", str(rows), "--job-id", "f")).returncode == 0
         follow = await spawn_cli("jobs", "tail", "f", "--follow", env={"DISPATCHER_URL": url})
         try:
-            await wait_until(lambda: gated.holding == 3, timeout_s=30)
-            gated.release_next()
+            await wait_until(lambda: gated_agent.holding == 3, timeout_s=30)
+            gated_agent.release_next()
             await wait_until(lambda: len(follow.stdout) == 1, timeout_s=30)
             assert not follow.exited  # the job runs on: the stream waits for it
-            gated.open()
+            gated_agent.open()
             result = await follow.wait()
         finally:
             await follow.kill()
@@ -224,22 +215,22 @@ async def test_tail_follow_prints_each_row_as_it_becomes_durable(
 
 
 async def test_tail_follow_waits_out_a_restart_of_the_daemon(
-    tmp_path: Path, gated: FakeAgent
+    tmp_path: Path, gated_agent: FakeAgent
 ) -> None:
     rows = write_tasks(tmp_path / "rows.jsonl", 3)
     # The same address both times, as a daemon restarted by its supervisor has.
     listen = ("--listen", f"127.0.0.1:{free_port()}")
-    first = await Serve.start(tmp_path / "state", gated.url, *listen)
+    first = await Serve.start(tmp_path / "state", gated_agent.url, *listen)
     url = first.url
     assert (await jobs(url, "submit", "--rows", str(rows), "--job-id", "r")).returncode == 0
     follow = await spawn_cli("jobs", "tail", "r", "--follow", env={"DISPATCHER_URL": url})
     try:
-        await wait_until(lambda: gated.holding == 3, timeout_s=30)
-        gated.release_next()
+        await wait_until(lambda: gated_agent.holding == 3, timeout_s=30)
+        gated_agent.release_next()
         await wait_until(lambda: len(follow.stdout) == 1, timeout_s=30)
         assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
-        gated.open()  # the rollouts the restarted daemon resumes answer at once
-        again = await Serve.start(tmp_path / "state", gated.url, *listen)
+        gated_agent.open()  # the rollouts the restarted daemon resumes answer at once
+        again = await Serve.start(tmp_path / "state", gated_agent.url, *listen)
         try:
             result = await follow.wait()
         finally:

@@ -14,7 +14,7 @@ import os
 import resource
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,14 +30,6 @@ pytestmark = pytest.mark.timeout(180)
 
 # A stream that should end but does not fails the test after this long.
 STREAM_END_S = 30.0
-
-
-@pytest.fixture
-async def gated_agent() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent(gated=True)
-    await agent.start()
-    yield agent
-    await agent.close()
 
 
 async def ended(serve: Serve, job_id: str, **params: Any) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +58,6 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-@pytest.fixture
-async def agent() -> AsyncIterator[FakeAgent]:
-    fake = FakeAgent(gated=True)
-    await fake.start()
-    yield fake
-    await fake.close()
-
-
 async def start_serve(
     tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> InProcessServe:
@@ -96,9 +87,9 @@ async def start_serve(
 
 
 async def test_a_job_submitted_an_hour_in_has_the_eta_and_rate_of_its_own_pace(
-    tmp_path: Path, clock: Clock, agent: FakeAgent, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, clock: Clock, gated_agent: FakeAgent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    serve = await start_serve(tmp_path, agent.url, monkeypatch)
+    serve = await start_serve(tmp_path, gated_agent.url, monkeypatch)
     async with aiohttp.ClientSession() as http:
 
         async def status() -> dict[str, Any]:
@@ -116,13 +107,13 @@ async def test_a_job_submitted_an_hour_in_has_the_eta_and_rate_of_its_own_pace(
         body = {"job_id": "j", "rows": rows}
         async with http.post(f"{serve.url}/v1/jobs", json=body) as r:
             assert r.status == 201, await r.text()
-        await wait_until(lambda: agent.holding == 4)
-        agent.release_next()
-        agent.release_next()
+        await wait_until(lambda: gated_agent.holding == 4)
+        gated_agent.release_next()
+        gated_agent.release_next()
         await wait_until(lambda: _done(status, 2))
         clock.now += 10.0  # two rollouts in the job's first 10 s: two more take 10 s
         assert (await status())["eta_s"] == pytest.approx(10.0)
-        agent.open()
+        gated_agent.open()
         await wait_until(lambda: _done(status, 4))
     assert await serve.stop() == 0
     manifest = orjson.loads((tmp_path / "state/jobs/j/rollouts_manifest.json").read_bytes())

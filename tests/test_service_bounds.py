@@ -326,14 +326,6 @@ def final(serve: Serve, job_id: str) -> Any:
     return check
 
 
-@pytest.fixture
-async def gated_agent() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent(gated=True)
-    await agent.start()
-    yield agent
-    await agent.close()
-
-
 SERVICE_DOC = Path(__file__).resolve().parent.parent / "docs" / "service.md"
 
 

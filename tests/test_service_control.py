@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,6 @@ pytestmark = pytest.mark.timeout(180)
 
 BIG = 123456789012345678901234567890
 __all__ = ["restartable"]  # the fixture, imported for these tests
-
-
-@pytest.fixture
-async def gated_agent() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent(gated=True)
-    await agent.start()
-    yield agent
-    await agent.close()
 
 
 async def call(serve: Serve, method: str, path: str, body: Any = None) -> tuple[int, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 import subprocess
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -116,14 +115,6 @@ class Serve:
         if result.returncode != 0:
             print(result.stderr[-3000:])
         return result.returncode
-
-
-@pytest.fixture
-async def gated_agent() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent(gated=True)
-    await agent.start()
-    yield agent
-    await agent.close()
 
 
 def lint_metrics(promtool: str, text: str) -> None:

@@ -54,14 +54,6 @@ def refcounting_only() -> Iterator[None]:
 
 
 @pytest.fixture
-async def gated_agent() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent(gated=True)
-    await agent.start()
-    yield agent
-    await agent.close()
-
-
-@pytest.fixture
 async def service(tmp_path: Path, gated_agent: FakeAgent) -> AsyncIterator[Service]:
     """``dispatcher serve`` in this process, its jobs API on 127.0.0.1."""
     async with in_process(tmp_path, gated_agent) as running:
