@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -193,13 +193,7 @@ class AdmissionChange(BaseModel):
     @classmethod
     def parse(cls, body: bytes) -> AdmissionChange:
         """The change a request body asks for; ``BadBody`` naming the field when it is not one."""
-        data = load_json(body)
-        if not isinstance(data, dict):
-            raise BadBody("body: must be a JSON object")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise BadBody(first_error(exc, "POST /v1/admission")) from None
+        return _parse_body(cls, body, "POST /v1/admission")
 
 
 # A policy version is a step counter: 64 bits, as the files and the metric hold it.
@@ -219,13 +213,21 @@ class PolicyChange(BaseModel):
     @classmethod
     def parse(cls, body: bytes) -> PolicyChange:
         """The change a request body asks for; ``BadBody`` naming the field when it is not one."""
-        data = load_json(body)
-        if not isinstance(data, dict):
-            raise BadBody("body: must be a JSON object")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise BadBody(first_error(exc, "POST /v1/policy")) from None
+        return _parse_body(cls, body, "POST /v1/policy")
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def _parse_body(model: type[_Body], body: bytes, of: str) -> _Body:
+    """A JSON object body as ``model``; ``BadBody`` naming the field when it is not one."""
+    data = load_json(body)
+    if not isinstance(data, dict):
+        raise BadBody("body: must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise BadBody(first_error(exc, of)) from None
 
 
 def first_error(exc: ValidationError, of: str = "a job") -> str:
