@@ -47,6 +47,16 @@ async def start_serve(state_dir: Path, agent_url: str, *flags: str, **env: str) 
     return Daemon(proc, proc.stdout[0].decode().split()[-1])
 
 
+async def start_tls_serve(tmp_path: Path, agent_url: str, *flags: str) -> tuple[Daemon, Path]:
+    """A daemon serving HTTPS with a token, and the self-signed cert a client trusts."""
+    cert, key = self_signed(tmp_path)
+    daemon = await start_serve(
+        tmp_path / "state", agent_url, "--tls-cert", str(cert), "--tls-key", str(key), *flags,
+        DISPATCHER_API_TOKEN=TOKEN,
+    )  # fmt: skip
+    return daemon, cert
+
+
 async def stop(daemon: Daemon) -> tuple[int, str]:
     daemon.proc.send_signal(signal.SIGTERM)
     result = await daemon.proc.wait()
@@ -239,12 +249,8 @@ async def test_beyond_loopback_starts_with_a_token_or_allow_unauthenticated(
 async def test_tls_serves_https_to_a_client_that_trusts_the_cert(
     tmp_path: Path, sim_agent: SimAgentFactory
 ) -> None:
-    cert, key = self_signed(tmp_path)
     agent_url, _ = await sim_agent()
-    daemon = await start_serve(
-        tmp_path / "state", agent_url, "--tls-cert", str(cert), "--tls-key", str(key),
-        DISPATCHER_API_TOKEN=TOKEN,
-    )  # fmt: skip
+    daemon, cert = await start_tls_serve(tmp_path, agent_url)
     try:
         assert daemon.url.startswith("https://127.0.0.1:")
         trust = ssl.create_default_context(cafile=str(cert))
@@ -268,12 +274,8 @@ async def test_a_tls_handshake_never_finished_is_closed_after_the_header_timeout
 ) -> None:
     # asyncio bounds a server's TLS handshake by 60 s of its own: a client that
     # connects and says nothing held its connection that long, whatever the flag.
-    cert, key = self_signed(tmp_path)
     agent_url, _ = await sim_agent()
-    daemon = await start_serve(
-        tmp_path / "state", agent_url, "--tls-cert", str(cert), "--tls-key", str(key),
-        "--header-timeout-s", "1", DISPATCHER_API_TOKEN=TOKEN,
-    )  # fmt: skip
+    daemon, _ = await start_tls_serve(tmp_path, agent_url, "--header-timeout-s", "1")
     try:
         host, port = daemon.url.removeprefix("https://").split(":")
         silent = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
