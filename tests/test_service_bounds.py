@@ -55,10 +55,16 @@ def rss_kb(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def address(serve: Serve) -> tuple[str, int]:
+    """The daemon's host and port, for a raw socket."""
+    host, port = serve.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
 async def raw_get(serve: Serve, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A GET sent on a raw socket that then reads nothing (its receive buffer small)."""
-    host, port = serve.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port), limit=1024)
+    host, port = address(serve)
+    reader, writer = await asyncio.open_connection(host, port, limit=1024)
     sock = writer.get_extra_info("socket")
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
@@ -166,8 +172,8 @@ async def test_a_client_that_never_finishes_its_headers_is_closed(
 ) -> None:
     serve = await Serve.start(tmp_path / "state", gated_agent.url, "--header-timeout-s", "1")
     try:
-        host, port = serve.url.removeprefix("http://").split(":")
-        slow = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+        host, port = address(serve)
+        slow = [await asyncio.open_connection(host, port) for _ in range(5)]
         for _, writer in slow:
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
             await writer.drain()
@@ -188,8 +194,8 @@ async def test_bodies_wait_for_room_under_max_body_bytes_in_flight_as_their_byte
     flags = ("--max-body-bytes", str(mib), "--max-body-bytes-in-flight", str(mib))
     serve = await Serve.start(tmp_path / "state", gated_agent.url, *flags)
     try:
-        host, port = serve.url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        host, port = address(serve)
+        reader, writer = await asyncio.open_connection(host, port)
         # A client that sends all but 10 bytes of a 1 MiB body and stops: the
         # bytes it sent hold the room.
         sent = mib - 10
@@ -356,8 +362,8 @@ async def test_a_stalled_body_holds_only_its_bytes_and_is_cut_at_the_body_deadli
 ) -> None:
     serve = await Serve.start(tmp_path / "state", gated_agent.url, "--body-timeout-s", "2")
     try:
-        host, port = serve.url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        host, port = address(serve)
+        reader, writer = await asyncio.open_connection(host, port)
         # Announces the whole body budget (256 MiB), sends 9 bytes, goes quiet.
         writer.write(
             f"POST /v1/policy HTTP/1.1\r\nHost: {host}\r\nContent-Length: {256 * 1024 * 1024}\r\n"
