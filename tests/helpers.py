@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 
 from dispatcher.run.one_job import Dispatcher
-from dispatcher.settings.config import load_settings
+from dispatcher.serve import auth
+from dispatcher.settings.config import RunSettings, load_settings
 from dispatcher.telemetry.http_app import start_site
 from tests.cli_fork import can_fork, start_forked
 
@@ -107,6 +108,21 @@ def in_process_run(tmp_path: Path, url: str, tasks: int, **settings: Any) -> Dis
         **settings,
     }
     return Dispatcher(load_settings(values, env={}), budget_s=None)
+
+
+def serve_arguments(tmp_path: Path, agent_url: str) -> tuple[RunSettings, Path, auth.Access]:
+    """What ``dispatcher serve`` on ``tmp_path/state`` hands its ``serve``: the run
+    settings, the state directory and the access of a loopback listener, no token."""
+    state_dir = tmp_path / "state"
+    values = {
+        "input": str(state_dir / "jobs"), "output": str(state_dir / "jobs" / "x.jsonl"),
+        "agents": {"sim": [agent_url]}, "metrics_listen": "127.0.0.1:0", "fsync": "never",
+    }  # fmt: skip
+    access = auth.access_from_flags(
+        listen="127.0.0.1:0", host="127.0.0.1", token_file=None, allow_unauthenticated=False,
+        tls_cert=None, tls_key=None, input_root=str(tmp_path), allowed_hosts=[], env={},
+    )  # fmt: skip
+    return load_settings(values, env={}), state_dir, access
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -15,11 +15,9 @@ import orjson
 import pytest
 
 from dispatcher.run import daemon as daemon_module
-from dispatcher.serve import auth
 from dispatcher.serve import command as serve_module
-from dispatcher.settings.config import load_settings
 from dispatcher.settings.serve import ServeLimits
-from tests.helpers import FakeAgent, wait_until
+from tests.helpers import FakeAgent, serve_arguments, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,16 +67,7 @@ async def start_serve(
             made.append(self)
 
     monkeypatch.setattr(serve_module, "Daemon", Recorded)
-    state_dir = tmp_path / "state"
-    values = {
-        "input": str(state_dir / "jobs"), "output": str(state_dir / "jobs" / "x.jsonl"),
-        "agents": {"sim": [agent_url]}, "metrics_listen": "127.0.0.1:0", "fsync": "never",
-    }  # fmt: skip
-    access = auth.access_from_flags(
-        listen="127.0.0.1:0", host="127.0.0.1", token_file=None, allow_unauthenticated=False,
-        tls_cert=None, tls_key=None, input_root=str(tmp_path), allowed_hosts=[], env={},
-    )  # fmt: skip
-    settings = load_settings(values, env={})
+    settings, state_dir, access = serve_arguments(tmp_path, agent_url)
     task = asyncio.create_task(
         serve_module.serve(settings, state_dir, None, None, access, ServeLimits())
     )

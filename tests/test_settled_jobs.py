@@ -24,15 +24,13 @@ import aiohttp
 import orjson
 import pytest
 
-from dispatcher.serve import auth
 from dispatcher.serve.command import serving
 from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import JobRecord, Registry, now_iso
 from dispatcher.serve.served import ServedJob
 from dispatcher.serve.spec import STORED
-from dispatcher.settings.config import load_settings
 from dispatcher.settings.serve import ServeLimits
-from tests.helpers import FakeAgent, wait_until
+from tests.helpers import FakeAgent, serve_arguments, wait_until
 from tests.test_service_e2e import rows
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,19 +61,7 @@ async def service(tmp_path: Path, gated_agent: FakeAgent) -> AsyncIterator[Servi
 @contextlib.asynccontextmanager
 async def in_process(tmp_path: Path, agent: FakeAgent) -> AsyncIterator[Service]:
     """``dispatcher serve`` on ``tmp_path/state`` in this process, until the block ends."""
-    state = tmp_path / "state"
-    values = {
-        "input": str(state / "jobs"),
-        "output": str(state / "jobs" / "x.jsonl"),
-        "agents": {"sim": [agent.url]},
-        "metrics_listen": "127.0.0.1:0",
-        "fsync": "never",
-    }
-    settings = load_settings(values, env={})
-    access = auth.access_from_flags(
-        listen="127.0.0.1:0", host="127.0.0.1", token_file=None, allow_unauthenticated=False,
-        tls_cert=None, tls_key=None, input_root=str(tmp_path), allowed_hosts=[], env={},
-    )  # fmt: skip
+    settings, state, access = serve_arguments(tmp_path, agent.url)
     async with serving(settings, state, None, None, access, ServeLimits()) as running:
         yield running
         running.daemon.stop_requested.set()
