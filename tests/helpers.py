@@ -280,6 +280,14 @@ async def spawn_cli(
     return CliProcess(await start_cli(*args, env=env, preexec_fn=preexec_fn, cwd=cwd))
 
 
+async def listening_url(proc: CliProcess) -> str:
+    """The URL a spawned ``dispatcher serve`` says it listens on, once it says it (its
+    stderr in the failure when it exits first)."""
+    await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
+    assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
+    return proc.stdout[0].decode().split()[-1]
+
+
 def count_lines(path: Path) -> int:
     """Whole lines in ``path`` so far (0 when it does not exist yet)."""
     try:

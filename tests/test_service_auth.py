@@ -22,7 +22,13 @@ import pytest
 
 from dispatcher.client import AsyncClient, Client, ClientError, JobState, Unauthorized
 from tests.conftest import SimAgentFactory
-from tests.helpers import CliProcess, run_cli, self_signed, spawn_cli, wait_until
+from tests.helpers import (
+    CliProcess,
+    listening_url,
+    run_cli,
+    self_signed,
+    spawn_cli,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,9 +48,7 @@ async def start_serve(state_dir: Path, agent_url: str, *flags: str, **env: str) 
         "--agent", f"sim={agent_url}", "--log-format", "json", "--fsync", "never", *flags,
         env=env,
     )  # fmt: skip
-    await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
-    assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
-    return Daemon(proc, proc.stdout[0].decode().split()[-1])
+    return Daemon(proc, await listening_url(proc))
 
 
 async def start_tls_serve(tmp_path: Path, agent_url: str, *flags: str) -> tuple[Daemon, Path]:

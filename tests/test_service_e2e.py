@@ -18,7 +18,15 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import SimAgentFactory
-from tests.helpers import CliProcess, FakeAgent, read_jsonl, run_cli, spawn_cli, wait_until
+from tests.helpers import (
+    CliProcess,
+    FakeAgent,
+    listening_url,
+    read_jsonl,
+    run_cli,
+    spawn_cli,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,10 +56,7 @@ class Serve:
     async def spawn(cls, *args: str, env: dict[str, str] | None = None) -> Serve:
         """``dispatcher serve ARGS``, once it says it listens."""
         proc = await spawn_cli("serve", *args, env=env)
-        await wait_until(lambda: bool(proc.stdout) or proc.exited, timeout_s=30)
-        assert proc.stdout, b"".join(proc.stderr).decode()[-2000:]
-        url = proc.stdout[0].decode().split()[-1]
-        return cls(proc, url, api_session())
+        return cls(proc, await listening_url(proc), api_session())
 
     async def submit(self, expect: int = 201, **body: Any) -> dict[str, Any]:
         async with self.http.post(f"{self.url}/v1/jobs", data=orjson.dumps(body)) as r:
