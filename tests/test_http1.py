@@ -89,6 +89,18 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, await reader.readexactly(length)
 
 
+def answer_once(reply: bytes) -> Script:
+    """A script that reads one request, sends ``reply``, and closes the connection."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    return script
+
+
 async def call(
     pool: Http1Pool, url: str, body: bytes = b"{}", max_bytes: int = MAX
 ) -> bytes | bytearray:
@@ -153,13 +165,9 @@ async def test_concurrent_calls_each_get_a_connection_and_all_are_kept(pool: Htt
 async def test_an_answer_with_connection_close_is_not_reused(
     pool: Http1Pool, scripted: Scripted
 ) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        writer.close()
-
-    url = await scripted(script)
+    url = await scripted(
+        answer_once(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+    )
     assert [await call(pool, url) for _ in range(3)] == [b"ok"] * 3
     assert scripted.connections == 3
 
@@ -222,13 +230,7 @@ async def test_framings_an_agent_may_use(
 async def test_answers_from_older_servers_are_read(
     pool: Http1Pool, scripted: Scripted, answer: bytes, body: bytes
 ) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(answer)
-        await writer.drain()
-        writer.close()
-
-    url = await scripted(script)
+    url = await scripted(answer_once(answer))
     assert await call(pool, url) == body
 
 
@@ -268,13 +270,7 @@ async def test_a_length_beside_a_transfer_encoding_frames_the_answer_as_rfc_9112
 async def test_a_body_without_a_length_ends_with_the_connection(
     pool: Http1Pool, scripted: Scripted
 ) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100_000)
-        await writer.drain()
-        writer.close()
-
-    url = await scripted(script)
+    url = await scripted(answer_once(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100_000))
     assert await call(pool, url) == b"x" * 100_000
 
 
@@ -405,13 +401,7 @@ async def test_credentials_in_the_url_become_basic_auth_and_the_host_header_has_
 async def test_an_agent_that_breaks_http_is_a_disconnected_error(
     pool: Http1Pool, scripted: Scripted, reply: bytes, where: str
 ) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(reply)
-        await writer.drain()
-        writer.close()
-
-    url = await scripted(script)
+    url = await scripted(answer_once(reply))
     with pytest.raises(Disconnected, match=where):
         await call(pool, url)
 
@@ -780,13 +770,7 @@ async def test_a_head_whose_call_waits_for_its_turn_stands_when_the_connection_t
 
     monkeypatch.setattr(Connection, "connection_lost", noted)
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(answer)
-        await writer.drain()
-        writer.close()
-
-    target = Target.of(await scripted(script))
+    target = Target.of(await scripted(answer_once(answer)))
     posted = asyncio.create_task(pool.post(target, b"{}", MAX))
     await lost.wait()
     assert len(held) == 1 and not held[0].done()
