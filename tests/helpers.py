@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,17 @@ def free_port() -> int:
     _HELD_PORTS.append(sock)
     port: int = sock.getsockname()[1]
     return port
+
+
+@contextlib.contextmanager
+def listening_port() -> Iterator[int]:
+    """A 127.0.0.1 port that listens and never accepts: taken, and its
+    connections are made (the kernel queues them) but never answered."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port: int = sock.getsockname()[1]
+        yield port
 
 
 @contextlib.asynccontextmanager

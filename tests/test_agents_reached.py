@@ -3,11 +3,10 @@ it once `--wait-for-agents-s` is over, not retries until the delivery deadline."
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from tests.conftest import SimAgentFactory
-from tests.helpers import free_port, read_jsonl, run_args, run_cli, write_tasks
+from tests.helpers import free_port, listening_port, read_jsonl, run_args, run_cli, write_tasks
 
 
 async def test_a_typoed_agent_port_is_exit_2_naming_the_agent(tmp_path: Path) -> None:
@@ -40,10 +39,8 @@ async def test_an_agent_that_accepts_but_never_answers_is_no_config_error(
     tmp_path: Path,
 ) -> None:
     # It took the connection: the rules of an agent that fails to deliver apply (exit 75).
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    with listening_port() as port:
+        url = f"http://127.0.0.1:{port}"
         tasks = write_tasks(tmp_path / "tasks.jsonl", 2)
         args = run_args(tasks, tmp_path / "x.jsonl", url, "--wait-for-agents-s", "0.2")
         args += ["--first-byte-timeout-s", "0.5", "--delivery-deadline-s", "1"]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import orjson
 
 from dispatcher.lifecycle import JobState
 from tests.conftest import SimAgentFactory
-from tests.helpers import spawn_cli
+from tests.helpers import listening_port, spawn_cli
 from tests.prometheus_helpers import require_binary, running_prometheus
 from tests.test_service_e2e import Serve
 
@@ -17,10 +16,7 @@ from tests.test_service_e2e import Serve
 async def test_a_taken_listen_port_is_exit_2_naming_listen_not_metrics_listen(
     tmp_path: Path,
 ) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with listening_port() as port:
         proc = await spawn_cli(
             "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
             "--agent", "sim=http://127.0.0.1:9",

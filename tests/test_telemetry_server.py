@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -17,7 +16,7 @@ from dispatcher.telemetry.discovery import parse_listen
 from dispatcher.telemetry.lag import LoopLagMonitor
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.server import start_http_server
-from tests.helpers import wait_until
+from tests.helpers import listening_port, wait_until
 from tests.prometheus_helpers import require_binary
 
 
@@ -178,14 +177,10 @@ async def test_unknown_path_is_404(server: tuple[Metrics, str]) -> None:
 
 
 async def test_busy_port_raises_before_serving(daemon: Daemon) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        with pytest.raises(OSError):
-            await start_http_server(
-                "127.0.0.1", port, metrics=Metrics(), status=daemon.status, healthy=bool
-            )
+    with listening_port() as port, pytest.raises(OSError):
+        await start_http_server(
+            "127.0.0.1", port, metrics=Metrics(), status=daemon.status, healthy=bool
+        )
 
 
 async def test_server_handlers_run_on_the_callers_loop(daemon: Daemon) -> None:
