@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -272,6 +274,23 @@ class NoRunSeen:
         self.statuses.append(status)
 
 
+@contextlib.asynccontextmanager
+async def agent_on(
+    run: Callable[[web.Request], Awaitable[web.Response]],
+) -> AsyncIterator[tuple[AgentClient, FakeClock, NoRunSeen]]:
+    """Agent ``sim`` on a fake clock, its one replica answering ``POST /run`` with ``run``."""
+    app = web.Application()
+    app.router.add_post("/run", run)
+    runner, url = await serve(app)
+    clock, pool, seen = FakeClock(), Http1Pool(5.0), NoRunSeen()
+    agents = AgentClient({"sim": [url]}, pool, DeliveryPolicy(breaker=POLICY), seen, clock=clock)
+    try:
+        yield agents, clock, seen
+    finally:
+        await pool.close()
+        await runner.cleanup()
+
+
 async def test_a_replica_that_404s_before_any_2xx_is_back_once_a_probe_finds_run() -> None:
     # An ingress answering 404 while the agent behind it starts: out of routing,
     # and in a daemon that lives on, back once a probe finds /run (a restart was needed).
@@ -284,12 +303,7 @@ async def test_a_replica_that_404s_before_any_2xx_is_back_once_a_probe_finds_run
             return web.json_response({"detail": "field required"}, status=422)
         return web.json_response({"reward": 1.0})
 
-    app = web.Application()
-    app.router.add_post("/run", run)
-    runner, url = await serve(app)
-    clock, pool, seen = FakeClock(), Http1Pool(5.0), NoRunSeen()
-    agents = AgentClient({"sim": [url]}, pool, DeliveryPolicy(breaker=POLICY), seen, clock=clock)
-    try:
+    async with agent_on(run) as (agents, clock, seen):
         with pytest.raises(AgentMisconfigured):
             await agents.run("sim", {"_ng_task_index": 0}, "0-0")
         [replica] = agents.replica_sets["sim"].replicas
@@ -302,9 +316,6 @@ async def test_a_replica_that_404s_before_any_2xx_is_back_once_a_probe_finds_run
         clock.now = replica.breaker.reopen_at
         await agents.probe(replica, 5.0)
         attempt = await agents.run("sim", {"_ng_task_index": 0}, "0-0")
-    finally:
-        await pool.close()
-        await runner.cleanup()
     assert attempt.outcome is Outcome.SUCCESS
     assert seen.statuses == [404] and not replica.no_run
 
@@ -321,12 +332,7 @@ async def test_a_probes_404_from_a_replica_that_served_run_keeps_it_out_but_not_
             return web.json_response({"detail": "Not Found"}, status=404)
         return web.json_response({"reward": 1.0})
 
-    app = web.Application()
-    app.router.add_post("/run", run)
-    runner, url = await serve(app)
-    clock, pool, seen = FakeClock(), Http1Pool(5.0), NoRunSeen()
-    agents = AgentClient({"sim": [url]}, pool, DeliveryPolicy(breaker=POLICY), seen, clock=clock)
-    try:
+    async with agent_on(run) as (agents, clock, seen):
         assert (await agents.run("sim", {"_ng_task_index": 0}, "0-0")).outcome is Outcome.SUCCESS
         [replica] = agents.replica_sets["sim"].replicas
         for _ in range(POLICY.failures_to_open):
@@ -334,8 +340,5 @@ async def test_a_probes_404_from_a_replica_that_served_run_keeps_it_out_but_not_
         not_found = True
         clock.now = replica.breaker.reopen_at
         await agents.probe(replica, 5.0)
-    finally:
-        await pool.close()
-        await runner.cleanup()
     assert replica.breaker.state is BreakerState.OPEN and not replica.no_run
     assert seen.statuses == []
