@@ -109,9 +109,11 @@ async def start_http_server(
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **options)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-        if ssl_context is not None and header_timeout_s is not None:
-            site = _TlsSite(runner, host, port, ssl_context, header_timeout_s)
+        site = (
+            _TlsSite(runner, host, port, ssl_context, header_timeout_s)
+            if ssl_context is not None and header_timeout_s is not None
+            else web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        )
         await site.start()
     except BaseException:
         await runner.cleanup()
