@@ -370,8 +370,7 @@ class AgentClient:
         replica.stats.probes += breaker.on_send()
         replica.in_flight += 1
         replica.stats.sent += 1
-        if not self.first_try.is_set():
-            self.first_try.set()
+        self.first_try.set()  # (a no-op once set: Event.set checks)
         if replica.controller is not None:
             replica.controller.on_in_flight(replica.in_flight)
         started_at, t0 = time.time(), time.perf_counter()
