@@ -62,6 +62,17 @@ def free_port() -> int:
     return port
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request off the wire: its head and its body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return head, await reader.readexactly(length)
+
+
 @contextlib.contextmanager
 def listening_port() -> Iterator[int]:
     """A 127.0.0.1 port that listens and never accepts: taken, and its

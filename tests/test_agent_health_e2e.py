@@ -23,6 +23,7 @@ from tests.helpers import (
     free_port,
     log_events,
     read_jsonl,
+    read_request,
     run_cli,
     spawn_cli,
     wait_until,
@@ -200,9 +201,7 @@ async def test_an_answer_broken_after_its_status_line_is_one_failed_attempt_not_
         nonlocal runs
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                await reader.readexactly(length)
+                await read_request(reader)
                 runs += 1
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}")
                 await writer.drain()

@@ -24,7 +24,7 @@ from dispatcher.delivery.exchange import ExchangeLimits, post_run
 from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool
 from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError, ResponseLimits
 from dispatcher.delivery.target import Target
-from tests.helpers import self_signed, serve, wait_until
+from tests.helpers import read_request, self_signed, serve, wait_until
 
 MAX = 64 * 1024 * 1024
 BIG_BODY = b"b" * (2 * http1.DIRECT_BODY_BYTES)
@@ -76,17 +76,6 @@ async def scripted() -> AsyncIterator[Scripted]:
     servers = Scripted()
     yield servers
     await servers.close()
-
-
-async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """One request off the wire: its head and its body."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.lower() == b"content-length":
-            length = int(value)
-    return head, await reader.readexactly(length)
 
 
 def answer_once(reply: bytes) -> Script:
