@@ -60,8 +60,12 @@ class Inflater:
         # The coding listed before this one: undone on what this one gives.
         self._then = then
 
+    def _sink(self, into: Sink) -> Sink:
+        """Where this stage's output goes: ``into``, or the coding undone after it."""
+        return into if self._then is None else _Then(self._then, into)
+
     def feed(self, chunk: bytes, into: Sink) -> None:
-        sink = into if self._then is None else _Then(self._then, into)
+        sink = self._sink(into)
         self._fed = True
         try:
             self._steps(chunk, sink)
@@ -81,7 +85,7 @@ class Inflater:
             data = self._zlib.unconsumed_tail or self._zlib.unused_data
 
     def flush(self, into: Sink) -> None:
-        sink = into if self._then is None else _Then(self._then, into)
+        sink = self._sink(into)
         rest = self._zlib.flush()
         if rest:
             sink.take(rest)
