@@ -25,6 +25,16 @@ def redact_url(url: str) -> str:
     flag like ``=http://u:pw@h``, a port out of range, no scheme) must not
     come back with its password in the error that says so.
     """
+    span = _secret_span(url)
+    if span is None:
+        return url
+    before, _, after = span
+    return f"{before}{MASK}{after}"
+
+
+def _secret_span(url: str) -> tuple[str, str, str] | None:
+    """``url`` as (what precedes its secret, its password or lone user token, what
+    follows), or None when it carries no credentials; on the text (``redact_url``)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
@@ -33,11 +43,12 @@ def redact_url(url: str) -> str:
     # so nothing but credentials is masked in practice.
     userinfo, at, tail = rest.rpartition("@")
     if not at:
-        return url
-    user, colon, _ = userinfo.partition(":")
+        return None
+    user, colon, password = userinfo.partition(":")
+    if colon and "/" not in user:
+        return f"{scheme}{sep}{user}:", password, f"@{tail}"
     # A lone token (``http://TOKEN@host``) is as secret as a password.
-    masked = f"{user}:{MASK}" if colon and "/" not in user else MASK
-    return f"{scheme}{sep}{masked}@{tail}"
+    return f"{scheme}{sep}", userinfo, f"@{tail}"
 
 
 def redact_urls(text: str) -> str:
@@ -107,12 +118,10 @@ def hide_secret(secret: str) -> None:
 
 def hide_url_secret(url: str) -> None:
     """Mask the password (or lone token) of ``url``, as written and as decoded."""
-    _, _, rest = url.partition("://") if "://" in url else ("", "", url)
-    userinfo, at, _ = rest.rpartition("@")
-    if not at:
+    span = _secret_span(url)
+    if span is None:
         return
-    user, colon, password = userinfo.partition(":")
-    secret = password if colon and "/" not in user else userinfo
+    secret = span[1]
     hide_secret(secret)
     hide_secret(unquote(secret))
 
