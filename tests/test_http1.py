@@ -90,6 +90,17 @@ def answer_once(reply: bytes) -> Script:
     return script
 
 
+def answer_then_wait(reply: bytes) -> Script:
+    """A script that reads one request, sends ``reply``, and waits for the client's close."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await reader.read()
+
+    return script
+
+
 async def call(
     pool: Http1Pool, url: str, body: bytes = b"{}", max_bytes: int = MAX
 ) -> bytes | bytearray:
@@ -326,13 +337,9 @@ async def test_a_gzip_body_cut_short_is_a_delivered_failure_that_says_so(
     # The length is whole but the gzip stream in it is not: not JSON to judge, a cut body.
     packed = gzip.compress(BODY)[:-30]
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
-        writer.write(head % len(packed) + packed)
-        await reader.read()
-
-    status, missed, failure = await exchange(pool, await scripted(script))
+    head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
+    url = await scripted(answer_then_wait(head % len(packed) + packed))
+    status, missed, failure = await exchange(pool, url)
     assert missed is None and status == 200
     assert failure is not None and failure.failure_class == "agent_run_error"
     assert "cut short" in failure.message and not failure.terminal
@@ -920,12 +927,8 @@ async def test_an_answer_broken_after_its_status_line_was_delivered(
     pool: Http1Pool, scripted: Scripted, head: bytes, reason: bytes
 ) -> None:
     # The agent ran the rollout: a retry would run it again, and the replica is up.
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200%s\r\n%s\r\nok" % (reason, head))
-        await reader.read()
-
-    status, missed, failure = await exchange(pool, await scripted(script))
+    url = await scripted(answer_then_wait(b"HTTP/1.1 200%s\r\n%s\r\nok" % (reason, head)))
+    status, missed, failure = await exchange(pool, url)
     assert missed is None
     assert failure is not None and failure.failure_class == "agent_run_error"
     assert status == 200 and not failure.terminal
@@ -936,12 +939,8 @@ async def test_a_503_broken_after_its_status_line_is_still_not_delivered(
     pool: Http1Pool, scripted: Scripted
 ) -> None:
     # Its status line says the rollout never ran (contracts §11), whatever follows it.
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 503 Busy\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nno")
-        await reader.read()
-
-    status, missed, failure = await exchange(pool, await scripted(script))
+    answer = b"HTTP/1.1 503 Busy\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nno"
+    status, missed, failure = await exchange(pool, await scripted(answer_then_wait(answer)))
     assert failure is None and status == 503
     assert missed is not None and missed.reason == "http_503"
 
