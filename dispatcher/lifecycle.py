@@ -59,7 +59,7 @@ class Stage(IntEnum):
     DONE = 4
 
     def may_move_to(self, to: Stage) -> bool:
-        return to > self or (self, to) == (Stage.AT_AGENT, Stage.WAITING)
+        return to > self or (self is Stage.AT_AGENT and to is Stage.WAITING)
 
 
 S = TypeVar("S", Phase, JobState)
