@@ -413,8 +413,8 @@ class Daemon:
         routes: Routes | None,
         max_body_bytes: int | None,
         tls: ssl.SSLContext | None,
-        header_timeout_s: float | None = None,
-        flag: str = "--metrics-listen",
+        header_timeout_s: float | None,
+        flag: str,
     ) -> None:
         listen = resolve_listen(self.settings.metrics_listen)
         if listen is None:
