@@ -44,6 +44,7 @@ class ChildRun:
     wall_s: float
     cpu_s: float
     stderr: bytes
+    peak_rss_mb: float
 
     def events(self, name: str) -> list[dict[str, Any]]:
         found = []
@@ -68,7 +69,44 @@ def run_child(args: Sequence[str], stderr_path: Path) -> ChildRun:
         wall_s=wall_s,
         cpu_s=usage.ru_utime + usage.ru_stime,
         stderr=stderr_path.read_bytes(),
+        peak_rss_mb=usage.ru_maxrss / 1024,
     )
+
+
+def rss_mb(pid: int) -> float:
+    """A live process's resident memory (VmRSS, from /proc), MB."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmRSS")
+
+
+class ServeProcess:
+    """``dispatcher serve FLAGS`` in its own process, state in ``work/state``, its log
+    in ``work/serve.log``."""
+
+    def __init__(self, work: Path, *flags: str) -> None:
+        self.log = (work / "serve.log").open("wb")
+        command = [
+            sys.executable, "-m", "dispatcher", "serve", "--listen", "127.0.0.1:0",
+            "--state-dir", str(work / "state"), *flags,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        if "listening on " not in line:
+            raise SystemExit(f"dispatcher serve did not start; see {work / 'serve.log'}")
+        self.url = line.split()[-1]
+
+    def rss_mb(self) -> float:
+        return rss_mb(self.proc.pid)
+
+    def stop(self, timeout_s: float = 60) -> int:
+        self.proc.terminate()
+        code = self.proc.wait(timeout_s)
+        self.log.close()
+        return code
 
 
 def write_tasks(path: Path, count: int, agent: str = "sim") -> None:

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoopLag, dispatcher_server
+from _common import LoopLag, ServeProcess, dispatcher_server, rss_mb
 
 # The jobs API takes JSON bodies only: what a browser sends unasked is refused.
 JSON_TYPE = {"Content-Type": "application/json"}
@@ -87,52 +87,11 @@ def baseline_phase(url: str, rollouts: int, concurrency: int) -> None:
     print(f"  event-loop lag: p99 {_ms(fig['lag_p99_s'])}, max {_ms(fig['lag_max_s'])}")
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f:
-            if line.startswith(b"VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError("no VmRSS")
-
-
-class Daemon:
-    def __init__(self, work: Path, slow: str, fast: str, concurrency: int) -> None:
-        self.log = (work / "serve.log").open("wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dispatcher",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--state-dir",
-                str(work / "state"),
-                "--agent",
-                f"slow={slow}",
-                "--agent",
-                f"fast={fast}",
-                "--concurrency",
-                str(concurrency),
-                "--log-format",
-                "json",
-                "--progress-interval-s",
-                "5",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        if "listening on " not in line:
-            raise SystemExit(f"dispatcher serve did not start; see {work / 'serve.log'}")
-        self.url = line.split()[-1]
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        code = self.proc.wait(60)
-        self.log.close()
-        return code
+def start_daemon(work: Path, slow: str, fast: str, concurrency: int) -> ServeProcess:
+    return ServeProcess(
+        work, "--agent", f"slow={slow}", "--agent", f"fast={fast}",
+        "--concurrency", str(concurrency), "--log-format", "json", "--progress-interval-s", "5",
+    )  # fmt: skip
 
 
 async def status(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -163,7 +122,7 @@ async def consume(http: aiohttp.ClientSession, url: str, job_id: str) -> tuple[i
     return groups, rows
 
 
-async def load_phase(daemon: Daemon, tasks: int, repeats: int) -> None:
+async def load_phase(daemon: ServeProcess, tasks: int, repeats: int) -> None:
     url = daemon.url
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -195,7 +154,7 @@ async def load_phase(daemon: Daemon, tasks: int, repeats: int) -> None:
     print(f"  daemon peak RSS: {final['peak_rss_mb']} MB")
 
 
-async def jobs_phase(daemon: Daemon, count: int) -> None:
+async def jobs_phase(daemon: ServeProcess, count: int) -> None:
     url = daemon.url
     samples: list[tuple[int, float]] = []
     async with aiohttp.ClientSession() as http:
@@ -246,7 +205,7 @@ def main() -> None:
             dispatcher_server("sim-agent", "--latency-s", "0") as fast,
         ):
             baseline_phase(slow, args.tasks * args.repeats, args.concurrency)
-            daemon = Daemon(work, slow, fast, args.concurrency)
+            daemon = start_daemon(work, slow, fast, args.concurrency)
             try:
                 asyncio.run(load_phase(daemon, args.tasks, args.repeats))
                 asyncio.run(jobs_phase(daemon, args.small_jobs))

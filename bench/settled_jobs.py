@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,37 +27,17 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server
-from service import consume, rss_mb, submit
+from _common import ServeProcess, dispatcher_server
+from service import consume, submit
 
 GOAL_BYTES_PER_ROW = 60
 
 
-class Daemon:
-    """``dispatcher serve`` in its own process, its log in ``work/serve.log``."""
-
-    def __init__(self, work: Path, agent: str, concurrency: int) -> None:
-        self.log = (work / "serve.log").open("wb")
-        command = [
-            sys.executable, "-m", "dispatcher", "serve", "--listen", "127.0.0.1:0",
-            "--state-dir", str(work / "state"), "--agent", f"sim={agent}",
-            "--concurrency", str(concurrency), "--log-format", "json",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        if "listening on " not in line:
-            raise SystemExit(f"dispatcher serve did not start; see {work / 'serve.log'}")
-        self.url = line.split()[-1]
-
-    def rss_mb(self) -> float:
-        return rss_mb(self.proc.pid)
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        code = self.proc.wait(60)
-        self.log.close()
-        return code
+def start_daemon(work: Path, agent: str, concurrency: int) -> ServeProcess:
+    """``dispatcher serve`` on the simulated agent, its log in ``work/serve.log``."""
+    return ServeProcess(
+        work, "--agent", f"sim={agent}", "--concurrency", str(concurrency), "--log-format", "json"
+    )
 
 
 async def one_job(http: aiohttp.ClientSession, url: str, job_id: str, rows: int) -> int:
@@ -73,7 +52,7 @@ async def one_job(http: aiohttp.ClientSession, url: str, job_id: str, rows: int)
 
 
 async def rounds(
-    daemon: Daemon, count: int, jobs: int, rows: int, idle_s: float
+    daemon: ServeProcess, count: int, jobs: int, rows: int, idle_s: float
 ) -> list[tuple[int, float, float]]:
     """Each round's jobs at once, read to their end: (rows finished so far, RSS MB at the
     end, RSS MB after ``idle_s``)."""
@@ -126,7 +105,7 @@ def main() -> None:
         tempfile.TemporaryDirectory() as folder,
         dispatcher_server("sim-agent", "--latency-s", "0") as agent,
     ):
-        daemon = Daemon(Path(folder), agent, args.concurrency)
+        daemon = start_daemon(Path(folder), agent, args.concurrency)
         try:
             samples = asyncio.run(rounds(daemon, args.rounds, args.jobs, args.rows, args.idle_s))
         finally:
