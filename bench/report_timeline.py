@@ -18,16 +18,16 @@ Figures are medians over ``--repeat`` rounds: wall and CPU seconds, peak RSS
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_child
 
 T0 = 1_800_000_000.0
 CLASSES = ("agent_run_error", "timeout_exceeded", "protocol_violation")
@@ -93,17 +93,13 @@ def write_run(work: Path, opts: argparse.Namespace) -> Path:
     return output  # fmt: skip
 
 
-def timed(args: list[str]) -> tuple[float, float, float]:
+def timed(args: list[str], stderr_path: Path) -> tuple[float, float, float]:
     """Wall seconds, CPU seconds and peak RSS (MB) of one child process (the CPU time
     says more than the wall time on a shared machine)."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall_s = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        assert proc.stderr is not None
-        raise SystemExit(f"{args[3:]} failed: {proc.stderr.read().decode()[-2000:]}")
-    return wall_s, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+    child = run_child(args, stderr_path)
+    if child.returncode != 0:
+        raise SystemExit(f"{args[3:]} failed: {child.stderr.decode()[-2000:]}")
+    return child.wall_s, child.cpu_s, child.peak_rss_mb
 
 
 def main() -> None:
@@ -133,7 +129,7 @@ def main() -> None:
             ],
         }  # fmt: skip
         for name, args in variants.items():
-            runs = [timed(args) for _ in range(opts.repeat)]
+            runs = [timed(args, work / "stderr.log") for _ in range(opts.repeat)]
             wall, cpu, rss = (statistics.median(r[k] for r in runs) for k in range(3))
             print(f"  {name:38s} {wall:7.2f} s, CPU {cpu:6.2f} s, peak RSS {rss:5.0f} MB")
         page = (work / "report.html").stat().st_size / 1e3
