@@ -34,13 +34,22 @@ def succeeded(job: JobStatus) -> int:
     return int(job.outcomes.get("success", 0))
 
 
+def _final(job: JobStatus) -> int:
+    """The rollouts final so far, of a job whose ``expected`` the daemon knows."""
+    assert job.expected is not None
+    return job.expected - (job.remaining or 0)
+
+
+def _failed(job: JobStatus) -> int:
+    return max(_final(job) - succeeded(job), 0)
+
+
 def job_row(job: JobStatus) -> list[object]:
     """One line of the jobs table; "-" where the daemon does not know a figure."""
     if job.expected is None:
         figures: list[object] = ["-"] * 4
     else:
-        final = job.expected - (job.remaining or 0)
-        figures = [job.expected, succeeded(job), max(final - succeeded(job), 0), job.remaining]
+        figures = [job.expected, succeeded(job), _failed(job), job.remaining]
     policy = "-" if job.policy_version is None else job.policy_version
     return [job.job_id, job.state.value, job.priority, policy, *figures]
 
@@ -71,7 +80,7 @@ def progress_line(job: JobStatus) -> str:
     """Where a job stands, in one short line (`submit --wait` on a terminal)."""
     parts = [f"job {job.job_id}: {job.state.value}"]
     if job.expected is not None:
-        parts.append(f"{job.expected - (job.remaining or 0)}/{job.expected} rollouts final")
+        parts.append(f"{_final(job)}/{job.expected} rollouts final")
     parts.append(f"{job.in_flight} in flight")
     if job.target_groups is not None:
         parts.append(f"{job.groups_kept}/{job.target_groups} groups kept")
@@ -95,11 +104,9 @@ def _run_fields(job: JobStatus) -> list[tuple[str, str]]:
         ("policy version", _or_dash(job.policy_version)),
     ]
     if job.expected is not None:
-        final = job.expected - (job.remaining or 0)
-        failed = max(final - succeeded(job), 0)
         fields.append(
             ("rollouts", f"expected {job.expected}, succeeded {succeeded(job)}, "
-             f"failed {failed}, left {job.remaining}")
+             f"failed {_failed(job)}, left {job.remaining}")
         )  # fmt: skip
     if not job.final:
         fields.append(("in flight", f"{job.in_flight} at agents, {job.committing} committing"))
