@@ -134,9 +134,9 @@ def _compose(f: Mapping[str, Any], dropped: frozenset[str]) -> str:
     if "p95" not in dropped:
         parts.append(_latency(f, full="p50_p75" not in dropped))
     if "margin" not in dropped:
-        parts.append(f"margin {_duration(f['drain_margin_s'])}")
-    parts.append(f"budget left {_duration(f['budget_remaining_s'])}")
-    parts.append(f"ETA {_duration(f['eta_s'])}")
+        parts.append(f"margin {duration_text(f['drain_margin_s'])}")
+    parts.append(f"budget left {duration_text(f['budget_remaining_s'])}")
+    parts.append(f"ETA {duration_text(f['eta_s'])}")
     if "in_flight" not in dropped:
         limit = f"/{f['limit']:,}" if f["limit"] is not None else ""
         parts.append(f"in flight {_count(f['in_flight'])}{limit}")
@@ -150,10 +150,10 @@ def _compose(f: Mapping[str, Any], dropped: frozenset[str]) -> str:
 
 
 def _latency(f: Mapping[str, Any], *, full: bool) -> str:
-    p95 = f"p95 {_duration(f['p95_s'])}"
+    p95 = f"p95 {duration_text(f['p95_s'])}"
     if not full:
         return p95
-    return f"p50 {_duration(f['p50_s'])} p75 {_duration(f['p75_s'])} {p95}"
+    return f"p50 {duration_text(f['p50_s'])} p75 {duration_text(f['p75_s'])} {p95}"
 
 
 def _limit(snapshot: Mapping[str, Any]) -> int | None:
@@ -198,11 +198,6 @@ def _rate(per_hour: float | None) -> str:
 
 def duration_text(seconds: float | None) -> str:
     """Compact human duration: 850ms, 42.1s, 12m05s, 2h31m ("-" when unknown)."""
-    return _duration(seconds)
-
-
-def _duration(seconds: float | None) -> str:
-    """Compact human duration: 850ms, 42.1s, 12m05s, 2h31m."""
     if seconds is None:
         return UNKNOWN
     if seconds <= 0:
