@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,14 +41,14 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server
+from _common import ServeProcess, dispatcher_server
 
 MIB = 1024 * 1024
 # The jobs API takes JSON bodies only: what a browser sends unasked is refused.
 JSON_TYPE = {"Content-Type": "application/json"}
 
 
-class Daemon:
+class Daemon(ServeProcess):
     """``dispatcher serve`` in its own process, with its bounds."""
 
     def __init__(self, work: Path, agents: dict[str, str], bounds: dict[str, str]) -> None:
@@ -57,24 +56,11 @@ class Daemon:
         flags = [item for pair in bounds.items() for item in pair]
         for name, url in agents.items():
             flags += ["--agent", f"{name}={url}"]
-        self.log = (work / "serve.log").open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher", "serve", "--listen", "127.0.0.1:0",
-             "--state-dir", str(work / "state"),
-             "--concurrency", "256", "--fsync", "never", "--log-format", "json", *flags],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        if "listening on " not in line:
-            raise SystemExit(f"dispatcher serve did not start; see {work / 'serve.log'}")
-        self.url = line.split()[-1]
+        super().__init__(
+            work, "--concurrency", "256", "--fsync", "never", "--log-format", "json", *flags
+        )
         self.host, port = self.url.removeprefix("http://").split(":")
         self.port = int(port)
-
-    def rss_mb(self) -> float:
-        return _status_kb(self.proc.pid, b"VmRSS:") / 1024
 
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
@@ -82,11 +68,8 @@ class Daemon:
     def bound(self, flag: str) -> int:
         return int(float(self.bounds[flag]))
 
-    def stop(self) -> int:
-        self.proc.terminate()
-        code = self.proc.wait(120)
-        self.log.close()
-        return code
+    def stop(self, timeout_s: float = 120) -> int:
+        return super().stop(timeout_s)
 
 
 def _status_kb(pid: int, key: bytes) -> int:
