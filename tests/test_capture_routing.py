@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from dispatcher.capture.proxy import UPSTREAM_KEY, build_proxy_app
@@ -19,8 +17,10 @@ from dispatcher.sim.dialects import SimModelConfig
 from dispatcher.sim.model import build_sim_model_app
 from tests.conftest import SimAgentFactory
 from tests.helpers import run_args, run_cli, wait_until, write_tasks
-from tests.test_capture_proxy import Servers, capture_lines, post_chat
+from tests.test_capture_proxy import Servers, capture_lines, post_chat, servers, session
 from tests.test_service_e2e import Serve, rows
+
+__all__ = ["servers", "session"]  # the fixtures, imported for these tests
 
 # ---- the rules ------------------------------------------------------------------------
 
@@ -91,19 +91,6 @@ class Upstreams:
         app = web.Application()
         app.router.add_post("/{tail:.*}", handle)
         return app
-
-
-@pytest.fixture
-async def servers() -> AsyncIterator[Servers]:
-    harness = Servers()
-    yield harness
-    await harness.close()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as client:
-        yield client
 
 
 def closed_port() -> int:

@@ -18,7 +18,9 @@ from dispatcher.sim.prefix_cache import BLOCK_TOKENS, BYTES_PER_TOKEN, PrefixCac
 from tests.conftest import SimAgentFactory
 from tests.helpers import run_cli, write_tasks
 from tests.test_capture_e2e import Stack, sim_agent_config
-from tests.test_capture_proxy import Servers
+from tests.test_capture_proxy import Servers, servers
+
+__all__ = ["servers"]  # the fixture, imported for these tests
 
 BLOCK = b"x" * (BLOCK_TOKENS * BYTES_PER_TOKEN)
 
@@ -40,13 +42,6 @@ def test_the_least_recently_used_blocks_go_first() -> None:
     cache.admit(one)  # touched: two is now the oldest
     cache.admit(three)
     assert (cache.admit(one), cache.admit(two)) == (BLOCK_TOKENS, 0)
-
-
-@pytest.fixture
-async def servers() -> AsyncIterator[Servers]:
-    harness = Servers()
-    yield harness
-    await harness.close()
 
 
 async def stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
