@@ -4,7 +4,6 @@ rules on a router alone, and through real sockets with several upstreams."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from dispatcher.capture.routing import RoutePolicy, Router, group_of
 from dispatcher.sim.dialects import SimModelConfig
 from dispatcher.sim.model import build_sim_model_app
 from tests.conftest import SimAgentFactory
-from tests.helpers import run_args, run_cli, wait_until, write_tasks
+from tests.helpers import free_port, run_args, run_cli, wait_until, write_tasks
 from tests.test_capture_proxy import Servers, capture_lines, post_chat, servers, session
 from tests.test_service_e2e import Serve, rows
 
@@ -93,13 +92,6 @@ class Upstreams:
         return app
 
 
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 async def call(session: aiohttp.ClientSession, proxy: str, rollout_id: str, **kw: Any) -> None:
     url = f"{proxy}/ng-rollout/{rollout_id}/v1/chat/completions"
     async with post_chat(session, url, **kw) as answer:
@@ -132,7 +124,7 @@ async def test_a_call_that_cannot_connect_fails_over_and_the_pin_moves(
 ) -> None:
     upstreams = Upstreams(servers)
     [live] = await upstreams.start(1)
-    dead = f"http://127.0.0.1:{closed_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     app = build_proxy_app([dead, live], tmp_path, route=RoutePolicy.SESSION)
     proxy = await servers.start(app)
     for _ in range(3):
