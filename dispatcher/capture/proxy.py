@@ -36,7 +36,15 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange, encode_record
-from dispatcher.capture.routing import DEFAULT_MARGIN, RoutePolicy, Router, group_of
+from dispatcher.capture.routing import (
+    DEFAULT_MARGIN,
+    GROUP_HEADER,
+    RELEASE_PREFIX,
+    SESSION_HEADER,
+    RoutePolicy,
+    Router,
+    group_of,
+)
 from dispatcher.capture.store import BeforeWrite, CaptureStore
 from dispatcher.commands import command_help
 from dispatcher.delivery.limits import ProxyLimits, RecordBudget
@@ -82,11 +90,6 @@ class _Upstream:
     release_url: str | None = None
 
 
-# Identity headers on every forwarded call of a rollout (the proxy's replace an agent's):
-# a router in front of the engines can route by them.
-SESSION_HEADER = "X-Session-ID"
-GROUP_HEADER = "X-Prefix-Group"
-RELEASE_PREFIX = "/ng-release/"
 RELEASE_TIMEOUT_S = 2.0
 
 UPSTREAM_KEY = web.AppKey("capture_upstream", _Upstream)

@@ -18,6 +18,7 @@ import aiohttp
 import structlog
 
 from dispatcher.aio import cancel_and_wait
+from dispatcher.capture.routing import RELEASE_PREFIX
 from dispatcher.urls import redact_url
 
 log = structlog.get_logger(__name__)
@@ -34,7 +35,7 @@ class SessionReleaser:
     """Sends the ids handed to ``release`` to the proxy at ``proxy_url`` (see the module)."""
 
     def __init__(self, proxy_url: str) -> None:
-        self._url = proxy_url.rstrip("/") + "/ng-release/"
+        self._url = proxy_url.rstrip("/") + RELEASE_PREFIX
         self._waiting: deque[str] = deque(maxlen=MAX_WAITING)
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None

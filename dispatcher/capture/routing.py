@@ -38,6 +38,13 @@ DEFAULT_MARGIN = 4
 DEFAULT_MAX_SESSIONS = 100_000
 DEFAULT_MAX_GROUPS = 100_000
 
+# Identity headers on every forwarded call of a rollout (the proxy's replace an agent's):
+# a router in front of the engines can route by them.
+SESSION_HEADER = "X-Session-ID"
+GROUP_HEADER = "X-Prefix-Group"
+# The proxy's route by which the dispatcher releases a rollout's session.
+RELEASE_PREFIX = "/ng-release/"
+
 # "<task>-<rollout>[-a<attempt>][.<hop token>]": the dispatcher's own rollout ids
 # (contracts §2, §6). The group is the task within its hop: "<task>.<token>".
 _DISPATCHER_ID = re.compile(r"(?P<task>\d+)-\d+(?:-a\d+)?(?P<token>\.[0-9a-f]{8})?")

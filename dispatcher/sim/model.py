@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from dispatcher.capture.routing import GROUP_HEADER, SESSION_HEADER
 from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError
 from dispatcher.sim.dialects import EVENTS, RESPONSES, JsonObject, SimModelConfig, prompt_bytes
@@ -140,7 +141,7 @@ def _count(stats: SimModelStats, dialect: str, stream: bool, headers: Any) -> No
     stats.requests += 1
     stats.streamed += stream
     stats.with_authorization += "Authorization" in headers
-    stats.with_identity += "X-Session-ID" in headers and "X-Prefix-Group" in headers
+    stats.with_identity += SESSION_HEADER in headers and GROUP_HEADER in headers
     stats.by_dialect[dialect] = stats.by_dialect.get(dialect, 0) + 1
 
 
