@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from dispatcher.sim.prefix_cache import prompt_tokens
+
 JsonObject = dict[str, Any]
 
 
@@ -69,7 +71,7 @@ def prompt_bytes(body: JsonObject) -> bytes:
 
 def _usage(config: SimModelConfig, body: JsonObject) -> _Usage:
     # About four bytes per token; what matters is that it is deterministic.
-    prompt = max(1, len(prompt_bytes(body)) // 4)
+    prompt = prompt_tokens(prompt_bytes(body))
     completion = max(1, config.completion_tokens)
     return _Usage(
         prompt,

@@ -32,7 +32,7 @@ from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError
 from dispatcher.sim.dialects import EVENTS, RESPONSES, JsonObject, SimModelConfig, prompt_bytes
 from dispatcher.sim.model_client import DIALECT_PATHS, ModelCallError, call_model
-from dispatcher.sim.prefix_cache import BYTES_PER_TOKEN, PrefixCache
+from dispatcher.sim.prefix_cache import PrefixCache, prompt_tokens
 from dispatcher.telemetry.http_app import serve_until_signal
 
 __all__ = [
@@ -128,7 +128,7 @@ async def _prefill(app: web.Application, config: SimModelConfig, body: Any) -> S
         return config
     prompt = prompt_bytes(body)
     cached = cache.admit(prompt)
-    uncached = max(1, len(prompt) // BYTES_PER_TOKEN) - cached
+    uncached = prompt_tokens(prompt) - cached
     if config.prefill_s_per_token > 0 and uncached > 0:
         # One prefill at a time, as an engine's compute is one: what routing saves
         # shows in the time to the last row, not only in tokens.

@@ -20,6 +20,11 @@ BLOCK_TOKENS = 16
 _BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
 
 
+def prompt_tokens(prompt: bytes) -> int:
+    """The tokens the sim counts in ``prompt``: at least one."""
+    return max(1, len(prompt) // BYTES_PER_TOKEN)
+
+
 class PrefixCache:
     """An LRU of prompt blocks, ``capacity_tokens`` at most."""
 
@@ -41,7 +46,7 @@ class PrefixCache:
             self._blocks.move_to_end(key)
         while len(self._blocks) > self._capacity:
             self._blocks.popitem(last=False)
-        tokens = max(1, len(prompt) // BYTES_PER_TOKEN)
+        tokens = prompt_tokens(prompt)
         cached = min(hit * BLOCK_TOKENS, tokens)
         self.prompt_tokens += tokens
         self.cached_tokens += cached
