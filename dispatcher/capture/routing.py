@@ -45,12 +45,12 @@ GROUP_HEADER = "X-Prefix-Group"
 # The proxy's route by which the dispatcher releases a rollout's session.
 RELEASE_PREFIX = "/ng-release/"
 
+# The per-hop token that makes a capture id of a rollout id (keys.CAPTURE_TOKEN_LEN).
+_TOKEN_PATTERN = r"\.[0-9a-f]{8}"
 # "<task>-<rollout>[-a<attempt>][.<hop token>]": the dispatcher's own rollout ids
 # (contracts §2, §6). The group is the task within its hop: "<task>.<token>".
-_DISPATCHER_ID = re.compile(r"(?P<task>\d+)-\d+(?:-a\d+)?(?P<token>\.[0-9a-f]{8})?")
-
-
-_TOKEN = re.compile(r"\.[0-9a-f]{8}$")
+_DISPATCHER_ID = re.compile(rf"(?P<task>\d+)-\d+(?:-a\d+)?(?P<token>{_TOKEN_PATTERN})?")
+_TOKEN = re.compile(_TOKEN_PATTERN + "$")
 
 
 def group_of(rollout_id: str) -> str:
