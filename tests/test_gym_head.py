@@ -51,10 +51,22 @@ def gym_config(**instances: dict[str, Any]) -> dict[str, Any]:
     return {"head_server": head, "policy_base_url": "http://127.0.0.1:1/v1", **instances}
 
 
-@pytest.fixture
-async def head_server() -> AsyncIterator[HeadFactory]:
-    runners: list[web.AppRunner] = []
+async def start_head(app: web.Application, runners: list[web.AppRunner]) -> str:
+    runner, url = await serve(app)
+    runners.append(runner)
+    return url
 
+
+@pytest.fixture
+async def runners() -> AsyncIterator[list[web.AppRunner]]:
+    started: list[web.AppRunner] = []
+    yield started
+    for runner in started:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def head_server(runners: list[web.AppRunner]) -> HeadFactory:
     async def start(config: dict[str, Any]) -> str:
         async def config_yaml(request: web.Request) -> web.Response:
             # FastAPI returns the YAML text as a JSON string.
@@ -62,13 +74,9 @@ async def head_server() -> AsyncIterator[HeadFactory]:
 
         app = web.Application()
         app.router.add_get("/global_config_dict_yaml", config_yaml)
-        runner, url = await serve(app)
-        runners.append(runner)
-        return url
+        return await start_head(app, runners)
 
-    yield start
-    for runner in runners:
-        await runner.cleanup()
+    return start
 
 
 def test_an_agent_resolves_to_its_environment_server_else_to_itself() -> None:
@@ -170,20 +178,6 @@ async def test_an_unknown_agent_or_an_unreachable_head_server_is_exit_2(
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith(f"error: Gym head server http://{dead} does not answer")
         assert "Traceback" not in result.stderr
-
-
-async def start_head(app: web.Application, runners: list[web.AppRunner]) -> str:
-    runner, url = await serve(app)
-    runners.append(runner)
-    return url
-
-
-@pytest.fixture
-async def runners() -> AsyncIterator[list[web.AppRunner]]:
-    started: list[web.AppRunner] = []
-    yield started
-    for runner in started:
-        await runner.cleanup()
 
 
 async def run_with_head(tmp_path: Path, url: str, *flags: str) -> Any:
