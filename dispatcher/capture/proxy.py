@@ -219,18 +219,18 @@ async def _handle_release(request: web.Request) -> web.Response:
     return web.json_response({"session_id": session_id or rollout_id, "released": released})
 
 
-def _tell_upstream(app: web.Application, url: str, rollout_id: str) -> None:
+def _tell_upstream(app: web.Application, url: str, session_id: str) -> None:
     """One short POST naming the session, in the background; a failure is logged only."""
 
     async def tell() -> None:
         try:
             timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)
-            body = {"session_id": rollout_id}
+            body = {"session_id": session_id}
             async with app[SESSION_KEY].post(url, json=body, timeout=timeout) as answer:
                 if answer.status >= 400:
-                    log.warning("session_release_refused", session=rollout_id, status=answer.status)
+                    log.warning("session_release_refused", session=session_id, status=answer.status)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("session_release_failed", session=rollout_id, error=repr(exc))
+            log.warning("session_release_failed", session=session_id, error=repr(exc))
 
     task = asyncio.get_running_loop().create_task(tell())
     app[RELEASES_KEY].add(task)
