@@ -80,6 +80,11 @@ class _Transient(Exception):
         super().__init__(message)
         self.no_connection = no_connection
 
+    @classmethod
+    def of(cls, exc: BaseException) -> _Transient:
+        """The retry for one of ``_TRANSIENT_ERRORS``."""
+        return cls(_describe(exc), no_connection=isinstance(exc, aiohttp.ClientConnectorError))
+
 
 # --- the async client --------------------------------------------------------------
 
@@ -339,10 +344,8 @@ class AsyncClient:
                 self.reached = True
                 raw = await resp.read()
                 self._raise_for_status(resp, raw)
-        except aiohttp.ClientConnectorError as exc:
-            raise _Transient(_describe(exc), no_connection=True) from None
         except _TRANSIENT_ERRORS as exc:
-            raise _Transient(_describe(exc)) from None
+            raise _Transient.of(exc) from None
         try:
             return jsonx.loads(raw)
         except ValueError:
@@ -404,10 +407,8 @@ class AsyncClient:
                             yield item
                         elif position.final_state is not None:
                             return
-        except aiohttp.ClientConnectorError as exc:
-            raise _Transient(_describe(exc), no_connection=True) from None
         except _TRANSIENT_ERRORS as exc:
-            raise _Transient(_describe(exc)) from None
+            raise _Transient.of(exc) from None
         if splitter.partial:
             raise _Transient("the stream was cut mid-line")
 
