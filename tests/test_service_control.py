@@ -83,6 +83,20 @@ async def test_integers_beyond_64_bits_stay_exact_through_the_api(
         assert await serve.stop() == 0
 
 
+async def test_a_jobs_responses_create_params_beyond_64_bits_are_counted_not_a_500(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    serve = await Serve.start(tmp_path / "state", gated_agent.url)
+    try:
+        body = {"job_id": "p", "rows": rows(1), "responses_create_params": {"seed": BIG}}
+        status, answer = await call(serve, "POST", "/v1/jobs", body)
+        assert status == 201, answer
+        gated_agent.open()
+        await wait_until(serve.in_state("p", "done"), timeout_s=60)
+    finally:
+        assert await serve.stop() == 0
+
+
 async def test_the_admission_pause_survives_a_kill_9(
     tmp_path: Path, gated_agent: FakeAgent
 ) -> None:

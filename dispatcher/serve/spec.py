@@ -302,7 +302,7 @@ def _check_size(spec: JobSpec, tasks: Path, settings: RunSettings, limits: Serve
 def _params_bytes(settings: RunSettings) -> int:
     """The bytes of the ``responses_create_params`` merged into every row of the job."""
     params = settings.responses_create_params
-    return len(orjson.dumps(params)) if params else 0
+    return len(jsonx.dumps(params)) if params else 0
 
 
 def _check_bytes(
