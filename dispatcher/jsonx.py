@@ -27,7 +27,7 @@ _DECODER = msgspec.json.Decoder()
 _AT_BYTE = re.compile(r"\s*\(byte (\d+)\)$")
 _BIG_INT_ERROR = "Integer exceeds 64-bit range"
 # orjson options honoured by the fallback; any other option is not used here.
-_SUPPORTED = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SORT_KEYS
+_SUPPORTED = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2
 
 
 def loads(raw: bytes | bytearray | memoryview | str) -> Any:
@@ -51,10 +51,12 @@ def dumps(value: Any, option: int = 0) -> bytes:
     except TypeError as exc:
         if _BIG_INT_ERROR not in str(exc) or option & ~_SUPPORTED:
             raise
+    indent = 2 if option & orjson.OPT_INDENT_2 else None
     text = json.dumps(
         value,
         ensure_ascii=False,
-        separators=(",", ":"),
+        indent=indent,
+        separators=(",", ": ") if indent else (",", ":"),
         sort_keys=bool(option & orjson.OPT_SORT_KEYS),
         allow_nan=False,
     )

@@ -46,3 +46,15 @@ def test_what_orjson_refuses_is_refused_as_its_error(raw: bytes, says: str) -> N
     with pytest.raises(orjson.JSONDecodeError, match=re.escape(says)) as caught:
         jsonx.loads(raw)
     assert "(byte" not in str(caught.value)
+
+
+def test_an_indented_document_with_a_big_integer_is_written_exactly() -> None:
+    # Manifests are written indented: a job's params may hold such an integer.
+    value = {"b": [1, 2], "a": 10**30}
+    written = jsonx.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    assert jsonx.loads(written) == value
+    small = {"b": [1, 2], "a": 1}
+    fallback = jsonx.dumps({**small, "a": 10**30}, option=orjson.OPT_INDENT_2)
+    assert fallback.replace(str(10**30).encode(), b"1") == orjson.dumps(
+        small, option=orjson.OPT_INDENT_2
+    )

@@ -146,7 +146,7 @@ def _create_temp(path: Path) -> tuple[Path, int]:
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
     """``data`` as indented JSON, written atomically (``write_atomic``)."""
-    write_atomic(path, [orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)])
+    write_atomic(path, [jsonx.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)])
 
 
 def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import structlog
 
-from dispatcher import __version__
+from dispatcher import __version__, jsonx
 from dispatcher.errors import ConfigError
 from dispatcher.files import gym_compat
 from dispatcher.files.contracts import RunManifest
@@ -78,14 +78,14 @@ class PreparedRun:
 
 def task_settings(settings: RunSettings) -> dict[str, Any]:
     """The task-affecting settings as JSON values, as the manifest records them."""
-    settings_json: dict[str, Any] = orjson.loads(
-        orjson.dumps({key: getattr(settings, key) for key in TASK_SETTINGS})
+    settings_json: dict[str, Any] = jsonx.loads(
+        jsonx.dumps({key: getattr(settings, key) for key in TASK_SETTINGS})
     )
     return settings_json
 
 
 def _digest(data: Any) -> str:
-    return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return hashlib.sha256(jsonx.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | None) -> PreparedRun:
