@@ -63,7 +63,7 @@ def prometheus() -> str:
 # Ray runs one cluster per machine at a time: the Ray tests share the Gym stack's group.
 SERIAL_GROUPS = {
     "tests/gym/": "gym",
-    "tests/test_client_errors.py": "gym",
+    "tests/client/test_wire.py": "gym",
     "tests/test_packaging.py": "packaging",
 }
 

@@ -256,7 +256,7 @@ def front_page_row() -> dict[str, object]:
 
 
 # Each example a reader can run, by a line of it only that example has, and what runs it.
-SERVICE_EXAMPLES = "test_examples.test_readme_service_and_step_control_examples_run_as_written"
+SERVICE_EXAMPLES = "ops.test_init.test_readme_service_and_step_control_examples_run_as_written"
 GYM_PATH = "gym.test_gym_readme.test_the_five_minute_path_runs_as_written"
 RUN_BY = {
     "make demo": ".ci/run",
@@ -279,7 +279,7 @@ RUN_BY = {
     "from dispatcher.client import AsyncClient": SERVICE_EXAMPLES,
     "URL=${DISPATCHER_URL": SERVICE_EXAMPLES,
     "dispatcher jobs submit --input tasks.jsonl": (
-        "test_ops_jobs.test_the_jobs_example_runs_as_written"
+        "ops.test_jobs.test_the_jobs_example_runs_as_written"
     ),
     "gym env start": GYM_PATH,
     "dispatcher run --gym-head-server $HEAD": GYM_PATH,

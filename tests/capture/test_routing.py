@@ -1,0 +1,226 @@
+"""The capture proxy routes a rollout's calls by its identity (capture/routing.py): the
+rules on a router alone, and through real sockets with several upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from dispatcher.capture.proxy import UPSTREAM_KEY, build_proxy_app
+from dispatcher.capture.routing import RoutePolicy, Router, group_of
+from dispatcher.sim.dialects import SimModelConfig
+from dispatcher.sim.model import build_sim_model_app
+from tests.capture.test_proxy import Servers, capture_lines, post_chat, servers, session
+from tests.conftest import SimAgentFactory
+from tests.helpers import free_port, run_args, run_cli, wait_until, write_tasks
+from tests.serve.test_service_e2e import Serve, rows
+
+__all__ = ["servers", "session"]  # the fixtures, imported for these tests
+
+# ---- the rules ------------------------------------------------------------------------
+
+
+def test_the_group_of_a_rollout_is_its_task_within_its_hop() -> None:
+    assert group_of("3-0") == group_of("3-7") == group_of("3-1-a2") == "t3"
+    assert group_of("3-1.0a1b2c3d") == group_of("3-5-a1.0a1b2c3d") == "t3.0a1b2c3d"
+    assert group_of("3-1.0a1b2c3d") != group_of("3-1.ffffffff")  # another hop or job
+    assert group_of("my-own-id") == "my-own-id"  # names no siblings
+
+
+def test_session_pins_a_rollouts_calls_and_starts_it_on_the_least_loaded() -> None:
+    router = Router(["a", "b", "c"], RoutePolicy.SESSION)
+    first = [router.pick(f"{task}-0") for task in range(3)]
+    assert sorted(first) == [0, 1, 2]  # fewest live sessions first
+    assert [router.pick(f"{task}-0") for task in range(3)] == first
+    assert router.release("1-0") == "1-0" and router.release("1-0") is None
+    assert router.pick("9-0") == first[1]  # the released one's upstream is the lightest
+
+
+def test_group_keeps_siblings_together_until_the_margin_is_passed() -> None:
+    router = Router(["a", "b"], RoutePolicy.GROUP, margin=2)
+    home = router.pick("5-0")
+    assert {router.pick(f"5-{i}") for i in range(1, 4)} == {home}
+    for _ in range(3):  # 3 calls in flight at home, 0 elsewhere: past the margin of 2
+        router.started(home)
+    moved = router.pick("5-4")
+    assert moved != home
+    assert router.pick("5-1") == home  # a session already started stays
+    for _ in range(3):  # home is no longer loaded: the next sibling goes home again,
+        router.ended(home)  # where the group's prefix is cached
+    assert router.pick("5-5") == home
+
+
+def test_round_robin_is_per_call() -> None:
+    router = Router(["a", "b", "c"], RoutePolicy.ROUND_ROBIN)
+    assert [router.pick("1-0") for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_sessions_and_groups_stay_bounded() -> None:
+    router = Router(["a", "b"], RoutePolicy.GROUP, max_sessions=10, max_groups=5)
+    for task in range(1000):
+        router.pick(f"{task}-0")
+    assert router.live_sessions == 10
+    assert sum(u.sessions for u in router.upstreams) == 10
+
+
+# ---- through real sockets -------------------------------------------------------------
+
+
+class Upstreams:
+    """Model servers that answer a chat completion and note each call's headers."""
+
+    def __init__(self, servers: Servers) -> None:
+        self.servers = servers
+        self.calls: list[tuple[int, dict[str, str]]] = []
+
+    async def start(self, count: int) -> list[str]:
+        return [await self.servers.start(self._app(index)) for index in range(count)]
+
+    def _app(self, index: int) -> web.Application:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            self.calls.append((index, dict(request.headers)))
+            answer = {"id": f"c{len(self.calls)}", "object": "chat.completion", "choices": []}
+            return web.json_response(answer)
+
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", handle)
+        return app
+
+
+async def call(session: aiohttp.ClientSession, proxy: str, rollout_id: str, **kw: Any) -> None:
+    url = f"{proxy}/ng-rollout/{rollout_id}/v1/chat/completions"
+    async with post_chat(session, url, **kw) as answer:
+        assert answer.status == 200, await answer.text()
+
+
+async def test_a_groups_rollouts_and_their_turns_reach_one_upstream_with_both_headers(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    upstreams = Upstreams(servers)
+    proxy = await servers.start(build_proxy_app(await upstreams.start(3), tmp_path))
+    token = ".0a1b2c3d"
+    spoofed = {"X-Session-ID": "not-mine", "X-Prefix-Group": "not-mine"}
+    for _turn in range(3):
+        for task in range(4):
+            for repeat in range(4):
+                await call(session, proxy, f"{task}-{repeat}{token}", headers=spoofed)
+    by_group: dict[str, set[int]] = {}
+    for index, headers in upstreams.calls:
+        by_group.setdefault(headers["X-Prefix-Group"], set()).add(index)
+        assert headers["X-Session-ID"].endswith(token)  # the proxy's, not the agent's
+    assert sorted(by_group) == [f"t{task}{token}" for task in range(4)]
+    assert all(len(indexes) == 1 for indexes in by_group.values())
+    # Load-aware: the four groups did not all land on one upstream.
+    assert len({next(iter(i)) for i in by_group.values()}) > 1
+
+
+async def test_a_call_that_cannot_connect_fails_over_and_the_pin_moves(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    upstreams = Upstreams(servers)
+    [live] = await upstreams.start(1)
+    dead = f"http://127.0.0.1:{free_port()}"
+    app = build_proxy_app([dead, live], tmp_path, route=RoutePolicy.SESSION)
+    proxy = await servers.start(app)
+    for _ in range(3):
+        await call(session, proxy, "7-0")
+    assert [index for index, _ in upstreams.calls] == [0, 0, 0]
+    await wait_until(lambda: len(capture_lines(tmp_path, "7-0")) == 3)  # written behind
+    records = capture_lines(tmp_path, "7-0")
+    assert [r["upstream"] for r in records] == [live] * 3
+    assert [r["error_category"] for r in records] == [None] * 3
+
+
+async def test_release_forgets_a_session_and_tells_the_upstream_once(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    upstreams = Upstreams(servers)
+    told: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def on_release(request: web.Request) -> web.Response:
+        await told.put(await request.json())
+        return web.json_response({})
+
+    release_app = web.Application()
+    release_app.router.add_post("/release", on_release)
+    release_url = await servers.start(release_app) + "/release"
+    app = build_proxy_app(await upstreams.start(2), tmp_path, release_url=release_url)
+    proxy = await servers.start(app)
+    await call(session, proxy, "1-0")
+    for expected in (True, False):  # a second release is an unknown session: harmless
+        async with session.post(f"{proxy}/ng-release/1-0") as answer:
+            assert answer.status == 200
+            assert await answer.json() == {"session_id": "1-0", "released": expected}
+    assert await asyncio.wait_for(told.get(), 10) == {"session_id": "1-0"}
+    assert told.empty()
+
+
+# ---- the dispatcher releases each rollout's session when it ends ----------------------
+
+
+class ReleaseSpy:
+    """The proxy's --session-release-url: the sessions it was told of, in order."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def start(self, servers: Servers) -> str:
+        async def on_release(request: web.Request) -> web.Response:
+            self.released.append((await request.json())["session_id"])
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post("/release", on_release)
+        return await servers.start(app) + "/release"
+
+
+async def routed_stack(
+    servers: Servers, tmp_path: Path, spy: ReleaseSpy, error_rate: float = 0.0
+) -> tuple[str, Any]:
+    """Two sim models behind a routing proxy that tells ``spy`` of each release."""
+    config = SimModelConfig(error_rate=error_rate, seed=3)
+    models = [await servers.start(build_sim_model_app(config)) for _ in range(2)]
+    app = build_proxy_app(models, tmp_path / "captures", release_url=await spy.start(servers))
+    return await servers.start(app), app[UPSTREAM_KEY].router
+
+
+async def test_a_run_releases_every_rollouts_session_as_it_ends(
+    servers: Servers, tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    spy = ReleaseSpy()
+    proxy, router = await routed_stack(servers, tmp_path, spy)
+    agent_url, _ = await sim_agent(model_url=proxy, model_calls=2, reward_p=1.0)
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 5)
+    args = run_args(tasks, tmp_path / "out" / "x.jsonl", agent_url, "--num-repeats", "2")
+    args += ["--capture-dir", str(tmp_path / "captures"), "--capture-proxy-url", proxy]
+    result = await run_cli(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = {f"{task}-{repeat}" for task in range(5) for repeat in range(2)}
+    await wait_until(lambda: len(spy.released) == len(expected))
+    assert set(spy.released) == expected
+    assert router.live_sessions == 0
+
+
+async def test_a_served_job_releases_its_rollouts_sessions_failed_ones_too(
+    servers: Servers, tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    spy = ReleaseSpy()
+    # Half the model calls fail: their agents answer 500 (agent_run_error), after a call.
+    proxy, router = await routed_stack(servers, tmp_path, spy, error_rate=0.5)
+    agent_url, _ = await sim_agent(model_url=proxy, model_calls=1)
+    serve = await Serve.start(
+        tmp_path / "state", agent_url, "--capture-proxy-url", proxy, "--max-attempts", "1"
+    )
+    try:
+        await serve.submit(job_id="j", rows=rows(6))
+        assert (await serve.results("j", wait=True))[-1]["end"] in ("done", "failed")
+    finally:
+        await serve.stop()
+    await wait_until(lambda: len(spy.released) == 6)
+    assert sorted(spy.released) == [f"{task}-0" for task in range(6)]
+    assert router.live_sessions == 0
