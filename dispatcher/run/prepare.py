@@ -43,10 +43,10 @@ from dispatcher.files.writer import (
     write_manifest,
 )
 from dispatcher.settings.config import RunSettings
+from dispatcher.tasks.lines import file_digest
 from dispatcher.tasks.materialize import (
     MaterializeResult,
     MaterializeSpec,
-    file_digest,
     input_digest,
     materialize,
 )

@@ -39,7 +39,8 @@ from dispatcher.settings.gym_head import (
 )
 from dispatcher.settings.serve import SERVE_KEYS
 from dispatcher.tasks.keys import repeats_problem
-from dispatcher.tasks.materialize import DEFAULT_MAX_LINE_BYTES, MaterializeSpec
+from dispatcher.tasks.lines import DEFAULT_MAX_LINE_BYTES
+from dispatcher.tasks.materialize import MaterializeSpec
 from dispatcher.urls import agent_url_problem, hide_url_secret, redact_url, redact_urls
 
 ENV_PREFIX = "DISPATCHER_"

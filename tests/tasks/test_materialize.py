@@ -13,12 +13,12 @@ import pytest
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
-from dispatcher.tasks import materialize as materialize_module
+from dispatcher.tasks import lines as lines_module
+from dispatcher.tasks.lines import iter_input_rows
 from dispatcher.tasks.materialize import (
     MaterializeResult,
     MaterializeSpec,
     Rollout,
-    iter_input_rows,
     materialize,
     rollout_id_for,
 )
@@ -275,7 +275,7 @@ def test_a_line_longer_than_the_bound_is_an_error_naming_file_and_line(tmp_path:
 def test_lines_longer_than_a_read_block_keep_their_rows_and_identity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(materialize_module, "READ_BLOCK_BYTES", 64)
+    monkeypatch.setattr(lines_module, "READ_BLOCK_BYTES", 64)
     big = row(text="y" * 300)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_bytes(
