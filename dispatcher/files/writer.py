@@ -1,4 +1,4 @@
-"""Output files (contracts §4): the run lock, the manifest and the durable row writer.
+"""The durable row writer (contracts §4); the lock and files written whole are ``atomic.py``'s.
 
 Rows are appended whole by ``write(2)`` (a big row in ``Pieces`` by
 ``writev(2)``) on an ``O_APPEND`` descriptor, a batch at a time, and the
@@ -18,9 +18,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import fcntl
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -29,13 +27,10 @@ from typing import Any, Literal, TypeAlias
 
 import orjson
 import structlog
-from pydantic import ValidationError
 
 from dispatcher import jsonx
 from dispatcher.aio import Wakeup
-from dispatcher.errors import ConfigError, OutputWriteError
-from dispatcher.files.contracts import RunManifest
-from dispatcher.files.resume import OutputPaths
+from dispatcher.errors import OutputWriteError
 
 # How durable a row is before it counts as written (``--fsync``).
 FsyncPolicy = Literal["always", "batch", "never"]
@@ -64,163 +59,6 @@ class Pieces:
 
 # One row's line: one JSON object and its newline.
 Line: TypeAlias = bytes | Pieces
-
-
-class RunLock:
-    """An exclusive ``flock`` on ``X_run.lock`` for the whole run; it dies with the process."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self.created = False
-
-    def acquire(self) -> None:
-        self.created = not self.path.exists()
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ConfigError(f"{self.path}: cannot create the run lock: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_pid(fd)
-            os.close(fd)
-            raise ConfigError(
-                f"{self.path}: another dispatcher{holder} is already running on this output"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-
-    def release(self, *, remove: bool = False) -> None:
-        if self._fd is None:
-            return
-        if remove:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-        os.close(self._fd)
-        self._fd = None
-
-
-def _read_pid(fd: int) -> str:
-    try:
-        pid = os.pread(fd, 32, 0).decode().strip()
-    except OSError:
-        return ""
-    return f" (pid {pid})" if pid.isdigit() else ""
-
-
-TEMP_SUFFIX = ".tmp"
-
-
-def temp_path(path: Path) -> Path:
-    """A name no other write uses, beside ``path`` (a rename stays in one filesystem):
-    ``.NAME.<random>.tmp``, hidden, and known by ``is_temp_of``."""
-    return path.with_name(f".{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
-
-
-def is_temp_of(name: str, target: str) -> bool:
-    """Whether ``name`` is a temporary file of a write to ``target`` (``temp_path``)."""
-    return name.startswith(f".{target}.") and name.endswith(TEMP_SUFFIX)
-
-
-def _replace(tmp: Path, path: Path) -> None:
-    try:
-        os.replace(tmp, path)
-    except OSError as exc:
-        # Name the file that could not be replaced, not the temporary.
-        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
-
-
-def _create_temp(path: Path) -> tuple[Path, int]:
-    while True:
-        tmp = temp_path(path)
-        try:
-            # O_EXCL: a name taken (never, at 48 random bits) is never shared.
-            # Mode 0o666 under the umask, as a plain open would give the file.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            return tmp, os.open(tmp, flags, 0o666)
-        except FileExistsError:
-            continue
-
-
-def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """``data`` as indented JSON, written atomically (``write_atomic``)."""
-    write_atomic(path, [jsonx.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)])
-
-
-def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write, fsync, rename, fsync the directory (blocking): readers see the old
-    file or the new one, never a part.
-
-    Each write has a temporary file of its own (``temp_path``): two writers of one
-    file (a thread and the loop, two processes) each rename a whole file, the last
-    one wins; with one fixed name the second truncated and renamed the first's.
-    """
-    tmp, fd = _create_temp(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        _replace(tmp, path)
-    except BaseException:
-        # A full disk must not leave a half-written temporary file taking its space.
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_manifest(path: Path) -> RunManifest | None:
-    """The manifest a run resumes from (None when absent); a bad one is a ``ConfigError``."""
-    try:
-        data = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except orjson.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: manifest is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: manifest is not a JSON object")
-    try:
-        return RunManifest.parse(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(part) for part in first["loc"][:2])
-        raise ConfigError(
-            f"{path}: manifest key {key!r}: {first['msg']}; rerun with --fresh to start over"
-        ) from None
-
-
-def write_manifest(path: Path, manifest: RunManifest) -> None:
-    write_json_atomic(path, manifest.to_json())
-
-
-def move_aside(paths: OutputPaths) -> Path | None:
-    """``--fresh``: move an earlier run's files into a dated folder; never delete them."""
-    existing = [p for p in paths.all() if p.exists() and p != paths.lock]
-    if not existing:
-        return None
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    folder = paths.output.with_name(f"{paths.output.stem}_previous_{stamp}")
-    suffix = 1
-    while folder.exists():
-        suffix += 1
-        folder = folder.with_name(f"{paths.output.stem}_previous_{stamp}_{suffix}")
-    folder.mkdir()
-    for path in existing:
-        os.replace(path, folder / path.name)
-    fsync_dir(paths.output.parent)
-    return folder
 
 
 class RowWriter:

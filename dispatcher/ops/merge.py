@@ -42,8 +42,8 @@ import orjson
 
 from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.files.atomic import temp_path
 from dispatcher.files.resume import OutputPaths, RunState, iter_lines
-from dispatcher.files.writer import temp_path
 from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for
 from dispatcher.ops.table import format_table

@@ -36,8 +36,8 @@ import msgspec
 import orjson
 import structlog
 
+from dispatcher.files.atomic import write_atomic
 from dispatcher.files.contracts import DISPATCH_KEY
-from dispatcher.files.writer import write_atomic
 from dispatcher.tasks.keys import split_row
 
 log = structlog.get_logger("dispatcher.aggregate")

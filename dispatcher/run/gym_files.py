@@ -22,9 +22,10 @@ import structlog
 
 from dispatcher import jsonx
 from dispatcher.files import coverage
+from dispatcher.files.atomic import write_json_atomic
 from dispatcher.files.coverage import Omissions
 from dispatcher.files.resume import OutputPaths, RunState
-from dispatcher.files.writer import RowWriter, write_json_atomic
+from dispatcher.files.writer import RowWriter
 from dispatcher.outcome import Outcome
 from dispatcher.rows.build import identity_keys
 from dispatcher.rows.failure_record import OMITTED_CAUSES, omitted_row

@@ -27,6 +27,7 @@ import structlog
 from dispatcher import __version__, jsonx
 from dispatcher.errors import ConfigError
 from dispatcher.files import gym_compat
+from dispatcher.files.atomic import RunLock, move_aside, read_manifest, temp_path, write_manifest
 from dispatcher.files.contracts import RunManifest
 from dispatcher.files.resume import (
     OutputPaths,
@@ -34,13 +35,6 @@ from dispatcher.files.resume import (
     TailRepair,
     load_run_state,
     repair_torn_tail,
-)
-from dispatcher.files.writer import (
-    RunLock,
-    move_aside,
-    read_manifest,
-    temp_path,
-    write_manifest,
 )
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.lines import file_digest

@@ -15,9 +15,9 @@ from typing import Any
 
 from dispatcher.delivery.client import Attempt
 from dispatcher.files import delivery_history as delivery
+from dispatcher.files.atomic import write_manifest
 from dispatcher.files.contracts import LastRun, is_terminal
 from dispatcher.files.resume import OutputPaths
-from dispatcher.files.writer import write_manifest
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.outcome import Outcome
 from dispatcher.run.daemon import Daemon, peak_rss_mb

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
-from dispatcher.files.writer import RunLock, is_temp_of, write_atomic, write_json_atomic
+from dispatcher.files.atomic import RunLock, is_temp_of, write_atomic, write_json_atomic
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.spec import STORED, JobSpec
 

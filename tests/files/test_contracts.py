@@ -10,6 +10,7 @@ import pytest
 
 from dispatcher.delivery.client import Failure
 from dispatcher.errors import ConfigError
+from dispatcher.files.atomic import read_manifest, write_json_atomic, write_manifest
 from dispatcher.files.contracts import (
     FAILURE_KEYS,
     HISTORY_HOPS,
@@ -18,7 +19,6 @@ from dispatcher.files.contracts import (
     RunManifest,
 )
 from dispatcher.files.delivery_history import HopDelivery, summarize
-from dispatcher.files.writer import read_manifest, write_json_atomic, write_manifest
 from dispatcher.ops.runfiles import read_manifest as read_for_status
 from dispatcher.run.prepare import prepare_run
 from dispatcher.settings.config import load_settings

@@ -13,8 +13,9 @@ import pytest
 
 from dispatcher.delivery.http1 import Http1Pool
 from dispatcher.errors import DispatcherError, OutputWriteError
+from dispatcher.files.atomic import RunLock
 from dispatcher.files.resume import OutputPaths
-from dispatcher.files.writer import LineIndex, RowWriter, RunLock
+from dispatcher.files.writer import LineIndex, RowWriter
 from dispatcher.lifecycle import JobState, Lifecycle, Phase
 from dispatcher.run import daemon as daemon_module
 from tests.conftest import SimAgentFactory

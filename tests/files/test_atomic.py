@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from dispatcher.files.writer import temp_path, write_atomic, write_json_atomic
+from dispatcher.files.atomic import temp_path, write_atomic, write_json_atomic
 from dispatcher.serve import registry
 
 
