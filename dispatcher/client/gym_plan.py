@@ -11,12 +11,11 @@ from typing import Any
 
 from dispatcher.client.wire import JobStatus
 from dispatcher.latency.quantile import quantile
-from dispatcher.tasks.keys import RESERVED_RESULT_KEYS, TASK_INDEX
+from dispatcher.tasks.keys import STRIPPED_KEYS, TASK_INDEX
 
-# Keys of a durable row that are the dispatcher's, not the agent's answer: those it
-# writes into every row (its stream's sequence number and policy versions included),
-# and the trajectory it rewrites.
-DISPATCHER_KEYS = RESERVED_RESULT_KEYS | {"ng_trajectory"}
+# Keys of a durable row that are the dispatcher's, not the agent's answer (declared
+# in tasks/schema.py): those it writes into every row, and the trajectory it rewrites.
+DISPATCHER_KEYS = STRIPPED_KEYS
 # Gym's adaptive drain margin: the p75 of durations, once this many are known.
 _MARGIN_MIN_SAMPLES = 5
 _MARGIN_QUANTILE = 0.75

@@ -19,13 +19,7 @@ from dispatcher.delivery.limits import Body
 from dispatcher.delivery.statuses import BODY_EXCERPT_BYTES, RetryReason, not_delivered_reason
 from dispatcher.files.contracts import (
     FAILURE_CLASS,
-    FAILURE_HTTP_STATUS,
-    FAILURE_MESSAGE,
-    FAILURE_RESPONSE_BODY,
-    FAILURE_TERMINAL,
-    FAILURE_TYPE,
     NO_PERSIST,
-    NOT_DELIVERED,
     FailureKeys,
     is_terminal,
 )
@@ -50,16 +44,17 @@ class Failure:
     retry_reason: str | None = None
 
     def as_row_keys(self) -> FailureKeys:
+        # Spelled out: a TypedDict's keys are literals (FailureKeys checks them).
         keys: FailureKeys = {
-            FAILURE_CLASS: self.failure_class,
-            FAILURE_TYPE: self.type,
-            FAILURE_MESSAGE: self.message,
-            FAILURE_HTTP_STATUS: self.http_status,
-            FAILURE_RESPONSE_BODY: self.response_body,
-            FAILURE_TERMINAL: self.terminal,
+            "_ng_failure_class": self.failure_class,
+            "_ng_failure_type": self.type,
+            "_ng_failure_message": self.message,
+            "_ng_failure_http_status": self.http_status,
+            "_ng_failure_response_body": self.response_body,
+            "_ng_failure_terminal": self.terminal,
         }
         if self.not_delivered:
-            keys[NOT_DELIVERED] = True
+            keys["_ng_failure_not_delivered"] = True
         return keys
 
 

@@ -28,6 +28,7 @@ from dispatcher.tasks.keys import (
     CAPTURE_ID,
     FAILURE_RECORD,
     RESERVED_RESULT_KEYS,
+    RESERVED_SUCCESS_KEYS,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     RUN_ID,
@@ -36,11 +37,6 @@ from dispatcher.tasks.keys import (
 from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger(__name__)
-
-# A success is never terminal: ``_ng_failure_terminal`` in one would read as a
-# final failure to anything that scans rows for it.
-RESERVED_SUCCESS_KEYS = RESERVED_RESULT_KEYS | {FAILURE_TERMINAL}
-
 
 def identity_keys(rollout: Rollout, run_id: str | None = None) -> dict[str, Any]:
     keys: dict[str, Any] = {

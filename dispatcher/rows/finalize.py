@@ -29,6 +29,7 @@ from dispatcher.rows.offload import off_loop
 from dispatcher.rows.wire import WireResult, row_line
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout
+from dispatcher.tasks.schema import MASK_SAMPLE, REWARD
 from dispatcher.telemetry.metrics import Metrics
 
 
@@ -137,7 +138,7 @@ def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
 # What the one finality rule (``state.final_after_failure``) reads of a failure row,
 # and the reward, which service mode's group filter reads (contracts §13); the
 # class and ``mask_sample`` for the run's coverage and status files (contracts §15).
-_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED, "reward", FAILURE_CLASS, "mask_sample")
+_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED, REWARD, FAILURE_CLASS, MASK_SAMPLE)
 
 
 def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:

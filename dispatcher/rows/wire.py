@@ -27,8 +27,7 @@ from dispatcher import jsonx
 from dispatcher.delivery.client import Classified, classify_object, classify_response
 from dispatcher.delivery.limits import Body
 from dispatcher.files.writer import Line, Pieces
-from dispatcher.rows.build import RESERVED_SUCCESS_KEYS
-from dispatcher.tasks.keys import split_row
+from dispatcher.tasks.keys import RESERVED_SUCCESS_KEYS, split_row
 
 # Keys the dispatcher reads or overwrites are decoded (build.py compares the
 # reserved ones with its own values); everything else is bytes.

@@ -29,14 +29,93 @@ import msgspec
 import orjson
 
 from dispatcher import jsonx
-
-TASK_INDEX: Final = "_ng_task_index"
-ROLLOUT_INDEX: Final = "_ng_rollout_index"
-ATTEMPT_INDEX: Final = "_ng_attempt_index"
-ROLLOUT_ID: Final = "_ng_rollout_id"
-AGENT_REF: Final = "agent_ref"
-# The capture-scoped id the agent is given for its model calls (tasks.Rollout).
-CAPTURE_ID: Final = "_ng_capture_id"
+from dispatcher.tasks.schema import (  # the row keys, named here for the modules that use them
+    AGENT_REF as AGENT_REF,
+)
+from dispatcher.tasks.schema import (
+    ATTEMPT_INDEX as ATTEMPT_INDEX,
+)
+from dispatcher.tasks.schema import (
+    CAPTURE_ID as CAPTURE_ID,
+)
+from dispatcher.tasks.schema import (
+    DISPATCH_KEY as DISPATCH_KEY,
+)
+from dispatcher.tasks.schema import (
+    ENVIRONMENT_SERVER as ENVIRONMENT_SERVER,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_CLASS as FAILURE_CLASS,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_FLAT_KEYS as FAILURE_FLAT_KEYS,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_HTTP_STATUS as FAILURE_HTTP_STATUS,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_MESSAGE as FAILURE_MESSAGE,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_RECORD as FAILURE_RECORD,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_RESPONSE_BODY as FAILURE_RESPONSE_BODY,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_TERMINAL as FAILURE_TERMINAL,
+)
+from dispatcher.tasks.schema import (
+    FAILURE_TYPE as FAILURE_TYPE,
+)
+from dispatcher.tasks.schema import (
+    NO_PERSIST as NO_PERSIST,
+)
+from dispatcher.tasks.schema import (
+    NOT_DELIVERED as NOT_DELIVERED,
+)
+from dispatcher.tasks.schema import (
+    OMITTED_CAUSE as OMITTED_CAUSE,
+)
+from dispatcher.tasks.schema import (
+    OMITTED_ROLLOUT as OMITTED_ROLLOUT,
+)
+from dispatcher.tasks.schema import (
+    POLICY_VERSION_END as POLICY_VERSION_END,
+)
+from dispatcher.tasks.schema import (
+    POLICY_VERSION_START as POLICY_VERSION_START,
+)
+from dispatcher.tasks.schema import (
+    RESERVED_INPUT_KEYS as RESERVED_INPUT_KEYS,
+)
+from dispatcher.tasks.schema import (
+    RESERVED_RESULT_KEYS as RESERVED_RESULT_KEYS,
+)
+from dispatcher.tasks.schema import (
+    RESERVED_SUCCESS_KEYS as RESERVED_SUCCESS_KEYS,
+)
+from dispatcher.tasks.schema import (
+    RESULT_TYPE as RESULT_TYPE,
+)
+from dispatcher.tasks.schema import (
+    ROLLOUT_ID as ROLLOUT_ID,
+)
+from dispatcher.tasks.schema import (
+    ROLLOUT_INDEX as ROLLOUT_INDEX,
+)
+from dispatcher.tasks.schema import (
+    RUN_ID as RUN_ID,
+)
+from dispatcher.tasks.schema import (
+    SEQ as SEQ,
+)
+from dispatcher.tasks.schema import (
+    STRIPPED_KEYS as STRIPPED_KEYS,
+)
+from dispatcher.tasks.schema import (
+    TASK_INDEX as TASK_INDEX,
+)
 
 ROLLOUT_BITS: Final = 24
 MAX_ROLLOUT_INDEX: Final = (1 << ROLLOUT_BITS) - 1
@@ -187,31 +266,7 @@ def materialized_key(line: bytes) -> int:
 
 
 # -- the keys of output and failure rows, and of agents' results ------------------
-
-FAILURE_CLASS: Final = "_ng_failure_class"
-FAILURE_TYPE: Final = "_ng_failure_type"
-FAILURE_MESSAGE: Final = "_ng_failure_message"
-FAILURE_HTTP_STATUS: Final = "_ng_failure_http_status"
-FAILURE_RESPONSE_BODY: Final = "_ng_failure_response_body"
-FAILURE_TERMINAL: Final = "_ng_failure_terminal"
-# §11: a rollout whose delivery deadline ran out; its row spends no attempt.
-NOT_DELIVERED: Final = "_ng_failure_not_delivered"
-# §3: an agent's "write nothing" (a kill-shaped interruption).
-NO_PERSIST: Final = "_ng_no_persist"
-# How the dispatcher saw an attempt (replica, timing), on every row it writes.
-DISPATCH_KEY: Final = "_ng_dispatch"
-# NeMo Gym Main's keys (contracts §15): the run's id on every row, the typed
-# failure record beside the flat failure keys, and the mark of a sidecar row
-# that records a rollout left without a result (never a failure or an attempt).
-RUN_ID: Final = "_ng_run_id"
-FAILURE_RECORD: Final = "_ng_failure_record"
-OMITTED_ROLLOUT: Final = "_ng_omitted_rollout"
-OMITTED_CAUSE: Final = "_ng_omitted_cause"
-# Service mode (contracts §12): the policy versions every row of a job carries,
-# and a streamed line's number, spliced in front of the row as it is sent.
-POLICY_VERSION_START: Final = "_ng_policy_version_start"
-POLICY_VERSION_END: Final = "_ng_policy_version_end"
-SEQ: Final = "_ng_seq"
+# Each is declared once, with its place and rules, in schema.py.
 
 
 class FailureKeys(TypedDict):
@@ -224,34 +279,5 @@ class FailureKeys(TypedDict):
     _ng_failure_not_delivered: NotRequired[bool]
 
 
-FAILURE_KEYS: Final = frozenset(FailureKeys.__annotations__)
-
-# What the dispatcher writes into every row it builds from an agent's result:
-# identity, its stamp and the capture attachments. An agent cannot set them.
-# (``ng_trajectory`` is the agent's to send, contracts §7.)
-RESERVED_RESULT_KEYS = frozenset(
-    {
-        TASK_INDEX,
-        ROLLOUT_INDEX,
-        ATTEMPT_INDEX,
-        ROLLOUT_ID,
-        AGENT_REF,
-        CAPTURE_ID,
-        DISPATCH_KEY,
-        "ng_model_call_capture",
-        "ng_perf",
-        # Whether a rollout reached an agent is the dispatcher's verdict (contracts §11);
-        # an agent claiming otherwise would make resume never count its failure.
-        NOT_DELIVERED,
-        # The run, the failure record and the omitted mark are the dispatcher's (contracts §15).
-        RUN_ID,
-        FAILURE_RECORD,
-        OMITTED_ROLLOUT,
-        # A second ``_ng_seq`` on a streamed line is the one JSON parsers keep: a
-        # client resuming with ``after=`` would skip or repeat rows (contracts §12).
-        # The policy versions are the daemon's to stamp (or, in a run, absent).
-        SEQ,
-        POLICY_VERSION_START,
-        POLICY_VERSION_END,
-    }
-)
+# The flat failure keys (a test checks that ``FailureKeys`` types exactly these).
+FAILURE_KEYS: Final = FAILURE_FLAT_KEYS

@@ -31,10 +31,8 @@ from dispatcher.tasks.keys import (
     AGENT_REF,
     ATTEMPT_INDEX,
     CAPTURE_ID,
-    DISPATCH_KEY,
-    FAILURE_KEYS,
     MAX_ROLLOUT_INDEX,
-    NO_PERSIST,
+    RESERVED_INPUT_KEYS,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     TASK_INDEX,
@@ -54,13 +52,6 @@ log = structlog.get_logger(__name__)
 
 RESPONSES_CREATE_PARAMS = "responses_create_params"
 DEFAULT_REPEATS_KEY = "_default"
-# Keys the dispatcher itself sets in bodies or rows, or reads from agent
-# results. A task row carrying one would forge an outcome (an agent that
-# echoes its input would report ``_ng_no_persist`` forever, or a terminal
-# failure), so it is an input error. A task row may carry its own
-# ``_ng_task_index`` and ``_ng_rollout_id`` (§1, §2); ``_ng_rollout_index``
-# is always reassigned.
-RESERVED_INPUT_KEYS = FAILURE_KEYS | {ATTEMPT_INDEX, NO_PERSIST, DISPATCH_KEY, CAPTURE_ID}
 
 
 @dataclass(frozen=True, slots=True)
