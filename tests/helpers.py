@@ -351,9 +351,10 @@ def audit_outputs(
 
     Every line of both files parses and ends in a newline; each expected key
     is in ``X.jsonl`` at most once, and (when ``complete``) exactly once or
-    final in the failures sidecar; failed
-    attempts of a key are numbered 0..n-1 with ``-aN`` ids; a success carries
-    the attempt index after its failures; nothing final was run again.
+    final in the failures sidecar; a key's attempts have increasing indices
+    (never one twice: an attempt a killed hop sent is skipped), at least 0..n-1,
+    with ``-aN`` ids; a success comes after its failures; nothing final was run
+    again.
     """
     failures_path = output.with_name(f"{output.stem}_failures.jsonl")
     for path in (output, failures_path):
@@ -370,7 +371,8 @@ def audit_outputs(
     for key, rows in audit.failures.items():
         _check_failed_attempts(key, rows, max_attempts, key in audit.successes)
     for key, row in audit.successes.items():
-        _check_attempt(key, row, len(audit.failures.get(key, ())))
+        earlier = audit.failures.get(key, ())
+        _check_attempt(key, row, _attempt_of(earlier[-1]) + 1 if earlier else 0)
     assert set(audit.successes) | set(audit.failures) <= expected, "rows for unknown rollouts"
     unfinished = expected - set(audit.successes) - audit.final_failures(max_attempts)
     if complete:
@@ -378,11 +380,15 @@ def audit_outputs(
     return audit
 
 
-def _check_attempt(key: tuple[int, int], row: dict[str, Any], attempt: int) -> None:
-    if attempt:
-        assert row["_ng_attempt_index"] == attempt, (key, row)
-    else:
-        assert "_ng_attempt_index" not in row, (key, row)
+def _attempt_of(row: dict[str, Any]) -> int:
+    return int(row.get("_ng_attempt_index", 0))
+
+
+def _check_attempt(key: tuple[int, int], row: dict[str, Any], at_least: int) -> None:
+    """The row's attempt index is ``at_least`` or later, and its rollout id says it."""
+    attempt = _attempt_of(row)
+    assert attempt >= at_least, (key, row)
+    assert row.get("_ng_attempt_index", 1) != 0, (key, row)  # absent on attempt 0
     assert row["_ng_dispatch"]["rollout_id"] == expected_rollout_id(key, attempt), (key, row)
 
 
@@ -390,8 +396,10 @@ def _check_failed_attempts(
     key: tuple[int, int], rows: list[dict[str, Any]], max_attempts: int, succeeded: bool
 ) -> None:
     assert len(rows) <= max_attempts, f"{key}: {len(rows)} failed attempts, cap {max_attempts}"
-    for attempt, row in enumerate(rows):
-        _check_attempt(key, row, attempt)
+    at_least = 0
+    for row in rows:
+        _check_attempt(key, row, at_least)
+        at_least = _attempt_of(row) + 1
         assert row["_ng_failure_class"], (key, row)
     # Only the last attempt may be terminal, and nothing runs after it.
     assert not any(r["_ng_failure_terminal"] for r in rows[:-1]), (key, rows)

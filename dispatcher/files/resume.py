@@ -61,6 +61,8 @@ class OutputPaths:
     # NeMo Gym Main's coverage and status files (contracts §15).
     coverage: Path
     status: Path
+    # The attempt indices each hop reserved before sending (contracts §5).
+    reservations: Path
 
     @classmethod
     def for_output(cls, output: Path) -> OutputPaths:
@@ -73,6 +75,7 @@ class OutputPaths:
             lock=Path(f"{stem}_run.lock"),
             coverage=Path(f"{stem}_coverage.json"),
             status=Path(f"{stem}_status.json"),
+            reservations=Path(f"{stem}_attempt_reservations.jsonl"),
         )
 
     def all(self) -> tuple[Path, ...]:
@@ -84,6 +87,7 @@ class OutputPaths:
             self.lock,
             self.coverage,
             self.status,
+            self.reservations,
         )
 
 
@@ -332,7 +336,8 @@ class RunState:
             self.longest_s[key] = float(duration)
 
     def attempt_index(self, key: int) -> int:
-        """The next attempt's index: the number of earlier failed attempts."""
+        """The least index the next attempt may have: its earlier counted failures (the
+        reservations of files/reservations.py may raise it)."""
         return self.failed_attempts.get(key, 0)
 
     @property

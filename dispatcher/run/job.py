@@ -278,6 +278,7 @@ class Job:
                 self.prepared.state,
                 self.settings.capture_dir,
                 self._capture_token,
+                self.prepared.paths.reservations,
             )
         return self._pending
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dispatcher import jsonx
+from dispatcher.files.reservations import Reservations
 from dispatcher.files.resume import RunState
 from dispatcher.rows.capture import clear_rollout_captures
 from dispatcher.tasks.keys import materialized_key
@@ -40,8 +41,10 @@ class Pending:
         state: RunState,
         capture_dir: Path | None,
         capture_token: str | None,
+        reservations: Path,
     ) -> None:
         self._materialized = materialized
+        self._reservations_path = reservations
         self._state = state
         self._capture_dir = capture_dir
         self._capture_token = capture_token
@@ -78,22 +81,20 @@ class Pending:
         return rollout
 
     async def _from_file(self) -> AsyncIterator[Rollout]:
+        reserved = await asyncio.to_thread(Reservations.load, self._reservations_path)
+        source = _Source(self._state, reserved, self._capture_token)
         with self._materialized.open("rb") as f:
             first = await asyncio.to_thread(longest_first, f, self._state)
             for start in range(0, len(first), READ_BATCH_ROWS):
                 offsets = first[start : start + READ_BATCH_ROWS]
-                batch = await asyncio.to_thread(
-                    _read_at, f, offsets, self._state, self._capture_token
-                )
+                batch = await asyncio.to_thread(_read_at, f, offsets, source)
                 await self._clear_captures(batch)
                 for rollout in batch:
                     yield rollout
             f.seek(0)
             skip = frozenset(first)
             while True:
-                rest = await asyncio.to_thread(
-                    _read_batch, f, self._state, self._capture_token, skip
-                )
+                rest = await asyncio.to_thread(_read_batch, f, source, skip)
                 if rest is None:
                     return
                 await self._clear_captures(rest)
@@ -122,42 +123,53 @@ def longest_first(f: BinaryIO, state: RunState) -> list[int]:
     return [offset for _, offset in sorted(found)]
 
 
-def _read_at(
-    f: BinaryIO, offsets: list[int], state: RunState, capture_token: str | None
-) -> list[Rollout]:
-    """The rollouts of the materialized lines at ``offsets`` (in a thread)."""
+class _Source:
+    """What turns a materialized line into a rollout: its attempt index is the next
+    one neither a failure row nor an earlier hop's reservation has used (§5)."""
+
+    def __init__(self, state: RunState, reserved: Reservations, capture_token: str | None):
+        self.state = state
+        self.reserved = reserved
+        self.capture_token = capture_token
+
+    def rollout(self, line: bytes, key: int, offset: int) -> Rollout:
+        attempt = max(self.state.attempt_index(key), self.reserved.earlier(offset))
+        row = jsonx.loads(line)
+        return Rollout.from_materialized(row, attempt, self.capture_token, line)
+
+
+def _read_at(f: BinaryIO, offsets: list[int], source: _Source) -> list[Rollout]:
+    """The rollouts of the materialized lines at ``offsets``, reserved (in a thread)."""
     batch: list[Rollout] = []
+    spans: list[tuple[int, int]] = []
     for offset in offsets:
         f.seek(offset)
         line = f.readline()
-        key = materialized_key(line)
-        attempt = state.attempt_index(key)
-        batch.append(Rollout.from_materialized(jsonx.loads(line), attempt, capture_token, line))
+        batch.append(source.rollout(line, materialized_key(line), offset))
+        spans.append((offset, offset + len(line)))
+    source.reserved.reserve(spans)
     return batch
 
 
 def _read_batch(
-    f: BinaryIO,
-    state: RunState,
-    capture_token: str | None = None,
-    skip: frozenset[int] = frozenset(),
+    f: BinaryIO, source: _Source, skip: frozenset[int] = frozenset()
 ) -> list[Rollout] | None:
-    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end.
-    Lines at the offsets in ``skip`` were started first."""
+    """Up to READ_BATCH_ROWS rollouts not yet final, reserved (in a thread); None at
+    the end. Lines at the offsets in ``skip`` were started first."""
     batch: list[Rollout] = []
-    offset = f.tell() if skip else 0
+    first = offset = f.tell()
     for _ in range(READ_BATCH_ROWS * 8):
         line = f.readline()
         if not line:
-            return batch or None
+            break
         at, offset = offset, offset + len(line)
         # Most rows are final on a late resume: find their key without parsing them.
         key = materialized_key(line)
-        if state.is_final(key) or (skip and at in skip):
+        if source.state.is_final(key) or (skip and at in skip):
             continue
-        row = jsonx.loads(line)
-        attempt = state.attempt_index(key)
-        batch.append(Rollout.from_materialized(row, attempt, capture_token, line))
+        batch.append(source.rollout(line, key, at))
         if len(batch) >= READ_BATCH_ROWS:
             break
-    return batch
+    if batch:
+        source.reserved.reserve([(first, offset)])
+    return batch or None

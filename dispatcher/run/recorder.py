@@ -135,7 +135,14 @@ class Recorder:
             return True
         if not outcome.writes_failure_row or row is None:
             return False
-        return final_after_failure(row, rollout.attempt_index, self.settings.attempt_cap)
+        # Its counted failures, not its attempt index: an index skips the attempts
+        # killed hops sent and the ones not delivered (contracts §5).
+        earlier = (
+            rollout.attempt_index
+            if self.state is None
+            else self.state.failed_attempts.get(rollout.key, 0)
+        )
+        return final_after_failure(row, earlier, self.settings.attempt_cap)
 
     def _keep_state(
         self, rollout: Rollout, outcome: Outcome, row: dict[str, Any] | None, duration_s: float

@@ -168,10 +168,10 @@ async def test_sigterm_lets_in_flight_finish_within_grace_then_cancels(
     rerun = await run_cli(*args)
     assert rerun.returncode == 0, rerun.stderr
     audit_outputs(out, expected_keys(40, 1), max_attempts=3)
-    # Cancelled rollouts wrote nothing and spent no attempt.
+    # Cancelled rollouts wrote nothing and spent no attempt; their agents had them,
+    # so the rerun is a new attempt index (contracts §5: never reused).
     for task in (1, 2, 13):
-        assert all("_ng_attempt_index" not in b for b in scripted.bodies_for(task))
-        assert len(scripted.bodies_for(task)) == 2
+        assert [b.get("_ng_attempt_index") for b in scripted.bodies_for(task)] == [None, 1]
 
 
 async def test_second_sigint_exits_at_once_without_torn_or_duplicate_rows(
@@ -456,10 +456,9 @@ async def test_torn_tail_is_repaired_before_resume_appends(
         # A dropped success runs again; a terminated one stays done.
         assert len(sent) == (2 if cut == "half_line" else 1)
     else:
-        # A dropped failed attempt was never counted: the rerun reuses its index.
-        assert [b.get("_ng_attempt_index") for b in sent] == (
-            [None, None] if cut == "half_line" else [None, 1]
-        )
+        # A dropped failed attempt was never counted, yet its index was reserved:
+        # the rerun has the next one either way (contracts §5: never reused).
+        assert [b.get("_ng_attempt_index") for b in sent] == [None, 1]
         assert len(audit.failures.get((0, 0), [])) == (0 if cut == "half_line" else 1)
 
 
@@ -523,10 +522,11 @@ async def test_kill_shaped_and_drained_rollouts_run_again_without_spending_an_at
     final = await run_cli(*args)
 
     assert final.returncode == 0, final.stderr
-    assert [b.get("_ng_attempt_index") for b in scripted.bodies_for(1)] == [None, None]
+    # No attempt spent, yet every hop reserved its index: never one twice (§5).
+    assert [b.get("_ng_attempt_index") for b in scripted.bodies_for(1)] == [1, 2]
     audit = audit_outputs(out, expected_keys(5, 1), max_attempts=3)
     assert not audit.failures
-    assert audit.successes[(1, 0)]["_ng_dispatch"]["rollout_id"] == "1-0"
+    assert audit.successes[(1, 0)]["_ng_dispatch"]["rollout_id"] == "1-0-a2"
 
 
 # ---- a failed write ---------------------------------------------------------------------

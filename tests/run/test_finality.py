@@ -88,7 +88,9 @@ async def test_two_real_failures_then_an_agent_down_leave_the_run_resumable(
     assert last.returncode == 0, last.stderr[-3000:]
     assert await _status_code(output) == 0
     assert len(read_jsonl(output)) == 2
-    assert [r.get("_ng_attempt_index", 0) for r in read_jsonl(output)] == [2, 2]
+    # Two counted failures, one not delivered (it spends no attempt, but its index
+    # was used), then the success: attempt index 3 (contracts §5: never reused).
+    assert [r.get("_ng_attempt_index", 0) for r in read_jsonl(output)] == [3, 3]
 
 
 async def test_a_served_job_whose_rollouts_were_never_delivered_is_not_done(
