@@ -158,9 +158,11 @@ def _read_batch(
     the end. Lines at the offsets in ``skip`` were started first."""
     batch: list[Rollout] = []
     first = offset = f.tell()
+    ended = False
     for _ in range(READ_BATCH_ROWS * 8):
         line = f.readline()
         if not line:
+            ended = True
             break
         at, offset = offset, offset + len(line)
         # Most rows are final on a late resume: find their key without parsing them.
@@ -172,4 +174,5 @@ def _read_batch(
             break
     if batch:
         source.reserved.reserve([(first, offset)])
-    return batch or None
+    # An empty batch of a file not read to its end: every line scanned was final.
+    return None if ended and not batch else batch
