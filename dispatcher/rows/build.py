@@ -26,9 +26,11 @@ from dispatcher.tasks.keys import (
     AGENT_REF,
     ATTEMPT_INDEX,
     CAPTURE_ID,
+    ENVIRONMENT_SERVER,
     FAILURE_RECORD,
     RESERVED_RESULT_KEYS,
     RESERVED_SUCCESS_KEYS,
+    RESULT_TYPE,
     ROLLOUT_ID,
     ROLLOUT_INDEX,
     RUN_ID,
@@ -38,7 +40,13 @@ from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger(__name__)
 
-def identity_keys(rollout: Rollout, run_id: str | None = None) -> dict[str, Any]:
+# An agent's environment server and that server's implementation (Gym's head config).
+Environment = tuple[str, str]
+
+
+def identity_keys(
+    rollout: Rollout, run_id: str | None = None, environment: Environment | None = None
+) -> dict[str, Any]:
     keys: dict[str, Any] = {
         TASK_INDEX: rollout.task_index,
         ROLLOUT_INDEX: rollout.rollout_index,
@@ -50,7 +58,21 @@ def identity_keys(rollout: Rollout, run_id: str | None = None) -> dict[str, Any]
         keys[ROLLOUT_ID] = rollout.body[ROLLOUT_ID]
     if run_id is not None:
         keys[RUN_ID] = run_id
+    keys.update(environment_keys(rollout, environment))
     return keys
+
+
+def environment_keys(rollout: Rollout, environment: Environment | None) -> dict[str, Any]:
+    """``_ng_environment_server`` and ``_ng_result_type``, as Gym's collector stamps them:
+    the task row's own server (Gym stamps it on materialized rows), else the one that
+    fronts the agent in the Gym config; the type when the config names that server."""
+    own = rollout.body.get(ENVIRONMENT_SERVER)
+    server = own if isinstance(own, str) else environment[0] if environment else None
+    if server is None:
+        return {}
+    if environment is not None and environment[0] == server:
+        return {ENVIRONMENT_SERVER: server, RESULT_TYPE: environment[1]}
+    return {ENVIRONMENT_SERVER: server}
 
 
 def dispatch_stamp(
@@ -69,7 +91,10 @@ def dispatch_stamp(
 
 
 def build_row(
-    rollout: Rollout, attempt: Attempt, run_id: str | None = None
+    rollout: Rollout,
+    attempt: Attempt,
+    run_id: str | None = None,
+    environment: Environment | None = None,
 ) -> dict[str, Any] | None:
     """The row to append for this attempt, or None when it writes nothing.
 
@@ -78,13 +103,16 @@ def build_row(
     """
     if attempt.outcome is Outcome.SUCCESS:
         assert attempt.result is not None
-        return _result_row(rollout, attempt, attempt.result, RESERVED_SUCCESS_KEYS, run_id)
+        identity = identity_keys(rollout, run_id, environment)
+        return _result_row(rollout, attempt, attempt.result, RESERVED_SUCCESS_KEYS, identity)
     if attempt.outcome is Outcome.AGENT_REPORTED_FAILURE:
         assert attempt.result is not None
-        return _agent_reported_row(rollout, attempt, attempt.result, run_id)
+        return _agent_reported_row(
+            rollout, attempt, attempt.result, identity_keys(rollout, run_id, environment)
+        )
     if attempt.failure is not None:
         row = {
-            **identity_keys(rollout, run_id),
+            **identity_keys(rollout, run_id, environment),
             **attempt.failure.as_row_keys(),
             DISPATCH_KEY: dispatch_stamp(rollout, attempt),
         }
@@ -101,9 +129,8 @@ def _result_row(
     attempt: Attempt,
     result: dict[str, Any],
     reserved: frozenset[str],
-    run_id: str | None,
+    identity: dict[str, Any],
 ) -> dict[str, Any]:
-    identity = identity_keys(rollout, run_id)
     row = {k: v for k, v in result.items() if k not in reserved}
     dropped = _forged_keys(result, reserved, identity, rollout.capture_id)
     if dropped:
@@ -131,9 +158,10 @@ def _forged_keys(
 
 
 def _agent_reported_row(
-    rollout: Rollout, attempt: Attempt, result: dict[str, Any], run_id: str | None
+    rollout: Rollout, attempt: Attempt, result: dict[str, Any], identity: dict[str, Any]
 ) -> dict[str, Any]:
-    row = _result_row(rollout, attempt, result, RESERVED_RESULT_KEYS, run_id)
+    row = _result_row(rollout, attempt, result, RESERVED_RESULT_KEYS, identity)
+    run_id = identity.get(RUN_ID)
     for key, value in _AGENT_REPORTED_DEFAULTS.items():
         row.setdefault(key, value)
     if run_id is not None:

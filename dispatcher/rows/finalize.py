@@ -60,7 +60,8 @@ class Finalizer:
         A big row is merged and serialized in a worker and then held only as
         its line: the dict it came from is dropped here.
         """
-        row = build_row(rollout, attempt, self.run_id)
+        environment = self.settings.gym_environments.get(rollout.agent)
+        row = build_row(rollout, attempt, self.run_id, environment)
         if row is None:
             return None, None, {}
         if extra:

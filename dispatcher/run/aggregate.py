@@ -38,7 +38,7 @@ import structlog
 
 from dispatcher.files.atomic import write_atomic
 from dispatcher.files.contracts import DISPATCH_KEY
-from dispatcher.tasks.keys import split_row
+from dispatcher.tasks.keys import ENVIRONMENT_SERVER, split_row
 
 log = structlog.get_logger("dispatcher.aggregate")
 
@@ -83,12 +83,16 @@ class AgentRows:
     # Off for an agent of one replica: there is no other to ask first, and
     # decoding every row's stamp for it was a third of the pass.
     track_replica: bool = True
+    # The Gym environment server its rows name (contracts §15), which its entry names.
+    environment_server: str | None = None
 
     def add(self, row: Mapping[str, msgspec.Raw]) -> None:
         self.spool.write((b"," if self.rows else b"") + stripped(row))
         self.rows += 1
         if self.track_replica:
             self.last_replica = _replica(row) or self.last_replica
+        if self.environment_server is None and ENVIRONMENT_SERVER in row:
+            self.environment_server = _small_string(row[ENVIRONMENT_SERVER])
 
     def body_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """The request body, a chunk at a time (blocking reads of the spool)."""
@@ -140,6 +144,11 @@ def _replica(row: Mapping[str, msgspec.Raw]) -> str | None:
     stamp = _small_object(row.get(DISPATCH_KEY))
     replica = stamp.get("replica") if stamp else None
     return replica if isinstance(replica, str) else None
+
+
+def _small_string(raw: msgspec.Raw) -> str | None:
+    value = orjson.loads(bytes(raw)) if len(raw) <= MAX_VALUE_BYTES else None
+    return value if isinstance(value, str) else None
 
 
 def _small_object(raw: msgspec.Raw | None) -> dict[str, Any] | None:
@@ -239,7 +248,7 @@ async def _first_answer(
             continue
         metrics = _parsed(answer) if status < 300 else None
         if metrics is not None:
-            return _entry(name, metrics)
+            return _entry(name, metrics, found.environment_server)
         # 404/405: an agent that does not aggregate (not a Gym agent); nothing is wrong.
         level = log.info if status in (404, 405) else log.warning
         level("aggregate_metrics_unavailable", agent=name, http_status=status)
@@ -255,9 +264,12 @@ async def _post(
         return response.status, await response.read()
 
 
-def _entry(name: str, metrics: Mapping[str, Any]) -> JsonObject:
-    """One agent's entry, in the shape of the entries Gym's collector writes."""
+def _entry(name: str, metrics: Mapping[str, Any], server: str | None = None) -> JsonObject:
+    """One agent's entry, in the shape of the entries Gym's collector writes (with the
+    environment server its rows name, as Gym 0.7.0 names it)."""
     entry: JsonObject = {"agent_ref": {"name": name}}
+    if server is not None:
+        entry[ENVIRONMENT_SERVER] = server
     for key in ("agent_metrics", "key_metrics"):
         entry[key] = metrics.get(key) or {}
     for key in ("group_level_metrics", "repeat_level_metrics"):

@@ -60,6 +60,9 @@ class RunSettings(BaseModel):
     gym_head_server: str | None = None
     gym_head_timeout_s: float = Field(default=FETCH_TIMEOUT_S, gt=0)
     gym_head_max_bytes: int = Field(default=MAX_CONFIG_BYTES, ge=1)
+    # Agent -> its environment server and that server's implementation, from the head
+    # server's config: stamped on its rows (contracts §15).
+    gym_environments: dict[str, tuple[str, str]] = Field(default_factory=dict)
     default_agent: str | None = None
     num_repeats: int | dict[str, int] = 1
     limit: int | None = Field(default=None, ge=0)
@@ -325,7 +328,9 @@ def _add_head_agents(merged: dict[str, Any], sources: Mapping[str, str]) -> None
     except ValidationError as exc:
         raise ConfigError(_describe(exc, sources)) from None
     bounds = HeadBounds(checked.gym_head_timeout_s, checked.gym_head_max_bytes)
-    merged["agents"] = with_head_agents(merged["gym_head_server"], merged.get("agents"), bounds)
+    head = with_head_agents(merged["gym_head_server"], merged.get("agents"), bounds)
+    merged["agents"] = head.agents
+    merged["gym_environments"] = head.environments
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -215,15 +215,42 @@ def gym_agents(config: Mapping[str, Any]) -> dict[str, list[str]]:
     return agents
 
 
+def gym_environments(config: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """Each agent fronted by exactly one environment server: that server's name and its
+    implementation, which Gym's collector stamps on the agent's rows as
+    ``_ng_environment_server`` and ``_ng_result_type`` (contracts §15)."""
+    environments: dict[str, tuple[str, str]] = {}
+    for agent, servers in _environment_servers_by_agent(config).items():
+        if len(servers) == 1:
+            implementations = config[servers[0]][ENVIRONMENT_TYPE]
+            environments[agent] = (servers[0], str(next(iter(implementations))))
+    return environments
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """What a run takes from a Gym head server: agents' URLs, their environment servers."""
+
+    agents: dict[str, list[str]]
+    environments: dict[str, tuple[str, str]]
+
+
 def with_head_agents(
     head_server: str, explicit: Mapping[str, list[str]] | None, bounds: HeadBounds = HeadBounds()
-) -> dict[str, list[str]]:
-    """The head server's agents, with ``--agent`` winning for every name it gives."""
+) -> HeadConfig:
+    """The head server's agents, with ``--agent`` winning for every name it gives, and
+    the environment servers of the head server's agents that ``--agent`` does not name."""
     url = head_url(head_server)
-    agents = gym_agents(fetch_global_config(url, bounds))
+    config = fetch_global_config(url, bounds)
+    agents = gym_agents(config)
     if not agents and not explicit:
         raise ConfigError(f"Gym head server {redact_url(url)}: its config has no agent")
-    return {**agents, **(explicit or {})}
+    environments = {
+        name: found
+        for name, found in gym_environments(config).items()
+        if name in agents and name not in (explicit or {})
+    }
+    return HeadConfig({**agents, **(explicit or {})}, environments)
 
 
 def _is_instance_of(instance: Any, server_type: str) -> bool:
