@@ -35,6 +35,7 @@ from dispatcher.tasks.keys import (
     ROLLOUT_INDEX,
     RUN_ID,
     TASK_INDEX,
+    rollout_id_for,
 )
 from dispatcher.tasks.materialize import Rollout
 
@@ -54,8 +55,8 @@ def identity_keys(
     }
     if rollout.attempt_index > 0:
         keys[ATTEMPT_INDEX] = rollout.attempt_index
-    if ROLLOUT_ID in rollout.body:
-        keys[ROLLOUT_ID] = rollout.body[ROLLOUT_ID]
+    # Every row names its rollout's stable id (the task row's own, else task-rollout).
+    keys[ROLLOUT_ID] = rollout_id_for(rollout.body)
     if run_id is not None:
         keys[RUN_ID] = run_id
     keys.update(environment_keys(rollout, environment))

@@ -111,7 +111,7 @@ ROLLOUT_ID = declare(
     "_ng_rollout_id",
     str,
     IDENTITY,
-    "the rollout's stable id, without the attempt's -aN (§2)",
+    "the rollout's stable id: the task row's own, else task-rollout; no -aN (§2)",
 )
 AGENT_REF = declare(
     "agent_ref",

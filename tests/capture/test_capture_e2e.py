@@ -394,7 +394,8 @@ async def test_a_rerun_after_a_kill_keeps_only_the_new_attempts_calls(stack: Sta
 
     assert second.returncode == 0, second.stderr[-3000:]
     [row] = stack.rows()
-    assert (row["hop"], row["_ng_dispatch"]["rollout_id"]) == (2, "0-0")
+    # The killed hop's attempt had reserved index 0: the rerun is attempt 1 (§5).
+    assert (row["hop"], row["_ng_dispatch"]["rollout_id"]) == (2, "0-0-a1")
     calls = assert_capture(row, k)["calls"]
     assert not killed_calls & {c["model_call_id"] for c in calls}
     assert stack.model.requests == 2 * k

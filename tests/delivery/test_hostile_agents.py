@@ -282,8 +282,9 @@ async def test_6_a_killed_hops_late_model_calls_never_reach_the_rerun_row(
 
     assert result.returncode == 0, result.stderr[-3000:]
     [row] = run.rows()
-    assert row["_ng_dispatch"]["rollout_id"] == "0-0"
-    assert row["ng_model_call_capture"]["rollout_id"] == "0-0"
+    # The killed hop's attempt had reserved index 0: the rerun is attempt 1 (§5).
+    assert row["_ng_dispatch"]["rollout_id"] == "0-0-a1"
+    assert row["ng_model_call_capture"]["rollout_id"] == "0-0-a1"
     assert row["ng_model_call_capture"]["metrics"]["num_calls"] == 1
     assert bodies[0]["_ng_capture_id"] != bodies[1]["_ng_capture_id"]
 
@@ -329,9 +330,9 @@ async def test_7_agent_results_cannot_forge_the_dispatchers_keys(
     assert result.returncode == 0, result.stderr[-3000:]
     [row] = run.rows()
     assert row["reward"] == 1.0 and row["_ng_task_index"] == 0
+    assert row["_ng_rollout_id"] == "0-0"
     for key in (
         "_ng_attempt_index",
-        "_ng_rollout_id",
         "_ng_failure_terminal",
         "ng_model_call_capture",
     ):

@@ -7,13 +7,14 @@ Gym's capture writes the capture files; our rows must satisfy Gym's own readers.
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import orjson
 import pytest
 
 from tests.gym.checks import gym_verdicts
-from tests.gym.conftest import GymStack
+from tests.gym.conftest import GymStack, dispatcher_cmd
 from tests.helpers import read_jsonl
 
 MODEL_SERVER = "vllm_model"
@@ -126,3 +127,21 @@ def test_a_gym_output_directory_is_adopted_on_resume(
     assert rows[:9] == gym_rows[1:]
     lost = (gym_rows[0]["_ng_task_index"], gym_rows[0]["_ng_rollout_index"])
     assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows[9:]] == [lost]
+
+
+def test_rows_and_aggregate_name_the_environment_server_as_gyms_collector_does(
+    gym_stack: GymStack, gyms_collection: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "run" / "rollouts.jsonl"
+    args = ["run", "--input", str(gym_stack.tasks), "--output", str(output)]
+    args += ["--gym-head-server", f"127.0.0.1:{gym_stack.head_port}"]
+    args += ["--default-agent", gym_stack.agent, "--num-repeats", "2", "--metrics-listen", "off"]
+    result = subprocess.run(dispatcher_cmd(*args), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    keys = ("_ng_environment_server", "_ng_result_type")
+    ours = {tuple(row[k] for k in keys) for row in read_jsonl(output)}
+    theirs = {tuple(row[k] for k in keys) for row in read_jsonl(gyms_collection)}
+    assert ours == theirs and len(ours) == 1
+    [entry] = orjson.loads(output.with_name("rollouts_aggregate_metrics.json").read_bytes())
+    [gyms] = orjson.loads(gyms_collection.with_name("rollouts_aggregate_metrics.json").read_bytes())
+    assert entry["_ng_environment_server"] == gyms["_ng_environment_server"]

@@ -246,6 +246,7 @@ async def test_big_rows_round_trip_through_the_cli(tmp_path: Path, row_bytes: in
             "_ng_task_index": index,
             "_ng_rollout_index": 0,
             "agent_ref": {"name": "sim"},
+            "_ng_rollout_id": f"{index}-0",
             "_ng_run_id": run_id,
         }
         expected = {**json.loads(raw), **ours}
