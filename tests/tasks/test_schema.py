@@ -31,9 +31,12 @@ def test_every_declared_key_is_documented_once() -> None:
 
 def test_the_derived_sets_follow_the_declarations() -> None:
     assert RESERVED_INPUT_KEYS == schema.RESERVED_INPUT_KEYS
-    assert {
-        k.name for k in schema.KEYS if k.source is schema.Source.DISPATCHER
-    } - {"task_index", "rows", "failures", "filtered"} == keys.RESERVED_RESULT_KEYS
+    assert {k.name for k in schema.KEYS if k.source is schema.Source.DISPATCHER} - {
+        "task_index",
+        "rows",
+        "failures",
+        "filtered",
+    } == keys.RESERVED_RESULT_KEYS
     assert DISPATCHER_KEYS == schema.STRIPPED_KEYS
     assert keys.FAILURE_TERMINAL in keys.RESERVED_SUCCESS_KEYS
     assert keys.FAILURE_TERMINAL not in keys.RESERVED_RESULT_KEYS
