@@ -2,16 +2,17 @@
 
 A rollout's ``_ng_attempt_index`` is never reused: a hop killed while an
 agent held the rollout wrote no row for that attempt, yet the agent may have
-run it (and its model calls were captured under ``-aN``). So before a batch
-of rollouts is handed out, the hop appends one line to
+run it (and its model calls were captured under ``-aN``). So before the
+first rollout of a batch read is sent, the hop appends one line to
 ``X_attempt_reservations.jsonl`` naming the materialized lines it may send,
 ``{"hop": TOKEN, "lines": [[START, END], ...]}`` (byte offsets of
 ``X_materialized_inputs.jsonl``), and fsyncs it. A rollout's next index is
 then at least the number of earlier hops that reserved its line.
 
 One line per batch read (up to 512 rollouts), not per rollout: a hop may
-reserve a line it never sends (drained, stopped), which leaves a gap in the
-indices, never a repeat. A torn last line was never fsynced, so nothing it
+reserve a line it never sends (drained or stopped part way through a batch),
+which leaves a gap in the indices, never a repeat. A hop that sends nothing
+reserves nothing. A torn last line was never fsynced, so nothing it
 named was sent: it is dropped.
 """
 

@@ -240,6 +240,8 @@ class Job:
             slots = await self._admit(rollout)
             if slots is None:
                 continue
+            # Its attempt index is durable before it is sent (contracts §5).
+            await self._pending_rollouts().reserve()
             self._launch(rollout, slots)
             started += 1
             if started % START_BURST == 0:

@@ -50,6 +50,17 @@ class Pending:
         self._capture_token = capture_token
         self._requeued: deque[Rollout] = deque()
         self._wake = asyncio.Event()
+        self._reserved: Reservations | None = None
+        # The materialized lines handed out since the last reservation (byte spans).
+        self._unreserved: list[tuple[int, int]] = []
+
+    async def reserve(self) -> None:
+        """Make the attempt indices of the rollouts handed out so far durable: called
+        before one of them is sent (contracts §5). Once per batch read, not per
+        rollout; a hop that sends nothing (drained at once) reserves nothing."""
+        if self._unreserved and self._reserved is not None:
+            spans, self._unreserved = self._unreserved, []
+            await asyncio.to_thread(self._reserved.reserve, spans)
 
     def put_back(self, rollout: Rollout) -> None:
         self._requeued.append(rollout)
@@ -81,20 +92,20 @@ class Pending:
         return rollout
 
     async def _from_file(self) -> AsyncIterator[Rollout]:
-        reserved = await asyncio.to_thread(Reservations.load, self._reservations_path)
-        source = _Source(self._state, reserved, self._capture_token)
+        self._reserved = await asyncio.to_thread(Reservations.load, self._reservations_path)
+        source = _Source(self._state, self._reserved, self._capture_token)
         with self._materialized.open("rb") as f:
             first = await asyncio.to_thread(longest_first, f, self._state)
             for start in range(0, len(first), READ_BATCH_ROWS):
                 offsets = first[start : start + READ_BATCH_ROWS]
-                batch = await asyncio.to_thread(_read_at, f, offsets, source)
+                batch = await asyncio.to_thread(_read_at, f, offsets, source, self._unreserved)
                 await self._clear_captures(batch)
                 for rollout in batch:
                     yield rollout
             f.seek(0)
             skip = frozenset(first)
             while True:
-                rest = await asyncio.to_thread(_read_batch, f, source, skip)
+                rest = await asyncio.to_thread(_read_batch, f, source, self._unreserved, skip)
                 if rest is None:
                     return
                 await self._clear_captures(rest)
@@ -138,24 +149,29 @@ class _Source:
         return Rollout.from_materialized(row, attempt, self.capture_token, line)
 
 
-def _read_at(f: BinaryIO, offsets: list[int], source: _Source) -> list[Rollout]:
-    """The rollouts of the materialized lines at ``offsets``, reserved (in a thread)."""
+def _read_at(
+    f: BinaryIO, offsets: list[int], source: _Source, spans: list[tuple[int, int]]
+) -> list[Rollout]:
+    """The rollouts of the materialized lines at ``offsets`` (in a thread); their
+    byte spans are added to ``spans``, to be reserved before one is sent."""
     batch: list[Rollout] = []
-    spans: list[tuple[int, int]] = []
     for offset in offsets:
         f.seek(offset)
         line = f.readline()
         batch.append(source.rollout(line, materialized_key(line), offset))
         spans.append((offset, offset + len(line)))
-    source.reserved.reserve(spans)
     return batch
 
 
 def _read_batch(
-    f: BinaryIO, source: _Source, skip: frozenset[int] = frozenset()
+    f: BinaryIO,
+    source: _Source,
+    spans: list[tuple[int, int]],
+    skip: frozenset[int] = frozenset(),
 ) -> list[Rollout] | None:
-    """Up to READ_BATCH_ROWS rollouts not yet final, reserved (in a thread); None at
-    the end. Lines at the offsets in ``skip`` were started first."""
+    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end.
+    The span of lines read is added to ``spans`` (to be reserved before one of them
+    is sent). Lines at the offsets in ``skip`` were started first."""
     batch: list[Rollout] = []
     first = offset = f.tell()
     ended = False
@@ -173,6 +189,6 @@ def _read_batch(
         if len(batch) >= READ_BATCH_ROWS:
             break
     if batch:
-        source.reserved.reserve([(first, offset)])
+        spans.append((first, offset))
     # An empty batch of a file not read to its end: every line scanned was final.
     return None if ended and not batch else batch

@@ -522,11 +522,12 @@ async def test_kill_shaped_and_drained_rollouts_run_again_without_spending_an_at
     final = await run_cli(*args)
 
     assert final.returncode == 0, final.stderr
-    # No attempt spent, yet every hop reserved its index: never one twice (§5).
-    assert [b.get("_ng_attempt_index") for b in scripted.bodies_for(1)] == [1, 2]
+    # The drained hop sent nothing and reserved nothing; the kill-shaped attempt spent
+    # none, yet its index was reserved before it was sent: never one twice (§5).
+    assert [b.get("_ng_attempt_index") for b in scripted.bodies_for(1)] == [None, 1]
     audit = audit_outputs(out, expected_keys(5, 1), max_attempts=3)
     assert not audit.failures
-    assert audit.successes[(1, 0)]["_ng_dispatch"]["rollout_id"] == "1-0-a2"
+    assert audit.successes[(1, 0)]["_ng_dispatch"]["rollout_id"] == "1-0-a1"
 
 
 # ---- a failed write ---------------------------------------------------------------------

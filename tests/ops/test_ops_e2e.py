@@ -264,6 +264,7 @@ async def test_shard_auto_from_the_scheduler_environment(
     shard_output = tmp_path / f"out.shard-{index}-of-3.jsonl"
     assert outputs_in(tmp_path) == [
         shard_output.name,
+        f"out.shard-{index}-of-3_attempt_reservations.jsonl",
         f"out.shard-{index}-of-3_failures.jsonl",
         f"out.shard-{index}-of-3_materialized_inputs.jsonl",
     ]

@@ -224,10 +224,10 @@ async def test_not_delivered_statuses_past_the_deadline_spend_no_attempt(
         assert row["_ng_failure_terminal"] is False
         assert str(status) in row["_ng_failure_message"]
     assert summary_of(result)["outcomes"] == {"agent_request_failed": 2}
-    # Not counted: a rerun sends the same attempt again.
+    # Not counted, yet the rerun is a new attempt index: never one twice (contracts §5).
     again = await run_cli(*run.args(agent.url), "--delivery-deadline-s", "0")
     assert again.returncode == 75
-    assert all("_ng_attempt_index" not in r for r in run.failure_rows())
+    assert [r.get("_ng_attempt_index", 0) for r in run.failure_rows()] == [0, 0, 1, 1]
 
 
 async def test_an_agent_that_is_down(tmp_path: Path) -> None:
@@ -347,12 +347,12 @@ async def test_a_kill_shaped_result_writes_nothing_and_runs_again(
     assert run.rows() == []
     assert run.failure_rows() == []
     assert summary_of(result)["outcomes"] == {"kill_shaped": 3}
-    # No attempt was spent: the rerun is attempt 0 again.
+    # No attempt was spent, but the agent had them: the rerun is attempt 1 (§5).
     healthy = await fake_agent()
     again = await run_cli(*run.args(healthy.url))
     assert again.returncode == 0, again.stderr[-3000:]
     assert sorted(keys_of(run.rows())) == [(0, 0), (1, 0), (2, 0)]
-    assert all("_ng_attempt_index" not in body for body in healthy.bodies)
+    assert all(body["_ng_attempt_index"] == 1 for body in healthy.bodies)
 
 
 async def test_a_long_error_body_is_cut_to_an_excerpt(

@@ -21,7 +21,12 @@ def _materialized(path: Path, count: int) -> Path:
 
 
 async def _keys(pending: Pending) -> list[tuple[int, int]]:
-    return [(r.task_index, r.attempt_index) async for r in pending.each(lambda: False)]
+    """Each rollout handed out, reserved as a job does before sending it."""
+    handed = []
+    async for rollout in pending.each(lambda: False):
+        await pending.reserve()
+        handed.append((rollout.task_index, rollout.attempt_index))
+    return handed
 
 
 async def test_a_long_stretch_of_final_lines_does_not_end_the_file(tmp_path: Path) -> None:
@@ -38,3 +43,19 @@ async def test_a_long_stretch_of_final_lines_does_not_end_the_file(tmp_path: Pat
     # The next hop: the line was reserved, so its next attempt has a new index.
     again = Pending(materialized, state, None, None, reservations)
     assert await _keys(again) == [(count - 1, 1)]
+
+
+async def test_a_hop_that_sends_nothing_reserves_nothing(tmp_path: Path) -> None:
+    materialized = _materialized(tmp_path / "m.jsonl", 3)
+    state = RunState(max_attempts=3)
+    reservations = tmp_path / "r.jsonl"
+    drained = Pending(materialized, state, None, None, reservations)
+    assert [r.attempt_index async for r in drained.each(lambda: False)] == [0, 0, 0]
+    assert not reservations.exists()
+    again = Pending(materialized, state, None, None, reservations)
+    assert await _keys(again) == [(0, 0), (1, 0), (2, 0)]
+    assert await _keys(Pending(materialized, state, None, None, reservations)) == [
+        (0, 1),
+        (1, 1),
+        (2, 1),
+    ]
