@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -58,6 +59,8 @@ class AdmissionPause:
         self._timer: asyncio.Task[None] | None = None
         # Producers waiting for the pause to end (one per job at most).
         self.waiting = 0
+        # Told ``True`` when a pause begins, ``False`` when it ends (``--pause-deadlines``).
+        self.listeners: list[Callable[[bool], None]] = []
 
     @property
     def paused(self) -> bool:
@@ -70,6 +73,7 @@ class AdmissionPause:
             self.pauses += 1
             self._since = now
             self._open.clear()
+            self._tell(True)
         self.reason = reason
         self._until = deadline = now + ttl_s
         self._stop_timer()
@@ -85,6 +89,7 @@ class AdmissionPause:
         self._since = self._until = self.reason = None
         self._open.set()
         self._stop_timer()
+        self._tell(False)
         log.info("admission_resumed", by=by, paused_s=round(paused_s, 3))
         return True
 
@@ -119,6 +124,10 @@ class AdmissionPause:
         self._timer = None
         log.warning("admission_pause_expired", ttl_s=ttl_s, reason=self.reason)
         self.resume("ttl")
+
+    def _tell(self, paused: bool) -> None:
+        for listener in self.listeners:
+            listener(paused)
 
     def _stop_timer(self) -> None:
         timer, self._timer = self._timer, None

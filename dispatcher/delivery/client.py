@@ -91,6 +91,8 @@ class DeliveryPolicy:
 
     deadline_s: float = 600.0
     rollout_timeout_s: float | None = None
+    # ``--pause-deadlines``: the rollout timeout stops while admission is paused.
+    pause_deadlines: bool = False
     first_byte_timeout_s: float | None = None
     limits: ResponseLimits = field(default_factory=ResponseLimits)
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
@@ -149,8 +151,13 @@ class AgentClient:
         self._pool = pool
         self._policy = policy
         self._exchange = ExchangeLimits.of(
-            policy.rollout_timeout_s, policy.first_byte_timeout_s, policy.limits
+            policy.rollout_timeout_s,
+            policy.first_byte_timeout_s,
+            policy.limits,
+            policy.pause_deadlines,
         )
+        # What the admission pause stops and starts again (None: nothing).
+        self.suspendable = self._exchange.suspendable
         self._observer = observer
         self._clock = clock
         self._rng = rng or random.Random()

@@ -23,6 +23,7 @@ from dispatcher.delivery.http1 import Connection, ConnectTimeout, Http1Pool
 from dispatcher.delivery.limits import Body, BodyLimitError, ResponseLimits
 from dispatcher.delivery.retry import parse_retry_after
 from dispatcher.delivery.statuses import RetryReason, not_delivered_reason
+from dispatcher.delivery.suspend import SuspendableTimeouts
 from dispatcher.delivery.target import Target
 from dispatcher.outcome import Outcome
 
@@ -40,13 +41,22 @@ class ExchangeLimits:
     # The first-byte timeout: every call's deadline on one shared timer.
     first_byte: Deadlines | None
     body: ResponseLimits
+    # ``--pause-deadlines``: the rollout timeout, stopped while admission is paused.
+    suspendable: SuspendableTimeouts | None = None
 
     @classmethod
     def of(
-        cls, rollout_timeout_s: float | None, first_byte_s: float | None, body: ResponseLimits
+        cls,
+        rollout_timeout_s: float | None,
+        first_byte_s: float | None,
+        body: ResponseLimits,
+        pause_deadlines: bool = False,
     ) -> ExchangeLimits:
         first_byte = Deadlines(first_byte_s) if first_byte_s is not None else None
-        return cls(rollout_timeout_s, first_byte, body)
+        suspendable = None
+        if pause_deadlines and rollout_timeout_s is not None:
+            suspendable = SuspendableTimeouts(rollout_timeout_s)
+        return cls(rollout_timeout_s, first_byte, body, suspendable)
 
 
 async def post_run(
@@ -60,7 +70,7 @@ async def post_run(
     """
     conn = pool.reused(target)
     try:
-        async with _timeout(limits.rollout_timeout_s):
+        async with _timeout(limits):
             # Until the status line, whatever goes wrong is not delivered.
             try:
                 if conn is None:
@@ -147,7 +157,10 @@ class _NotDeliveredError(Exception):
         self.missed = missed
 
 
-def _timeout(seconds: float | None) -> contextlib.AbstractAsyncContextManager[Any]:
+def _timeout(limits: ExchangeLimits) -> contextlib.AbstractAsyncContextManager[Any]:
+    if limits.suspendable is not None:
+        return limits.suspendable.scope()
+    seconds = limits.rollout_timeout_s
     return _NO_TIMEOUT if seconds is None else asyncio.timeout(seconds)
 
 

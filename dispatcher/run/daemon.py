@@ -186,6 +186,8 @@ class Daemon:
             self.settings.agents, pool, delivery_policy(self.settings), self.load
         )
         self.load.attach(self._agents)
+        if self._agents.suspendable is not None:
+            self.pause.listeners.append(self._agents.suspendable.set_paused)
         self._pool = RolloutPool(
             self.concurrency, self.budget, self.drain_margin, self.load.make_limiters(), self.pause
         )
@@ -496,6 +498,7 @@ def delivery_policy(settings: RunSettings) -> DeliveryPolicy:
         classify=AnswerClassifier(settings.offload_bytes),
         deadline_s=settings.delivery_deadline_s,
         rollout_timeout_s=settings.rollout_timeout_s,
+        pause_deadlines=settings.pause_deadlines,
         first_byte_timeout_s=first_byte_s,
         limits=ResponseLimits(settings.max_response_bytes, settings.response_read_timeout_s),
         backoff=BackoffPolicy(settings.retry_backoff_base_s, settings.retry_backoff_cap_s),

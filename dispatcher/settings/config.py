@@ -80,6 +80,8 @@ class RunSettings(BaseModel):
     replica_concurrency: int | None = Field(default=None, ge=1)
     max_starts_per_s: float | None = Field(default=None, gt=0)
     rollout_timeout_s: float | None = Field(default=None, gt=0)
+    # While admission is paused (a colocated engine trains), rollout timeouts stop.
+    pause_deadlines: bool = False
     dispatch_budget_s: float | Literal["auto"] | None = None
     budget_reserve_s: float = Field(default=300.0, ge=0)
     drain_margin_s: float | None = Field(default=None, ge=0)

@@ -88,6 +88,8 @@ _SWITCHES = {
     "--fresh": "start over: move the earlier run's files aside (never deleted)",
     "--skip-invalid-rows": "log and skip task lines that are not JSON objects",
     "--capture-include-payloads": "keep raw request/response payloads in attached calls",
+    "--pause-deadlines": "while admission is paused (serve: a colocated engine trains), "
+    "rollout timeouts stop counting",
     "--allow-empty": "accept a task file with no tasks (default: exit 2)",
     "--record-omitted": "write one _ng_omitted_rollout row to the failures sidecar for each "
     "rollout this hop left without a result (drained, cancelled, kill-shaped)",

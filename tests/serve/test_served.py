@@ -57,8 +57,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 
 async def start_serve(
-    tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch, **settings: Any
 ) -> InProcessServe:
+    """The daemon of ``tmp_path/state`` in this process; ``settings`` over the defaults."""
     made: list[daemon_module.Daemon] = []
 
     class Recorded(daemon_module.Daemon):
@@ -67,7 +68,8 @@ async def start_serve(
             made.append(self)
 
     monkeypatch.setattr(serve_module, "Daemon", Recorded)
-    settings, state_dir, access = serve_arguments(tmp_path, agent_url)
+    defaults, state_dir, access = serve_arguments(tmp_path, agent_url)
+    settings = defaults.model_copy(update=settings)
     task = asyncio.create_task(
         serve_module.serve(settings, state_dir, None, None, access, ServeLimits())
     )
