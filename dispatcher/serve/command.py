@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from dispatcher.serve import api, auth
 from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import Registry
 from dispatcher.settings.config import RunSettings, flag_for, layered, load_settings
+from dispatcher.settings.gym_head import HeadUnreachable
 from dispatcher.settings.serve import SERVE_KEYS, ServeLimits
 from dispatcher.telemetry.discovery import sd_file_for, service_labels
 from dispatcher.telemetry.http_app import listen_address
@@ -38,6 +40,11 @@ log = structlog.get_logger("dispatcher.serve")
 
 # Loopback: the jobs API reaches beyond the host only when asked (contracts §14).
 DEFAULT_LISTEN = "127.0.0.1:8080"
+
+# How long `--gym-head-server` may not answer yet (a Gym stack started beside us).
+DEFAULT_HEAD_WAIT_S = 300.0
+# How often a head server that does not answer yet is asked again.
+_HEAD_RETRY_S = 0.5
 
 # Flags of `run` that belong to a job (its body says them) or to `run` alone
 # (`--fresh` would move a job's files aside at each of its hops).
@@ -83,6 +90,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="a job for policy version p starts rollouts only once the trainer's version "
         "is >= p - K (default: no pacing)",
     )
+    parser.add_argument(
+        "--gym-head-server-wait-s",
+        metavar="S",
+        help="with --gym-head-server: wait this long for the head server to answer "
+        f"(default {DEFAULT_HEAD_WAIT_S:g}), then exit 2",
+    )
     add_serve_limit_arguments(parser)
     add_run_arguments(parser, exclude=_NOT_SERVE_FLAGS)
     parser.set_defaults(handler=serve_command, is_async=True)
@@ -103,12 +116,51 @@ async def serve_command(args: argparse.Namespace) -> int:
     values.update(
         input=state_dir / "jobs", output=state_dir / "jobs" / "x.jsonl", metrics_listen=args.listen
     )
-    settings = load_settings(values)
+    settings = await _settings(values, _head_wait_s(args.gym_head_server_wait_s))
     configure_logging(settings.log_format, level=settings.log_level)
     tune_gc()
     steps = _steps(args.max_off_policy_steps)
     budget_s = budget_seconds(settings)
     return int(await serve(settings, state_dir, steps, budget_s, access, limits))
+
+
+async def _settings(values: dict[str, Any], wait_s: float) -> RunSettings:
+    """The settings, once the Gym head server answers (``--gym-head-server-wait-s``):
+    `serve` may start beside a trainer that starts Gym's stack."""
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            return await asyncio.to_thread(load_settings, values)
+        except HeadUnreachable as exc:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise ConfigError(
+                    f"{exc} (waited {wait_s:g} s: --gym-head-server-wait-s)"
+                ) from None
+            if not waiting:
+                waiting = True
+                _early_logging(values)
+                log.info("gym_head_server_waiting", error=str(exc), wait_s=wait_s)
+            await asyncio.sleep(min(_HEAD_RETRY_S, left_s))
+
+
+def _early_logging(values: Mapping[str, Any]) -> None:
+    """Logging as the flags ask, before the settings are whole (they wait for the head)."""
+    fmt = values.get("log_format")
+    configure_logging(fmt if fmt in ("json", "console") else None)
+
+
+def _head_wait_s(value: str | None) -> float:
+    if value is None:
+        return DEFAULT_HEAD_WAIT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ConfigError(f"--gym-head-server-wait-s {value!r}: must be a number of seconds >= 0")
+    return seconds
 
 
 def _take_layers(args: argparse.Namespace, env: Mapping[str, str]) -> None:

@@ -62,6 +62,10 @@ def head_url(value: str) -> str:
     return url
 
 
+class HeadUnreachable(ConfigError):
+    """No connection to the head server, or it broke before an answer: not up (yet)."""
+
+
 @dataclass(frozen=True)
 class HeadBounds:
     """What fetching the head's config may take: a total deadline and a size."""
@@ -108,7 +112,7 @@ class _Fetch:
         except ConfigError as exc:
             self.error = exc
         except (OSError, http.client.HTTPException) as exc:
-            self.error = ConfigError(
+            self.error = HeadUnreachable(
                 f"Gym head server {self.shown} does not answer ({_reason(exc)}); start the "
                 "stack with `gym env start` or check --gym-head-server"
             )

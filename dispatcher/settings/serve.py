@@ -75,6 +75,7 @@ SERVE_OWN_KEYS = frozenset(
         "tls_cert",
         "tls_key",
         "input_root",
+        "gym_head_server_wait_s",
     }
 )
 SERVE_KEYS = SERVE_OWN_KEYS | frozenset(ServeLimits.model_fields)

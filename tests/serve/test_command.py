@@ -4,13 +4,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
 import orjson
+import yaml
+from aiohttp import web
 
 from dispatcher.lifecycle import JobState
+from dispatcher.telemetry.http_app import start_site
 from tests.conftest import SimAgentFactory
-from tests.helpers import listening_port, spawn_cli
+from tests.helpers import (
+    free_port,
+    listening_port,
+    listening_url,
+    run_cli,
+    spawn_cli,
+    wait_until,
+)
 from tests.prometheus_helpers import require_binary, running_prometheus
 from tests.serve.test_service_e2e import Serve
+from tests.settings.test_gym_head import agent_instance, gym_config
 
 
 async def test_a_taken_listen_port_is_exit_2_naming_listen_not_metrics_listen(
@@ -49,3 +61,54 @@ async def test_serve_writes_a_file_sd_target_a_real_prometheus_scrapes_and_remov
     finally:
         assert await serve.stop() == 0
     assert list(targets.iterdir()) == []
+
+
+async def test_serve_waits_for_a_gym_head_server_started_after_it(
+    tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    agent_url, _ = await sim_agent(latency_s=0.0)
+    config = gym_config(sim=agent_instance(agent_url))
+
+    async def config_yaml(request: web.Request) -> web.Response:
+        return web.json_response(yaml.safe_dump(config, sort_keys=False))
+
+    port = free_port()
+    proc = await spawn_cli(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+        "--gym-head-server", f"127.0.0.1:{port}", "--log-format", "json",
+    )  # fmt: skip
+    runner = None
+    try:
+        await wait_until(lambda: proc.saw("gym_head_server_waiting") or proc.exited)
+        assert not proc.exited and not proc.stdout, b"".join(proc.stderr).decode()[-2000:]
+        app = web.Application()
+        app.router.add_get("/global_config_dict_yaml", config_yaml)
+        runner, _ = await start_site(app, "127.0.0.1", port)
+        url = await listening_url(proc)
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/status") as r:
+            assert r.status == 200
+            # The agents are the head server's.
+            assert (await r.json())["in_flight_by_agent"] == {"sim": {agent_url: 0}}
+    finally:
+        await proc.kill()
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def test_a_gym_head_server_that_never_answers_is_one_error_line_after_the_wait(
+    tmp_path: Path,
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    result = await run_cli(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+        "--gym-head-server", dead, "--gym-head-server-wait-s", "1",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: Gym head server http://{dead} does not answer"), line
+    assert line.endswith("(waited 1 s: --gym-head-server-wait-s)"), line
+    assert "gym_head_server_waiting" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = await run_cli("serve", "--state-dir", "x", "--gym-head-server-wait-s", "soon")
+    assert result.returncode == 2
+    assert "error: --gym-head-server-wait-s 'soon': must be a number" in result.stderr

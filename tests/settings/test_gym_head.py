@@ -171,7 +171,10 @@ async def test_an_unknown_agent_or_an_unreachable_head_server_is_exit_2(
     assert "Traceback" not in result.stderr
 
     dead = f"127.0.0.1:{free_port()}"
-    serve = ["serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")]
+    serve = [
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+        "--gym-head-server-wait-s", "0",
+    ]  # fmt: skip
     for command in ([*args, "--metrics-listen", "off"], ["validate", *args[1:]], serve):
         result = await run_cli(*command, "--gym-head-server", dead)
         assert result.returncode == 2, (command[0], result.stderr)
