@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from dispatcher.capture.call_fields import answer_fields
 from dispatcher.capture.streams import reassemble
 from dispatcher.capture.tokens import TokenCounts, normalize_usage
 from dispatcher.delivery.inflate import GZIP_OR_ZLIB, INFLATED
@@ -243,6 +244,8 @@ class CapturedCall:
     payloads: JsonObject | None = None
     # How Gym's model server produced the answer (its capture records say; ours do not).
     execution: JsonObject = field(default_factory=dict)
+    # Gym's fields read from the answer: tool calls, reasoning, the cache (``call_fields``).
+    answer: JsonObject = field(default_factory=dict)
 
     @property
     def returned_response(self) -> bool:
@@ -251,8 +254,8 @@ class CapturedCall:
         return ok and self.has_response and self.error_category is None
 
     def to_row(self, *, include_payloads: bool) -> JsonObject:
-        """The call as ``ng_model_call_capture.calls`` lists it: our keys plus Gym's
-        ``ModelCallRecord`` names (``call_index``, ``model``, ``latency_total_ms``)."""
+        """The call as ``ng_model_call_capture.calls`` lists it: our keys plus every
+        field of Gym's ``ModelCallRecord`` (None where the record does not say)."""
         row: JsonObject = {
             "model_call_id": self.model_call_id,
             "call_index": self.call_index,
@@ -271,12 +274,17 @@ class CapturedCall:
             "error_category": self.error_category,
             **token_fields(self.tokens),
             "num_tool_calls": len(self.tool_calls),
+            "client_session_id": self.client_session_id,
+            **{key: self.execution.get(key) for key in _EXECUTION_KEYS},
+            **EMPTY_ANSWER,
+            **self.answer,
         }
-        if self.client_session_id is not None:
-            row["client_session_id"] = self.client_session_id
         if include_payloads and self.payloads:
             row.update(self.payloads)
         return row
+
+
+EMPTY_ANSWER = answer_fields({})
 
 
 def token_fields(tokens: TokenCounts) -> JsonObject:
@@ -340,6 +348,7 @@ def parse_record(
         has_response=isinstance(record.get("response"), dict),
         payloads=payloads,
         execution=execution_of(record),
+        answer=answer_fields(response),
     )
 
 

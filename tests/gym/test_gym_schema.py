@@ -16,7 +16,9 @@ import pytest
 
 from dispatcher.capture.proxy import build_proxy_app
 from dispatcher.capture.records import CapturedCall, ToolCallRef, parse_record
+from dispatcher.capture.store import capture_path
 from dispatcher.capture.tokens import TokenCounts
+from dispatcher.rows.capture import attach_capture
 from dispatcher.sim.model import SimModelConfig, build_sim_model_app
 from dispatcher.sim.model_client import DIALECT_PATHS, agent_trajectory, request_body
 from dispatcher.trajectory.build import build_trajectory
@@ -234,3 +236,113 @@ async def test_gyms_collector_reads_our_proxys_capture_files(
     server = {"type": "responses_api_models", "name": "sim-model"}
     assert all(call["model_ref"] == server for call in capture["calls"])
     assert all(isinstance(call["started_at"], float) for call in capture["calls"])
+
+
+_GYM_CALLS = """
+import json, sys
+from pathlib import Path
+from nemo_gym.base_responses_api_model import merge_model_call_capture_into_record
+record = {"_ng_task_index": 0, "_ng_rollout_index": 0}
+merge_model_call_capture_into_record(record, [Path(sys.argv[1])])
+print(json.dumps(record["ng_model_call_capture"]["calls"]))
+"""
+
+# Lines as Gym's own model servers write them: how the answer was made, and
+# answers whose tool calls, reasoning and cache only Gym's fields carry.
+_GYM_LINES = [
+    {
+        "model_call_id": "gym-local",
+        "dialect": "chat",
+        "model_ref": {"type": "responses_api_models", "name": "policy_model"},
+        "client_session_id": "sess-1",
+        "status_code": 200,
+        "upstream_attempted": False,
+        "response_source": "local",
+        "local_response_reason": "cached_prefix",
+        "started_at": 1.0,
+        "completed_at": 2.0,
+        "latency_ms": 1000.0,
+        "response": {
+            "id": "c1",
+            "model": "m",
+            "choices": [
+                {
+                    "finish_reason": "tool_calls",
+                    "message": {
+                        "role": "assistant",
+                        "reasoning": "think",
+                        "tool_calls": [
+                            {"id": "t1", "function": {"name": "f", "arguments": '{"n": 1}'}},
+                            {"id": "t2", "function": {"name": "g", "arguments": "not json"}},
+                        ],
+                    },
+                }
+            ],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 2, "cached_input_tokens": 0},
+        },
+    },
+    {
+        "model_call_id": "gym-messages",
+        "dialect": "messages",
+        "status_code": 200,
+        "upstream_attempted": True,
+        "response_source": "upstream",
+        "upstream_status_code": 200,
+        "response": {
+            "id": "msg",
+            "stop_reason": "tool_use",
+            "content": [
+                {"type": "thinking", "thinking": "hmm"},
+                {"type": "tool_use", "id": "u1", "name": "h", "input": {"x": [1]}},
+            ],
+            "usage": {
+                "input_tokens": 3,
+                "output_tokens": 4,
+                "cache_read_input_tokens": 5,
+                "cache_creation_input_tokens": 6,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_rows_calls_keep_every_field_of_gyms_model_call_records(
+    gym_interpreter: GymInterpreter, tmp_path: Path, stream: bool
+) -> None:
+    """The same capture files read by Gym's collector and by ours: each call of ours
+    has every key Gym's ``ModelCallRecord`` has, with Gym's value."""
+    config = SimModelConfig(reasoning_tokens=3, tool_calls=2, prefix_cache_tokens=4096)
+    model, model_url = await serve(build_sim_model_app(config))
+    captures = tmp_path / "captures"
+    proxy, proxy_url = await serve(build_proxy_app(model_url, captures))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for dialect, path in [*DIALECT_PATHS.items(), *DIALECT_PATHS.items()]:
+                body = request_body(dialect, stream=stream, prompt="q", model="sim-model")
+                url = f"{proxy_url}/ng-rollout/0-0{path}"
+                async with session.post(url, json=body) as response:
+                    await response.read()
+    finally:
+        await proxy.cleanup()
+        await model.cleanup()
+    with capture_path(captures, "0-0").open("ab") as lines:
+        lines.write(b"".join(orjson.dumps(line) + b"\n" for line in _GYM_LINES))
+
+    gyms = orjson.loads(run_in_gym(gym_interpreter, _GYM_CALLS, captures))
+    row: dict[str, Any] = {"reward": 1.0}
+    await attach_capture(
+        row, capture_dir=captures, rollout_id="0-0", task_id=0, agent_result={},
+        total_latency_ms=1.0,
+    )  # fmt: skip
+    ours = row["ng_model_call_capture"]["calls"]
+
+    assert len(ours) == len(gyms) == 10
+    for gym_call, our_call in zip(gyms, ours, strict=True):
+        missing = sorted(set(gym_call) - set(our_call))
+        assert not missing, (gym_call["model_call_id"], missing)
+        differ = {k: (v, our_call[k]) for k, v in gym_call.items() if our_call[k] != v}
+        assert not differ, (gym_call["model_call_id"], differ)
+    # The answers had what these fields carry: they were compared with values in them.
+    for key in ("tool_calls", "reasoning_content", "cache_hit", "response_source"):
+        assert any(call[key] for call in gyms), key
