@@ -40,6 +40,8 @@ class SimModelConfig:
     # ``cached_tokens``), and the prefill time of each prompt token it did not hold.
     prefix_cache_tokens: int = 0
     prefill_s_per_token: float = 0.0
+    # Token ids and log-probs in vLLM's shape (``token_ids.py``).
+    token_ids: bool = False
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "truncate_rate"):

@@ -30,6 +30,7 @@ from aiohttp import web
 from dispatcher.capture.routing import GROUP_HEADER, SESSION_HEADER
 from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError
+from dispatcher.sim import token_ids
 from dispatcher.sim.dialects import EVENTS, RESPONSES, JsonObject, SimModelConfig, prompt_bytes
 from dispatcher.sim.model_client import DIALECT_PATHS, ModelCallError, call_model
 from dispatcher.sim.prefix_cache import PrefixCache, prompt_tokens
@@ -77,6 +78,8 @@ def build_sim_model_app(config: SimModelConfig) -> web.Application:
     app[PREFILL_KEY] = asyncio.Lock()
     for dialect, path in DIALECT_PATHS.items():
         app.router.add_post(path, _handler(dialect))
+    if config.token_ids:
+        app.router.add_post("/tokenize", _handle_tokenize)
     app.router.add_get("/v1/models", _handle_models)
     app.router.add_get("/stats", _handle_stats)
     return app
@@ -114,6 +117,8 @@ async def _answer_body(
         return _error(config.error_status)
     config = await _prefill(request.app, config, body)
     response = RESPONSES[dialect](config, body)
+    if config.token_ids and not stream:
+        _add_token_ids(dialect, response, body, config)
     if stream:
         events = EVENTS[dialect](response, config, body)
         return await _stream(request, events, config, truncate, stats)
@@ -202,6 +207,22 @@ async def _handle_models(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
+def _add_token_ids(dialect: str, response: JsonObject, body: Any, config: SimModelConfig) -> None:
+    completion = max(1, config.completion_tokens)
+    if dialect == "chat":
+        token_ids.add_to_chat(response, body, prompt_bytes(body), completion)
+    elif dialect == "responses":
+        token_ids.add_to_responses(response, prompt_bytes(body), completion)
+
+
+async def _handle_tokenize(request: web.Request) -> web.Response:
+    body = await request.json(loads=orjson.loads)
+    if not isinstance(body, dict):
+        return web.json_response({"error": "the body must be a JSON object"}, status=400)
+    answer = token_ids.tokenize_answer(prompt_bytes(body))
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+
 async def _handle_stats(request: web.Request) -> web.Response:
     stats, cache = request.app[STATS_KEY], request.app[CACHE_KEY]
     body = dict(stats.__dict__)
@@ -239,6 +260,13 @@ def add_parser(subparsers: Any) -> None:
         default=0.0,
         help="with a prefix cache: microseconds of prefill per prompt token it did not hold",
     )
+    p.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="token ids and log-probs as vLLM returns them (chat: logprobs, return_token_ids; "
+        "POST /tokenize), and on a Responses answer's last output item as NeMo Gym's "
+        "models pass them on; not in streamed answers",
+    )
     p.set_defaults(handler=_main, is_async=True)
 
 
@@ -259,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> SimModelConfig:
         seed=args.seed,
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefill_s_per_token=args.prefill_us_per_token / 1e6,
+        token_ids=args.token_ids,
     )
 
 

@@ -10,7 +10,10 @@ The stack serves both model server types, each behind its own simple_agent:
 and ``string_match_responses_agent`` → ``responses_policy_model`` (openai_model:
 /v1/responses); a module names the one it tests with ``MODEL_SERVER``. The
 second agent, its model server and its environment server come from a Gym
-config the fixture writes next to the stack (``responses_agent.yaml``).
+config the fixture writes next to the stack (``responses_agent.yaml``), as
+does a third model server, ``token_policy_model``: vllm_model with
+``return_token_id_information`` in front of a ``sim-model --token-ids`` of its
+own, called directly.
 
 Gym's own model-call capture is on (``+observability_enabled=true
 +model_call_capture_dir=...``); both model servers write into that one
@@ -49,6 +52,7 @@ from tests.helpers import wait_until
 CHAT_AGENT = "string_match_simple_agent"
 RESPONSES_AGENT = "string_match_responses_agent"
 RESPONSES_MODEL = "responses_policy_model"
+TOKEN_MODEL = "token_policy_model"
 # The agent in front of each model server type of the shared stack.
 AGENTS = {"vllm_model": CHAT_AGENT, "openai_model": RESPONSES_AGENT}
 STRING_MATCH_CONFIG = "resources_servers/string_match/configs/string_match.yaml"
@@ -162,6 +166,8 @@ class GymStack:
     proxy_capture_dir: Path
     sim_model_url: str
     tasks: Path
+    # Gym's vllm_model with return_token_id_information, in front of `sim-model --token-ids`.
+    token_model_url: str = ""
 
     @property
     def agent_url(self) -> str:
@@ -219,12 +225,29 @@ def _responses_config(packages: Path) -> dict[str, Any]:
     }
 
 
+def _token_model_config(packages: Path, sim_url: str, port: int) -> dict[str, Any]:
+    """Gym's vllm_model asking for token ids (``return_token_id_information``) of
+    `sim-model --token-ids`, reached directly (no agent in front of it)."""
+    model_config = packages / "responses_api_models/vllm_model/configs/vllm_model.yaml"
+    [model] = yaml.safe_load(model_config.read_text()).values()
+    server = model["responses_api_models"]["vllm_model"]
+    server.update(base_url=f"{sim_url}/v1", return_token_id_information=True)
+    server.update(host="127.0.0.1", port=port)
+    return {TOKEN_MODEL: model}
+
+
 def _gym_args(
-    venv: Path, proxy_url: str, root: Path, head_port: int, agent_ports: dict[str, int]
+    venv: Path,
+    proxy_url: str,
+    root: Path,
+    head_port: int,
+    agent_ports: dict[str, int],
+    token_model: tuple[str, int],
 ) -> list[str]:
     packages = site_packages(venv)
     responses_config = root / "responses_agent.yaml"
-    responses_config.write_text(yaml.safe_dump(_responses_config(packages)))
+    extra = _token_model_config(packages, *token_model)
+    responses_config.write_text(yaml.safe_dump({**_responses_config(packages), **extra}))
     args = [
         str(venv / "bin" / "gym"), "env", "start",
         "--config", str(packages / STRING_MATCH_CONFIG),
@@ -280,7 +303,15 @@ class SharedStack:
         proxy_url = wait_for(proxy, LISTENING, 30).group(1)
         head_port = free_port()
         agent_ports = {agent: free_port() for agent in AGENTS.values()}
-        gym_args = _gym_args(self._venv, proxy_url, root, head_port, agent_ports)
+        token_sim = self._spawn(
+            dispatcher_cmd("sim-model", "--listen", "127.0.0.1:0", "--token-ids"),
+            root / "token-sim.log",
+        )
+        token_sim_url = wait_for(token_sim, LISTENING, 30).group(1)
+        token_port = free_port()
+        gym_args = _gym_args(
+            self._venv, proxy_url, root, head_port, agent_ports, (token_sim_url, token_port)
+        )
         wait_for(self._spawn(gym_args, root / "gym.log", GYM_GRACE_S), READY, 240)
         return GymStack(
             venv=self._venv,
@@ -292,6 +323,7 @@ class SharedStack:
             gym_capture_dir=root / "gym-captures",
             proxy_capture_dir=root / "proxy-captures",
             sim_model_url=sim_url,
+            token_model_url=f"http://127.0.0.1:{token_port}",
             tasks=site_packages(self._venv) / "resources_servers/string_match/data/example.jsonl",
         )
 
