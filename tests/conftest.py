@@ -64,6 +64,7 @@ def prometheus() -> str:
 SERIAL_GROUPS = {
     "tests/gym/": "gym",
     "tests/client/test_wire.py": "gym",
+    "tests/client/test_ray.py": "gym",
     "tests/test_packaging.py": "packaging",
 }
 

@@ -284,6 +284,7 @@ RUN_BY = {
     "gym env start": GYM_PATH,
     "dispatcher run --gym-head-server $HEAD": GYM_PATH,
     "from dispatcher.client.gym import RolloutCollectionHelper": GYM_PATH,
+    "from dispatcher.client.ray import": "client.test_ray.test_the_ray_example_runs_as_written",
 }
 COMMANDS = re.compile(r"^(dispatcher|make|pip|python|curl|head|gym|ng_\w+|import|from) |^[A-Z_]+=")
 
