@@ -59,7 +59,7 @@ async def bare_client(url: str, lines: list[bytes], out: Path, concurrency: int)
 async def own_client(url: str, lines: list[bytes], out: Path, concurrency: int) -> float:
     """``bare_client`` on the dispatcher's own HTTP/1.1 client (``delivery/http1.py``):
     what the HTTP calls alone cost the dispatcher, the rest of its work left out."""
-    from dispatcher.delivery.http1 import Http1Pool
+    from dispatcher.delivery.http1_pool import Http1Pool
     from dispatcher.delivery.target import Target
 
     bodies = iter(lines)

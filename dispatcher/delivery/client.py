@@ -46,7 +46,7 @@ from dispatcher.delivery.answers import (
     classify_response,
 )
 from dispatcher.delivery.exchange import ExchangeLimits, post_run
-from dispatcher.delivery.http1 import Http1Pool
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.limits import ResponseLimits
 from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.delivery.replicas import BreakerPolicy, Replica, ReplicaSet

@@ -19,7 +19,9 @@ from typing import Any
 from dispatcher.delivery.answers import Failure, NotDelivered, body_excerpt
 from dispatcher.delivery.deadlines import Deadlines
 from dispatcher.delivery.faults import as_local_fault
-from dispatcher.delivery.http1 import Connection, ConnectTimeout, Http1Pool
+from dispatcher.delivery.http1 import Connection
+from dispatcher.delivery.http1_errors import ConnectTimeout
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.limits import Body, BodyLimitError, ResponseLimits
 from dispatcher.delivery.retry import parse_retry_after
 from dispatcher.delivery.statuses import RetryReason, not_delivered_reason

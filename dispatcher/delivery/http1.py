@@ -22,6 +22,9 @@ prints both). This client keeps only what an agent call needs:
 Everything that is not an agent call (the service, the capture proxy, the
 trainer's client) uses aiohttp.
 
+This module holds one connection and its answer (``Connection``); the pool
+that owns the connections is ``http1_pool.py``, the errors ``http1_errors.py``.
+
 Errors are ``OSError``s, as the socket's own are: ``Disconnected`` for an
 answer cut short or not HTTP, ``ConnectTimeout`` (a ``TimeoutError``) for a
 connection not made in time, and whatever ``connect`` raised.
@@ -33,14 +36,14 @@ import array
 import asyncio
 import fcntl
 import re
-import ssl
 import termios
 import zlib
-from typing import cast
+from typing import Protocol, cast
 
 import httptools
 
 from dispatcher.aio import wake
+from dispatcher.delivery.http1_errors import Disconnected, MalformedAnswer
 from dispatcher.delivery.inflate import Inflater, inflater_of
 from dispatcher.delivery.limits import (
     JOIN_OFF_LOOP_BYTES,
@@ -50,8 +53,6 @@ from dispatcher.delivery.limits import (
     partial_prefix,
     too_large_message,
 )
-from dispatcher.delivery.target import Target
-from dispatcher.delivery.turns import TurnBounds
 
 # Bodies up to this size go out in one write with their head: a copy is cheaper
 # than a second system call. Bigger ones are written as they are.
@@ -73,9 +74,6 @@ _DIRECT_TAIL_BYTES = 64 * 1024
 # An answer's status line, up to its code (``HTTP/1.1 200``): what makes it delivered.
 _STATUS_LINE = re.compile(rb"HTTP/1\.[01] [1-9][0-9][0-9][ \r]")
 _STATUS_LINE_BYTES = len(b"HTTP/1.1 200 ")
-# Every other read lands here first; one buffer serves the whole pool, as the
-# loop hands each read to its connection before it makes the next.
-_SCRATCH_BYTES = 256 * 1024
 
 
 def body_buffer(size: int) -> bytearray:
@@ -99,19 +97,6 @@ def _parser_for(conn: Connection) -> httptools.HttpResponseParser:
     return parser
 
 
-class Disconnected(ConnectionError):
-    """The agent closed the connection, or sent what is not HTTP, before its answer was whole."""
-
-
-class MalformedAnswer(Disconnected):
-    """The answer's status line was read, then what followed is not HTTP/1.1: the
-    agent had the rollout (delivered), but its answer cannot be read."""
-
-
-class ConnectTimeout(TimeoutError):
-    """No connection to the replica within the connect timeout."""
-
-
 class _AfterAnswer(Exception):
     """Raised in a parser callback to stop at bytes that follow a whole answer."""
 
@@ -120,10 +105,25 @@ class _AfterAnswer(Exception):
 _SPENT_PARSER = httptools.HttpResponseParser(object())
 
 
+class ConnectionPool(Protocol):
+    """What a ``Connection`` needs of the pool that made it (``http1_pool.Http1Pool``)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    scratch: memoryview  # one read buffer for all (``Connection.get_buffer``)
+
+    def took_in(self, conn: Connection, size: int) -> None: ...
+
+    def answered(self, head: asyncio.Future[None]) -> None: ...
+
+    def forget(self, conn: Connection) -> None: ...
+
+
 class Connection(asyncio.BufferedProtocol):
     """One keep-alive connection; during a call, its answer: ``status``, headers, body."""
 
-    def __init__(self, pool: Http1Pool) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
         self._transport: asyncio.Transport | None = None
         # Its socket's descriptor, to see bytes that wait unread (-1: none known).
@@ -492,105 +492,3 @@ class Connection(asyncio.BufferedProtocol):
         if self._head is not None and not self._head.done() and not self.status:
             self._head.set_exception(error)
         wake(self._end)
-
-
-class Http1Pool(TurnBounds):
-    """Keep-alive connections to the replicas, each reused by one call at a time.
-
-    ``post`` returns the connection holding the answer; ``release`` gives it
-    back (kept when its answer was read whole and the agent keeps it alive,
-    else closed). At most ``max_idle`` connections per replica wait idle.
-    """
-
-    def __init__(self, connect_timeout_s: float | None, max_idle: int = 1024) -> None:
-        super().__init__()
-        self.connect_timeout_s = connect_timeout_s
-        self.max_idle = max_idle
-        self._idle: dict[str, list[Connection]] = {}
-        self._open: set[Connection] = set()
-        # (host, port) of every target that ever accepted a connection: an agent
-        # none of whose replicas is here was never up (``AgentClient.never_reached``).
-        self.reached: set[tuple[str, int]] = set()
-        self._tls: ssl.SSLContext | None = None
-        self.closed = False
-        self.scratch = memoryview(bytearray(_SCRATCH_BYTES))
-        # What FIONREAD says waits in an idle connection's socket (``Connection.quiet``).
-        self._unread = array.array("i", [0])
-
-    async def post(self, target: Target, body: bytes, max_bytes: int) -> Connection:
-        """``POST`` ``body``; the connection once the answer's status line is in.
-
-        (The agent calls do the same inline: ``exchange.post_run``.)
-        """
-        conn = self.reused(target) or await self.connect(target)
-        try:
-            await conn.send(target.head, body, max_bytes)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def release(self, conn: Connection, target: Target) -> None:
-        idle = self._idle.setdefault(target.origin, [])
-        # A call that ends after ``close`` (shutdown) must not leave its connection open.
-        if conn.reusable() and not self.closed and len(idle) < self.max_idle:
-            conn.idle()
-            idle.append(conn)
-        else:
-            conn.close()
-
-    def forget(self, conn: Connection) -> None:
-        self._open.discard(conn)
-
-    async def close(self) -> None:
-        """Close every connection, idle or in a call."""
-        self.closed = True
-        self._idle.clear()
-        for conn in list(self._open):
-            conn.close()
-        # Let the transports' close callbacks run before the loop goes.
-        await asyncio.sleep(0)
-
-    def reused(self, target: Target) -> Connection | None:
-        """An idle connection to ``target``, the most recently used first; None if none."""
-        idle = self._idle.get(target.origin)
-        while idle:
-            conn = idle.pop()
-            if conn.closed:
-                continue
-            # One system call, no object made: about 1 us more for a reused call.
-            if conn.quiet(self._unread):
-                return conn
-            conn.close()
-        return None
-
-    async def connect(self, target: Target) -> Connection:
-        """A new connection to ``target`` (``ConnectTimeout`` past the connect timeout)."""
-        loop = self._loop = asyncio.get_running_loop()
-        tls = self._tls_context() if target.tls else None
-        conn = Connection(self)
-        try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                # asyncio's own bound on a handshake (60 s) is not ours to keep.
-                handshake_s = self.connect_timeout_s if tls is not None else None
-                await loop.create_connection(
-                    lambda: conn,
-                    target.host,
-                    target.port,
-                    ssl=tls,
-                    ssl_handshake_timeout=handshake_s,
-                )
-        except TimeoutError:
-            conn.close()
-            raise ConnectTimeout(
-                f"no connection to {target.host}:{target.port} within {self.connect_timeout_s} s"
-            ) from None
-        self._open.add(conn)
-        self.reached.add((target.host, target.port))
-        return conn
-
-    def _tls_context(self) -> ssl.SSLContext:
-        # Made on first use: loading the system's CA store costs ~35 ms.
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return self._tls

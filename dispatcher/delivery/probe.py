@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from dispatcher.delivery.faults import as_local_fault
-from dispatcher.delivery.http1 import Connection, Http1Pool
+from dispatcher.delivery.http1 import Connection
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.limits import Body, BodyLimitError
 from dispatcher.delivery.statuses import BODY_EXCERPT_BYTES, NO_RUN_STATUSES, not_delivered_reason
 from dispatcher.delivery.target import Target

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dispatcher.commands import command_help
-from dispatcher.delivery.http1 import Http1Pool
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.probe import ProbeResult, probe_run
 from dispatcher.delivery.target import Target
 from dispatcher.errors import ConfigError, ExitCode

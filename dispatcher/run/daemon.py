@@ -40,7 +40,7 @@ from dispatcher.delivery.client import (
     never_reached_message,
 )
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, fd_limit
-from dispatcher.delivery.http1 import Http1Pool
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.limits import ResponseLimits
 from dispatcher.delivery.replicas import BreakerPolicy
 from dispatcher.delivery.retry import BackoffPolicy

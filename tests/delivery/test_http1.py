@@ -21,7 +21,9 @@ from dispatcher.delivery import http1
 from dispatcher.delivery import turns as turn_bounds
 from dispatcher.delivery.answers import Failure, NotDelivered
 from dispatcher.delivery.exchange import ExchangeLimits, post_run
-from dispatcher.delivery.http1 import Connection, Disconnected, Http1Pool
+from dispatcher.delivery.http1 import Connection
+from dispatcher.delivery.http1_errors import Disconnected
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.limits import JOIN_OFF_LOOP_BYTES, BodyLimitError, ResponseLimits
 from dispatcher.delivery.target import Target
 from tests.helpers import read_request, self_signed, serve, wait_until

@@ -15,7 +15,7 @@ from aiohttp import web
 from dispatcher.admission.pool import Limiter
 from dispatcher.delivery.client import AgentClient, AgentMisconfigured, DeliveryPolicy
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault
-from dispatcher.delivery.http1 import Http1Pool
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.replicas import (
     Breaker,
     BreakerPolicy,

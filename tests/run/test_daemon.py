@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.delivery.http1 import Http1Pool
+from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.atomic import RunLock
 from dispatcher.files.resume import OutputPaths
