@@ -19,6 +19,10 @@ replica serves no ``/run`` (a wrong URL); it leaves routing until a probe
 finds ``/run`` there, and when every replica of the agent has left ``run``
 raises ``AgentMisconfigured`` (exit 2), never a failure row. From a replica
 that has answered 2xx, a 404 is its task's failure (``agent_run_error``).
+
+What the client is given (its ``DeliveryPolicy``, its observer) is in
+``policy.py``; the errors that stop a run, with their messages, in
+``agent_errors.py``.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from dispatcher import jsonx
 from dispatcher.aio import Wakeup
-from dispatcher.delivery.adaptive import AimdController, AimdPolicy, StartRateLimiter
+from dispatcher.delivery.adaptive import AimdController, StartRateLimiter
+from dispatcher.delivery.agent_errors import AgentMisconfigured, no_run_message
 from dispatcher.delivery.answers import (
     Attempt,
     Classified,
@@ -47,12 +52,10 @@ from dispatcher.delivery.answers import (
 )
 from dispatcher.delivery.exchange import ExchangeLimits, post_run
 from dispatcher.delivery.http1_pool import Http1Pool
-from dispatcher.delivery.limits import ResponseLimits
+from dispatcher.delivery.policy import DeliveryObserver, DeliveryPolicy, Progress, Sending
 from dispatcher.delivery.probe import ProbeResult, probe_run
-from dispatcher.delivery.replicas import BreakerPolicy, Replica, ReplicaSet
-from dispatcher.delivery.retry import BackoffPolicy
+from dispatcher.delivery.replicas import Replica, ReplicaSet
 from dispatcher.delivery.statuses import NO_RUN_STATUSES, RATE_LIMITED, RetryReason
-from dispatcher.errors import ConfigError
 from dispatcher.outcome import Outcome
 
 # What an attempt's values are, for those who import them from here.
@@ -77,62 +80,7 @@ __all__ = [
 ]
 
 
-class AgentMisconfigured(ConfigError):
-    """Every replica of an agent answers 404/405 to ``POST /run``: its URLs are wrong."""
-
-
-class AgentsNeverReached(ConfigError):
-    """No replica of an agent accepted a connection since the start (``--wait-for-agents-s``)."""
-
-
-@dataclass(frozen=True)
-class DeliveryPolicy:
-    """Deadlines and retry rules of one run's agent calls (settings, in seconds)."""
-
-    deadline_s: float = 600.0
-    rollout_timeout_s: float | None = None
-    # ``--pause-deadlines``: the rollout timeout stops while admission is paused.
-    pause_deadlines: bool = False
-    first_byte_timeout_s: float | None = None
-    limits: ResponseLimits = field(default_factory=ResponseLimits)
-    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
-    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
-    # Load (``adaptive.py``): hard caps and the adaptive controllers' rules.
-    replica_cap: int | None = None
-    max_starts_per_s: float | None = None
-    aimd: AimdPolicy | None = None
-    # How answers are classed; None: on the loop (``classify_on_loop``).
-    classify: Classifier | None = None
-
-
-class DeliveryObserver(Protocol):
-    """Told about retries and replica health (``load.AgentLoad`` makes metrics and logs of them)."""
-
-    def retrying(
-        self, replica: Replica, rollout_id: str, reason: str, delay_s: float, retry: int
-    ) -> None: ...
-
-    def replica_changed(self, replica: Replica, opened: bool) -> None: ...
-
-    def replica_has_no_run(self, replica: Replica, status: int) -> None: ...
-
-
 Try = tuple[Attempt | None, NotDelivered | None]
-
-
-class Progress(Protocol):
-    """Whether a rollout's request is at a replica now (see ``AgentClient.run``)."""
-
-    sending: bool
-
-
-class Sending:
-    """A ``Progress`` of its own, for a caller that keeps none."""
-
-    __slots__ = ("sending",)
-
-    def __init__(self) -> None:
-        self.sending = False
 
 
 class AgentClient:
@@ -507,20 +455,3 @@ def _with_retries(attempt: Attempt, retries: int) -> Attempt:
     if retries == 0:
         return attempt
     return replace(attempt, retries=retries)
-
-
-def no_run_message(agent: str, urls: list[str]) -> str:
-    """The one line that names an agent whose every replica serves no ``/run``."""
-    return (
-        f"agent {agent!r}: no /run at {', '.join(urls)} (POST /run answered 404/405); "
-        "check its --agent URL: give the base URL, the dispatcher appends /run"
-    )
-
-
-def never_reached_message(agents: dict[str, list[str]], waited_s: float) -> str:
-    """The one line that names the agents none of whose replicas was ever reachable."""
-    named = "; ".join(f"agent {name!r} at {', '.join(urls)}" for name, urls in agents.items())
-    return (
-        f"{named}: no replica accepted a connection in the {waited_s:g} s since the start "
-        "(--wait-for-agents-s): check the URL and that the agent is up"
-    )

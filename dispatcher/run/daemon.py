@@ -33,15 +33,12 @@ from dispatcher.admission.pool import Budget, RolloutPool
 from dispatcher.aio import Wakeup, cancel_and_wait
 from dispatcher.capture.release import SessionReleaser
 from dispatcher.delivery.adaptive import AimdPolicy
-from dispatcher.delivery.client import (
-    AgentClient,
-    AgentsNeverReached,
-    DeliveryPolicy,
-    never_reached_message,
-)
+from dispatcher.delivery.agent_errors import AgentsNeverReached, never_reached_message
+from dispatcher.delivery.client import AgentClient
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, fd_limit
 from dispatcher.delivery.http1_pool import Http1Pool
 from dispatcher.delivery.limits import ResponseLimits
+from dispatcher.delivery.policy import DeliveryPolicy
 from dispatcher.delivery.replicas import BreakerPolicy
 from dispatcher.delivery.retry import BackoffPolicy
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode

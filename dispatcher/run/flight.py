@@ -34,7 +34,8 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from dispatcher.admission.pool import Slots
-from dispatcher.delivery.client import AgentClient, AgentMisconfigured, Attempt
+from dispatcher.delivery.agent_errors import AgentMisconfigured
+from dispatcher.delivery.client import AgentClient, Attempt
 from dispatcher.delivery.faults import LocalFault, as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.writer import Line

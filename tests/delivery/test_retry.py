@@ -13,9 +13,11 @@ import pytest
 from aiohttp import web
 
 from dispatcher.admission.pool import Limiter
-from dispatcher.delivery.client import AgentClient, AgentMisconfigured, DeliveryPolicy
+from dispatcher.delivery.agent_errors import AgentMisconfigured
+from dispatcher.delivery.client import AgentClient
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, as_local_fault
 from dispatcher.delivery.http1_pool import Http1Pool
+from dispatcher.delivery.policy import DeliveryPolicy
 from dispatcher.delivery.replicas import (
     Breaker,
     BreakerPolicy,
