@@ -22,7 +22,7 @@ import signal
 import ssl
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -32,18 +32,15 @@ from dispatcher.admission.pause import AdmissionPause
 from dispatcher.admission.pool import Budget, RolloutPool
 from dispatcher.aio import Wakeup, cancel_and_wait
 from dispatcher.capture.release import SessionReleaser
-from dispatcher.delivery.adaptive import AimdPolicy
 from dispatcher.delivery.agent_errors import AgentsNeverReached, never_reached_message
 from dispatcher.delivery.client import AgentClient
 from dispatcher.delivery.faults import FaultPersisted, LocalFault, LocalFaultPolicy, fd_limit
 from dispatcher.delivery.http1_pool import Http1Pool
-from dispatcher.delivery.limits import ResponseLimits
-from dispatcher.delivery.policy import DeliveryPolicy
-from dispatcher.delivery.replicas import BreakerPolicy
-from dispatcher.delivery.retry import BackoffPolicy
 from dispatcher.errors import ConfigError, DispatcherError, ExitCode
 from dispatcher.lifecycle import Lifecycle, Phase
-from dispatcher.rows.offload import AnswerClassifier
+from dispatcher.run.delivery_policy import delivery_policy
+from dispatcher.run.policy_clock import PolicyClock
+from dispatcher.run.views import JobView, LatencyView
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout
 from dispatcher.telemetry.discovery import MetricsEndpoint, resolve_listen
@@ -61,28 +58,9 @@ log = structlog.get_logger("dispatcher.run")
 # Descriptors kept back from the concurrency cap: output files, the log, the
 # metrics listener and its scrapes, capture reads, the loop's own.
 FD_RESERVE = 64
-DEFAULT_FIRST_BYTE_TIMEOUT_S = 7200.0
 QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
 StatusFn = Callable[[], Mapping[str, Any]]
-
-
-class LatencyView(Protocol):
-    """Durations behind the drain margin and the live quantiles (contracts §8)."""
-
-    def record(self, duration_s: float) -> None: ...
-    def record_failure(self, duration_s: float) -> None: ...
-    def record_drained(self) -> None: ...
-    def quantile(self, q: float) -> float | None: ...
-    def drain_margin(self, configured_s: float | None) -> float | None: ...
-
-
-class JobView(Protocol):
-    """What the daemon reads of its jobs (for the gauges and the budget's end); it
-    tells them what happens through its events, never by calling into them."""
-
-    def remaining(self) -> int: ...
-    def at_agents(self) -> int: ...
 
 
 class Daemon:
@@ -465,47 +443,6 @@ class Daemon:
             budget_remaining_s=self.budget.remaining_s(),
             remaining=self.remaining(),
         )
-
-
-class PolicyClock:
-    """The trainer's current policy version V (contracts §12), and waiting for it to move."""
-
-    def __init__(self, version: int = 0) -> None:
-        self.version = version
-        self._moved = asyncio.Event()
-
-    def set(self, version: int) -> None:
-        self.version = version
-        self._moved.set()
-        self._moved = asyncio.Event()
-
-    async def reaches(self, version: int) -> None:
-        """Wait until V ≥ ``version``."""
-        while self.version < version:
-            await self._moved.wait()
-
-
-def delivery_policy(settings: RunSettings) -> DeliveryPolicy:
-    """The agent calls' deadlines and retry rules, from the settings."""
-    first_byte_s = settings.first_byte_timeout_s
-    if first_byte_s is None and settings.rollout_timeout_s is None:
-        # Without a rollout timeout nothing else bounds a silent agent.
-        first_byte_s = DEFAULT_FIRST_BYTE_TIMEOUT_S
-    return DeliveryPolicy(
-        classify=AnswerClassifier(settings.offload_bytes),
-        deadline_s=settings.delivery_deadline_s,
-        rollout_timeout_s=settings.rollout_timeout_s,
-        pause_deadlines=settings.pause_deadlines,
-        first_byte_timeout_s=first_byte_s,
-        limits=ResponseLimits(settings.max_response_bytes, settings.response_read_timeout_s),
-        backoff=BackoffPolicy(settings.retry_backoff_base_s, settings.retry_backoff_cap_s),
-        breaker=BreakerPolicy(
-            settings.breaker_failures, settings.breaker_open_s, settings.breaker_open_cap_s
-        ),
-        replica_cap=settings.replica_concurrency,
-        max_starts_per_s=settings.max_starts_per_s,
-        aimd=AimdPolicy(maximum=settings.concurrency_max) if settings.adaptive else None,
-    )
 
 
 def _open_fds() -> int:

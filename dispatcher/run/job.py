@@ -45,7 +45,7 @@ from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import Finalizer
 from dispatcher.run import grace
 from dispatcher.run.aggregate import aggregation_states, write_aggregate_metrics
-from dispatcher.run.daemon import Daemon, LatencyView
+from dispatcher.run.daemon import Daemon
 from dispatcher.run.flight import Flight, FlightParts, Landing
 from dispatcher.run.pending import Pending
 from dispatcher.run.prepare import PreparedRun, prepare_run, publish_metrics_endpoint
@@ -56,6 +56,7 @@ from dispatcher.run.recorder import (
     Recorder,
 )
 from dispatcher.run.reporting import hop_summary, write_last_run
+from dispatcher.run.views import LatencyView
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout, new_capture_token
 from dispatcher.telemetry.progress import estimate_eta_s

@@ -23,10 +23,11 @@ from dispatcher.errors import DispatcherError
 from dispatcher.files.resume import RunState, final_after_failure, spends_attempt
 from dispatcher.files.writer import RowWriter
 from dispatcher.outcome import Outcome
-from dispatcher.run.daemon import Daemon, LatencyView
+from dispatcher.run.daemon import Daemon
 from dispatcher.run.gym_files import OmittedRows, ProgressFiles
 from dispatcher.run.prepare import PreparedRun
 from dispatcher.run.reporting import log_rollout_finished
+from dispatcher.run.views import LatencyView
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.keys import AGENT_REF, rollout_key
 from dispatcher.tasks.materialize import Rollout

@@ -24,7 +24,8 @@ import structlog
 from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.latency.window import LatencyWindow
-from dispatcher.run.daemon import Daemon, PolicyClock
+from dispatcher.run.daemon import Daemon
+from dispatcher.run.policy_clock import PolicyClock
 from dispatcher.serve import api, auth
 from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import Registry

@@ -10,7 +10,7 @@ import pytest
 
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.latency.window import LatencyWindow, LogBuckets
-from dispatcher.run.daemon import LatencyView
+from dispatcher.run.views import LatencyView
 
 ALPHA = 0.01
 # Float rounding at a bucket's edge may land a value one bucket over.
