@@ -5,7 +5,8 @@ hash chain over fixed-size blocks (a block's key covers every token before it),
 and evicts the least recently used. A new prompt reuses its longest cached
 prefix and prefills the rest. Here a prompt is its request's conversation as
 bytes, four bytes a token (as the sim's usage counts them), in blocks of
-``BLOCK_TOKENS``; capacity is in tokens. Enough for routing to show its effect:
+``BLOCK_TOKENS``; capacity is in tokens (the KV a replica has left for cached
+prefixes besides its running batch's own). Enough for routing to show its effect:
 the siblings of a group share a prompt, and each turn of a rollout extends the
 last one's.
 """
@@ -41,7 +42,10 @@ class PrefixCache:
         hit = 0
         while hit < len(keys) and keys[hit] in self._blocks:
             hit += 1
-        for key in keys:
+        # Touched tail first, so the head is the most recently used: as vLLM frees a
+        # request's blocks, a prompt under pressure loses its tail before its head
+        # (whose loss would make every block after it useless to a prefix match).
+        for key in reversed(keys):
             self._blocks[key] = None
             self._blocks.move_to_end(key)
         while len(self._blocks) > self._capacity:

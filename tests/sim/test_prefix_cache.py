@@ -44,6 +44,16 @@ def test_the_least_recently_used_blocks_go_first() -> None:
     assert (cache.admit(one), cache.admit(two)) == (BLOCK_TOKENS, 0)
 
 
+def test_a_prompts_tail_blocks_are_evicted_before_its_head() -> None:
+    # As vLLM frees a finished request's blocks tail first: under pressure a prompt
+    # keeps its head, which is what a later prompt sharing it can still reuse.
+    cache = PrefixCache(capacity_tokens=2 * BLOCK_TOKENS)
+    head, tail, other = (bytes([i]) * len(BLOCK) for i in range(3))
+    cache.admit(head + tail)
+    cache.admit(other)  # one block must go: the tail
+    assert cache.admit(head + tail) == BLOCK_TOKENS
+
+
 async def stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with session.get(f"{url}/stats") as answer:
         body: dict[str, Any] = await answer.json()
