@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange, encode_record
+from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange
 from dispatcher.capture.routing import (
     DEFAULT_MARGIN,
     GROUP_HEADER,
@@ -46,6 +45,7 @@ from dispatcher.capture.routing import (
     group_of,
 )
 from dispatcher.capture.store import BeforeWrite, CaptureStore
+from dispatcher.capture.upstream_metrics import METRICS_PATH, counting_encoder, metrics_handler
 from dispatcher.commands import command_help
 from dispatcher.delivery.limits import ProxyLimits, RecordBudget
 from dispatcher.errors import ConfigError
@@ -130,6 +130,7 @@ def build_proxy_app(
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_route("*", ROLLOUT_PREFIX + "{rollout_id}/{tail:.*}", _handle_rollout_call)
     app.router.add_post(RELEASE_PREFIX + "{rollout_id}", _handle_release)
+    app.router.add_get(METRICS_PATH, metrics_handler(router))
     app.router.add_route("*", "/{tail:.*}", _handle_passthrough)
     return app
 
@@ -182,9 +183,10 @@ async def _handle_rollout_call(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         recording.exchange.finish()
-        store.commit(
-            rollout_id, recording.claim, functools.partial(encode_record, recording.exchange)
+        encode = counting_encoder(
+            asyncio.get_running_loop(), request.app[UPSTREAM_KEY].router, recording.exchange
         )
+        store.commit(rollout_id, recording.claim, encode)
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,11 @@ class Exchange:
 
 def encode_record(exchange: Exchange) -> bytes:
     """The capture line of a finished exchange (CPU-heavy for big bodies: run it in a thread)."""
+    return orjson.dumps(capture_record(exchange)) + b"\n"
+
+
+def capture_record(exchange: Exchange) -> JsonObject:
+    """The capture record of a finished exchange, as ``encode_record`` writes it."""
     exchange.finish()
     duration_s = exchange.duration_s or 0.0
     request, request_raw = _json_body(exchange.request_body)
@@ -141,7 +146,7 @@ def encode_record(exchange: Exchange) -> bytes:
         record["request_raw"] = request_raw
     if response_raw is not None:
         record["response_raw"] = response_raw
-    return orjson.dumps(record) + b"\n"
+    return record
 
 
 def _response_view(

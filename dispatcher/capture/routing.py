@@ -70,6 +70,9 @@ class Upstream:
     in_flight: int = 0
     sessions: int = 0
     calls: int = 0
+    # From the answers' usage: prompt tokens, and those the upstream had cached.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class Router:
