@@ -67,7 +67,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--cache-tokens", type=int, default=20_000, help="per replica")
-    p.add_argument("--prefill-us", type=float, default=20.0, help="per uncached prompt token")
+    p.add_argument("--prefill-us", type=float, default=50.0, help="per uncached prompt token")
+    p.add_argument("--decode-ms", type=float, default=100.0, help="per call, calls in parallel")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--wide-replicas", type=int, default=16, help="0: no wide run")
@@ -82,13 +83,14 @@ def parse_args() -> argparse.Namespace:
 @contextlib.contextmanager
 def servers(
     args: argparse.Namespace, policy: str, replicas: int, out: Path
-) -> Iterator[tuple[str, list[str]]]:
-    """The model replicas, the proxy in front of them and the agent; the agent's URL and
-    the replicas' URLs."""
+) -> Iterator[tuple[str, str, list[str]]]:
+    """The model replicas, the proxy in front of them and the agent; the agent's URL, the
+    proxy's and the replicas'."""
     model_args = (
         "sim-model", "--prefix-cache-tokens", str(args.cache_tokens),
         "--prefill-us-per-token", str(args.prefill_us), "--cached-tokens", "0",
         "--completion-tokens", "24", "--reasoning-tokens", "0",
+        "--latency-ms", str(args.decode_ms),
     )  # fmt: skip
     with contextlib.ExitStack() as stack:
         models = [stack.enter_context(dispatcher_server(*model_args)) for _ in range(replicas)]
@@ -103,7 +105,7 @@ def servers(
             "--prompt-tokens", str(args.prompt_tokens), "--reward-p", "1",
         )  # fmt: skip
         agent = stack.enter_context(dispatcher_server(*agent_args))
-        yield agent, models
+        yield agent, proxy, models
 
 
 def one_run(args: argparse.Namespace, policy: str, replicas: int, work: Path) -> Figures:
@@ -116,13 +118,14 @@ def one_run(args: argparse.Namespace, policy: str, replicas: int, work: Path) ->
             for i in range(args.tasks)
         )
     )
-    with servers(args, policy, replicas, out / "captures") as (agent, models):
+    with servers(args, policy, replicas, out / "captures") as (agent, proxy, models):
         command = [
             sys.executable, "-m", "dispatcher", "run", "--input", str(tasks),
             "--output", str(out / "rollouts.jsonl"), "--agent", f"sim={agent}",
             "--default-agent", "sim", "--num-repeats", str(args.repeats),
             "--concurrency", str(args.concurrency), "--capture-dir", str(out / "captures"),
-            "--fsync", "never", "--metrics-listen", "off", "--log-format", "json",
+            "--capture-proxy-url", proxy, "--fsync", "never", "--metrics-listen", "off",
+            "--log-format", "json",
         ]  # fmt: skip
         run = run_child(command, out / "run.log")
         if run.returncode != 0:

@@ -54,6 +54,17 @@ def test_group_keeps_siblings_together_until_the_margin_is_passed() -> None:
     assert router.pick("5-5") == home
 
 
+def test_idle_upstreams_take_new_rollouts_in_turn_not_the_first_one_always() -> None:
+    router = Router(["a", "b", "c"], RoutePolicy.GROUP)
+    homes = []
+    for task in range(6):  # one rollout at a time: every upstream is idle at each pick
+        homes.append(router.pick(f"{task}-0"))
+        router.started(homes[-1])
+        router.ended(homes[-1])
+        router.release(f"{task}-0")
+    assert homes == [0, 1, 2, 0, 1, 2]
+
+
 def test_round_robin_is_per_call() -> None:
     router = Router(["a", "b", "c"], RoutePolicy.ROUND_ROBIN)
     assert [router.pick("1-0") for _ in range(6)] == [0, 1, 2, 0, 1, 2]
@@ -89,6 +100,35 @@ class Upstreams:
 
         app = web.Application()
         app.router.add_post("/{tail:.*}", handle)
+        return app
+
+
+class GatedUpstreams(Upstreams):
+    """Upstream 0 holds every call until its gate opens (a replica far slower than the
+    rest); it counts the calls it holds."""
+
+    def __init__(self, servers: Servers) -> None:
+        super().__init__(servers)
+        self.gate = servers.gate()
+        self.held = 0
+        self.most_held = 0
+
+    def _app(self, index: int) -> web.Application:
+        app = super()._app(index)
+        if index != 0:
+            return app
+
+        async def held(request: web.Request, handler: Any) -> web.StreamResponse:
+            self.held += 1
+            self.most_held = max(self.most_held, self.held)
+            try:
+                await self.gate.wait()
+                response: web.StreamResponse = await handler(request)
+                return response
+            finally:
+                self.held -= 1
+
+        app.middlewares.append(web.middleware(held))
         return app
 
 
@@ -224,3 +264,30 @@ async def test_a_served_job_releases_its_rollouts_sessions_failed_ones_too(
     await wait_until(lambda: len(spy.released) == 6)
     assert sorted(spy.released) == [f"{task}-0" for task in range(6)]
     assert router.live_sessions == 0
+
+
+async def test_a_slow_pinned_upstream_takes_no_more_than_the_margin_above_the_rest(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    upstreams = GatedUpstreams(servers)
+    urls = await upstreams.start(2)
+    margin = 2
+    app = build_proxy_app(urls, tmp_path, route_margin=margin)
+    proxy = await servers.start(app)
+    other = app[UPSTREAM_KEY].router.upstreams[1]
+    held: list[asyncio.Task[None]] = []
+    for repeat in range(8):  # one group; its first call pins it to upstream 0, the slow one
+        before = upstreams.held
+        task = asyncio.create_task(call(session, proxy, f"5-{repeat}"))
+        held.append(task)
+        # Each call is either held by the slow upstream or answered by the other
+        # before the next is sent: the other has no call in flight when one is routed.
+        await wait_until(
+            lambda b=before, t=task: upstreams.held > b or (t.done() and not other.in_flight)
+        )
+    assert upstreams.most_held == margin + 1  # level with the rest, then the margin
+    assert [index for index, _ in upstreams.calls] == [1] * (8 - margin - 1)
+    upstreams.gate.set()
+    await asyncio.gather(*held)
+    await call(session, proxy, "5-8")  # no longer loaded: the group's home again
+    assert upstreams.calls[-1][0] == 0
