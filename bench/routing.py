@@ -5,9 +5,25 @@ same job in one sitting: ``dispatcher run`` sends ``--tasks`` x ``--repeats``
 rollouts to a simulated multi-turn agent (``sim-agent --turns``: each of its
 ``--turns`` model calls sends the conversation so far, from a prompt of about
 ``--prompt-tokens`` that a task's repeats share), whose calls go through the
-proxy to ``--replicas`` simulated model servers. Each keeps a prefix cache of
-``--cache-tokens`` (LRU) and spends ``--prefill-us`` of prefill per prompt token
-it did not hold, one prefill at a time, as an engine does.
+proxy to ``--replicas`` simulated model servers.
+
+The model of a replica, and why these defaults:
+
+- KV cache: ``--cache-tokens`` 8,000 tokens of prefix cache per replica (LRU over
+  16-token blocks, a prompt's tail evicted before its head, as vLLM does). That is
+  what an engine has left for cached prefixes beside its running batch: at
+  concurrency 64 over 4 replicas, each runs ~16 sequences of ~2,000-2,500 tokens
+  (~36k tokens of KV), so a replica with ~45k tokens of KV (a 7-8B model's cache
+  on one GPU) keeps about four prompts besides. Eight tasks are live at once
+  (64 / 8 repeats): their prompts alone (16k tokens) are twice what one replica
+  keeps, so spreading every task over every replica (round robin) thrashes it.
+- Prefill: ``--prefill-us`` 50 us per prompt token not cached (20k tokens/s, a
+  7-8B model on one GPU), one prefill at a time per replica (compute-bound).
+- Decode: ``--decode-ms`` 100 ms per call, calls in parallel (decode is batched;
+  ~24 tokens at ~4 ms a step).
+
+Prefill is then a real share of a call: a cold 2,000-token prompt costs 100 ms,
+as much as its decode, and it queues behind the replica's other prefills.
 
 Printed per policy, from the model servers' own counts (``/stats``): prefix-token
 hit (cached prompt tokens over prompt tokens), prefill work (uncached prompt
@@ -15,7 +31,12 @@ tokens) and the job's wall time, each also as a ratio to round robin's; the most
 calls one replica took over the mean; the share of calls that carried both
 identity headers (X-Session-ID, X-Prefix-Group). Goals (issue 38): group's hit
 at least 0.85, its prefill at most 0.3x and its time at most 0.75x round robin's.
-``--wide-replicas N`` adds a group run on N replicas for the balance of calls.
+Also: the share of rollouts whose session the proxy released (told the
+``--session-release-url``, served by this bench) within 1 s of the rollout's
+``rollout_finished`` event, and the longest delay. ``--wide-replicas N`` adds a
+group run on N replicas for the balance of calls; ``--slow-factor F`` a group run
+whose replica 0 is F times slower, with its calls in flight above the others'
+(sampled from the proxy's ``GET /ng-metrics``).
 """
 
 from __future__ import annotations
@@ -25,13 +46,16 @@ import contextlib
 import json
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server, run_child
+from routing_watch import Releases, in_flight_sampler, release_listener
 
 POLICIES = ("round_robin", "session", "group")
 
@@ -45,6 +69,11 @@ class Figures:
     cached_tokens: int
     calls: list[int]
     with_identity: int
+    rollouts: int
+    release_delays: list[float]
+    # Calls in flight per upstream, sampled through the run (the proxy's /ng-metrics).
+    in_flight: list[list[float]]
+    slow: bool = False
 
     @property
     def hit(self) -> float:
@@ -53,6 +82,16 @@ class Figures:
     @property
     def prefill(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def released_in_1s(self) -> float:
+        return sum(d <= 1.0 for d in self.release_delays) / max(1, self.rollouts)
+
+    @property
+    def slow_lead(self) -> tuple[float, float]:
+        """Calls in flight on upstream 0 above the others' mean: the most, and on average."""
+        leads = [s[0] - sum(s[1:]) / len(s[1:]) for s in self.in_flight if len(s) > 1]
+        return (max(leads), sum(leads) / len(leads)) if leads else (0.0, 0.0)
 
     @property
     def balance(self) -> float:
@@ -66,40 +105,52 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--cache-tokens", type=int, default=20_000, help="per replica")
+    p.add_argument("--cache-tokens", type=int, default=8_000, help="per replica")
     p.add_argument("--prefill-us", type=float, default=50.0, help="per uncached prompt token")
     p.add_argument("--decode-ms", type=float, default=100.0, help="per call, calls in parallel")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--wide-replicas", type=int, default=16, help="0: no wide run")
+    p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=4.0,
+        help="a group run with replica 0 this much slower (decode and prefill); 0: none",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes: does it run")
     args = p.parse_args()
     if args.smoke:
         args.tasks, args.repeats, args.turns, args.prompt_tokens = 4, 2, 2, 200
-        args.wide_replicas = 0
+        args.wide_replicas, args.slow_factor = 0, 0.0
     return args
+
+
+def model_args(args: argparse.Namespace, slower: float = 1.0) -> tuple[str, ...]:
+    return (
+        "sim-model", "--prefix-cache-tokens", str(args.cache_tokens),
+        "--prefill-us-per-token", str(args.prefill_us * slower), "--cached-tokens", "0",
+        "--completion-tokens", "24", "--reasoning-tokens", "0",
+        "--latency-ms", str(args.decode_ms * slower),
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
 def servers(
-    args: argparse.Namespace, policy: str, replicas: int, out: Path
+    args: argparse.Namespace, policy: str, replicas: int, out: Path, release_url: str, slow: bool
 ) -> Iterator[tuple[str, str, list[str]]]:
-    """The model replicas, the proxy in front of them and the agent; the agent's URL, the
-    proxy's and the replicas'."""
-    model_args = (
-        "sim-model", "--prefix-cache-tokens", str(args.cache_tokens),
-        "--prefill-us-per-token", str(args.prefill_us), "--cached-tokens", "0",
-        "--completion-tokens", "24", "--reasoning-tokens", "0",
-        "--latency-ms", str(args.decode_ms),
-    )  # fmt: skip
+    """The model replicas (the first ``--slow-factor`` slower if ``slow``), the proxy in
+    front of them and the agent; the agent's URL, the proxy's and the replicas'."""
     with contextlib.ExitStack() as stack:
-        models = [stack.enter_context(dispatcher_server(*model_args)) for _ in range(replicas)]
+        models = [
+            stack.enter_context(dispatcher_server(*model_args(args, slower)))
+            for slower in [args.slow_factor if slow else 1.0] + [1.0] * (replicas - 1)
+        ]
         upstreams = [flag for url in models for flag in ("--upstream", url)]
-        proxy = stack.enter_context(
-            dispatcher_server(
-                "capture-proxy", *upstreams, "--route", policy, "--capture-dir", str(out)
-            )
-        )
+        proxy_args = (
+            "capture-proxy", *upstreams, "--route", policy, "--capture-dir", str(out),
+            "--session-release-url", release_url,
+        )  # fmt: skip
+        proxy = stack.enter_context(dispatcher_server(*proxy_args))
         agent_args = (
             "sim-agent", "--model-url", proxy, "--model-calls", str(args.turns), "--turns",
             "--prompt-tokens", str(args.prompt_tokens), "--reward-p", "1",
@@ -108,8 +159,10 @@ def servers(
         yield agent, proxy, models
 
 
-def one_run(args: argparse.Namespace, policy: str, replicas: int, work: Path) -> Figures:
-    out = work / f"{policy}-{replicas}"
+def one_run(
+    args: argparse.Namespace, policy: str, replicas: int, work: Path, slow: bool = False
+) -> Figures:
+    out = work / f"{policy}-{replicas}{'-slow' if slow else ''}"
     out.mkdir()
     tasks = out / "tasks.jsonl"
     tasks.write_text(
@@ -118,7 +171,12 @@ def one_run(args: argparse.Namespace, policy: str, replicas: int, work: Path) ->
             for i in range(args.tasks)
         )
     )
-    with servers(args, policy, replicas, out / "captures") as (agent, proxy, models):
+    with contextlib.ExitStack() as stack:
+        release_url, releases = stack.enter_context(release_listener())
+        agent, proxy, models = stack.enter_context(
+            servers(args, policy, replicas, out / "captures", release_url, slow)
+        )
+        in_flight = stack.enter_context(in_flight_sampler(proxy))
         command = [
             sys.executable, "-m", "dispatcher", "run", "--input", str(tasks),
             "--output", str(out / "rollouts.jsonl"), "--agent", f"sim={agent}",
@@ -131,6 +189,7 @@ def one_run(args: argparse.Namespace, policy: str, replicas: int, work: Path) ->
         if run.returncode != 0:
             raise SystemExit(f"{policy}: dispatcher run exited {run.returncode}: see {out}/run.log")
         stats = [_stats(url) for url in models]
+        rollouts, delays = _released(releases, run.events("rollout_finished"))
     return Figures(
         policy=policy,
         replicas=replicas,
@@ -139,7 +198,19 @@ def one_run(args: argparse.Namespace, policy: str, replicas: int, work: Path) ->
         cached_tokens=sum(s["cached_tokens"] for s in stats),
         calls=[s["requests"] for s in stats],
         with_identity=sum(s["with_identity"] for s in stats),
+        rollouts=rollouts,
+        release_delays=delays,
+        in_flight=in_flight,
+        slow=slow,
     )
+
+
+def _released(releases: Releases, finished: list[dict[str, Any]]) -> tuple[int, list[float]]:
+    """Waits (a second at most) for the last releases to arrive; see Releases.delays."""
+    deadline = time.monotonic() + 1.0
+    while len(releases.at) < len(finished) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return releases.delays(finished)
 
 
 def _stats(url: str) -> dict[str, int]:
@@ -151,16 +222,33 @@ def _stats(url: str) -> dict[str, int]:
 def report(figures: list[Figures]) -> None:
     base = next((f for f in figures if f.policy == "round_robin"), figures[0])
     print(
-        f"{'policy':<12} {'replicas':>8} {'hit':>6} {'hit/rr':>7} {'prefill tok':>12} "
-        f"{'prefill/rr':>10} {'wall s':>7} {'wall/rr':>8} {'max/mean calls':>14} {'headers':>8}"
+        f"{'policy':<14} {'replicas':>8} {'hit':>6} {'hit/rr':>7} {'prefill tok':>12} "
+        f"{'prefill/rr':>10} {'wall s':>7} {'wall/rr':>8} {'max/mean calls':>14} "
+        f"{'headers':>8} {'released<=1s':>12} {'max release s':>13}"
     )
     for f in figures:
         headers = f.with_identity / max(1, sum(f.calls))
+        name = f"{f.policy}{' slow' if f.slow else ''}"
         print(
-            f"{f.policy:<12} {f.replicas:>8} {f.hit:>6.3f} {f.hit / max(base.hit, 1e-9):>7.2f} "
+            f"{name:<14} {f.replicas:>8} {f.hit:>6.3f} {f.hit / max(base.hit, 1e-9):>7.2f} "
             f"{f.prefill:>12,} {f.prefill / max(base.prefill, 1):>10.2f} {f.wall_s:>7.2f} "
-            f"{f.wall_s / base.wall_s:>8.2f} {f.balance:>14.2f} {headers:>8.1%}"
+            f"{f.wall_s / base.wall_s:>8.2f} {f.balance:>14.2f} {headers:>8.1%} "
+            f"{_release_figures(f)}"
         )
+    for f in figures:
+        if f.slow:
+            most, mean = f.slow_lead
+            print(
+                f"slow replica ({f.replicas} replicas, replica 0 slower): calls in "
+                f"flight above the others' mean: at most {most:.1f}, on average {mean:.2f} "
+                f"({len(f.in_flight)} samples); its share of calls {f.calls[0] / sum(f.calls):.1%}"
+            )
+
+
+def _release_figures(f: Figures) -> str:
+    if f.policy == "round_robin":  # pins no session: nothing to release
+        return f"{'-':>12} {'-':>13}"
+    return f"{f.released_in_1s:>12.1%} {max(f.release_delays, default=0.0):>13.3f}"
 
 
 def main() -> int:
@@ -169,13 +257,16 @@ def main() -> int:
         work = Path(tmp)
         print(
             f"{args.tasks} tasks x {args.repeats} repeats x {args.turns} turns, prompts of "
-            f"~{args.prompt_tokens} tokens, {args.replicas} replicas with {args.cache_tokens:,} "
-            f"cached tokens each, prefill {args.prefill_us:g} us/token, concurrency "
-            f"{args.concurrency}"
+            f"~{args.prompt_tokens} tokens; {args.replicas} replicas, each with "
+            f"{args.cache_tokens:,} tokens of prefix cache (LRU, 16-token blocks), prefill "
+            f"{args.prefill_us:g} us per uncached token (one at a time), decode "
+            f"{args.decode_ms:g} ms per call (calls in parallel); concurrency {args.concurrency}"
         )
         figures = [one_run(args, p, args.replicas, work) for p in args.policies.split(",")]
         if args.wide_replicas:
             figures.append(one_run(args, "group", args.wide_replicas, work))
+        if args.slow_factor:
+            figures.append(one_run(args, "group", args.replicas, work, slow=True))
         report(figures)
     return 0
 

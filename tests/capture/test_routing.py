@@ -4,6 +4,7 @@ rules on a router alone, and through real sockets with several upstreams."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,10 @@ from dispatcher.capture.proxy import UPSTREAM_KEY, build_proxy_app
 from dispatcher.capture.routing import RoutePolicy, Router, group_of
 from dispatcher.sim.dialects import SimModelConfig
 from dispatcher.sim.model import build_sim_model_app
+from dispatcher.tasks.keys import ATTEMPT_INDEX, rollout_id_for
 from tests.capture.test_proxy import Servers, capture_lines, post_chat, servers, session
 from tests.conftest import SimAgentFactory
-from tests.helpers import free_port, run_args, run_cli, wait_until, write_tasks
+from tests.helpers import free_port, run_args, run_cli, spawn_cli, wait_until, write_tasks
 from tests.serve.test_service_e2e import Serve, rows
 
 __all__ = ["servers", "session"]  # the fixtures, imported for these tests
@@ -291,3 +293,82 @@ async def test_a_slow_pinned_upstream_takes_no_more_than_the_margin_above_the_re
     await asyncio.gather(*held)
     await call(session, proxy, "5-8")  # no longer loaded: the group's home again
     assert upstreams.calls[-1][0] == 0
+
+
+class HoldingAgent:
+    """An agent that makes one model call through the proxy for its rollout, then holds
+    the rollout until the test ends: its session is live when the dispatcher ends it."""
+
+    def __init__(self, servers: Servers, proxy: str) -> None:
+        self.servers, self.proxy = servers, proxy
+        self.gate = servers.gate()
+
+    async def start(self) -> str:
+        async def run(request: web.Request) -> web.Response:
+            row = await request.json()
+            rollout_id = rollout_id_for(row, int(row.get(ATTEMPT_INDEX, 0)))
+            async with aiohttp.ClientSession() as client:
+                await call(client, self.proxy, rollout_id)
+            await self.gate.wait()
+            return web.json_response({"reward": 1.0})
+
+        app = web.Application()
+        app.router.add_post("/run", run)
+        return await self.servers.start(app)
+
+
+async def test_a_cancelled_jobs_rollouts_release_their_sessions(
+    servers: Servers, tmp_path: Path
+) -> None:
+    spy = ReleaseSpy()
+    proxy, router = await routed_stack(servers, tmp_path, spy)
+    agent_url = await HoldingAgent(servers, proxy).start()
+    serve = await Serve.start(tmp_path / "state", agent_url, "--capture-proxy-url", proxy)
+    try:
+        await serve.submit(job_id="j", rows=rows(3))
+        await wait_until(lambda: router.live_sessions == 3)  # each made its call, held
+        async with serve.http.delete(f"{serve.url}/v1/jobs/j") as answer:
+            assert answer.status < 300, await answer.text()
+        await wait_until(lambda: len(spy.released) == 3)
+    finally:
+        await serve.stop()
+    assert sorted(spy.released) == [f"{task}-0" for task in range(3)]
+    assert router.live_sessions == 0
+
+
+async def test_a_drained_runs_rollouts_release_their_sessions(
+    servers: Servers, tmp_path: Path
+) -> None:
+    spy = ReleaseSpy()
+    proxy, router = await routed_stack(servers, tmp_path, spy)
+    agent_url = await HoldingAgent(servers, proxy).start()
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
+    args = run_args(tasks, tmp_path / "out" / "x.jsonl", agent_url, "--shutdown-grace-s", "0")
+    run = await spawn_cli(*args, "--capture-proxy-url", proxy)
+    try:
+        await wait_until(lambda: router.live_sessions == 3, timeout_s=60)
+        run.send_signal(signal.SIGTERM)  # drain: no grace, the held rollouts are cut
+        result = await run.wait()
+    finally:
+        await run.kill()
+    assert result.returncode == 75, result.stderr[-3000:]  # left for a rerun
+    await wait_until(lambda: len(spy.released) == 3)
+    assert sorted(spy.released) == [f"{task}-0" for task in range(3)]
+    assert router.live_sessions == 0
+
+
+async def test_a_restarted_proxy_answers_releases_of_sessions_it_never_saw(
+    servers: Servers, tmp_path: Path, sim_agent: SimAgentFactory
+) -> None:
+    # The run's rollouts called one proxy; the proxy it releases to is a fresh one (a
+    # restart): every release is an unknown session, and the run is no worse for it.
+    spy = ReleaseSpy()
+    first, _ = await routed_stack(servers, tmp_path, spy)
+    restarted, router = await routed_stack(servers, tmp_path, spy)
+    agent_url, _ = await sim_agent(model_url=first, model_calls=1, reward_p=1.0)
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 4)
+    args = run_args(tasks, tmp_path / "out" / "x.jsonl", agent_url)
+    result = await run_cli(*args, "--capture-proxy-url", restarted)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "session_release_failed" not in result.stderr
+    assert spy.released == [] and router.live_sessions == 0
