@@ -246,8 +246,6 @@ def report(figures: list[Figures]) -> None:
 
 
 def _release_figures(f: Figures) -> str:
-    if f.policy == "round_robin":  # pins no session: nothing to release
-        return f"{'-':>12} {'-':>13}"
     return f"{f.released_in_1s:>12.1%} {max(f.release_delays, default=0.0):>13.3f}"
 
 

@@ -21,13 +21,22 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from tests.conftest import SimAgentFactory
-from tests.helpers import FakeAgent, free_port, indented_blocks, read_jsonl, wait_until
+from tests.helpers import (
+    FakeAgent,
+    free_port,
+    indented_blocks,
+    read_jsonl,
+    serve,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -162,8 +171,11 @@ async def test_the_serve_example_serves_with_its_hosts_replaced(
     assert (tmp_path / "api-token").stat().st_mode & 0o777 == 0o600
 
 
-async def serve_until_listening(script: str, cwd: Path) -> str:
-    """Start a script whose last command serves; SIGTERM once it says it listens."""
+async def serve_until_listening(
+    script: str, cwd: Path, meanwhile: Callable[[str], Awaitable[None]] | None = None
+) -> str:
+    """Start a script whose last command serves; once it says it listens, await
+    ``meanwhile(its URL)`` if given, then SIGTERM it."""
     proc = await asyncio.create_subprocess_exec(
         "bash", "-euo", "pipefail", "-c", script, cwd=cwd, env=shell_env(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
@@ -179,6 +191,10 @@ async def serve_until_listening(script: str, cwd: Path) -> str:
     reader = asyncio.create_task(read())
     try:
         await wait_until(lambda: any("listening on" in line for line in lines) or reader.done())
+        if meanwhile is not None:
+            url = re.search(r"listening on (http://\S+)", "".join(lines))
+            assert url is not None, "".join(lines)
+            await meanwhile(url.group(1))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 60)
@@ -255,6 +271,43 @@ def front_page_row() -> dict[str, object]:
     return row
 
 
+async def test_the_router_proxy_example_sends_the_identity_and_the_release_to_the_router(
+    tmp_path: Path,
+) -> None:
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    async def router(request: web.Request) -> web.Response:
+        seen.append((request.path, dict(request.headers)))
+        await request.read()
+        return web.json_response({"id": "c", "object": "chat.completion", "choices": []})
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", router)
+    runner, router_url = await serve(app)
+    port = free_port()
+    script = example("dispatcher capture-proxy --listen 127.0.0.1:8200 --capture-dir")
+    script = replaced(
+        script, {"127.0.0.1:8200": f"127.0.0.1:{port}", "http://router:8000": router_url}
+    )
+
+    async def one_rollout(proxy: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            url = f"{proxy}/ng-rollout/3-1/v1/chat/completions"
+            async with session.post(url, json={"model": "m", "messages": []}) as answer:
+                assert answer.status == 200
+            async with session.post(f"{proxy}/ng-release/3-1") as answer:
+                assert (await answer.json())["released"] is True
+        await wait_until(lambda: len(seen) == 2)
+
+    try:
+        await serve_until_listening(script, tmp_path, one_rollout)
+    finally:
+        await runner.cleanup()
+    (call_path, headers), (release_path, _) = seen
+    assert call_path == "/v1/chat/completions" and release_path == "/release"
+    assert (headers["X-Session-ID"], headers["X-Prefix-Group"]) == ("3-1", "t3")
+
+
 # Each example a reader can run, by a line of it only that example has, and what runs it.
 SERVICE_EXAMPLES = "ops.test_init.test_readme_service_and_step_control_examples_run_as_written"
 GYM_PATH = "gym.test_gym_readme.test_the_five_minute_path_runs_as_written"
@@ -269,6 +322,9 @@ RUN_BY = {
     ),
     "dispatcher capture-proxy --listen 127.0.0.1:8100 --capture-dir": (
         "test_the_routing_proxy_example_serves_with_its_upstreams_replaced"
+    ),
+    "dispatcher capture-proxy --listen 127.0.0.1:8200 --capture-dir": (
+        "test_the_router_proxy_example_sends_the_identity_and_the_release_to_the_router"
     ),
     "sbatch rd-config/slurm/dispatch.sbatch": (
         "test_the_slurm_example_runs_under_a_stand_in_for_slurm"

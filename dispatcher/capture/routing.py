@@ -5,7 +5,8 @@ prefix) and which rollouts share a prompt (the repeats of one task: a *group*).
 Replicas that keep a prefix cache reuse it when a rollout's growing conversation,
 and its siblings' shared prompt, come back to them:
 
-- ``round_robin``: per call, the baseline.
+- ``round_robin``: per call, the baseline. Its sessions are known all the same (as
+  where their first call went), so their release reaches the upstream.
 - ``session``: a rollout's first call goes to the least loaded upstream (fewest
   live sessions, then fewest calls in flight, then fewest calls so far); its later
   calls follow it.
@@ -104,9 +105,14 @@ class Router:
 
     def pick(self, rollout_id: str) -> int:
         """The upstream for this rollout's next call (its index)."""
-        if self.policy is RoutePolicy.ROUND_ROBIN or len(self.upstreams) == 1:
-            return self._round_robin()
         pinned = self._sessions.get(rollout_id)
+        if self.policy is RoutePolicy.ROUND_ROBIN or len(self.upstreams) == 1:
+            # Per call; the session is still known (where its first call went), so that
+            # its end reaches the upstream: a router in front of engines, most often.
+            index = self._round_robin()
+            if pinned is None:
+                self._pin(rollout_id, index)
+            return index
         if pinned is not None:
             return pinned
         if self.policy is RoutePolicy.GROUP:
