@@ -55,7 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server, run_child
-from routing_watch import Releases, in_flight_sampler, release_listener
+from _routing_watch import Releases, in_flight_sampler, release_listener
 
 POLICIES = ("round_robin", "session", "group")
 
