@@ -3,7 +3,8 @@
 The dispatcher alone knows when a rollout's attempt ends (its row durable, a
 failure, a cancel). ``SessionReleaser.release`` is called then, from the one
 place outcomes are counted, and costs the caller an append: a background task
-sends ``POST {proxy}/ng-release/<id>`` for each, many at once, within a second
+sends ``POST {proxy}/ng-release/<id>`` for each as it comes, up to ``MAX_AT_ONCE``
+at once (a slow answer holds up no release but its own), within a second
 (``RELEASE_TIMEOUT_S`` bounds each). A release that fails is logged once per
 kind of failure and not retried: a proxy that restarted knows no session, and
 one that is gone has none to forget.
@@ -24,7 +25,7 @@ from dispatcher.urls import redact_url
 log = structlog.get_logger(__name__)
 
 RELEASE_TIMEOUT_S = 1.0
-# Releases sent at once; more wait for the next round (a round takes a round trip).
+# Releases under way at once; more wait for one of them to end.
 MAX_AT_ONCE = 64
 # Releases waiting, at most: past it the oldest are dropped (the proxy bounds its
 # sessions itself), so memory stays bounded whatever happens to the proxy.
@@ -40,6 +41,8 @@ class SessionReleaser:
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self._slots = asyncio.Semaphore(MAX_AT_ONCE)
+        self._sending: set[asyncio.Task[None]] = set()
         self._failures_seen: set[str] = set()
         self.sent = 0
         self.failed = 0
@@ -54,10 +57,12 @@ class SessionReleaser:
         self._wake.set()
 
     async def close(self) -> None:
-        """Send what is waiting (a round at most), then stop."""
+        """Finish the releases under way and send what is waiting (``MAX_AT_ONCE`` at
+        most), then stop."""
         if self._task is not None:
-            await self._send_round()
             await cancel_and_wait(self._task)
+            ids = [self._waiting.popleft() for _ in range(min(MAX_AT_ONCE, len(self._waiting)))]
+            await asyncio.gather(*self._sending, *(self._send(i) for i in ids))
         if self._session is not None:
             await self._session.close()
 
@@ -66,12 +71,18 @@ class SessionReleaser:
             await self._wake.wait()
             self._wake.clear()
             while self._waiting:
-                await self._send_round()
+                await self._slots.acquire()
+                task = asyncio.get_running_loop().create_task(
+                    self._send_one(self._waiting.popleft())
+                )
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
 
-    async def _send_round(self) -> None:
-        ids = [self._waiting.popleft() for _ in range(min(MAX_AT_ONCE, len(self._waiting)))]
-        if ids:
-            await asyncio.gather(*(self._send(session_id) for session_id in ids))
+    async def _send_one(self, session_id: str) -> None:
+        try:
+            await self._send(session_id)
+        finally:
+            self._slots.release()
 
     async def _send(self, session_id: str) -> None:
         assert self._session is not None
