@@ -58,7 +58,12 @@ def release_listener() -> Iterator[tuple[str, Releases]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        # A group's rollouts end together: with http.server's backlog of 5, the rest of
+        # a burst had their connections dropped and retried a second later.
+        request_queue_size = 1024
+
+    server = Server(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
