@@ -198,6 +198,7 @@ class AsyncClient:
         overprovision: float | None = None,
         on_target: str | None = None,
         group_filter: str | None = None,
+        max_attempts: int | None = None,
     ) -> JobStatus:
         """Submit a job: ``rows``, or ``input``, a task file's path on the daemon's host.
 
@@ -207,6 +208,8 @@ class AsyncClient:
         ``target_groups``, ``overprovision``, ``on_target`` (``"finish"`` or
         ``"cancel"``) and ``group_filter`` (``"nonzero_reward_std"``) are step
         control: the job stops once that many complete groups are kept.
+        ``max_attempts`` replaces the daemon's ``--max-attempts`` for this job's
+        rollouts (1 when the caller retries itself).
         """
         body = submit_body(
             rows, input, job_id=job_id, num_repeats=num_repeats, default_agent=default_agent,
@@ -216,7 +219,7 @@ class AsyncClient:
                 dict(responses_create_params) if responses_create_params is not None else None
             ),
             target_groups=target_groups, overprovision=overprovision, on_target=on_target,
-            group_filter=group_filter,
+            group_filter=group_filter, max_attempts=max_attempts,
         )  # fmt: skip
         answer = await self._call("POST", "/v1/jobs", body, retry=job_id is not None)
         return JobStatus.from_json(answer)

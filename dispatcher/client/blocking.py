@@ -146,6 +146,7 @@ class Client:
         overprovision: float | None = None,
         on_target: str | None = None,
         group_filter: str | None = None,
+        max_attempts: int | None = None,
     ) -> JobStatus:
         """See ``AsyncClient.submit``."""
         return self._run(
@@ -155,6 +156,7 @@ class Client:
                 priority=priority, metadata=metadata,
                 responses_create_params=responses_create_params, target_groups=target_groups,
                 overprovision=overprovision, on_target=on_target, group_filter=group_filter,
+                max_attempts=max_attempts,
             )
         )  # fmt: skip
 

@@ -5,7 +5,7 @@ examples)``; the same loop runs on ``dispatcher serve`` by changing one line::
 
     from dispatcher.client.gym import RolloutCollectionHelper
 
-    helper = RolloutCollectionHelper("http://rollouts:8080")
+    helper = RolloutCollectionHelper()  # DISPATCHER_URL, else a daemon of its own
     for future in helper.run_examples(examples):
         row, result = await future  # in completion order, as Gym's
 
@@ -26,14 +26,16 @@ Behind it, the examples are a job on the daemon (``num_repeats`` 1), streamed
 back as rows become durable. The first ``await`` submits it. Rows go to the
 agents as the dispatcher sends them (contracts §1, §3): an example without
 ``_ng_task_index`` gets one of its own; ``_ng_rollout_index`` is the
-dispatcher's (0, 1, ... per task within the job). The daemon retries and
-resumes as for any job (contracts §5, §11).
+dispatcher's (0, 1, ... per task within the job). Jobs are submitted with
+``max_attempts`` 1 (the helper's ``max_attempts``): Gym's helper never
+retries a rollout, its caller does. The daemon resumes as for any job
+(contracts §5, §11).
 
 Gym's keyword arguments:
 
 - ``max_resident_tasks``: at most that many examples are submitted and not
-  yet resolved; the rest are submitted as a job each time half of them free
-  up. ``ValueError`` below 1, as Gym.
+  yet resolved; the rest are submitted as slots free up, each free slot
+  refilled at once. ``ValueError`` below 1, as Gym.
 - ``dispatch_budget_s``, ``drain_margin_s``: an example not submitted when
   less than the margin is left of the budget (counted from this call) never
   runs and resolves to Gym's drained result (``_ng_failure_class``
@@ -52,9 +54,12 @@ Gym's keyword arguments:
   job's ``rollouts_failures.jsonl`` on the daemon.
 - ``latency_tracker``: Gym's ``DispatchLatencyTracker`` (anything with
   ``record(seconds)`` and ``record_drained()``) gets each rollout's duration.
-- ``head_server_config``, ``semaphore``: accepted, not used. The daemon's
-  agents come from its own flags (``--gym-head-server``), and its
-  ``--concurrency`` bounds the requests to them.
+- ``head_server_config``: with a URL (or ``DISPATCHER_URL``) not used, the
+  daemon's agents come from its own flags; without one, the head server
+  whose agents the helper's own daemon runs (None: Gym's default, the
+  ``head_server`` of Gym's global config).
+- ``semaphore``: accepted, not used: the daemon's ``--concurrency`` bounds
+  the requests to the agents.
 - ``environment_server_name``: only None; rows route by ``agent_ref``.
 
 Examples whose body would pass the daemon's ``--max-body-bytes`` are split: a
@@ -69,36 +74,38 @@ drained result; a job that fails raises ``ClientError`` from theirs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
 from dispatcher import jsonx
 from dispatcher.client.aio import AsyncClient
+from dispatcher.client.embedded import EmbeddedDaemon, head_server_url
 from dispatcher.client.gym_plan import (
     DISPATCHER_KEYS,
     Durations,
     JobPlan,
+    LatencyTracker,
+    Options,
+    RolloutFailed,
     agent_result,
     budget_message,
+    cancel_jobs,
     drained_result,
     failure_result,
+    leaf,
     plan_job,
 )
-from dispatcher.client.wire import DATA_STATUS, INFRASTRUCTURE_STATUS, ClientError
+from dispatcher.client.wire import ClientError
 from dispatcher.lifecycle import JobState
-from dispatcher.tasks.keys import (
-    FAILURE_CLASS,
-    FAILURE_HTTP_STATUS,
-    NOT_DELIVERED,
-    ROLLOUT_INDEX,
-    TASK_INDEX,
-)
+from dispatcher.tasks.keys import ROLLOUT_INDEX, TASK_INDEX
 
 __all__ = [
     "DISPATCHER_KEYS",
@@ -114,57 +121,6 @@ log = structlog.get_logger(__name__)
 Pair = tuple[dict[str, Any], dict[str, Any]]
 
 
-class RolloutFailed(ClientError):
-    """A rollout the daemon gave up on (``route_failures_to_sidecar=False``).
-
-    ``status`` is its last attempt's HTTP error status, else 503 for a failure of
-    the infrastructure (never delivered) and 422 for one of the task's data
-    (contracts §12), so a trainer's typed retry budgets see the kind; ``failure``
-    holds Gym's failure keys. It pickles (Ray carries it between processes).
-    """
-
-    def __init__(self, failure: dict[str, Any]) -> None:
-        super().__init__(None, str(failure["_ng_failure_message"]))
-        self.failure = failure
-        self.http_status = _http_status(failure)
-        self.status = self.http_status or _status_of_kind(failure)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.failure,))
-
-
-def _http_status(failure: dict[str, Any]) -> int | None:
-    status = failure.get(FAILURE_HTTP_STATUS)
-    if not isinstance(status, int) or isinstance(status, bool):
-        return None
-    # A 2xx with no result in it (a protocol violation) is not the status of a failure.
-    return status if status >= 400 else None
-
-
-def _status_of_kind(failure: dict[str, Any]) -> int:
-    infrastructure = (
-        failure.get(NOT_DELIVERED) is True or failure.get(FAILURE_CLASS) == "agent_request_failed"
-    )
-    return INFRASTRUCTURE_STATUS if infrastructure else DATA_STATUS
-
-
-class LatencyTracker(Protocol):
-    def record(self, seconds: float) -> None: ...
-
-    def record_drained(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Options:
-    """Gym's keyword arguments that mean something here."""
-
-    failures_as_results: bool = False
-    max_resident_tasks: int | None = None
-    dispatch_budget_s: float | None = None
-    drain_margin_s: float | None = None
-    latency_tracker: LatencyTracker | None = None
-
-
 class Collection:
     """One ``run_examples`` call: owns its jobs, what is resolved, and the completions queue.
 
@@ -175,12 +131,13 @@ class Collection:
 
     def __init__(
         self,
-        connect: Callable[[], AsyncClient],
+        locate: Callable[[], Awaitable[Callable[[], AsyncClient]]],
         examples: Sequence[dict[str, Any]],
         options: Options,
     ) -> None:
-        self._connect = connect
-        self._client = connect()
+        self._locate = locate
+        self._connect: Callable[[], AsyncClient] | None = None
+        self._client: AsyncClient | None = None
         self._examples = examples
         self._options = options
         self._completions: asyncio.Queue[Pair | BaseException] = asyncio.Queue()
@@ -197,11 +154,17 @@ class Collection:
         budget = options.dispatch_budget_s
         self._deadline = None if budget is None else time.monotonic() + budget
         self._task: asyncio.Task[None] | None = None
+        self._taken = 0
 
     async def next_completion(self) -> Pair:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._collect())
         item = await self._completions.get()
+        self._taken += 1
+        if self._taken == len(self._examples):
+            # The last result: nothing of the collection outlives it (its streams
+            # end as their examples resolve, its session closes).
+            await asyncio.gather(self._task, return_exceptions=True)
         if isinstance(item, BaseException):
             raise item
         return item
@@ -212,30 +175,32 @@ class Collection:
             return
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
-        if not self._client.reached:
+        if self._client is None or self._connect is None or not self._client.reached:
             return  # the daemon never answered: no job was created
         # A fresh client: the cancelled task's is closed, and awaits in it are cut short.
         async with self._connect() as client:
-            await _cancel_jobs(client, self._jobs)
+            await cancel_jobs(client, self._jobs)
 
     # --- the collection task ---
 
     async def _collect(self) -> None:
         try:
-            async with self._client:
+            self._connect = await self._locate()
+            self._client = client = self._connect()
+            async with client:
                 try:
                     await self._feed()
                 except Exception:
                     # A collection that fails stops its jobs on the daemon (none
                     # was created if the daemon never answered).
-                    if self._client.reached:
-                        await _cancel_jobs(self._client, self._jobs)
+                    if client.reached:
+                        await cancel_jobs(client, self._jobs)
                     raise
         except asyncio.CancelledError:
             self._resolve_rest(asyncio.CancelledError())
             raise
         except Exception as exc:
-            error = _leaf(exc)
+            error = leaf(exc)
             log.warning("gym_collection_failed", error=f"{type(error).__name__}: {error}")
             self._resolve_rest(error)
 
@@ -256,10 +221,10 @@ class Collection:
                     jobs.create_task(self._follow(job_id, plan))
 
     async def _room_for(self, window: int, total: int) -> int:
-        """How many examples to submit next: once half the window is free (or all the rest)."""
+        """How many examples to submit next: as many as the window has free, once one is."""
         while True:
             free = window - (self._next - len(self._resolved))
-            if free >= min(max(1, window // 2), total - self._next):
+            if free >= 1:
                 return min(free, total - self._next)
             self._room.clear()
             await self._room.wait()
@@ -326,7 +291,9 @@ class Collection:
         self._jobs.append(job_id)
         try:
             # With a job_id the submit is idempotent, so a lost answer is retried.
-            await self._client.submit(plan.rows, job_id=job_id, num_repeats=1)
+            await self._api.submit(
+                plan.rows, job_id=job_id, num_repeats=1, max_attempts=self._options.max_attempts
+            )
         except ClientError as exc:
             if exc.status == 413:
                 # Refused before it was read: no such job (its id is used again).
@@ -336,10 +303,13 @@ class Collection:
 
     async def _follow(self, job_id: str, plan: JobPlan) -> None:
         """Resolve the job's examples: each as its row lands, the rest once the job is final."""
-        rows = self._client.results(job_id)
+        rows = self._api.results(job_id)
         try:
-            async for row in rows:
-                self._succeed(plan, row)
+            async with contextlib.aclosing(rows):
+                async for row in rows:
+                    self._succeed(plan, row)
+                    if self._all_resolved(plan):
+                        return  # the stream's end line adds nothing: it is closed now
             left = [p for p in plan.positions if p not in self._resolved]
             if left:
                 await self._resolve_left(job_id, rows.final_state, left)
@@ -356,7 +326,7 @@ class Collection:
             for position in positions:
                 self._resolve(position, drained_result(f"not run: job {job_id} ended {state}"))
             return
-        job = await self._client.status(job_id)
+        job = await self._api.status(job_id)
         # Every rollout final: these ended failed. A job is also failed, with none
         # left, when none of its rollouts succeeded and all failed alike.
         if state is JobState.DONE or (state is JobState.FAILED and job.remaining == 0):
@@ -365,6 +335,14 @@ class Collection:
                 self._fail(position, failure)
         else:
             raise ClientError(None, f"job {job_id} ended {state}: {job.error}")
+
+    @property
+    def _api(self) -> AsyncClient:
+        assert self._client is not None
+        return self._client
+
+    def _all_resolved(self, plan: JobPlan) -> bool:
+        return all(p in self._resolved for p in plan.positions)
 
     def _succeed(self, plan: JobPlan, row: dict[str, Any]) -> None:
         position = plan.by_key.get((row[TASK_INDEX], row[ROLLOUT_INDEX]))
@@ -398,21 +376,6 @@ class Collection:
             self._resolve(position, error)
 
 
-async def _cancel_jobs(client: AsyncClient, job_ids: list[str]) -> None:
-    for job_id in job_ids:
-        try:
-            await client.cancel(job_id)
-        except ClientError as exc:
-            log.warning("gym_job_cancel_failed", job_id=job_id, error=str(exc))
-
-
-def _leaf(error: Exception) -> Exception:
-    """The first error inside a task group's ``ExceptionGroup``, or the error itself."""
-    while isinstance(error, ExceptionGroup) and error.exceptions:
-        error = error.exceptions[0]
-    return error
-
-
 class Completions:
     """The iterator ``run_examples`` returns: ``len(examples)`` awaitables, completion order."""
 
@@ -437,16 +400,51 @@ class Completions:
 
 
 class RolloutCollectionHelper:
-    """Gym's ``RolloutCollectionHelper`` on ``dispatcher serve`` at ``url`` (see the module).
+    """Gym's ``RolloutCollectionHelper`` on ``dispatcher serve`` (see the module).
 
+    ``url``: the daemon's; default ``DISPATCHER_URL``; without either, a daemon of
+    the helper's own is started on loopback at the first ``run_examples``
+    (``client/embedded.py``), stopped by ``close()`` or at exit.
     ``token``: the daemon's API token (default ``DISPATCHER_API_TOKEN``);
-    ``client_options`` go to ``AsyncClient`` (timeouts, TLS).
+    ``max_attempts``: each job's attempt cap (contracts §12), 1 by default as
+    Gym's helper never retries (the trainer's own retry budgets apply); None
+    leaves the daemon's ``--max-attempts``; ``client_options`` go to
+    ``AsyncClient`` (timeouts, TLS).
     """
 
-    def __init__(self, url: str, token: str | None = None, **client_options: Any) -> None:
-        self.url = url
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        max_attempts: int | None = 1,
+        **client_options: Any,
+    ) -> None:
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1 (or None for the daemon's)")
+        self.url = url or os.environ.get("DISPATCHER_URL") or None
         self._token = token
+        self._max_attempts = max_attempts
         self._client_options = client_options
+        self._daemon: EmbeddedDaemon | None = None
+        self._head_server: str | None = None
+        self._starting = threading.Lock()
+
+    @property
+    def daemon(self) -> EmbeddedDaemon | None:
+        """The helper's own daemon, once started (None with a URL)."""
+        return self._daemon
+
+    def close(self) -> None:
+        """Stop the helper's own daemon, if it started one (blocking; idempotent)."""
+        if self._daemon is not None:
+            self._daemon.stop()
+
+    def __enter__(self) -> RolloutCollectionHelper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run_examples(
         self,
@@ -471,12 +469,32 @@ class RolloutCollectionHelper:
             )
         options = Options(
             failures_as_results=route_failures_to_sidecar,
+            max_attempts=self._max_attempts,
             max_resident_tasks=max_resident_tasks,
             dispatch_budget_s=dispatch_budget_s,
             drain_margin_s=drain_margin_s,
             latency_tracker=latency_tracker,
         )
-        connect = functools.partial(
-            AsyncClient, self.url, token=self._token, **self._client_options
-        )
-        return Completions(Collection(connect, examples, options), len(examples))
+
+        async def locate() -> Callable[[], AsyncClient]:
+            url = self.url
+            if url is None:
+                url = await asyncio.to_thread(self._own_daemon, head_server_config)
+            return functools.partial(AsyncClient, url, token=self._token, **self._client_options)
+
+        return Completions(Collection(locate, examples, options), len(examples))
+
+    def _own_daemon(self, head_server_config: Any) -> str:
+        """The URL of the helper's own daemon, started for ``head_server_config``'s agents
+        on the first call (blocking)."""
+        with self._starting:
+            head = head_server_url(head_server_config)
+            if self._daemon is None or self._daemon.process.poll() is not None:
+                self._daemon = EmbeddedDaemon.start(head)
+                self._head_server = head
+            elif head != self._head_server:
+                raise ValueError(
+                    f"head_server_config: {head} is not the head server this helper's "
+                    f"daemon serves ({self._head_server}); use one helper per Gym stack"
+                )
+            return self._daemon.url

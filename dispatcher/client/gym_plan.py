@@ -7,11 +7,22 @@ import bisect
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from dispatcher.client.wire import JobStatus
+import structlog
+
+from dispatcher.client.aio import AsyncClient
+from dispatcher.client.wire import DATA_STATUS, INFRASTRUCTURE_STATUS, ClientError, JobStatus
 from dispatcher.latency.quantile import quantile
-from dispatcher.tasks.keys import STRIPPED_KEYS, TASK_INDEX
+from dispatcher.tasks.keys import (
+    FAILURE_CLASS,
+    FAILURE_HTTP_STATUS,
+    NOT_DELIVERED,
+    STRIPPED_KEYS,
+    TASK_INDEX,
+)
+
+log = structlog.get_logger(__name__)
 
 # Keys of a durable row that are the dispatcher's, not the agent's answer (declared
 # in tasks/schema.py): those it writes into every row, and the trajectory it rewrites.
@@ -28,6 +39,40 @@ _FAILURE_CLASSES = frozenset(
         "agent_reported_failure",
     }
 )
+
+
+class RolloutFailed(ClientError):
+    """A rollout the daemon gave up on (``route_failures_to_sidecar=False``).
+
+    ``status`` is its last attempt's HTTP error status, else 503 for a failure of
+    the infrastructure (never delivered) and 422 for one of the task's data
+    (contracts §12), so a trainer's typed retry budgets see the kind; ``failure``
+    holds Gym's failure keys. It pickles (Ray carries it between processes).
+    """
+
+    def __init__(self, failure: dict[str, Any]) -> None:
+        super().__init__(None, str(failure["_ng_failure_message"]))
+        self.failure = failure
+        self.http_status = _http_status(failure)
+        self.status = self.http_status or _status_of_kind(failure)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.failure,))
+
+
+def _http_status(failure: dict[str, Any]) -> int | None:
+    status = failure.get(FAILURE_HTTP_STATUS)
+    if not isinstance(status, int) or isinstance(status, bool):
+        return None
+    # A 2xx with no result in it (a protocol violation) is not the status of a failure.
+    return status if status >= 400 else None
+
+
+def _status_of_kind(failure: dict[str, Any]) -> int:
+    infrastructure = (
+        failure.get(NOT_DELIVERED) is True or failure.get(FAILURE_CLASS) == "agent_request_failed"
+    )
+    return INFRASTRUCTURE_STATUS if infrastructure else DATA_STATUS
 
 
 def agent_result(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,3 +166,36 @@ class Durations:
         if len(self._sorted) < _MARGIN_MIN_SAMPLES:
             return None
         return quantile(self._sorted, _MARGIN_QUANTILE)
+
+
+class LatencyTracker(Protocol):
+    def record(self, seconds: float) -> None: ...
+
+    def record_drained(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Options:
+    """Gym's keyword arguments that mean something here."""
+
+    failures_as_results: bool = False
+    max_attempts: int | None = 1
+    max_resident_tasks: int | None = None
+    dispatch_budget_s: float | None = None
+    drain_margin_s: float | None = None
+    latency_tracker: LatencyTracker | None = None
+
+
+async def cancel_jobs(client: AsyncClient, job_ids: list[str]) -> None:
+    for job_id in job_ids:
+        try:
+            await client.cancel(job_id)
+        except ClientError as exc:
+            log.warning("gym_job_cancel_failed", job_id=job_id, error=str(exc))
+
+
+def leaf(error: Exception) -> Exception:
+    """The first error inside a task group's ``ExceptionGroup``, or the error itself."""
+    while isinstance(error, ExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error

@@ -49,6 +49,8 @@ class TooBig(BadJob):
 STORED = {"stored": True}
 # A job's metadata is kept with its status for the daemon's life: a bound.
 MAX_METADATA_BYTES = 64 * 1024
+# A job's own attempt cap: every attempt is a failure row kept on disk, so a bound.
+MAX_JOB_ATTEMPTS = 100
 
 
 class JobSpec(BaseModel):
@@ -74,6 +76,9 @@ class JobSpec(BaseModel):
     overprovision: float | None = Field(default=None, ge=1.0)
     on_target: Literal["finish", "cancel"] | None = None
     group_filter: Literal["nonzero_reward_std"] | None = None
+    # Counted failed attempts that make one of the job's rollouts final, in place of
+    # the daemon's --max-attempts: 1 when the caller retries itself (contracts §12).
+    max_attempts: int | None = Field(default=None, ge=1, le=MAX_JOB_ATTEMPTS)
 
     @model_validator(mode="after")
     def _rows_or_input(self, info: ValidationInfo) -> JobSpec:
@@ -163,6 +168,8 @@ class JobSpec(BaseModel):
             values["num_repeats"] = self.num_repeats
         if self.default_agent is not None:
             values["default_agent"] = self.default_agent
+        if self.max_attempts is not None:
+            values.update(max_attempts=self.max_attempts, extend_attempts=0)
         if self.responses_create_params is not None:
             values["responses_create_params"] = {
                 **base.responses_create_params,
@@ -178,6 +185,7 @@ _LATER_FIELDS = (
     "overprovision",
     "on_target",
     "group_filter",
+    "max_attempts",
 )
 
 

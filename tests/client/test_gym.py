@@ -157,10 +157,16 @@ async def test_each_result_is_the_agents_answer_in_completion_order(start_stack:
 async def test_a_failed_rollout_raises_or_is_routed_as_a_failure_result(start_stack: Any) -> None:
     agent = HeldAgent(held=False, failing=frozenset({"q1"}))
     stack = await start_stack(agent, "--max-attempts", "2")
+    # Gym's helper never retries: each job has max_attempts 1, the trainer retries.
     helper = RolloutCollectionHelper(stack.url)
     outcomes = await asyncio.gather(*helper.run_examples(examples(2)), return_exceptions=True)
     failed = [o for o in outcomes if isinstance(o, BaseException)]
     assert len(failed) == 1 and isinstance(failed[0], RolloutFailed), outcomes
+    assert "failed attempts: agent_run_error 1" in str(failed[0])
+    # max_attempts=None: the daemon's --max-attempts.
+    daemons = RolloutCollectionHelper(stack.url, max_attempts=None)
+    outcomes = await asyncio.gather(*daemons.run_examples(examples(2)), return_exceptions=True)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
     assert "failed attempts: agent_run_error 2" in str(failed[0])
 
     routed = await asyncio.gather(*helper.run_examples(examples(2), route_failures_to_sidecar=True))

@@ -345,6 +345,8 @@ async def test_bad_job_bodies_are_400_naming_the_field_and_create_nothing(
         orjson.dumps({"rows": [*rows(2), {"_ng_no_persist": True}]}): "rows[2]:",
         orjson.dumps({"rows": rows(1), "num_repeats": 0}): "num_repeats:",
         orjson.dumps({"rows": rows(1), "colour": "red"}): "colour: not a job field",
+        orjson.dumps({"rows": rows(1), "max_attempts": 0}): "max_attempts:",
+        orjson.dumps({"rows": rows(1), "max_attempts": "1"}): "max_attempts:",
         orjson.dumps({"input": str(tmp_path / "absent.jsonl")}): "input:",
     }
     try:
@@ -427,6 +429,36 @@ async def test_failed_attempts_run_again_in_a_next_hop_within_the_daemon(tmp_pat
     folder = tmp_path / "state" / "jobs" / "flaky"
     assert len(read_jsonl(folder / "rollouts_failures.jsonl")) == 3
     assert orjson.loads((folder / "rollouts_manifest.json").read_bytes())["hops"] == 2
+
+
+async def test_a_job_with_max_attempts_1_runs_no_attempt_again(tmp_path: Path) -> None:
+    """The caller retries itself: the job's cap, not the daemon's --max-attempts 3."""
+
+    def first_attempts_fail(body: dict[str, Any]) -> web.StreamResponse:
+        if body.get("_ng_attempt_index", 0) == 0 and body["question"] % 2 == 0:
+            return web.json_response({"error": "flaky"}, status=500)
+        return web.json_response({"reward": 1.0})
+
+    agent = FakeAgent(first_attempts_fail)
+    await agent.start()
+    serve = await Serve.start(tmp_path / "state", agent.url, "--max-attempts", "3")
+    try:
+        await serve.submit(job_id="once", rows=rows(6), max_attempts=1)
+        stream = await serve.results("once", wait=True)
+        # The same body again is the same job; another cap is another body.
+        await serve.submit(expect=200, job_id="once", rows=rows(6), max_attempts=1)
+        await serve.submit(expect=409, job_id="once", rows=rows(6), max_attempts=2)
+        await serve.submit(job_id="thrice", rows=rows(6))
+        again = await serve.results("thrice", wait=True)
+    finally:
+        assert await serve.stop() == 0
+        await agent.close()
+    assert stream[-1] == {"end": "done"}
+    assert sorted(r["_ng_task_index"] for r in row_lines(stream)) == [1, 3, 5]
+    folder = tmp_path / "state" / "jobs" / "once"
+    assert len(read_jsonl(folder / "rollouts_failures.jsonl")) == 3
+    assert orjson.loads((folder / "rollouts_manifest.json").read_bytes())["hops"] == 1
+    assert len(row_lines(again)) == 6
 
 
 async def test_a_bad_listen_address_is_exit_2_naming_the_flag(tmp_path: Path) -> None:

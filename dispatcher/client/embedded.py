@@ -1,0 +1,162 @@
+"""A daemon of the drop-in's own (contracts §15): ``dispatcher serve`` as a child process.
+
+``RolloutCollectionHelper()`` without a URL and without ``DISPATCHER_URL``
+starts one on loopback, on a free port, its agents those of the Gym head
+server that ``run_examples`` was given, its state in ``DISPATCHER_STATE`` or a
+temporary directory (removed when the daemon stops). It runs as
+``python -m dispatcher.client.embedded ARGS``: ``dispatcher serve ARGS``
+plus a watch on its stdin, a pipe only the parent holds, so the daemon stops
+(SIGTERM, as at a terminal) when the parent dies whatever kills it. The
+parent stops it on ``close()`` and at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dispatcher.client.wire import ClientError
+
+# How long the child may take to say it listens: it waits for the head server
+# (``--gym-head-server-wait-s``, 300 s by default) before it does.
+START_TIMEOUT_S = 330.0
+# How long a SIGTERM'd daemon has to stop before it is killed.
+STOP_TIMEOUT_S = 30.0
+_LISTENING = "dispatcher serve listening on "
+
+
+class EmbeddedDaemon:
+    """A running child ``dispatcher serve``; ``url`` once it listens."""
+
+    def __init__(self, process: subprocess.Popen[bytes], state_dir: str, owned: bool) -> None:
+        self.process = process
+        self.state_dir = state_dir
+        self._owned = owned  # a temporary directory of ours, removed at the end
+        self._listening = threading.Event()
+        self._url: str | None = None
+        self._lock = threading.Lock()
+        atexit.register(self.stop)
+        threading.Thread(target=self._read_stdout, name="dispatcher-embedded", daemon=True).start()
+
+    @classmethod
+    def start(cls, head_server_url: str, *flags: str) -> EmbeddedDaemon:
+        """Start the child (blocking until it listens); ``ClientError`` when it exits first."""
+        given = os.environ.get("DISPATCHER_STATE")
+        state_dir = given or tempfile.mkdtemp(prefix="dispatcher-state-")
+        args = ["--listen", "127.0.0.1:0", "--state-dir", state_dir,
+                "--gym-head-server", head_server_url, *flags]  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher.client.embedded", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        daemon = cls(process, state_dir, owned=given is None)
+        try:
+            daemon.wait_listening(START_TIMEOUT_S)
+        except BaseException:
+            daemon.stop()
+            raise
+        return daemon
+
+    @property
+    def url(self) -> str:
+        assert self._url is not None
+        return self._url
+
+    def wait_listening(self, timeout_s: float) -> str:
+        if not self._listening.wait(timeout_s):
+            message = f"the embedded dispatcher serve did not listen in {timeout_s:g} s"
+            raise ClientError(None, message)
+        if self._url is None:
+            code = self.process.wait()
+            raise ClientError(
+                None, f"the embedded dispatcher serve exited {code} before it listened "
+                "(its error is on stderr above)"
+            )  # fmt: skip
+        return self._url
+
+    def _read_stdout(self) -> None:
+        """The listening line, then whatever else it prints, to our stdout."""
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            line = raw.decode("utf-8", "replace")
+            if self._url is None and line.startswith(_LISTENING):
+                self._url = line[len(_LISTENING) :].strip()
+                self._listening.set()
+            else:
+                sys.stdout.write(line)
+        self._listening.set()  # exited: whoever waits learns it
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``; its exit code. Idempotent."""
+        with self._lock:
+            atexit.unregister(self.stop)
+            process = self.process
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            if process.stdin is not None and not process.stdin.closed:
+                process.stdin.close()
+            if self._owned:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+            return process.returncode
+
+
+def head_server_url(config: Any) -> str:
+    """The URL of a Gym head server as ``run_examples`` is given it: a ``BaseServerConfig``
+    (anything with ``host`` and ``port``), a mapping with them, or a URL; None is Gym's
+    own default, the ``head_server`` of its global config (needs ``nemo_gym``)."""
+    if config is None:
+        try:
+            from nemo_gym.server_utils import ServerClient
+        except ImportError:
+            raise ValueError(
+                "head_server_config: none given, DISPATCHER_URL is unset and nemo_gym is not "
+                "importable for Gym's default; give run_examples the head server's config, "
+                "or DISPATCHER_URL a running dispatcher serve"
+            ) from None
+        config = ServerClient.load_head_server_config()
+    if isinstance(config, str):
+        return config
+    if isinstance(config, Mapping):
+        host, port = config.get("host"), config.get("port")
+    else:
+        host, port = getattr(config, "host", None), getattr(config, "port", None)
+    if not host or not isinstance(port, int):
+        raise ValueError(f"head_server_config: no host and integer port in {config!r}")
+    return f"http://{host}:{port}"
+
+
+def _watch_parent() -> None:
+    """SIGTERM this process once stdin ends: the parent that held its pipe is gone;
+    SIGKILL if it has not stopped ``STOP_TIMEOUT_S`` later."""
+    while sys.stdin.buffer.read(1 << 16):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    kill = threading.Timer(STOP_TIMEOUT_S, os.kill, (os.getpid(), signal.SIGKILL))
+    kill.daemon = True
+    kill.start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dispatcher serve ARGS`` that stops when its parent does."""
+    from dispatcher.cli import main as cli_main
+
+    threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
