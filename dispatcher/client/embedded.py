@@ -44,7 +44,10 @@ class EmbeddedDaemon:
         self._url: str | None = None
         self._lock = threading.Lock()
         atexit.register(self.stop)
-        threading.Thread(target=self._read_stdout, name="dispatcher-embedded", daemon=True).start()
+        self._reader = threading.Thread(
+            target=self._read_stdout, name="dispatcher-embedded", daemon=True
+        )
+        self._reader.start()
 
     @classmethod
     def start(cls, head_server_url: str, *flags: str) -> EmbeddedDaemon:
@@ -107,8 +110,10 @@ class EmbeddedDaemon:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-            if process.stdin is not None and not process.stdin.closed:
-                process.stdin.close()
+            self._reader.join()  # it read to the end: the pipe can close
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
             if self._owned:
                 shutil.rmtree(self.state_dir, ignore_errors=True)
             return process.returncode
@@ -142,7 +147,8 @@ def head_server_url(config: Any) -> str:
 def _watch_parent() -> None:
     """SIGTERM this process once stdin ends: the parent that held its pipe is gone;
     SIGKILL if it has not stopped ``STOP_TIMEOUT_S`` later."""
-    while sys.stdin.buffer.read(1 << 16):
+    # The raw descriptor: a buffered read holds a lock the interpreter's exit needs.
+    while os.read(0, 1 << 16):
         pass
     os.kill(os.getpid(), signal.SIGTERM)
     kill = threading.Timer(STOP_TIMEOUT_S, os.kill, (os.getpid(), signal.SIGKILL))

@@ -9,6 +9,8 @@ without the dispatcher's keys, in completion order.
 from __future__ import annotations
 
 import asyncio
+import gc
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -349,3 +351,36 @@ async def test_a_job_none_of_whose_rollouts_succeeded_still_hands_back_each_fail
     assert [type(o) for o in outcomes] == [RolloutFailed, RolloutFailed], outcomes
     routed = await asyncio.gather(*helper.run_examples(examples(2), route_failures_to_sidecar=True))
     assert [result["_ng_failure_class"] for _, result in routed] == ["agent_run_error"] * 2
+
+
+async def test_nothing_of_a_collection_is_left_after_its_last_result(start_stack: Any) -> None:
+    """A trainer's persistent loop (NeMo RL's): once the last awaitable resolved, no task
+    or stream of the helper is pending there, and a GC pass finds nothing to warn of.
+    The window refills an example at a time: 6 examples through 2 slots are 5 jobs."""
+    stack = await start_stack(HeldAgent(held=False))
+    helper = RolloutCollectionHelper(stack.url)
+
+    def trainer() -> tuple[int, list[Any], list[str]]:
+        loop = asyncio.new_event_loop()
+        errors: list[Any] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+
+        async def collect() -> int:
+            pairs = [await f for f in helper.run_examples(examples(6), max_resident_tasks=2)]
+            return len(pairs)
+
+        try:
+            count = loop.run_until_complete(collect())
+            left = [repr(task) for task in asyncio.all_tasks(loop)]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                gc.collect()
+            errors += [str(w.message) for w in caught]
+            return count, errors, left
+        finally:
+            loop.close()
+
+    count, errors, left = await asyncio.to_thread(trainer)
+    assert count == 6
+    assert left == [] and errors == []
+    assert len(await stack.jobs()) == 5
