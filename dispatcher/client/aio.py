@@ -289,6 +289,7 @@ class AsyncClient:
         group: bool = False,
         wait: bool = True,
         filtered: bool = False,
+        failures: bool = False,
     ) -> Results:
         """Rows (or complete groups) of a job as they become durable, each exactly once.
 
@@ -297,11 +298,16 @@ class AsyncClient:
         a target: a grouped stream ends right after its target-th kept group
         (``final_state`` is ``satisfied``); ``after=`` that group's seq reads
         the tail. Groups its filter dropped come only with ``filtered=True``.
+        With ``failures=True`` (rows only) a rollout's final failure comes as it
+        happens, as ``{"_ng_failure_seq": N, "failure": row}``, each once.
         """
+        if failures and group:
+            raise ValueError("failures: only on a stream of rows (group=False)")
 
         def open_stream(position: StreamPosition) -> AsyncGenerator[dict[str, Any], None]:
             position.last_seq = after
-            return self._stream(job_id, position, group=group, wait=wait, filtered=filtered)
+            flags = (group, wait, filtered, failures)
+            return self._stream(job_id, position, flags)
 
         return Results(open_stream)
 
@@ -355,14 +361,15 @@ class AsyncClient:
             raise ClientError(resp.status, f"{method} {path}: answer is not JSON") from None
 
     async def _stream(
-        self, job_id: str, position: StreamPosition, *, group: bool, wait: bool, filtered: bool
+        self, job_id: str, position: StreamPosition, flags: tuple[bool, bool, bool, bool]
     ) -> AsyncGenerator[dict[str, Any], None]:
+        wait = flags[1]
         retries = _Retry(self.retry_deadline_s, self._backoff)
         while True:
             deadline_s: float | None = None
             try:
                 # aclosing: a consumer that stops early must release the connection now.
-                lines = self._stream_once(job_id, position, retries, (group, wait, filtered))
+                lines = self._stream_once(job_id, position, retries, flags)
                 async with aclosing(lines):
                     async for item in lines:
                         yield item
@@ -378,11 +385,13 @@ class AsyncClient:
         job_id: str,
         position: StreamPosition,
         retries: _Retry,
-        flags: tuple[bool, bool, bool],
+        flags: tuple[bool, bool, bool, bool],
     ) -> AsyncGenerator[dict[str, Any], None]:
         """One connection's worth of the stream; ``_Transient`` when it was cut.
-        ``flags``: group, wait, filtered."""
-        query = results_query(position.last_seq, *flags)
+        ``flags``: group, wait, filtered, failures."""
+        group, wait, filtered, failures = flags
+        failures_after = position.last_failure_seq if failures else None
+        query = results_query(position.last_seq, group, wait, filtered, failures_after)
         url = f"{self.base_url}{job_path(job_id, '/results')}?{query}"
         # No total timeout: a job's stream lives as long as the job. An idle
         # timeout is the only way to notice a half-open connection (the

@@ -199,9 +199,10 @@ class Client:
         group: bool = False,
         wait: bool = True,
         filtered: bool = False,
+        failures: bool = False,
     ) -> BlockingResults:
         """See ``AsyncClient.results``; a plain iterator."""
         results = self._async.results(
-            job_id, after=after, group=group, wait=wait, filtered=filtered
+            job_id, after=after, group=group, wait=wait, filtered=filtered, failures=failures
         )
         return BlockingResults(self, results)

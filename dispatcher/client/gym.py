@@ -9,18 +9,18 @@ examples)``; the same loop runs on ``dispatcher serve`` by changing one line::
     for future in helper.run_examples(examples):
         row, result = await future  # in completion order, as Gym's
 
-The contract kept (Gym 0.7.0 and Main have one signature): ``run_examples``
-returns an iterator of ``len(examples)`` awaitables, each resolving to
-``(row, result)`` in completion order. ``row`` is the caller's example, the
-same object. ``result`` is what the agent's ``/run`` answered, without the
-keys the dispatcher owns or rewrites (``DISPATCHER_KEYS``: the identity keys
+``run_examples`` (Gym 0.7.0's and Main's signature) returns an iterator of
+``len(examples)`` awaitables, each resolving to ``(row, result)`` in
+completion order; ``row`` is the caller's example, the same object.
+``result`` is what the agent's ``/run`` answered, without the keys the
+dispatcher owns or rewrites (``DISPATCHER_KEYS``: the identity keys
 ``_ng_task_index``, ``_ng_rollout_index``, ``agent_ref`` and the others of
 contracts §3, ``_ng_seq``, the policy versions, ``_ng_run_id``, and the
 capture view ``ng_trajectory``/``ng_perf``/``ng_model_call_capture``). An agent
 that echoes its request has the identity keys in its own answer; they are in
 ``row``. The full durable row stays in the job's output on the daemon. An
-answer carrying ``_ng_failure_class`` is a failure here, retried as any
-(contracts §3), where Gym hands it back as a result.
+answer carrying ``_ng_failure_class`` is a failure here (contracts §3),
+where Gym hands it back as a result.
 
 Behind it, the examples are a job on the daemon (``num_repeats`` 1), streamed
 back as rows become durable. The first ``await`` submits it. Rows go to the
@@ -43,28 +43,23 @@ Gym's keyword arguments:
   margin it adapts to the p75 of the rollouts' durations once five are in,
   as Gym. The check is made where examples are handed to the daemon: with
   ``max_resident_tasks`` as slots free up, without it once for all.
-- ``route_failures_to_sidecar``: a rollout that ended failed (the daemon's
-  attempts spent, or a terminal failure; known once its job is final, since
-  the daemon streams success rows only) resolves to a failure result
-  (``_ng_failure_class``, ``_ng_failure_type`` ``"RolloutFailed"``,
-  ``_ng_failure_message``, ``_ng_failure_http_status``,
-  ``_ng_failure_response_body``); without it its awaitable raises
-  ``RolloutFailed``. The class is the job's failure class when the job has
-  one, else ``"rollout_failed"``; the failure rows themselves are in the
-  job's ``rollouts_failures.jsonl`` on the daemon.
+- ``route_failures_to_sidecar``: a rollout that ended failed (its attempts
+  spent, or a terminal failure), known as its failure row is durable (the
+  daemon streams it), resolves to Gym's failure result (``_ng_failure_class``,
+  ``_ng_failure_type``, ``_ng_failure_message``, ``_ng_failure_http_status``,
+  ``_ng_failure_response_body``, from that row); without it its awaitable
+  raises ``RolloutFailed``, then, with the last attempt's HTTP status.
 - ``latency_tracker``: Gym's ``DispatchLatencyTracker`` (anything with
   ``record(seconds)`` and ``record_drained()``) gets each rollout's duration.
 - ``head_server_config``: with a URL (or ``DISPATCHER_URL``) not used, the
   daemon's agents come from its own flags; without one, the head server
   whose agents the helper's own daemon runs (None: Gym's default, the
   ``head_server`` of Gym's global config).
-- ``semaphore``: accepted, not used: the daemon's ``--concurrency`` bounds
-  the requests to the agents.
+- ``semaphore``: not used: the daemon's ``--concurrency`` bounds requests.
 - ``environment_server_name``: only None; rows route by ``agent_ref``.
 
-Examples whose body would pass the daemon's ``--max-body-bytes`` are split: a
-job refused with a 413 is cut into jobs of half its bytes, and that bound holds
-for the later windows; only an example too big alone resolves to the 413.
+A job refused as bigger than ``--max-body-bytes`` (413) is cut into jobs of
+half its bytes, the bound kept; an example too big alone resolves to the 413.
 
 A job that ends cancelled or incomplete resolves its unrun examples to the
 drained result; a job that fails raises ``ClientError`` from theirs.
@@ -80,7 +75,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -90,6 +85,7 @@ from dispatcher.client.aio import AsyncClient
 from dispatcher.client.embedded import EmbeddedDaemon, head_server_url
 from dispatcher.client.gym_plan import (
     DISPATCHER_KEYS,
+    Completions,
     Durations,
     JobPlan,
     LatencyTracker,
@@ -102,6 +98,7 @@ from dispatcher.client.gym_plan import (
     failure_result,
     leaf,
     plan_job,
+    streamed_failure,
 )
 from dispatcher.client.wire import ClientError
 from dispatcher.lifecycle import JobState
@@ -303,11 +300,14 @@ class Collection:
 
     async def _follow(self, job_id: str, plan: JobPlan) -> None:
         """Resolve the job's examples: each as its row lands, the rest once the job is final."""
-        rows = self._api.results(job_id)
+        rows = self._api.results(job_id, failures=True)
         try:
             async with contextlib.aclosing(rows):
                 async for row in rows:
-                    self._succeed(plan, row)
+                    if "failure" in row:
+                        self._failed(plan, row["failure"])
+                    else:
+                        self._succeed(plan, row)
                     if self._all_resolved(plan):
                         return  # the stream's end line adds nothing: it is closed now
             left = [p for p in plan.positions if p not in self._resolved]
@@ -355,6 +355,14 @@ class Collection:
                 self._options.latency_tracker.record(float(duration))
         self._resolve(position, agent_result(row))
 
+    def _failed(self, plan: JobPlan, row: dict[str, Any]) -> None:
+        """A rollout's final failure, streamed as it happened."""
+        task, rollout = row.get(TASK_INDEX), row.get(ROLLOUT_INDEX)
+        if isinstance(task, int) and isinstance(rollout, int):
+            position = plan.by_key.get((task, rollout))
+            if position is not None:
+                self._fail(position, streamed_failure(row))
+
     def _fail(self, position: int, failure: dict[str, Any]) -> None:
         if self._options.failures_as_results:
             self._resolve(position, dict(failure))
@@ -374,29 +382,6 @@ class Collection:
     def _resolve_rest(self, error: BaseException) -> None:
         for position in range(len(self._examples)):
             self._resolve(position, error)
-
-
-class Completions:
-    """The iterator ``run_examples`` returns: ``len(examples)`` awaitables, completion order."""
-
-    def __init__(self, collection: Collection, total: int) -> None:
-        self._collection = collection
-        self._left = total
-
-    def __len__(self) -> int:
-        return self._left
-
-    def __iter__(self) -> Iterator[Awaitable[Pair]]:
-        return self
-
-    def __next__(self) -> Awaitable[Pair]:
-        if self._left <= 0:
-            raise StopIteration
-        self._left -= 1
-        return self._collection.next_completion()
-
-    async def aclose(self) -> None:
-        await self._collection.aclose()
 
 
 class RolloutCollectionHelper:

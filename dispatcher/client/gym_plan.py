@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +17,9 @@ from dispatcher.latency.quantile import quantile
 from dispatcher.tasks.keys import (
     FAILURE_CLASS,
     FAILURE_HTTP_STATUS,
+    FAILURE_MESSAGE,
+    FAILURE_RESPONSE_BODY,
+    FAILURE_TYPE,
     NOT_DELIVERED,
     STRIPPED_KEYS,
     TASK_INDEX,
@@ -119,6 +122,18 @@ def failure_result(job: JobStatus) -> dict[str, Any]:
     }
 
 
+def streamed_failure(row: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rollout whose final failure row the daemon streamed resolves to: that
+    row's Gym failure keys (its class, HTTP status and response body as they came)."""
+    return {
+        "_ng_failure_class": row.get(FAILURE_CLASS) or "rollout_failed",
+        "_ng_failure_type": row.get(FAILURE_TYPE) or "RolloutFailed",
+        "_ng_failure_message": row.get(FAILURE_MESSAGE) or "the rollout ended failed",
+        "_ng_failure_http_status": row.get(FAILURE_HTTP_STATUS),
+        "_ng_failure_response_body": row.get(FAILURE_RESPONSE_BODY),
+    }
+
+
 @dataclass
 class JobPlan:
     """One job's examples: the rows submitted and where each row's result goes back to."""
@@ -199,3 +214,37 @@ def leaf(error: Exception) -> Exception:
     while isinstance(error, ExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
     return error
+
+
+Pair = tuple[dict[str, Any], dict[str, Any]]
+
+
+class Collected(Protocol):
+    """What ``Completions`` iterates: a ``run_examples`` call's collection (gym.py)."""
+
+    async def next_completion(self) -> Pair: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Completions:
+    """The iterator ``run_examples`` returns: ``len(examples)`` awaitables, completion order."""
+
+    def __init__(self, collection: Collected, total: int) -> None:
+        self._collection = collection
+        self._left = total
+
+    def __len__(self) -> int:
+        return self._left
+
+    def __iter__(self) -> Iterator[Awaitable[Pair]]:
+        return self
+
+    def __next__(self) -> Awaitable[Pair]:
+        if self._left <= 0:
+            raise StopIteration
+        self._left -= 1
+        return self._collection.next_completion()
+
+    async def aclose(self) -> None:
+        await self._collection.aclose()

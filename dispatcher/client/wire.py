@@ -107,12 +107,16 @@ def job_path(job_id: str, suffix: str = "") -> str:
     return f"/v1/jobs/{quote(job_id, safe='')}{suffix}"
 
 
-def results_query(after: int, group: bool, wait: bool, filtered: bool = False) -> str:
-    """The query string of a results request."""
+def results_query(
+    after: int, group: bool, wait: bool, filtered: bool = False, failures_after: int | None = None
+) -> str:
+    """The query string of a results request (``failures_after``: failure lines too)."""
     flag = {True: "true", False: "false"}
     query = {"after": str(after), "group": flag[group], "wait": flag[wait]}
     if filtered:
         query["filtered"] = "true"
+    if failures_after is not None:
+        query.update(failures="true", failures_after=str(failures_after))
     return urlencode(query)
 
 
@@ -175,6 +179,8 @@ class StreamPosition:
     """Where a results stream stands: the last ``_ng_seq`` yielded, the final state once seen."""
 
     last_seq: int = 0
+    #: The ``_ng_failure_seq`` of the last failure line yielded (a stream with failures).
+    last_failure_seq: int = 0
     final_state: JobState | None = None
     #: Whether the daemon has answered 200 for this stream once.
     connected: bool = False
@@ -187,6 +193,8 @@ class StreamPosition:
             raise ClientError(None, f"results line is not JSON: {line[:200]!r}") from None
         if not isinstance(item, dict):
             raise ClientError(None, f"results line is not an object: {line[:200]!r}")
+        if "failure" in item and "_ng_failure_seq" in item:
+            return self._failure(item, line)
         seq = item.get("_ng_seq")
         if seq is None:
             if "end" not in item:
@@ -198,6 +206,15 @@ class StreamPosition:
         if seq <= self.last_seq:
             return None  # a peer that resent what we already yielded: never twice
         self.last_seq = seq
+        return item
+
+    def _failure(self, item: dict[str, Any], line: bytes) -> dict[str, Any] | None:
+        seq = item["_ng_failure_seq"]
+        if not isinstance(seq, int) or not isinstance(item["failure"], dict):
+            raise ClientError(None, f"results failure line malformed: {line[:200]!r}")
+        if seq <= self.last_failure_seq:
+            return None
+        self.last_failure_seq = seq
         return item
 
 

@@ -80,6 +80,7 @@ class Job(JobFigures):
         on_final: FinalHook | None = None,
         publish_endpoint: bool = True,
         output_index: LineIndex | None = None,
+        failures_index: LineIndex | None = None,
         gate: Gate | None = None,
     ) -> None:
         self.daemon = daemon
@@ -102,6 +103,7 @@ class Job(JobFigures):
         self._gate = gate
         # Service mode reads rows back by line number (the results stream).
         self.output_index = output_index
+        self.failures_index = failures_index
         self._stop = asyncio.Event()
         # Set by ``close_starts``: nothing more starts, what is in flight goes on.
         self._starts_closed = asyncio.Event()
@@ -137,8 +139,10 @@ class Job(JobFigures):
             if self.output_index is not None and not len(self.output_index):
                 # Once per process: a later hop's index already holds every line.
                 await asyncio.to_thread(self.output_index.load, prepared.paths.output)
+            if self.failures_index is not None and not len(self.failures_index):
+                await asyncio.to_thread(self.failures_index.load, prepared.paths.failures)
             output = self._writer(prepared.paths.output, self.output_index)
-            failures = self._writer(prepared.paths.failures, None)
+            failures = self._writer(prepared.paths.failures, self.failures_index)
             for writer in (output, failures):
                 writer.open()
                 stack.push_async_callback(writer.close)

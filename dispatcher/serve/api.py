@@ -5,7 +5,8 @@
     GET    /v1/jobs/<id>                 one job's status (404 unknown)
     DELETE /v1/jobs/<id>                 cancel: its rollouts at agents write nothing
     GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true
-                                         &filtered=true)
+                                         &filtered=true; &failures=true&failures_after=N:
+                                         final failure lines too)
     POST   /v1/policy                    {"version": V}: the trainer's policy version
     GET    /v1/policy                    the current version
     POST   /v1/admission                 {"paused": true, "ttl_s"?, "reason"?} or {"paused": false}
@@ -228,7 +229,8 @@ class _Handlers:
             return _unknown(request)
         try:
             after = _int_param(request, "after", 0)
-            flags = tuple(_bool_param(request, name) for name in ("group", "wait", "filtered"))
+            group, wait, filtered = (_bool_param(request, n) for n in ("group", "wait", "filtered"))
+            failures_after = _failures_param(request, group=group)
         except ValueError as exc:
             return error(400, str(exc))
         slots = self.service.streams
@@ -236,7 +238,7 @@ class _Handlers:
             message = f"--max-streams: {slots.limit} results streams are open; retry"
             return error(503, message, {"Retry-After": str(RETRY_AFTER_S)})
         try:
-            return await self._stream(request, job, after, *flags)
+            return await self._stream(request, job, after, group, wait, filtered, failures_after)
         finally:
             slots.give_back()
 
@@ -248,6 +250,7 @@ class _Handlers:
         group: bool,
         wait: bool,
         filtered: bool,
+        failures_after: int | None,
     ) -> web.StreamResponse:
         limits = self.service.limits
         source = await job.source()
@@ -257,7 +260,7 @@ class _Handlers:
                         idle_s=limits.stream_idle_timeout_s)  # fmt: skip
         chunk_bytes = limits.stream_buffer_bytes
         lines = stream(source, after, group, wait, filtered, chunk_bytes=chunk_bytes,
-                       gone=sender.gone)  # fmt: skip
+                       gone=sender.gone, failures_after=failures_after)  # fmt: skip
         try:
             # Closed here, whatever ends the stream: left to the loop's finalizer, a
             # stream whose client went away held its files until a GC pass found it.
@@ -326,6 +329,17 @@ def _int_param(request: web.Request, name: str, default: int) -> int:
     if not raw.isdigit():
         raise ValueError(f"{name}: must be an integer >= 0, got {raw!r}")
     return int(raw)
+
+
+def _failures_param(request: web.Request, *, group: bool) -> int | None:
+    """``failures_after`` when the stream asked for failure lines (``failures=true``)."""
+    if not _bool_param(request, "failures"):
+        if "failures_after" in request.query:
+            raise ValueError("failures_after: only with failures=true")
+        return None
+    if group:
+        raise ValueError("failures: only on a stream of rows (group=false)")
+    return _int_param(request, "failures_after", 0)
 
 
 def _bool_param(request: web.Request, name: str) -> bool:

@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dispatcher.files.atomic import read_manifest
 from dispatcher.files.contracts import JobStatus
+from dispatcher.files.resume import OutputPaths
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
+from dispatcher.ops.status import max_attempts_for
 from dispatcher.serve.registry import JobRecord, Registry, Unreadable
 from dispatcher.serve.results import Source
 
@@ -156,11 +159,16 @@ async def _files_source(
 ) -> Source:
     """A job's results read from its files, for this stream alone."""
     output, groups = folder / "rollouts.jsonl", folder / "groups.jsonl"
+    paths = OutputPaths.for_output(output)
     rows = await asyncio.to_thread(LineIndex.scan, output)
     group_index = await asyncio.to_thread(LineIndex.scan, groups)
+    failures = await asyncio.to_thread(LineIndex.scan, paths.failures)
+    manifest = await asyncio.to_thread(read_manifest, paths.manifest)
     return Source(
-        output, rows, groups, group_index, final_state, _unknown, final_error, satisfied_seq
-    )
+        output, rows, groups, group_index, final_state, _unknown, final_error, satisfied_seq,
+        failures_path=paths.failures, failures=failures,
+        attempt_cap=max_attempts_for(None, manifest),
+    )  # fmt: skip
 
 
 def _unknown(task: int) -> float | None:

@@ -33,9 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from dispatcher import jsonx
+from dispatcher.files.resume import final_after_failure
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.lines import EndLine, encode, read_group
+from dispatcher.tasks.keys import ATTEMPT_INDEX
 
 # Lines read per chunk at most: enough to amortize the thread hop. A chunk is
 # bounded in bytes too, by the bytes of the rows it carries (the stream's
@@ -71,6 +74,10 @@ class Source:
     final_error: Callable[[], str | None] = lambda: None
     # The groups file's line of the target-th kept group, once the job is satisfied.
     satisfied_seq: Callable[[], int | None] = lambda: None
+    # The job's failure rows, and its attempt cap: which of them are final.
+    failures_path: Path | None = None
+    failures: LineIndex | None = None
+    attempt_cap: int = 1
 
 
 # A chunk of the stream, and when each of its lines became durable (for the
@@ -88,35 +95,32 @@ async def stream(
     *,
     chunk_bytes: int,
     gone: Callable[[], bool] = lambda: False,
+    failures_after: int | None = None,
 ) -> AsyncGenerator[Chunk, None]:
     """NDJSON chunks: rows (or groups) after ``after``; with ``wait``, up to the end line.
     A chunk carries at most ``chunk_bytes`` of rows, or one row bigger than that. A
-    waiting stream whose client is ``gone`` ends (checked at each wake)."""
+    waiting stream whose client is ``gone`` ends (checked at each wake). With
+    ``failures_after`` (a stream of rows), the final failure rows after that line of
+    the failures file too, as they become durable."""
     index = source.groups if group else source.rows
     next_seq = after + 1
-    with _Reader(source.output) as rows, _Reader(source.groups_path) as groups:
+    failed = _Failures(source, failures_after, chunk_bytes)
+    with _Reader(source.output) as rows, _Reader(source.groups_path) as groups, failed:
         while True:
             # The job's state first: a job final now has every line indexed.
             final = source.final_state()
+            if (chunk := await failed.next_chunk()) is not None:
+                yield chunk
+                continue
             # Known as soon as its line is indexed (the same call sets both).
             satisfied = source.satisfied_seq() if group else None
             stop_at = satisfied if satisfied is not None and after < satisfied else None
             end = len(index) if stop_at is None else min(len(index), stop_at)
             if next_seq <= end:
                 last = _chunk_end(index, next_seq, end, chunk_bytes)
-                span = _span_bytes(index, next_seq, last)
-                # A live job's new lines: its rows were written moments ago.
-                hot = _written_lately(index, next_seq)
-                if group:
-                    read_lines = functools.partial(groups.lines, index, next_seq, last)
-                    plan = _GroupPlan(source, filtered, chunk_bytes)
-                    lines = await _read(read_lines, span, hot)
-                    for pieces, born, size in plan.chunks(lines, next_seq):
-                        fill = functools.partial(_groups_chunk, rows, source.rows, pieces, born)
-                        yield await _read(fill, size, hot)
-                else:
-                    read = functools.partial(_rows_chunk, rows, index, next_seq, last)
-                    yield await _read(read, span, hot)
+                readers = (rows, groups if group else None)
+                async for chunk in _chunks(source, readers, filtered, next_seq, last, chunk_bytes):
+                    yield chunk
                 next_seq = last + 1
                 continue
             if stop_at is not None:
@@ -141,6 +145,77 @@ async def _read(read: Callable[[], _T], size: int, hot: bool) -> _T:
     if hot or size <= READ_ON_LOOP_BYTES:
         return read()
     return await asyncio.get_running_loop().run_in_executor(_READERS, read)
+
+
+async def _chunks(
+    source: Source,
+    readers: tuple[_Reader, _Reader | None],
+    filtered: bool,
+    first: int,
+    last: int,
+    chunk_bytes: int,
+) -> AsyncGenerator[Chunk, None]:
+    """Lines ``first``..``last`` of the rows, or of the groups when there is a groups reader."""
+    rows, groups = readers
+    index = source.rows if groups is None else source.groups
+    span = _span_bytes(index, first, last)
+    # A live job's new lines: its rows were written moments ago.
+    hot = _written_lately(index, first)
+    if groups is None:
+        yield await _read(functools.partial(_rows_chunk, rows, index, first, last), span, hot)
+        return
+    plan = _GroupPlan(source, filtered, chunk_bytes)
+    lines = await _read(functools.partial(groups.lines, index, first, last), span, hot)
+    for pieces, born, size in plan.chunks(lines, first):
+        fill = functools.partial(_groups_chunk, rows, source.rows, pieces, born)
+        yield await _read(fill, size, hot)
+
+
+class _Failures:
+    """The final failure rows of a stream that asked for them, a chunk at a time."""
+
+    def __init__(self, source: Source, after: int | None, chunk_bytes: int) -> None:
+        self._index = source.failures if after is not None else None
+        self._next = (after or 0) + 1
+        self._cap = source.attempt_cap
+        self._chunk_bytes = chunk_bytes
+        self._reader = _Reader(source.failures_path) if source.failures_path else None
+
+    def __enter__(self) -> _Failures:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._reader is not None:
+            self._reader.__exit__()
+
+    async def next_chunk(self) -> Chunk | None:
+        """The next durable lines' final failures (maybe none), or None when caught up."""
+        index, reader = self._index, self._reader
+        if index is None or reader is None or self._next > len(index):
+            return None
+        first = self._next
+        last = _chunk_end(index, first, len(index), self._chunk_bytes)
+        self._next = last + 1
+        read = functools.partial(reader.lines, index, first, last)
+        lines = await _read(read, _span_bytes(index, first, last), _written_lately(index, first))
+        out = [
+            b'{"_ng_failure_seq":%d,"failure":%s}\n' % (first + i, line)
+            for i, line in enumerate(lines)
+            if _final_failure(line, self._cap)
+        ]
+        return b"".join(out), []
+
+
+def _final_failure(line: bytes, cap: int) -> bool:
+    """Whether a failure row makes its rollout final (the recorder's rule)."""
+    try:
+        row = jsonx.loads(line)
+    except ValueError:
+        return False
+    if not isinstance(row, dict):
+        return False
+    attempt = row.get(ATTEMPT_INDEX)
+    return final_after_failure(row, attempt if isinstance(attempt, int) else 0, cap)
 
 
 def _written_lately(index: LineIndex, seq: int) -> bool:

@@ -41,7 +41,7 @@ from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.faults import as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.contracts import JobStatus
-from dispatcher.files.resume import RunState
+from dispatcher.files.resume import OutputPaths, RunState
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.run.daemon import Daemon
@@ -101,6 +101,10 @@ class ServedJob:
             on_group=self.step.on_group,
         )
         self.output_index = LineIndex()
+        # Its failure rows, read by a stream that asked for them (contracts §12); one
+        # wakeup for both files, so such a stream waits on one.
+        self.failures_index = LineIndex()
+        self.failures_index.grew = self.output_index.grew
         # Outcomes of the job's earlier hops (and, after a restart, of its files):
         # its status counts every pass, not only the hop running now.
         self.earlier_outcomes: Counter[str] = Counter()
@@ -120,6 +124,7 @@ class ServedJob:
             on_final=self.groups.on_final,
             publish_endpoint=False,
             output_index=self.output_index,
+            failures_index=self.failures_index,
             gate=self._gate,
         )
 
@@ -443,6 +448,9 @@ class ServedJob:
             self.groups.completed_at.get,
             self._end_error,
             self._satisfied_seq,
+            failures_path=OutputPaths.for_output(self.output).failures,
+            failures=self.failures_index,
+            attempt_cap=self.settings.attempt_cap,
         )
 
     def _satisfied_seq(self) -> int | None:

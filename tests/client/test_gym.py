@@ -164,12 +164,13 @@ async def test_a_failed_rollout_raises_or_is_routed_as_a_failure_result(start_st
     outcomes = await asyncio.gather(*helper.run_examples(examples(2)), return_exceptions=True)
     failed = [o for o in outcomes if isinstance(o, BaseException)]
     assert len(failed) == 1 and isinstance(failed[0], RolloutFailed), outcomes
-    assert "failed attempts: agent_run_error 1" in str(failed[0])
+    assert str(failed[0]) == "agent answered HTTP 500" and failed[0].status == 500
     # max_attempts=None: the daemon's --max-attempts.
     daemons = RolloutCollectionHelper(stack.url, max_attempts=None)
     outcomes = await asyncio.gather(*daemons.run_examples(examples(2)), return_exceptions=True)
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    assert "failed attempts: agent_run_error 2" in str(failed[0])
+    assert sum(isinstance(o, RolloutFailed) for o in outcomes) == 1
+    jobs = {job.job_id: job for job in await stack.jobs()}
+    assert sorted(job.outcomes.get("agent_run_error", 0) for job in jobs.values()) == [1, 2]
 
     routed = await asyncio.gather(*helper.run_examples(examples(2), route_failures_to_sidecar=True))
     by_question = {row["responses_create_params"]["input"]: result for row, result in routed}
@@ -186,13 +187,14 @@ async def test_max_resident_tasks_bounds_what_is_at_the_agents(start_stack: Any)
     stack = await start_stack(HeldAgent())
     futures = RolloutCollectionHelper(stack.url).run_examples(examples(6), max_resident_tasks=2)
     pending = [asyncio.ensure_future(f) for f in futures]
-    for _ in range(6):
-        await wait_until(lambda: bool(stack.agent.waiting()), timeout_s=30)
-        assert len(stack.agent.waiting()) <= 2
+    for left in range(6, 0, -1):
+        # Each free slot is refilled at once: the window is full whenever it can be.
+        await wait_until(lambda: len(stack.agent.waiting()) == min(2, left), timeout_s=30)
         stack.agent.release(sorted(stack.agent.waiting())[0])
     results = await asyncio.gather(*pending)
     assert len(results) == 6 and stack.agent.max_in_flight <= 2
-    assert len(await stack.jobs()) >= 3  # handed over a window at a time
+    # The first window, then a job of one example per slot freed (it was 3 jobs).
+    assert len(await stack.jobs()) == 5
 
 
 async def test_a_window_bigger_than_the_daemons_body_bound_is_split_and_succeeds(
@@ -356,7 +358,7 @@ async def test_a_job_none_of_whose_rollouts_succeeded_still_hands_back_each_fail
 async def test_nothing_of_a_collection_is_left_after_its_last_result(start_stack: Any) -> None:
     """A trainer's persistent loop (NeMo RL's): once the last awaitable resolved, no task
     or stream of the helper is pending there, and a GC pass finds nothing to warn of.
-    The window refills an example at a time: 6 examples through 2 slots are 5 jobs."""
+    """
     stack = await start_stack(HeldAgent(held=False))
     helper = RolloutCollectionHelper(stack.url)
 
@@ -383,4 +385,35 @@ async def test_nothing_of_a_collection_is_left_after_its_last_result(start_stack
     count, errors, left = await asyncio.to_thread(trainer)
     assert count == 6
     assert left == [] and errors == []
-    assert len(await stack.jobs()) == 5
+
+
+@pytest.mark.parametrize("routed", [False, True])
+async def test_a_failed_rollout_is_known_as_it_fails_not_when_its_job_ends(
+    start_stack: Any, routed: bool
+) -> None:
+    """One failing prompt among 4: its awaitable resolves while the others are held
+    at the agent (their job is running), with the agent's HTTP status."""
+    stack = await start_stack(HeldAgent(failing=frozenset({"q1"})))
+    futures = RolloutCollectionHelper(stack.url).run_examples(
+        examples(4), route_failures_to_sidecar=routed
+    )
+    first = asyncio.ensure_future(next(futures))
+    await wait_until(lambda: len(stack.agent.waiting()) == 4, timeout_s=30)
+    stack.agent.release("q1")
+    if routed:
+        row, failure = await first
+        assert row["responses_create_params"]["input"] == "q1"
+        assert failure["_ng_failure_class"] == "agent_run_error"
+        assert failure["_ng_failure_http_status"] == 500
+    else:
+        with pytest.raises(RolloutFailed) as raised:
+            await first
+        assert raised.value.status == 500
+        assert raised.value.failure["_ng_failure_class"] == "agent_run_error"
+    assert stack.agent.waiting() == {"q0", "q2", "q3"}
+    (job,) = await stack.jobs()
+    assert not job.final
+    for question in ("q0", "q2", "q3"):
+        stack.agent.release(question)
+    rest = [await f for f in futures]
+    assert len(rest) == 3

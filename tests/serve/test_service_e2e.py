@@ -450,6 +450,13 @@ async def test_a_job_with_max_attempts_1_runs_no_attempt_again(tmp_path: Path) -
         await serve.submit(expect=409, job_id="once", rows=rows(6), max_attempts=2)
         await serve.submit(job_id="thrice", rows=rows(6))
         again = await serve.results("thrice", wait=True)
+        # Final failures come on a stream that asks for them, resumable on their own seq.
+        failed = await serve.results("once", wait=True, failures=True)
+        tail = await serve.results("once", failures=True, failures_after=2)
+        for query in ("failures=true&group=true", "failures_after=1", "failures=maybe"):
+            async with serve.http.get(f"{serve.url}/v1/jobs/once/results?{query}") as r:
+                assert r.status == 400, query
+                assert "failures" in (await r.json())["error"]
     finally:
         assert await serve.stop() == 0
         await agent.close()
@@ -459,6 +466,13 @@ async def test_a_job_with_max_attempts_1_runs_no_attempt_again(tmp_path: Path) -
     assert len(read_jsonl(folder / "rollouts_failures.jsonl")) == 3
     assert orjson.loads((folder / "rollouts_manifest.json").read_bytes())["hops"] == 1
     assert len(row_lines(again)) == 6
+    assert all("failure" not in line for line in stream)  # not asked for: as before
+    failures = [line for line in failed if "failure" in line]
+    assert [line["_ng_failure_seq"] for line in failures] == [1, 2, 3]
+    assert sorted(line["failure"]["_ng_task_index"] for line in failures) == [0, 2, 4]
+    assert {line["failure"]["_ng_failure_http_status"] for line in failures} == {500}
+    assert len(row_lines(failed)) == 6 and failed[-1] == {"end": "done"}
+    assert [line["_ng_failure_seq"] for line in tail if "failure" in line] == [3]
 
 
 async def test_a_bad_listen_address_is_exit_2_naming_the_flag(tmp_path: Path) -> None:
