@@ -311,6 +311,7 @@ async def test_the_router_proxy_example_sends_the_identity_and_the_release_to_th
 # Each example a reader can run, by a line of it only that example has, and what runs it.
 SERVICE_EXAMPLES = "ops.test_init.test_readme_service_and_step_control_examples_run_as_written"
 GYM_PATH = "gym.test_gym_readme.test_the_five_minute_path_runs_as_written"
+NEMO_RL_GUIDE = "client.test_embedded.test_the_nemo_rl_guide_runs_as_written"
 RUN_BY = {
     "make demo": ".ci/run",
     "pip install .": "test_the_installed_package_example_runs_as_written",
@@ -341,6 +342,8 @@ RUN_BY = {
     "dispatcher run --gym-head-server $HEAD": GYM_PATH,
     "from dispatcher.client.gym import RolloutCollectionHelper": GYM_PATH,
     "from dispatcher.client.ray import": "client.test_ray.test_the_ray_example_runs_as_written",
+    "dispatcher serve --listen 127.0.0.1:8080 --state-dir rd-state": NEMO_RL_GUIDE,
+    "# trainer.py: NeMo RL's rollout step": NEMO_RL_GUIDE,
 }
 COMMANDS = re.compile(r"^(dispatcher|make|pip|python|curl|head|gym|ng_\w+|import|from) |^[A-Z_]+=")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 
 from dispatcher.client.embedded import head_server_url
@@ -151,3 +152,30 @@ def test_dispatcher_url_is_the_daemon_when_no_url_is_given(monkeypatch: pytest.M
     assert RolloutCollectionHelper("http://other:1").url == "http://other:1"
     with pytest.raises(ValueError, match="max_attempts must be >= 1"):
         RolloutCollectionHelper(max_attempts=0)
+
+
+async def test_the_nemo_rl_guide_runs_as_written(
+    head_server: HeadFactory, sim_agent: SimAgentFactory, tmp_path: Path
+) -> None:
+    """docs/nemo-rl.md: the daemon beside the trainer, then the trainer with its import
+    changed, against a Gym head server (a stand-in) and its agent."""
+    from tests.helpers import free_port
+    from tests.test_readme_commands import example, replaced
+
+    head = (await start_head(head_server, sim_agent)).removeprefix("http://")
+    daemon = example("dispatcher serve --listen 127.0.0.1:8080 --state-dir rd-state")
+    listen = f"127.0.0.1:{free_port()}"
+    daemon = replaced(daemon, {"127.0.0.1:8080": listen, "127.0.0.1:11000": head})
+    (tmp_path / "trainer.py").write_text(example("# trainer.py: NeMo RL's rollout step"))
+    (tmp_path / "tasks.jsonl").write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows(4)))
+    script = f"{daemon}\npython trainer.py tasks.jsonl\nkill $!\nwait $!\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISPATCHER_")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-euo", "pipefail", "-c", script, cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, (err.decode()[-2000:], (tmp_path / "serve.log").read_text())
+    assert out.decode().splitlines()[-1] == "4 rewards, failed with statuses []"
+    assert len(list((tmp_path / "rd-state" / "jobs").iterdir())) == 1

@@ -189,7 +189,8 @@ async def test_max_resident_tasks_bounds_what_is_at_the_agents(start_stack: Any)
     pending = [asyncio.ensure_future(f) for f in futures]
     for left in range(6, 0, -1):
         # Each free slot is refilled at once: the window is full whenever it can be.
-        await wait_until(lambda: len(stack.agent.waiting()) == min(2, left), timeout_s=30)
+        full = min(2, left)
+        await wait_until(lambda: len(stack.agent.waiting()) == full, timeout_s=30)  # noqa: B023
         stack.agent.release(sorted(stack.agent.waiting())[0])
     results = await asyncio.gather(*pending)
     assert len(results) == 6 and stack.agent.max_in_flight <= 2

@@ -4,7 +4,10 @@ shared stack's ``string_match_responses_agent`` → ``responses_policy_model``."
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 from dispatcher.settings.gym_head import fetch_global_config, gym_agents
@@ -79,3 +82,59 @@ def test_the_drop_in_answers_what_simple_agent_answers(gym_stack: GymStack, tmp_
         # Gym's simple_agent echoes none of the request's keys; its trajectory is
         # the one key the dispatcher rewrites (contracts §7).
         assert set(answer) - set(result) == {"ng_trajectory"}
+
+
+# A Gym trainer's loop as NeMo RL writes it; the two helpers differ in the import only.
+TRAINER = """
+import asyncio, json, sys
+{import_line}
+
+async def main():
+    examples = json.loads(sys.argv[1])
+    head = json.loads(sys.argv[2])
+    helper = RolloutCollectionHelper()
+    results = {{}}
+    for future in helper.run_examples(examples, head_server_config=HEAD(**head)):
+        row, result = await future
+        results[row["_ng_task_index"]] = result["reward"]
+    own = getattr(helper, "daemon", None)
+    print(json.dumps({{"rewards": results, "daemon": own.process.pid if own else None}}))
+
+asyncio.run(main())
+"""
+GYM_IMPORT = (
+    "from nemo_gym.rollout_collection import RolloutCollectionHelper\n"
+    "from nemo_gym.config_types import BaseServerConfig as HEAD"
+)
+DROP_IN_IMPORT = (
+    "from dispatcher.client.gym import RolloutCollectionHelper\n"
+    "from types import SimpleNamespace as HEAD"
+)
+
+
+def test_a_gym_trainer_runs_on_the_drop_in_by_its_import_alone(
+    gym_stack: GymStack, tmp_path: Path
+) -> None:
+    """No URL: the drop-in starts a daemon of its own for the head server's agents,
+    answers what Gym's own helper answers, and leaves no daemon behind."""
+    agent_ref = {"name": gym_stack.agent}
+    examples = [
+        {**task, "agent_ref": agent_ref, "_ng_task_index": i, "_ng_rollout_index": 0}
+        for i, task in enumerate(read_jsonl(gym_stack.tasks))
+    ]
+    args = [json.dumps(examples), json.dumps({"host": "127.0.0.1", "port": gym_stack.head_port})]
+    gym = gym_stack.python(TRAINER.format(import_line=GYM_IMPORT), *args)
+    assert gym.returncode == 0, gym.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "DISPATCHER_URL"}
+    env["DISPATCHER_STATE"] = str(tmp_path / "state")
+    ours = subprocess.run(
+        [sys.executable, "-c", TRAINER.format(import_line=DROP_IN_IMPORT), *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    theirs, mine = json.loads(gym.stdout), json.loads(ours.stdout)
+    assert len(mine["rewards"]) == len(examples)
+    assert mine["rewards"] == theirs["rewards"]
+    # Its daemon stopped with the trainer (atexit), its jobs in DISPATCHER_STATE.
+    assert not Path(f"/proc/{mine['daemon']}").exists()
+    assert len(list((tmp_path / "state" / "jobs").iterdir())) == 1

@@ -1,0 +1,153 @@
+"""The drop-in ``RolloutCollectionHelper`` against NeMo Gym 0.7.0's own, same loop, same agent.
+
+A trainer's call (NeMo RL's shape): ``for f in helper.run_examples(examples,
+max_resident_tasks=W): await f``, EXAMPLES examples, timed from the call to the
+last result (the window), each in a process of its own (whole-process wall and
+CPU from ``wait4``, start-up included). Gym's helper runs in the Gym venv of
+``tests/gym/gym_env.py``, finding the agent through a head-server stub
+(``_gym_collector.head_stub``); the drop-in runs on ``dispatcher serve``
+(started beforehand, its CPU counted apart) and, in a third column, with a
+daemon of its own (no URL: started inside the window). The agent is one
+``dispatcher sim-agent`` with heavy-tailed latency, seeded.
+
+    .venv/bin/python bench/gym_helper.py --examples 200 --window 16 --rounds 3
+
+Prints each round's figures and the medians; the ratio is the drop-in's window
+over Gym's (goal: at most 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+from _common import ServeProcess, dispatcher_server, median
+from _gym_collector import ROOT, head_stub
+
+# One script for both helpers: only the import differs (and the head server).
+TRAINER = """
+import asyncio, json, sys, time
+{import_line}
+
+async def main():
+    examples = [
+        # As Gym's preprocess_examples leaves them: with their identity keys.
+        {{"agent_ref": {{"name": "sim"}}, "responses_create_params": {{"input": f"q{{i}}"}},
+          "_ng_task_index": i, "_ng_rollout_index": 0}}
+        for i in range({examples})
+    ]
+    helper = RolloutCollectionHelper({helper_args})
+    started = time.perf_counter()
+    done = 0
+    for future in helper.run_examples(examples, {head}max_resident_tasks={window}):
+        row, result = await future
+        done += 1
+    window = time.perf_counter() - started
+    if hasattr(helper, "close"):
+        helper.close()
+    print(json.dumps({{"window_s": window, "done": done}}))
+
+asyncio.run(main())
+"""
+
+
+def trainer(python: Path, script: str, env: dict[str, str], cwd: Path) -> dict[str, float]:
+    """Run one trainer: its window (it reports), wall and CPU (wait4) of its process tree."""
+    log = cwd / "trainer.log"
+    stderr = log.open("wb")
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [str(python), "-c", script], stdout=subprocess.PIPE, stderr=stderr,
+        env=env, cwd=cwd,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0 or not out.strip():
+        tail = log.read_text(errors="replace")[-1500:]
+        raise SystemExit(f"a trainer failed: exit {os.waitstatus_to_exitcode(status)}\n{tail}")
+    report = orjson.loads(out.strip().splitlines()[-1])
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"window_s": report["window_s"], "wall_s": wall, "cpu_s": cpu, "done": report["done"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--examples", type=int, default=200)
+    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency", default="lognormal:0.05,0.5")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from tests.gym import gym_env
+
+    venv = gym_env.ready_venv()
+    if venv is None:
+        print("NeMo Gym venv not ready (python3 tests/gym/gym_env.py): nothing to compare")
+        return 0
+    env = {k: v for k, v in os.environ.items() if k != "DISPATCHER_URL"}
+    env["PYTHONPATH"] = str(ROOT)
+    fill = {"examples": args.examples, "window": args.window}
+    runs: dict[str, list[dict[str, float]]] = {"gym": [], "dropin": [], "own daemon": []}
+    agent_flags = ("sim-agent", "--latency-dist", args.latency, "--seed", "1")
+    with tempfile.TemporaryDirectory() as tmp, dispatcher_server(*agent_flags) as agent:
+        work = Path(tmp)
+        with head_stub(agent) as head:
+            host, port = head.address
+            head_arg = f"head_server_config=BaseServerConfig(host={host!r}, port={port}), "
+            gym_script = TRAINER.format(
+                import_line="from nemo_gym.rollout_collection import RolloutCollectionHelper\n"
+                "from nemo_gym.config_types import BaseServerConfig",
+                helper_args="", head=head_arg, **fill,
+            )  # fmt: skip
+            own_script = TRAINER.format(
+                import_line="from dispatcher.client.gym import RolloutCollectionHelper\n"
+                "from types import SimpleNamespace as BaseServerConfig",
+                helper_args="", head=head_arg, **fill,
+            )  # fmt: skip
+            for i in range(args.rounds):
+                (work / f"serve-{i}").mkdir()
+                serve = ServeProcess(work / f"serve-{i}", "--agent", f"sim={agent}",
+                                     "--fsync", "never")  # fmt: skip
+                url_script = TRAINER.format(
+                    import_line="from dispatcher.client.gym import RolloutCollectionHelper",
+                    helper_args=repr(serve.url),
+                    head="",
+                    **fill,
+                )
+                own_env = {**env, "DISPATCHER_STATE": str(work / f"own-{i}")}
+                this = {
+                    "gym": trainer(venv / "bin" / "python", gym_script, env, work),
+                    "dropin": trainer(Path(sys.executable), url_script, env, work),
+                    "own daemon": trainer(Path(sys.executable), own_script, own_env, work),
+                }
+                serve.stop()
+                for name, figures in this.items():
+                    runs[name].append(figures)
+                report(f"round {i + 1}", this)
+    medians = {name: {k: median([r[k] for r in rs]) for k in rs[0]} for name, rs in runs.items()}
+    report(f"median of {args.rounds}", medians)
+    return 0
+
+
+def report(title: str, figures: dict[str, dict[str, float]]) -> None:
+    gym = figures["gym"]
+    print(title)
+    for name, fig in figures.items():
+        print(
+            f"  {name:10} window {fig['window_s']:6.2f} s ({fig['window_s'] / gym['window_s']:.3f}x"
+            f" Gym)  whole process {fig['wall_s']:6.2f} s, CPU {fig['cpu_s']:5.2f} s"
+            f"  ({int(fig['done'])} results)"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
