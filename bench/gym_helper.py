@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ServeProcess, dispatcher_server, median
 from _gym_collector import ROOT, head_stub
 
