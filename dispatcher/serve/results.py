@@ -189,21 +189,23 @@ class _Failures:
             self._reader.__exit__()
 
     async def next_chunk(self) -> Chunk | None:
-        """The next durable lines' final failures (maybe none), or None when caught up."""
+        """The next final failures of the durable lines, or None once caught up."""
         index, reader = self._index, self._reader
-        if index is None or reader is None or self._next > len(index):
-            return None
-        first = self._next
-        last = _chunk_end(index, first, len(index), self._chunk_bytes)
-        self._next = last + 1
-        read = functools.partial(reader.lines, index, first, last)
-        lines = await _read(read, _span_bytes(index, first, last), _written_lately(index, first))
-        out = [
-            b'{"_ng_failure_seq":%d,"failure":%s}\n' % (first + i, line)
-            for i, line in enumerate(lines)
-            if _final_failure(line, self._cap)
-        ]
-        return b"".join(out), []
+        while index is not None and reader is not None and self._next <= len(index):
+            first = self._next
+            last = _chunk_end(index, first, len(index), self._chunk_bytes)
+            self._next = last + 1
+            read = functools.partial(reader.lines, index, first, last)
+            span, hot = _span_bytes(index, first, last), _written_lately(index, first)
+            lines = await _read(read, span, hot)
+            out = [
+                b'{"_ng_failure_seq":%d,"failure":%s}\n' % (first + i, line)
+                for i, line in enumerate(lines)
+                if _final_failure(line, self._cap)
+            ]
+            if out:
+                return b"".join(out), []
+        return None
 
 
 def _final_failure(line: bytes, cap: int) -> bool:
