@@ -25,9 +25,9 @@ from typing import Any
 
 from dispatcher.client.wire import ClientError
 
-# How long the child may take to say it listens: it waits for the head server
-# (``--gym-head-server-wait-s``, 300 s by default) before it does.
-START_TIMEOUT_S = 330.0
+# How long the child may take to say it listens (it reads the head server's
+# config first, within ``--gym-head-timeout-s``).
+START_TIMEOUT_S = 120.0
 # How long a SIGTERM'd daemon has to stop before it is killed.
 STOP_TIMEOUT_S = 30.0
 _LISTENING = "dispatcher serve listening on "
