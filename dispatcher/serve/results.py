@@ -27,18 +27,19 @@ import functools
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dispatcher import jsonx
-from dispatcher.files.resume import final_after_failure
+from dispatcher.files.resume import final_after_failure, spends_attempt
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.lines import EndLine, encode, read_group
-from dispatcher.tasks.keys import ATTEMPT_INDEX
+from dispatcher.tasks.keys import ROLLOUT_INDEX, TASK_INDEX
 
 # Lines read per chunk at most: enough to amortize the thread hop. A chunk is
 # bounded in bytes too, by the bytes of the rows it carries (the stream's
@@ -172,11 +173,18 @@ async def _chunks(
 
 
 class _Failures:
-    """The final failure rows of a stream that asked for them, a chunk at a time."""
+    """The final failure rows of a stream that asked for them, a chunk at a time.
+
+    A rollout's failure is final by its counted failures before it (contracts
+    §5), so the file is read from its first line, counting per rollout, and the
+    lines after ``after`` are sent. The counts are one entry per rollout that
+    failed: bounded by the job's rollouts."""
 
     def __init__(self, source: Source, after: int | None, chunk_bytes: int) -> None:
         self._index = source.failures if after is not None else None
-        self._next = (after or 0) + 1
+        self._after = after or 0
+        self._next = 1
+        self._counted: Counter[tuple[Any, Any]] = Counter()
         self._cap = source.attempt_cap
         self._chunk_bytes = chunk_bytes
         self._reader = _Reader(source.failures_path) if source.failures_path else None
@@ -201,23 +209,24 @@ class _Failures:
             out = [
                 b'{"_ng_failure_seq":%d,"failure":%s}\n' % (first + i, line)
                 for i, line in enumerate(lines)
-                if _final_failure(line, self._cap)
+                if self._final(line) and first + i > self._after
             ]
             if out:
                 return b"".join(out), []
         return None
 
-
-def _final_failure(line: bytes, cap: int) -> bool:
-    """Whether a failure row makes its rollout final (the recorder's rule)."""
-    try:
-        row = jsonx.loads(line)
-    except ValueError:
-        return False
-    if not isinstance(row, dict):
-        return False
-    attempt = row.get(ATTEMPT_INDEX)
-    return final_after_failure(row, attempt if isinstance(attempt, int) else 0, cap)
+    def _final(self, line: bytes) -> bool:
+        """Whether a failure row makes its rollout final (the recorder's rule), counted."""
+        try:
+            row = jsonx.loads(line)
+        except ValueError:
+            return False
+        if not isinstance(row, dict):
+            return False
+        key = (row.get(TASK_INDEX), row.get(ROLLOUT_INDEX))
+        final = final_after_failure(row, self._counted[key], self._cap)
+        self._counted[key] += spends_attempt(row)
+        return final
 
 
 def _written_lately(index: LineIndex, seq: int) -> bool:

@@ -453,6 +453,8 @@ async def test_a_job_with_max_attempts_1_runs_no_attempt_again(tmp_path: Path) -
         # Final failures come on a stream that asks for them, resumable on their own seq.
         failed = await serve.results("once", wait=True, failures=True)
         tail = await serve.results("once", failures=True, failures_after=2)
+        # Failed attempts a later one made good are not final: no failure line.
+        retried = await serve.results("thrice", wait=True, failures=True)
         for query in ("failures=true&group=true", "failures_after=1", "failures=maybe"):
             async with serve.http.get(f"{serve.url}/v1/jobs/once/results?{query}") as r:
                 assert r.status == 400, query
@@ -473,6 +475,7 @@ async def test_a_job_with_max_attempts_1_runs_no_attempt_again(tmp_path: Path) -
     assert {line["failure"]["_ng_failure_http_status"] for line in failures} == {500}
     assert len(row_lines(failed)) == 6 and failed[-1] == {"end": "done"}
     assert [line["_ng_failure_seq"] for line in tail if "failure" in line] == [3]
+    assert len(row_lines(retried)) == 6 and all("failure" not in line for line in retried)
 
 
 async def test_a_bad_listen_address_is_exit_2_naming_the_flag(tmp_path: Path) -> None:
