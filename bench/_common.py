@@ -22,8 +22,16 @@ from dispatcher.latency.quantile import quantile
 @contextmanager
 def dispatcher_server(*args: str) -> Iterator[str]:
     """Run ``dispatcher ARGS`` (a server command) in its own process; yield its URL."""
+    with server_process([sys.executable, "-m", "dispatcher", *args], args[0]) as url:
+        yield url
+
+
+@contextmanager
+def server_process(command: Sequence[str], name: str) -> Iterator[str]:
+    """Run ``COMMAND --listen 127.0.0.1:0`` in its own process until it prints
+    ``... listening on URL``; yield the URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dispatcher", *args, "--listen", "127.0.0.1:0"],
+        [*command, "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -31,7 +39,7 @@ def dispatcher_server(*args: str) -> Iterator[str]:
     line = proc.stdout.readline().decode()
     try:
         if "listening on " not in line:
-            raise SystemExit(f"{args[0]} did not start: {line!r}")
+            raise SystemExit(f"{name} did not start: {line!r}")
         yield line.rsplit(" ", 1)[-1].strip()
     finally:
         proc.terminate()

@@ -1,6 +1,9 @@
 """What the dispatcher costs on top of the HTTP calls it makes.
 
-Each round, against the same zero-latency simulated agent (its own process):
+Each round, against each agent in its own process -- the dispatcher's simulated
+agent (``dispatcher sim-agent``, zero latency) and a plain aiohttp agent that
+answers a realistic row at once (``_plain_agent.py``, not the project's own
+code) -- one after the other:
   * the baseline: a bare aiohttp + uvloop client in its own process that keeps
     ``--concurrency`` ``POST /run`` in flight and appends each answer to a file;
   * the same bare client on the dispatcher's own HTTP/1.1 client
@@ -8,14 +11,16 @@ Each round, against the same zero-latency simulated agent (its own process):
   * ``dispatcher run`` end to end (materialize, dispatch, durable rows, a log
     event per rollout, metrics, the files of record);
   * with ``--telemetry-off``, the same without the metrics server and info logs.
-Rates are from each one's dispatch window (the dispatcher's ``dispatch_s``; the
-baseline's first request to its last answer); CPU is the whole process's (user +
-system, start-up included) per rollout. Each round prints its ratios to the
-baseline of the same round; the summary is the median of ``--repeat`` rounds
-(the machine is noisy: only ratios measured side by side mean much).
-``--memory`` adds peak RSS for a 1,000,000-row task file against a 10,000-row one.
-NeMo Gym 0.7.0's own collector runs in each round too where its venv is ready
-(``_gym_collector.py``; ``--no-gym`` leaves it out).
+Two rates each: the dispatch window's (the dispatcher's ``dispatch_s``; the
+baseline's first request to its last answer) and the whole process's (rows over
+its wall time, start-up and the end of the run included). CPU is always the
+whole process's (user + system, ``wait4``) per rollout. Each round prints its
+ratios to the baseline of the same round and agent; the summary is the median
+of ``--repeat`` rounds (the machine is noisy: only ratios measured side by side
+mean much). ``--memory`` adds peak RSS for a 1,000,000-row task file against a
+10,000-row one. NeMo Gym 0.7.0's own collector runs in each round against the
+simulated agent too where its venv is ready (``_gym_collector.py``; ``--no-gym``
+leaves it out).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server, median, run_bodies, run_child, write_tasks
 from _gym_collector import gym_collector
+from _plain_agent import plain_agent
+
+BARE = "bare aiohttp+uvloop client"
+AGENTS = {"sim": "dispatcher sim-agent", "plain": "plain aiohttp agent"}
 
 
 async def bare_client(url: str, lines: list[bytes], out: Path, concurrency: int) -> float:
@@ -93,8 +102,18 @@ def bare_child(kind: str, url: str, tasks: str, out: str, concurrency: str) -> i
     return 0
 
 
-def _figures(rows: int, dispatch_s: float, cpu_s: float, **extra: float) -> dict[str, float]:
-    return {"rate": rows / dispatch_s, "cpu_ms": cpu_s / rows * 1000, **extra}
+def _figures(
+    rows: int, dispatch_s: float, cpu_s: float, wall_s: float, **extra: float
+) -> dict[str, float]:
+    """``rate`` is the dispatch window's; ``whole_rate`` and ``cpu_s`` the whole process's."""
+    return {
+        "rate": rows / dispatch_s,
+        "whole_rate": rows / wall_s,
+        "wall_s": wall_s,
+        "cpu_s": cpu_s,
+        "cpu_ms": cpu_s / rows * 1000,
+        **extra,
+    }
 
 
 def baseline(
@@ -156,13 +175,14 @@ def drained_rss(work: Path, rows: int, url: str) -> float:
     return float(manifest["last_run"]["summary"]["peak_rss_mb"])
 
 
-def main() -> int:
-    if sys.argv[1:2] == ["--bare-child"]:
-        return bare_child(*sys.argv[2:7])
+def parse_opts() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rollouts", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--agents", default="sim,plain", help="which agents, comma-separated: sim, plain"
+    )
     parser.add_argument("--telemetry-off", action="store_true", help="also run without telemetry")
     parser.add_argument("--memory", action="store_true", help="peak RSS vs task-file size")
     parser.add_argument("--big-rows", type=int, default=1_000_000)
@@ -170,79 +190,115 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     parser.add_argument("--no-gym", action="store_true", help="leave NeMo Gym's collector out")
     opts = parser.parse_args()
+    agents = [a for a in opts.agents.split(",") if a]
+    if not agents or set(agents) - set(AGENTS):
+        parser.error(f"--agents: one or more of {', '.join(AGENTS)}, got {opts.agents!r}")
+    opts.agents = agents
     if opts.smoke:
         opts.rollouts, opts.repeat, opts.big_rows, opts.small_rows = 2_000, 1, 20_000, 2_000
+    return opts
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--bare-child"]:
+        return bare_child(*sys.argv[2:7])
+    opts = parse_opts()
+    agents: list[str] = opts.agents
     print(
         f"dispatch overhead: {opts.rollouts} rollouts, concurrency {opts.concurrency},"
-        f" zero-latency agent; ratios to the bare client of the same round"
+        f" zero-latency agents; ratios to the bare client of the same round and agent;"
+        f" window: the dispatch window, whole: the whole process (start-up and end included)"
     )
     runs: dict[str, list[dict[str, float]]] = {}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        dispatcher_server("sim-agent") as url,
-        gym_collector(url, opts.no_gym) as gym,
+        dispatcher_server("sim-agent") as sim_url,
+        plain_agent() as plain_url,
+        gym_collector(sim_url, opts.no_gym or "sim" not in agents) as gym,
     ):
+        urls = {"sim": sim_url, "plain": plain_url}
         work = Path(tmp)
         tasks = work / "tasks.jsonl"
         write_tasks(tasks, opts.rollouts)
         for i in range(opts.repeat):
-            this = {
-                "bare aiohttp+uvloop client": baseline(work, tasks, url, opts.concurrency, f"b{i}"),
-                "  the same on our HTTP client": baseline(
-                    work, tasks, url, opts.concurrency, f"o{i}", kind="own"
-                ),
-                "dispatcher run": daemon_run(work, tasks, url, opts.concurrency, True, f"on{i}"),
-            }
-            if opts.telemetry_off:
-                this["  telemetry off"] = daemon_run(
-                    work, tasks, url, opts.concurrency, False, f"off{i}"
-                )
-            if gym is not None:
-                gym.run_round(this, work, tasks, opts.concurrency, f"g{i}")
-            report_round(i, this)
-            if gym is not None:
-                gym.report_round(i, this, opts.rollouts)
-            for name, fig in this.items():
-                runs.setdefault(name, []).append(fig)
+            for agent in agents:
+                this = one_round(work, tasks, urls[agent], opts, f"{agent}{i}")
+                if gym is not None and agent == "sim":
+                    gym.run_round(this, work, tasks, opts.concurrency, f"g{i}")
+                report_round(f"round {i + 1}  {agent:5s}", this)
+                if gym is not None and agent == "sim":
+                    gym.report_round(i, this, opts.rollouts)
+                for name, fig in this.items():
+                    runs.setdefault(f"{agent}|{name}", []).append(fig)
         print(f"median of {opts.repeat} rounds:")
-        report_median(runs)
+        report_median(runs, agents)
         if gym is not None:
-            gym.report_median(runs, opts.rollouts)
+            gym.report_median({k.split("|", 1)[1]: v for k, v in runs.items()}, opts.rollouts)
         if opts.memory:
-            small = drained_rss(work, opts.small_rows, url)
-            big = drained_rss(work, opts.big_rows, url)
-            print("memory vs task-file size (budget 0: all rows streamed and drained)")
-            print(f"  {opts.small_rows:>9,} rows  peak RSS {small:7.1f} MB")
-            print(f"  {opts.big_rows:>9,} rows  peak RSS {big:7.1f} MB   ratio {big / small:.2f}")
+            report_memory(work, opts.small_rows, opts.big_rows, sim_url)
     return 0
 
 
+def report_memory(work: Path, small_rows: int, big_rows: int, url: str) -> None:
+    small = drained_rss(work, small_rows, url)
+    big = drained_rss(work, big_rows, url)
+    print("memory vs task-file size (budget 0: all rows streamed and drained)")
+    print(f"  {small_rows:>9,} rows  peak RSS {small:7.1f} MB")
+    print(f"  {big_rows:>9,} rows  peak RSS {big:7.1f} MB   ratio {big / small:.2f}")
+
+
+def one_round(
+    work: Path, tasks: Path, url: str, opts: argparse.Namespace, tag: str
+) -> dict[str, dict[str, float]]:
+    """The clients of one round against one agent, one after the other."""
+    p = opts.concurrency
+    this = {
+        BARE: baseline(work, tasks, url, p, f"b{tag}"),
+        "  the same on our HTTP client": baseline(work, tasks, url, p, f"o{tag}", kind="own"),
+        "dispatcher run": daemon_run(work, tasks, url, p, True, f"on{tag}"),
+    }
+    if opts.telemetry_off:
+        this["  telemetry off"] = daemon_run(work, tasks, url, p, False, f"off{tag}")
+    return this
+
+
 def _ratios(fig: dict[str, float], base: dict[str, float]) -> dict[str, float]:
-    return {"rate_ratio": fig["rate"] / base["rate"], "cpu_ratio": fig["cpu_ms"] / base["cpu_ms"]}
+    return {
+        "rate_ratio": fig["rate"] / base["rate"],
+        "whole_rate_ratio": fig["whole_rate"] / base["whole_rate"],
+        "cpu_ratio": fig["cpu_ms"] / base["cpu_ms"],
+    }
 
 
-def report_round(i: int, this: dict[str, dict[str, float]]) -> None:
-    base = this["bare aiohttp+uvloop client"]
+def _line(prefix: str, name: str, fig: dict[str, float]) -> str:
+    return (
+        f"  {prefix}  {name:29s} window {fig['rate']:7.0f}/s ({fig['rate_ratio']:.2f})"
+        f"  whole {fig['whole_rate']:7.0f}/s ({fig['whole_rate_ratio']:.2f})"
+        f"  wall {fig['wall_s']:6.2f} s  CPU {fig['cpu_s']:6.2f} s"
+        f" {fig['cpu_ms']:6.3f} ms/rollout ({fig['cpu_ratio']:.2f}x)"
+    )
+
+
+def report_round(prefix: str, this: dict[str, dict[str, float]]) -> None:
+    """A round's figures, each with (its ratio to the bare client's); CPU is whole-process."""
+    base = this[BARE]
     for name, fig in this.items():
-        fig.update(_ratios(fig, base))
-        print(
-            f"  round {i + 1}  {name:27s} {fig['rate']:7.0f} rollouts/s  CPU"
-            f" {fig['cpu_ms']:6.3f} ms/rollout  rate ratio {fig['rate_ratio']:.2f}"
-            f"  CPU ratio {fig['cpu_ratio']:.2f}"
-        )
+        if "whole_rate" in fig:  # Gym's collector reports its own lines
+            fig.update(_ratios(fig, base))
+            print(_line(prefix, name, fig))
 
 
-def report_median(runs: dict[str, list[dict[str, float]]]) -> None:
-    for name, figs in runs.items():
-        fig = {key: median([f[key] for f in figs]) for key in figs[0]}
-        extra = ""
-        if "peak_rss_mb" in fig:
-            extra = f"  peak RSS {fig['peak_rss_mb']:.1f} MB"
-            extra += f"  loop lag p99 {fig['lag_p99_ms']:.2f} ms"
-        print(
-            f"  {name:27s} {fig['rate']:7.0f} rollouts/s  CPU {fig['cpu_ms']:6.3f} ms/rollout"
-            f"  rate ratio {fig['rate_ratio']:.2f}  CPU ratio {fig['cpu_ratio']:.2f}{extra}"
-        )
+def report_median(runs: dict[str, list[dict[str, float]]], agents: list[str]) -> None:
+    for agent in agents:
+        for key, figs in runs.items():
+            if not key.startswith(f"{agent}|") or "whole_rate" not in figs[0]:
+                continue
+            fig = {k: median([f[k] for f in figs]) for k in figs[0]}
+            extra = ""
+            if "peak_rss_mb" in fig:
+                extra = f"  peak RSS {fig['peak_rss_mb']:.1f} MB"
+                extra += f"  loop lag p99 {fig['lag_p99_ms']:.2f} ms"
+            print(_line(f"{agent:5s}", key.split("|", 1)[1], fig) + extra)
 
 
 if __name__ == "__main__":
