@@ -23,6 +23,7 @@ from dispatcher.outcome import Outcome
 from dispatcher.run.daemon import Daemon, peak_rss_mb
 from dispatcher.run.prepare import PreparedRun
 from dispatcher.tasks.materialize import Rollout
+from dispatcher.telemetry.logs import log_at
 
 SUMMARY_QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
@@ -39,23 +40,22 @@ def log_rollout_finished(
 ) -> None:
     """One event per attempt: failures at warning, terminal ones at error, others at info."""
     failure = attempt.failure if attempt is not None else None
-    log.log(
-        _level(outcome, row),
-        "rollout_finished",
-        rollout_id=rollout.rollout_id,
-        task_index=rollout.task_index,
-        rollout_index=rollout.rollout_index,
-        attempt=rollout.attempt_index,
-        agent=rollout.agent,
-        replica=attempt.replica if attempt else None,
-        outcome=outcome.value,
-        final=final,
-        duration_s=round(duration_s, 4),
-        retries=attempt.retries if attempt else 0,
-        http_status=failure.http_status if failure else None,
-        failure_message=failure.message if failure else None,
-        capture=capture or None,
-    )
+    fields = {
+        "rollout_id": rollout.rollout_id,
+        "task_index": rollout.task_index,
+        "rollout_index": rollout.rollout_index,
+        "attempt": rollout.attempt_index,
+        "agent": rollout.agent,
+        "replica": attempt.replica if attempt else None,
+        "outcome": outcome.value,
+        "final": final,
+        "duration_s": round(duration_s, 4),
+        "retries": attempt.retries if attempt else 0,
+        "http_status": failure.http_status if failure else None,
+        "failure_message": failure.message if failure else None,
+        "capture": capture or None,
+    }
+    log_at(log, _level(outcome, row), "rollout_finished", fields)
 
 
 def _level(outcome: Outcome, row: dict[str, Any] | None) -> int:

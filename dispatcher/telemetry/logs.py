@@ -348,6 +348,36 @@ def _json_line(logger: WrappedLogger, method: str, event_dict: EventDict) -> str
     return orjson.dumps(line, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
+_METHOD_OF_LEVEL = {
+    logging.DEBUG: "debug",
+    logging.INFO: "info",
+    logging.WARNING: "warning",
+    logging.ERROR: "error",
+    logging.CRITICAL: "critical",
+}
+
+
+def log_at(log: Any, level: int, event: str, fields: dict[str, Any]) -> None:
+    """``log.log(level, event, **fields)``, without structlog's steps where they add
+    nothing: JSON lines going out unfiltered (the chain is ``_json_line`` alone) are
+    rendered and written at once. The line is the same; it runs once per rollout.
+    Any other chain (console, a filter, a test capturing events) takes structlog's path."""
+    processors = getattr(log, "_processors", None)
+    sink = getattr(log, "_logger", None)
+    if (
+        processors is None
+        or len(processors) != 1
+        or processors[0] is not _json_line
+        or not isinstance(sink, structlog.WriteLogger)
+    ):
+        log.log(level, event, **fields)
+        return
+    context = log._context
+    event_dict = {**context, **fields} if context else fields
+    event_dict["event"] = event
+    sink.msg(_json_line(sink, _METHOD_OF_LEVEL[level], event_dict))
+
+
 def _first_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
     """Put event, level, timestamp and logger first, for people reading raw lines."""
     ordered = {k: event_dict[k] for k in _FIRST_KEYS if k in event_dict}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from dispatcher.telemetry.logs import (
     LogFormat,
     configure_logging,
     get_logger,
+    log_at,
     reset_logging,
     resolve_log_format,
 )
@@ -93,6 +95,43 @@ def test_json_lines_parse_and_carry_the_standard_keys() -> None:
     assert second["logger"] == "dispatcher.store"
     assert second["level"] == "warning"
     assert second["path"] == "x.jsonl"
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+@pytest.mark.parametrize("level", [logging.INFO, logging.WARNING, logging.ERROR])
+def test_log_at_writes_the_line_structlog_writes(fmt: LogFormat, level: int) -> None:
+    """The per-rollout shortcut: the same line as ``log.log``, bound and context
+    variables included, whatever the format (timestamps aside)."""
+    ours, theirs = io.StringIO(), io.StringIO()
+    fields = {"rollout_id": "3-1", "duration_s": 0.25, "capture": None, "path": Path("x")}
+    structlog.contextvars.bind_contextvars(run_id="r1")
+    try:
+        for stream in (ours, theirs):
+            configure_logging(fmt, stream=stream)
+            log = get_logger("dispatcher.run").bind(job="j1")
+            if stream is ours:
+                log_at(log, level, "rollout_finished", dict(fields))
+            else:
+                log.log(level, "rollout_finished", **fields)
+    finally:
+        structlog.contextvars.clear_contextvars()
+    if fmt == "json":
+        (mine,), (structlogs,) = json_lines(ours), json_lines(theirs)
+        assert mine.pop("timestamp") and structlogs.pop("timestamp")
+        assert list(mine.items()) == list(structlogs.items())
+        assert mine["run_id"] == "r1" and mine["job"] == "j1"
+    else:
+        # The console leaves per-rollout lines out below debug: the same (empty) text.
+        stamp = re.compile(r"\d{4}-\d\d-\d\d[ T][\d:.]+Z?")
+        assert stamp.sub("", ours.getvalue()) == stamp.sub("", theirs.getvalue())
+
+
+def test_log_at_goes_through_structlog_when_events_are_captured() -> None:
+    configure_logging("json", stream=io.StringIO())
+    log = get_logger("dispatcher.run").bind()
+    with structlog.testing.capture_logs() as captured:
+        log_at(log, logging.INFO, "rollout_finished", {"rollout_id": "3-1"})
+    assert captured == [{"event": "rollout_finished", "rollout_id": "3-1", "log_level": "info"}]
 
 
 def test_json_lines_carry_exceptions_and_odd_values() -> None:
