@@ -38,11 +38,9 @@ from aiohttp import web
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.bodies import BadBody, BodyTooBig, NoRoom, read_body
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
-from dispatcher.serve.final import BrokenJob, FinalJob
-from dispatcher.serve.jobs import BadJob, Conflict, Service
+from dispatcher.serve.jobs import BadJob, Conflict, FoundJob, Service
 from dispatcher.serve.results import stream
 from dispatcher.serve.sending import Sender, StreamIdle
-from dispatcher.serve.served import ServedJob
 from dispatcher.serve.spec import AdmissionChange, PolicyChange, TooBig
 from dispatcher.telemetry.server import Routes, json_response
 
@@ -212,7 +210,7 @@ class _Handlers:
         return json_response({"jobs": jobs})
 
     async def get_job(self, request: web.Request) -> web.Response:
-        job = self.service.jobs.get(request.match_info["job_id"])
+        job = await self.service.find(request.match_info["job_id"])
         if job is None:
             return _unknown(request)
         return json_response(await self.service.status_of(job))
@@ -224,7 +222,7 @@ class _Handlers:
         return json_response(status)
 
     async def results(self, request: web.Request) -> web.StreamResponse:
-        job = self.service.jobs.get(request.match_info["job_id"])
+        job = await self.service.find(request.match_info["job_id"])
         if job is None:
             return _unknown(request)
         try:
@@ -245,7 +243,7 @@ class _Handlers:
     async def _stream(
         self,
         request: web.Request,
-        job: ServedJob | FinalJob | BrokenJob,
+        job: FoundJob,
         after: int,
         group: bool,
         wait: bool,

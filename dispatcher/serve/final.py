@@ -68,7 +68,7 @@ class FinalJob:
         (a record that could not be saved says less). A record gone or damaged
         since (its folder moved aside, say) leaves what memory says, and why."""
         record = registry.read(self.folder)
-        status = _saved_status(record) if isinstance(record, JobRecord) else None
+        status = saved_status(record) if isinstance(record, JobRecord) else None
         error = self.error
         if status is None:
             status = JobStatus(self.job_id, self.state, True, output=str(self.output)).to_json()
@@ -87,6 +87,10 @@ class FinalJob:
     def cancel(self) -> None:
         """Nothing of it runs."""
 
+    def read_by_a_stream(self) -> bool:
+        """Whether a results stream reads its files now (it is not archived meanwhile)."""
+        return self._shared is not None and self._shared() is not None
+
     async def source(self) -> Source:
         shared = self._shared() if self._shared is not None else None
         if shared is not None:
@@ -98,7 +102,7 @@ class FinalJob:
         return source
 
 
-def _saved_status(record: JobRecord) -> dict[str, Any] | None:
+def saved_status(record: JobRecord) -> dict[str, Any] | None:
     """The status a final record saved; for one of an older daemon, built from it."""
     if record.final_status is not None:
         return record.final_status
@@ -165,11 +169,11 @@ async def _files_source(
     failures = await asyncio.to_thread(LineIndex.scan, paths.failures)
     manifest = await asyncio.to_thread(read_manifest, paths.manifest)
     return Source(
-        output, rows, groups, group_index, final_state, _unknown, final_error, satisfied_seq,
-        failures_path=paths.failures, failures=failures,
+        output, rows, groups, group_index, final_state, unknown_completion, final_error,
+        satisfied_seq, failures_path=paths.failures, failures=failures,
         attempt_cap=max_attempts_for(None, manifest),
     )  # fmt: skip
 
 
-def _unknown(task: int) -> float | None:
+def unknown_completion(task: int) -> float | None:
     return None

@@ -33,6 +33,7 @@ from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.heap import HeapTrimmer
 from dispatcher.latency.quantile import quantile
 from dispatcher.run.daemon import Daemon, peak_rss_mb
+from dispatcher.serve.archive import Archive, ArchivedJob, Compaction
 from dispatcher.serve.bodies import BodyBudget
 from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
@@ -57,6 +58,8 @@ log = structlog.get_logger("dispatcher.serve")
 DELAY_WINDOW = 10_000
 
 AnyJob = ServedJob | FinalJob | BrokenJob
+# A job as a request finds it: held by the service, or read from the archive index.
+FoundJob = AnyJob | ArchivedJob
 
 
 class Conflict(Exception):
@@ -90,6 +93,8 @@ class Service:
         self.health = StateDirHealth(registry)
         # False until the registry is read (the API answers 503 until then).
         self.resumed = False
+        # Settled jobs folded into archives (archive.py); set as the registry is read.
+        self.compaction: Compaction | None = None
         self._next_seq = 1
         # Seconds from a row (or a group's last row) being durable to its
         # delivery on a results stream: the last ones, for /status.
@@ -111,7 +116,12 @@ class Service:
 
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done, cancelled or
-        satisfied)."""
+        satisfied). A fold a kill cut is undone first (archive.py)."""
+        archive = await asyncio.to_thread(self._open_archive)
+        self.compaction = Compaction(archive, self.limits.retain_settled_jobs, self.jobs,
+                                     self.write)  # fmt: skip
+        self.compaction.archived = await asyncio.to_thread(archive.count)
+        self._next_seq = await asyncio.to_thread(archive.last_seq) + 1
         for record in await asyncio.to_thread(self._read_registry):
             if isinstance(record, Unreadable):
                 self.jobs[record.job_id] = BrokenJob(record)
@@ -121,6 +131,8 @@ class Service:
             if isinstance(record, FinalJob):
                 # Its status and rows are read from its files when asked for.
                 self.jobs[record.job_id] = record
+                if record.state in SETTLED_STATES:
+                    self.compaction.settled(record)
                 continue
             record.state = record.error = record.outcomes = record.final_status = None
             served = ServedJob(self, record)
@@ -128,6 +140,18 @@ class Service:
             served.start()
             log.info("job_resumed", job_id=record.job_id)
         self.resumed = True
+
+    def _open_archive(self) -> Archive:
+        archive = Archive(self.registry)
+        archive.recover()
+        return archive
+
+    async def find(self, job_id: str) -> FoundJob | None:
+        """A job by id: one the service holds, else one in an archive, else None."""
+        job = self.jobs.get(job_id)
+        if job is not None or self.compaction is None:
+            return job
+        return await asyncio.to_thread(self.compaction.archive.find, job_id)
 
     def _read_registry(self) -> list[JobRecord | FinalJob | Unreadable]:
         """The registry's jobs (blocking), each settled one kept as a ``FinalJob`` as
@@ -148,7 +172,7 @@ class Service:
         spec, digest = await loop.run_in_executor(self._bodies_thread, self._parse, body)
         del body
         async with self._submitting:
-            existing = self.jobs.get(spec.job_id) if spec.job_id is not None else None
+            existing = await self.find(spec.job_id) if spec.job_id is not None else None
             if isinstance(existing, BrokenJob):
                 self._still_broken(existing)
                 existing = None
@@ -190,13 +214,17 @@ class Service:
         """A job is final: keep what its status needs, the rest is in its files (and
         the memory its rows took goes back to the system)."""
         if self.jobs.get(served.job_id) is served:
-            self.jobs[served.job_id] = FinalJob.of(served.record, self.registry)
+            final = self.jobs[served.job_id] = FinalJob.of(served.record, self.registry)
+            if final.state in SETTLED_STATES and self.compaction is not None:
+                self.compaction.settled(final)
         self.heap.soon()
 
-    async def status_of(self, job: AnyJob) -> dict[str, Any]:
+    async def status_of(self, job: FoundJob) -> dict[str, Any]:
         """A job's status; a final job's is read from its record."""
         if isinstance(job, FinalJob):
             return await asyncio.to_thread(job.read_status, self.registry)
+        if isinstance(job, ArchivedJob):
+            return await asyncio.to_thread(job.read_status)
         return job.status()
 
     async def statuses(self) -> list[dict[str, Any]]:
@@ -250,7 +278,7 @@ class Service:
             raise Conflict(str(exc)) from None
 
     async def cancel(self, job_id: str) -> dict[str, Any] | None:
-        job = self.jobs.get(job_id)
+        job = await self.find(job_id)
         if job is None:
             return None
         job.cancel()
@@ -353,6 +381,8 @@ class Service:
         if tasks:
             await asyncio.wait(tasks)
         await self.heap.close()
+        if self.compaction is not None:
+            await self.compaction.close()
         self._bodies_thread.shutdown(wait=False, cancel_futures=True)
 
     def exit_code(self) -> ExitCode:
@@ -389,6 +419,8 @@ class Service:
             "jobs": self.job_counts(),
             # Jobs held in memory whole (running); a final one holds a few fields.
             "jobs_running_in_memory": len(running),
+            # Settled jobs folded into archives (contracts §12), not in "jobs".
+            "jobs_archived": self.compaction.archived if self.compaction else 0,
             # What clients hold of the daemon now, against its bounds (contracts §12).
             "streams_open": self.streams.open,
             "request_bytes_held": self.bodies.held,

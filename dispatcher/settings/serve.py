@@ -18,6 +18,8 @@ Each flag bounds one thing a client could otherwise grow without end:
   headers this long after connecting (or after its last answer) is closed;
   with TLS, one whose handshake has not ended this long after connecting too.
 - ``--max-job-rollouts``: rows × repeats of one job (over it: 400).
+- ``--retain-settled-jobs``: settled jobs that keep a folder of their own in
+  ``jobs/``; every this many are folded into one archive (``archive.py``).
 - ``--max-job-bytes``: what one job materializes, (input bytes + rows × the
   bytes of the ``responses_create_params`` merged into each row) × repeats,
   what its files grow to at the least (over it: 413).
@@ -51,6 +53,8 @@ class ServeLimits(BaseModel):
     max_job_rollouts: int = Field(default=1_000_000, ge=1)
     # Bounded: a job of more could not be held by any disk it would run on.
     max_job_bytes: int = Field(default=16 * 1024 * MIB, ge=1, le=MAX_JOB_BYTES)
+    # Settled jobs with folders of their own; every this many are folded into an archive.
+    retain_settled_jobs: int = Field(default=1000, ge=1)
 
     @model_validator(mode="after")
     def _a_body_fits(self) -> ServeLimits:
@@ -95,6 +99,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
         "(input bytes + rows x the job's responses_create_params) x repeats of one job at "
         "most; more answers 413",
         "BYTES",
+    ),
+    "--retain-settled-jobs": (
+        "settled jobs kept in folders of their own; every N are folded into one archive",
+        "N",
     ),
 }
 

@@ -1,0 +1,195 @@
+"""Settled jobs folded into archives (contracts §12): ``jobs/`` bounded by
+``--retain-settled-jobs``, archived jobs answering their status and results
+exactly as before, a restart holding none of them, and a fold cut at any step
+losing and repeating nothing.
+
+The service runs in this process with its API on a real socket and an agent on
+127.0.0.1 that answers at once; a fold is cut by raising at one of its steps
+(``Archive.commit``'s hook), which leaves the disk as a kill there would: the
+fold cleans nothing up, the next start does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from dispatcher.serve.archive import STEPS, Archive, Folded
+from dispatcher.serve.command import serving
+from dispatcher.serve.final import FinalJob
+from dispatcher.serve.jobs import Service
+from dispatcher.serve.registry import JobRecord, Registry
+from dispatcher.settings.serve import ServeLimits
+from tests.helpers import FakeAgent, serve_arguments, wait_until
+from tests.serve.test_service_e2e import rows
+
+pytestmark = pytest.mark.timeout(120)
+
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture
+async def agent() -> AsyncIterator[FakeAgent]:
+    agent = FakeAgent()
+    await agent.start()
+    yield agent
+    await agent.close()
+
+
+@contextlib.asynccontextmanager
+async def daemon(tmp_path: Path, agent: FakeAgent, window: int) -> AsyncIterator[Client]:
+    """``dispatcher serve --retain-settled-jobs window`` on ``tmp_path/state`` in this
+    process, and a client of it, until the block ends."""
+    settings, state, access = serve_arguments(tmp_path, agent.url)
+    limits = ServeLimits(retain_settled_jobs=window)
+    async with serving(settings, state, None, None, access, limits) as service:
+        async with aiohttp.ClientSession() as http:
+            yield Client(service, http)
+        service.daemon.stop_requested.set()
+
+
+class Client:
+    def __init__(self, service: Service, http: aiohttp.ClientSession) -> None:
+        self.service = service
+        self.http = http
+        endpoint = service.daemon.metrics_endpoint
+        assert endpoint is not None
+        self.url = endpoint.url.removesuffix("/metrics") + "/v1/jobs"
+
+    async def submit(self, job_id: str, count: int = 3) -> int:
+        body = orjson.dumps({"job_id": job_id, "rows": rows(count)})
+        async with self.http.post(self.url, data=body, headers=JSON) as r:
+            return r.status
+
+    async def status(self, job_id: str) -> dict[str, Any]:
+        async with self.http.get(f"{self.url}/{job_id}") as r:
+            assert r.status == 200, await r.text()
+            data: dict[str, Any] = await r.json()
+            return data
+
+    async def results(self, job_id: str, **params: str) -> bytes:
+        async with self.http.get(f"{self.url}/{job_id}/results", params=params) as r:
+            assert r.status == 200, await r.text()
+            return await r.read()
+
+    async def listed(self) -> set[str]:
+        async with self.http.get(self.url) as r:
+            return {job["job_id"] for job in (await r.json())["jobs"]}
+
+    async def run(self, job_ids: list[str]) -> dict[str, bytes]:
+        """Each job submitted and read to its end: its whole stream, by id."""
+        streams = {}
+        for job_id in job_ids:
+            assert await self.submit(job_id) == 201
+            streams[job_id] = await self.results(job_id, wait="true")
+        return streams
+
+
+def entries(state: Path) -> tuple[list[str], list[str]]:
+    return (
+        sorted(p.name for p in (state / "jobs").iterdir()),
+        sorted(p.name for p in (state / "archive").iterdir()),
+    )
+
+
+async def test_every_n_settled_jobs_fold_into_one_archive_and_still_answer(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    ids = [f"j{n}" for n in range(7)]
+    async with daemon(tmp_path, agent, window=3) as api:
+        streams = await api.run(ids)
+        await wait_until(lambda: api.service.compaction.archived == 6)  # type: ignore[union-attr]
+        folders, archives = entries(tmp_path / "state")
+        # jobs/ holds the one settled job of the next window; an archive per window.
+        assert folders == ["j6"]
+        assert archives == ["000001.tar", "000002.tar", "index.sqlite"]
+        assert await api.listed() == {"j6"}
+        for job_id in ids:
+            # The stream as it was before the fold, byte for byte.
+            assert await api.results(job_id, wait="true") == streams[job_id]
+            status = await api.status(job_id)
+            assert (status["state"], status["rows_durable"], status["final"]) == ("done", 3, True)
+        # after= resumes exactly; group=true walks the archived groups.
+        tail = (await api.results("j0", after="1")).splitlines()
+        assert [orjson.loads(line)["_ng_seq"] for line in tail] == [2, 3]
+        grouped = (await api.results("j0", group="true")).splitlines()
+        groups = [orjson.loads(line) for line in grouped]
+        assert [len(group["rows"]) for group in groups] == [1, 1, 1]
+        # The same body again is the same job; another body a conflict.
+        assert await api.submit("j0") == 200
+        assert await api.submit("j0", count=4) == 409
+        assert await api.submit("j7") == 201
+    # A restart holds none of the archived jobs and they still answer.
+    async with daemon(tmp_path, agent, window=3) as api:
+        held = {job_id for job_id, job in api.service.jobs.items() if isinstance(job, FinalJob)}
+        assert held <= {"j6", "j7"}
+        assert await api.results("j1", wait="true") == streams["j1"]
+        assert (await api.status("j1"))["state"] == "done"
+        async with api.http.get(f"{api.url}/nope") as r:
+            assert r.status == 404
+
+
+async def settled_state(tmp_path: Path, agent: FakeAgent, count: int) -> dict[str, bytes]:
+    """``count`` settled jobs in ``tmp_path/state``, none folded: their streams."""
+    async with daemon(tmp_path, agent, window=1000) as api:
+        return await api.run([f"j{n}" for n in range(count)])
+
+
+class Cut(Exception):
+    """A fold stopped here, as by a kill."""
+
+
+def cut_fold(state: Path, count: int, at: str | None) -> None:
+    """Fold the first ``count`` jobs, stopping after step ``at`` (None: after the first
+    folder of step 3 is removed)."""
+    registry = Registry(state)
+    archive = Archive(registry)
+    jobs = []
+    for n in range(count):
+        record = registry.read(registry.job_dir(f"j{n}"))
+        assert isinstance(record, JobRecord) and record.state is not None
+        jobs.append(Folded(record.job_id, record.submitted_seq, record.digest, record.state,
+                           None, None))  # fmt: skip
+
+    def stop(step: str) -> None:
+        if step == at:
+            raise Cut(step)
+
+    try:
+        archive.commit(jobs, stop)
+        archive.remove(jobs[:1])
+    except Cut:
+        pass
+    archive.close()
+
+
+@pytest.mark.parametrize("at", [*STEPS, None])
+async def test_a_fold_cut_at_any_step_loses_and_repeats_nothing(
+    tmp_path: Path, agent: FakeAgent, at: str | None
+) -> None:
+    streams = await settled_state(tmp_path, agent, 4)
+    cut_fold(tmp_path / "state", 3, at)
+    async with daemon(tmp_path, agent, window=1000) as api:
+        folders, archives = entries(tmp_path / "state")
+        if at == STEPS[0]:
+            # Not committed: the tar is gone, every folder is whole.
+            assert (folders, archives) == (["j0", "j1", "j2", "j3"], ["index.sqlite"])
+        else:
+            # Committed: the folders the kill left are gone, one copy of each job.
+            assert (folders, archives) == (["j3"], ["000001.tar", "index.sqlite"])
+        for job_id, stream in streams.items():
+            assert await api.results(job_id, wait="true") == stream
+            assert (await api.status(job_id))["rows_durable"] == 3
+    # The next fold takes up where it is.
+    async with daemon(tmp_path, agent, window=2) as api:
+        streams.update(await api.run(["j4", "j5"]))
+        # j3 and j4 at least, with j0..j2 when the cut fold had not committed them.
+        await wait_until(lambda: not (tmp_path / "state/jobs/j4").exists())
+        for job_id, stream in streams.items():
+            assert await api.results(job_id, wait="true") == stream
