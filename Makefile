@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/big_rows.py --offload-compare
 	$(BIN)/python bench/service.py
 	$(BIN)/python bench/settled_jobs.py
+	$(BIN)/python bench/many_jobs.py
 	$(BIN)/python bench/latency_window.py
 	$(BIN)/python bench/step_control.py
 	$(BIN)/python bench/cli_startup.py
@@ -60,6 +61,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/big_rows.py --smoke --repeat 1
 	$(BIN)/python bench/service.py --smoke
 	$(BIN)/python bench/settled_jobs.py --smoke
+	$(BIN)/python bench/many_jobs.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
 	$(BIN)/python bench/step_control.py --smoke
 	$(BIN)/python bench/report_timeline.py --smoke

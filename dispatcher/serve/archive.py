@@ -418,8 +418,8 @@ class Compaction:
             del self.waiting[job.job_id]
             if self.jobs.get(job.job_id) is job:
                 del self.jobs[job.job_id]
-        self.archived += len(ready)
         await self.write(self.archive.remove, folded)
+        self.archived += len(ready)
 
     async def close(self) -> None:
         """Let a fold under way end (it is crash-safe, but a whole one saves a redo)."""
