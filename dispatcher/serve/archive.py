@@ -46,6 +46,7 @@ import orjson
 import structlog
 
 from dispatcher import jsonx
+from dispatcher.errors import ConfigError
 from dispatcher.files.atomic import fsync_dir
 from dispatcher.files.contracts import JobStatus, RunManifest
 from dispatcher.files.resume import OutputPaths
@@ -200,11 +201,18 @@ class Archive:
         self.registry = registry
         self.root = registry.root / "archive"
         self.root.mkdir(exist_ok=True)
-        self._db = sqlite3.connect(
-            self.root / INDEX_FILE, check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        path = self.root / INDEX_FILE
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute("SELECT COUNT(*) FROM jobs").fetchall()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise ConfigError(
+                f"{path}: not an archive index ({exc}); restore it from a backup (the "
+                "archives' jobs are unknown without it)"
+            ) from None
         self._lock = threading.Lock()
 
     def close(self) -> None:

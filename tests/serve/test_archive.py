@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
+from dispatcher.errors import ConfigError
 from dispatcher.serve.archive import STEPS, Archive, Folded
 from dispatcher.serve.command import serving
 from dispatcher.serve.final import FinalJob
@@ -193,3 +194,13 @@ async def test_a_fold_cut_at_any_step_loses_and_repeats_nothing(
         await wait_until(lambda: not (tmp_path / "state/jobs/j4").exists())
         for job_id, stream in streams.items():
             assert await api.results(job_id, wait="true") == stream
+
+
+async def test_an_archive_index_that_cannot_be_read_stops_the_daemon_naming_it(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    (tmp_path / "state/archive").mkdir(parents=True)
+    (tmp_path / "state/archive/index.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(ConfigError, match=r"index\.sqlite: not an archive index"):
+        async with daemon(tmp_path, agent, window=3):
+            pass
