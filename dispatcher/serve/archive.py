@@ -385,6 +385,8 @@ class Compaction:
         self.write = write
         self.waiting: dict[str, FinalJob] = {}
         self.archived = 0
+        # Archived jobs whose folders a stream still reads.
+        self._read: list[tuple[Folded, FinalJob]] = []
         self._task: asyncio.Task[None] | None = None
 
     def settled(self, job: FinalJob) -> None:
@@ -426,7 +428,13 @@ class Compaction:
             del self.waiting[job.job_id]
             if self.jobs.get(job.job_id) is job:
                 del self.jobs[job.job_id]
-        await self.write(self.archive.remove, folded)
+        # A folder a stream began to read during the fold stays until a later fold
+        # (or the next start) finds no stream on it.
+        pairs = [*zip(folded, ready, strict=True), *self._read]
+        read = [job.read_by_a_stream() for _, job in pairs]
+        self._read = [pair for pair, busy in zip(pairs, read, strict=True) if busy]
+        gone = [done for (done, _), busy in zip(pairs, read, strict=True) if not busy]
+        await self.write(self.archive.remove, gone)
         self.archived += len(ready)
 
     async def close(self) -> None:
