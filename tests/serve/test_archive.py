@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from dispatcher.errors import ConfigError
 from dispatcher.serve.archive import STEPS, Archive, Folded
@@ -27,7 +28,7 @@ from dispatcher.serve.final import FinalJob
 from dispatcher.serve.jobs import Service
 from dispatcher.serve.registry import JobRecord, Registry
 from dispatcher.settings.serve import ServeLimits
-from tests.helpers import FakeAgent, serve_arguments, wait_until
+from tests.helpers import FakeAgent, echo_result, serve_arguments, wait_until
 from tests.serve.test_service_e2e import rows
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,3 +205,34 @@ async def test_an_archive_index_that_cannot_be_read_stops_the_daemon_naming_it(
     with pytest.raises(ConfigError, match=r"index\.sqlite: not an archive index"):
         async with daemon(tmp_path, agent, window=3):
             pass
+
+
+def fails_task_0(body: dict[str, Any]) -> web.StreamResponse:
+    """Task 0's every attempt fails (HTTP 500); the others succeed."""
+    if body.get("_ng_task_index") == 0:
+        return web.json_response({"detail": "boom"}, status=500)
+    return echo_result(body)
+
+
+async def test_an_archived_jobs_failure_lines_are_the_ones_it_streamed_before_the_fold(
+    tmp_path: Path,
+) -> None:
+    agent = FakeAgent(fails_task_0)
+    await agent.start()
+    try:
+        async with daemon(tmp_path, agent, window=2) as api:
+            before = {}
+            for job_id in ("f0", "f1"):
+                assert await api.submit(job_id) == 201
+                await api.results(job_id, wait="true")
+                before[job_id] = await api.results(job_id, failures="true")
+            await wait_until(lambda: api.service.compaction.archived == 2)  # type: ignore[union-attr]
+            for job_id, stream in before.items():
+                assert await api.results(job_id, failures="true") == stream
+                lines = [orjson.loads(line) for line in stream.splitlines()]
+                # Only the rollout's final failure is a failure line, under the job's cap.
+                assert [
+                    line["failure"]["_ng_task_index"] for line in lines if "failure" in line
+                ] == [0]
+    finally:
+        await agent.close()
