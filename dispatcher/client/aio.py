@@ -199,6 +199,8 @@ class AsyncClient:
         on_target: str | None = None,
         group_filter: str | None = None,
         max_attempts: int | None = None,
+        target_groups_by_agent: Mapping[str, int] | None = None,
+        target_tokens: int | None = None,
     ) -> JobStatus:
         """Submit a job: ``rows``, or ``input``, a task file's path on the daemon's host.
 
@@ -207,7 +209,9 @@ class AsyncClient:
         sent once. ``responses_create_params`` are merged over each row's;
         ``target_groups``, ``overprovision``, ``on_target`` (``"finish"`` or
         ``"cancel"``) and ``group_filter`` (``"nonzero_reward_std"``) are step
-        control: the job stops once that many complete groups are kept.
+        control: the job stops once that many complete groups are kept;
+        ``target_groups_by_agent`` ({agent: N}, exactly N kept groups of each) or
+        ``target_tokens`` (N generated tokens in kept groups) are the other targets.
         ``max_attempts`` replaces the daemon's ``--max-attempts`` for this job's
         rollouts (1 when the caller retries itself).
         """
@@ -219,7 +223,10 @@ class AsyncClient:
                 dict(responses_create_params) if responses_create_params is not None else None
             ),
             target_groups=target_groups, overprovision=overprovision, on_target=on_target,
-            group_filter=group_filter, max_attempts=max_attempts,
+            group_filter=group_filter, max_attempts=max_attempts, target_tokens=target_tokens,
+            target_groups_by_agent=(
+                dict(target_groups_by_agent) if target_groups_by_agent is not None else None
+            ),
         )  # fmt: skip
         answer = await self._call("POST", "/v1/jobs", body, retry=job_id is not None)
         return JobStatus.from_json(answer)

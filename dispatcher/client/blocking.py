@@ -147,6 +147,8 @@ class Client:
         on_target: str | None = None,
         group_filter: str | None = None,
         max_attempts: int | None = None,
+        target_groups_by_agent: Mapping[str, int] | None = None,
+        target_tokens: int | None = None,
     ) -> JobStatus:
         """See ``AsyncClient.submit``."""
         return self._run(
@@ -157,6 +159,7 @@ class Client:
                 responses_create_params=responses_create_params, target_groups=target_groups,
                 overprovision=overprovision, on_target=on_target, group_filter=group_filter,
                 max_attempts=max_attempts,
+                target_groups_by_agent=target_groups_by_agent, target_tokens=target_tokens,
             )
         )  # fmt: skip
 

@@ -115,6 +115,14 @@ class JobStatus:
     # Seconds from the job's submission (or the daemon's restart) to its first kept
     # group, 50%, 90% and 100% of the target.
     timeline: dict[str, float | None] | None = None
+    # Per-agent quotas (``target_groups_by_agent``): each agent's quota, its kept groups
+    # that count, and the kept groups beyond a met quota (surplus, not counted).
+    target_groups_by_agent: dict[str, int] | None = None
+    groups_kept_by_agent: dict[str, int] | None = None
+    groups_surplus: int = 0
+    # A token target (``target_tokens``), and the generated tokens the kept groups hold.
+    target_tokens: int | None = None
+    tokens_kept: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state.value}
@@ -151,9 +159,18 @@ class JobStatus:
                 satisfied_at=body.get("satisfied_at"),
                 satisfied_seq=body.get("satisfied_seq"),
                 timeline=dict(body["timeline"]) if body.get("timeline") else None,
+                target_groups_by_agent=_mapping(body.get("target_groups_by_agent")),
+                groups_kept_by_agent=_mapping(body.get("groups_kept_by_agent")),
+                groups_surplus=int(body.get("groups_surplus") or 0),
+                target_tokens=body.get("target_tokens"),
+                tokens_kept=body.get("tokens_kept"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad job status: {exc!r}") from None
+
+
+def _mapping(value: Any) -> dict[str, int] | None:
+    return {str(k): int(v) for k, v in value.items()} if isinstance(value, dict) else None
 
 
 # -- failure rows (§5) and agent results (§3) -----------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
+from dispatcher.capture.tokens import normalize_usage
 from dispatcher.delivery.client import Attempt
 from dispatcher.files.contracts import FAILURE_CLASS, FAILURE_TERMINAL, NOT_DELIVERED
 from dispatcher.files.writer import Line
@@ -132,8 +133,32 @@ class Finalizer:
 
 
 def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``Job.record`` reads of a row, so the row itself need not be kept."""
-    return {key: row[key] for key in _FACT_KEYS if key in row}
+    """What ``Job.record`` reads of a row, so the row itself need not be kept, and its
+    generated tokens (``GENERATED_TOKENS``), which a token target counts."""
+    facts = {key: row[key] for key in _FACT_KEYS if key in row}
+    tokens = generated_tokens(row)
+    if tokens is not None:
+        facts[GENERATED_TOKENS] = tokens
+    return facts
+
+
+# The facts' key of a row's generated tokens (not a key of the row).
+GENERATED_TOKENS = "generated_tokens"
+
+
+def generated_tokens(row: Mapping[str, Any]) -> int | None:
+    """The tokens a rollout generated: its captured model calls' completion tokens
+    (``ng_perf``), else the agent's own ``usage`` in its ``response``; None when
+    neither says."""
+    perf = row.get("ng_perf")
+    if isinstance(perf, Mapping):
+        completion = perf.get("completion_tokens")
+        if isinstance(completion, int) and not isinstance(completion, bool):
+            return completion
+    response = row.get("response")
+    if isinstance(response, Mapping):
+        return normalize_usage(response.get("usage")).completion
+    return None
 
 
 # What the one finality rule (``state.final_after_failure``) reads of a failure row,

@@ -369,6 +369,10 @@ class Job(JobFigures):
         if self.daemon.local_fault(fault, rollout.rollout_id):
             self._pending_rollouts().put_back(rollout)
 
+    def start_later(self, rollout: Rollout) -> None:
+        """Offer a rollout its gate held aside again, before the next new one."""
+        self._pending_rollouts().put_back(rollout)
+
     def _left_agent(self, rollout: Rollout) -> None:
         """A flight's agent answered (or it was cancelled or put back): its slots are free."""
         self._at_agents -= 1

@@ -18,7 +18,9 @@ Step control (contracts §13): with a group filter, a complete group whose rows
 the filter finds teach nothing is logged all the same, with
 ``"filtered": true``. Whoever counts groups (``step.py``) hears of every line
 through ``on_group``, those of earlier daemons first (replayed on open, on
-the loop), with its line number.
+the loop), with its line number. With ``details`` (a target that reads them,
+``policy.py``), a group line also names its agent and its rows' generated
+tokens, so the tally is the same after a restart.
 """
 
 from __future__ import annotations
@@ -36,16 +38,17 @@ from dispatcher import jsonx
 from dispatcher.files.resume import RunState, repair_torn_tail
 from dispatcher.files.writer import LineIndex
 from dispatcher.outcome import Outcome
+from dispatcher.rows.finalize import GENERATED_TOKENS, generated_tokens
 from dispatcher.serve.lines import BadLine, GroupLine, encode, read_group
-from dispatcher.tasks.keys import line_key, materialized_key, task_of
+from dispatcher.tasks.keys import AGENT_REF, line_key, materialized_key, task_of
 from dispatcher.tasks.materialize import Rollout
 
 log = structlog.get_logger("dispatcher.serve")
 
 # Whether a complete group's rewards make it one to filter out.
 GroupFilter = Callable[[Sequence[Any]], bool]
-# Told of each group line: (task, filtered, its line number).
-OnGroup = Callable[[int, bool, int], None]
+# Told of each group line and its line number.
+OnGroup = Callable[[GroupLine, int], None]
 
 
 class Groups:
@@ -57,12 +60,17 @@ class Groups:
         on_error: Callable[[OSError], None] | None = None,
         group_filter: GroupFilter | None = None,
         on_group: OnGroup | None = None,
+        details: bool = False,
     ) -> None:
         self.path = path
         # A group line that cannot be written: the owner stops the job, naming it.
         self._on_error = on_error
         self._filter = group_filter
         self._on_group = on_group
+        self._details = details
+        # With details: each unlogged task's agent and its rows' generated tokens.
+        self.agents: dict[int, str] = {}
+        self.tokens: Counter[int] = Counter()
         self.expected: Counter[int] = Counter()
         self.final: Counter[int] = Counter()
         self.failures: Counter[int] = Counter()
@@ -71,7 +79,7 @@ class Groups:
         self.rewards: defaultdict[int, list[Any]] = defaultdict(list)
         self.logged: set[int] = set()
         # Read by ``load`` (in a thread), told to ``on_group`` by ``open`` (on the loop).
-        self._read_back: list[tuple[int, bool, int]] = []
+        self._read_back: list[tuple[GroupLine, int]] = []
         # Tasks the files show started (a final or failed attempt) but not complete.
         self.reopened: list[int] = []
         # When each group completed in this process (monotonic): its last row's
@@ -101,12 +109,13 @@ class Groups:
         self._read_logged()
         self.index.load(self.path)
         self.reopened = sorted(t for t in started if not self._complete(t))
-        if self._filter is not None:
-            self._read_rewards(output)
+        if self._filter is not None or self._details:
+            self._read_facts(output)
         return sorted(t for t in self.expected if self._complete(t) and t not in self.logged)
 
-    def _read_rewards(self, output: Path) -> None:
-        """The rewards of the rows of groups not logged yet (only those rows are parsed)."""
+    def _read_facts(self, output: Path) -> None:
+        """The rewards (and with details, agents and tokens) of the rows of groups not
+        logged yet (only those rows are parsed)."""
         wanted = {
             seq: task for task, seqs in self.rows.items() if task not in self.logged for seq in seqs
         }
@@ -116,7 +125,14 @@ class Groups:
             for seq, line in enumerate(f, start=1):
                 task = wanted.get(seq)
                 if task is not None:
-                    self.rewards[task].append(_reward(line))
+                    row = jsonx.loads(line)
+                    row = row if isinstance(row, dict) else {}
+                    if self._filter is not None:
+                        self.rewards[task].append(row.get("reward"))
+                    agent = row.get(AGENT_REF)
+                    if isinstance(agent, dict) and isinstance(agent.get("name"), str):
+                        self.agents[task] = agent["name"]
+                    self.tokens[task] += generated_tokens(row) or 0
 
     def _read_logged(self) -> None:
         """The groups already logged; the file is cut at its first damaged line."""
@@ -129,14 +145,12 @@ class Groups:
                     log.warning("groups_rebuilt", path=str(self.path), damaged_line=line_no)
                     f.truncate(good)
                     return
-                task, filtered = group
-                self.logged.add(task)
-                self._read_back.append((task, filtered, line_no))
+                self.logged.add(group.task_index)
+                self._read_back.append((group, line_no))
                 good += len(line)
 
-    def _group_of(self, line: bytes) -> tuple[int, bool] | None:
-        """The task of a group line that is whole and sound, and whether it was
-        filtered; None for a damaged one."""
+    def _group_of(self, line: bytes) -> GroupLine | None:
+        """The group of a line that is whole and sound; None for a damaged one."""
         if not line.endswith(b"\n"):
             return None
         try:
@@ -146,7 +160,7 @@ class Groups:
         task = group.task_index
         if task in self.logged or not self._complete(task):
             return None
-        return task, group.filtered
+        return group
 
     async def open(self, missing: list[int]) -> None:
         """Tell ``on_group`` of the lines read back, then log the groups missing."""
@@ -154,8 +168,8 @@ class Groups:
         self._size = os.fstat(self._fd).st_size
         read_back, self._read_back = self._read_back, []
         if self._on_group is not None:
-            for task, filtered, seq in read_back:
-                self._on_group(task, filtered, seq)
+            for group, seq in read_back:
+                self._on_group(group, seq)
         for task in missing:
             if self._fd is not None:
                 self._log(task)
@@ -166,10 +180,14 @@ class Groups:
         """Count one final rollout (``Job``'s hook); log its group when it completes it."""
         task = rollout.task_index
         self.final[task] += 1
+        if self._details:
+            self.agents[task] = rollout.agent
         if outcome is Outcome.SUCCESS and seq is not None:
             self.rows[task].append(seq)
             if self._filter is not None:
                 self.rewards[task].append((facts or {}).get("reward"))
+            if self._details:
+                self.tokens[task] += (facts or {}).get(GENERATED_TOKENS) or 0
         else:
             self.failures[task] += 1
         if self._complete(task) and task not in self.logged and self._fd is not None:
@@ -186,6 +204,9 @@ class Groups:
         assert self._fd is not None
         filtered = self._filter is not None and self._filter(self.rewards.pop(task, []))
         group = GroupLine(task, sorted(self.rows[task]), self.failures[task], filtered)
+        if self._details:
+            group.agent = self.agents.pop(task, None)
+            group.tokens = self.tokens.pop(task, 0)
         line = encode(group)
         try:
             written = os.write(self._fd, line)
@@ -199,7 +220,7 @@ class Groups:
         seq = self.index.add(self._size, [len(line)])
         self._size += len(line)
         if self._on_group is not None:
-            self._on_group(task, filtered, seq)
+            self._on_group(group, seq)
 
     def _refuse(self, exc: OSError) -> None:
         """Cut what a failed write left and write no more: the next open rebuilds the rest."""
@@ -214,9 +235,3 @@ class Groups:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _reward(line: bytes) -> Any:
-    """A row's ``reward`` (None when it has none, or the line is not an object)."""
-    row = jsonx.loads(line)
-    return row.get("reward") if isinstance(row, dict) else None

@@ -37,7 +37,7 @@ from dispatcher.serve.archive import Archive, ArchivedJob, Compaction
 from dispatcher.serve.bodies import BodyBudget
 from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
-from dispatcher.serve.metrics import declare_service_metrics
+from dispatcher.serve.metrics import StepTotals, declare_service_metrics
 from dispatcher.serve.registry import (
     ROWS_FILE,
     SETTLED_STATES,
@@ -100,7 +100,11 @@ class Service:
         # delivery on a results stream: the last ones, for /status.
         self.delays: deque[float] = deque(maxlen=DELAY_WINDOW)
         self._delay_histogram = declare_service_metrics(
-            daemon.metrics.registry, self.job_counts, daemon.policy_version, daemon.pause
+            daemon.metrics.registry,
+            self.job_counts,
+            daemon.policy_version,
+            daemon.pause,
+            self.step_totals,
         )
         # Bodies are parsed, checked and written in one thread: the memory of a
         # body's objects is reused by the next, not kept in an allocator arena
@@ -401,6 +405,14 @@ class Service:
 
     def job_counts(self) -> dict[str, int]:
         return dict(Counter(j.state.value for j in self.jobs.values()))
+
+    def step_totals(self) -> StepTotals:
+        """The step targets of the jobs not final, summed (for ``/metrics``)."""
+        totals = StepTotals()
+        for job in self.jobs.values():
+            if isinstance(job, ServedJob) and not job.finished:
+                job.step.add_to(totals)
+        return totals
 
     def status(self) -> dict[str, Any]:
         daemon = self.daemon

@@ -23,6 +23,10 @@ class GroupLine(msgspec.Struct, omit_defaults=True):
     failures: int
     # Step control (contracts §13): a group the job's filter left out.
     filtered: bool = False
+    # With a target that reads them (per-agent quotas, a token target): the task's
+    # agent and the generated tokens of its rows.
+    agent: str | None = None
+    tokens: int | None = None
 
 
 class EndLine(msgspec.Struct, omit_defaults=True):

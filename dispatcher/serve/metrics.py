@@ -1,14 +1,17 @@
 """The service's own series: jobs by state, the policy version, the results stream's
-delay, the admission pause.
+delay, the admission pause, the step targets of the jobs not final.
 
 Bounded by design: one series per job state, never one per job (a job's own
 figures are at ``GET /v1/jobs/<id>``). States with no job are exported as 0,
-so a dashboard sees a job leave a state.
+so a dashboard sees a job leave a state. The step series sum the jobs not
+final: one series per agent of a quota (agents are the daemon's ``--agent``s).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -71,6 +74,51 @@ class AdmissionGauges(Collector):
         )
 
 
+@dataclass
+class StepTotals:
+    """The targets of the jobs not final, summed (``jobs.Service.step_totals``)."""
+
+    kept_by_agent: Counter[str] = field(default_factory=Counter)
+    quota_by_agent: Counter[str] = field(default_factory=Counter)
+    tokens_kept: int = 0
+    tokens_target: int = 0
+
+
+class StepGauges(Collector):
+    """Per-agent quotas (kept groups against quota) and token targets, read when scraped."""
+
+    def __init__(self, totals: Callable[[], StepTotals]) -> None:
+        self._totals = totals
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        totals = self._totals()
+        kept = GaugeMetricFamily(
+            "dispatcher_step_groups_kept",
+            "Kept groups counting toward per-agent quotas, of the jobs not final.",
+            labels=["agent"],
+        )
+        quota = GaugeMetricFamily(
+            "dispatcher_step_groups_quota",
+            "Per-agent quotas (target_groups_by_agent) of the jobs not final.",
+            labels=["agent"],
+        )
+        for agent in sorted(totals.quota_by_agent):
+            kept.add_metric([agent], totals.kept_by_agent[agent])
+            quota.add_metric([agent], totals.quota_by_agent[agent])
+        yield kept
+        yield quota
+        yield GaugeMetricFamily(
+            "dispatcher_step_tokens_kept",
+            "Generated tokens in the kept groups of the jobs with a token target, not final.",
+            value=totals.tokens_kept,
+        )
+        yield GaugeMetricFamily(
+            "dispatcher_step_tokens_target",
+            "The token targets (target_tokens) of the jobs not final.",
+            value=totals.tokens_target,
+        )
+
+
 # The delay goal is tens of milliseconds; the top buckets catch a stalled stream.
 DELAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -80,10 +128,12 @@ def declare_service_metrics(
     job_counts: Callable[[], Mapping[str, int]],
     policy_version: Callable[[], int | None],
     pause: AdmissionPause,
+    step_totals: Callable[[], StepTotals],
 ) -> Histogram:
     """Register the service's series; returns the results-delay histogram to observe."""
     registry.register(ServiceGauges(job_counts, policy_version))
     registry.register(AdmissionGauges(pause))
+    registry.register(StepGauges(step_totals))
     return Histogram(
         "dispatcher_results_delay_seconds",
         "From a row (or a group's last row) being durable to its delivery on a results stream.",

@@ -9,11 +9,14 @@ whose ``policy_version`` p is more than K steps ahead of the trainer's
 version V starts nothing until V ≥ p − K; nothing in flight is ever
 cancelled for staleness (contracts §12).
 
-A job with ``target_groups`` has a ``StepControl`` (``step.py``): its gate
-starts a new group only while there is room under the overprovision bound,
-and once the target is reached the job starts nothing more (``finish``: what
-is in flight runs to its end; ``cancel``: it is cancelled) and ends
-``satisfied``.
+A job's step-control policy (``policy.py``: its target, group filter and
+ordering, from its body) is applied by its ``StepControl`` (``step.py``): its
+gate starts a new group only while its target leaves room, and once the
+target is reached the job starts nothing more (``finish``: what is in flight
+runs to its end; ``cancel``: it is cancelled) and ends ``satisfied``. A
+rollout whose agent has no room while others may have some (per-agent
+quotas) is held aside (``step.HeldAside``) and offered again when a group
+of its agent is filtered out.
 
 Once final, the job's record (with its final status) is saved and the
 service replaces it by a ``FinalJob`` (``final.py``): nothing of its rows,
@@ -48,9 +51,10 @@ from dispatcher.run.daemon import Daemon
 from dispatcher.run.job import Job
 from dispatcher.serve.faults import log_crash, one_line
 from dispatcher.serve.groups import Groups
+from dispatcher.serve.policy import Room, policy_of
 from dispatcher.serve.registry import JobRecord, Registry
 from dispatcher.serve.results import Source
-from dispatcher.serve.step import StepControl, teaches_nothing
+from dispatcher.serve.step import HeldAside, StepControl
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout
 
@@ -92,13 +96,17 @@ class ServedJob:
         self.paced = False
         self.finished = False
         self.task: asyncio.Task[None] | None = None
-        self.step = StepControl(spec.target_groups, spec.overprovision, spec.on_target)
+        self.policy = policy = policy_of(spec)
+        self.step = StepControl(policy.target, spec.on_target)
         self.step.when_satisfied(self._satisfied)
+        self.step.on_room = self._room_for
+        self._held = HeldAside()
         self.groups: Groups | None = Groups(
             self.groups_path,
             on_error=self._groups_failed,
-            group_filter=teaches_nothing if spec.group_filter is not None else None,
+            group_filter=policy.group_filter.teaches_nothing if policy.group_filter else None,
             on_group=self.step.on_group,
+            details=policy.needs_details,
         )
         self.output_index = LineIndex()
         # Its failure rows, read by a stream that asked for them (contracts §12); one
@@ -197,8 +205,9 @@ class ServedJob:
     def _satisfied(self) -> None:
         """The target is reached: nothing of the job starts again."""
         step = self.step
-        log.info("job_satisfied", job_id=self.job_id, target_groups=step.target,
+        log.info("job_satisfied", job_id=self.job_id, groups_kept=step.kept,
                  groups_filtered=step.filtered, on_target=step.on_target)  # fmt: skip
+        self._held.clear()
         if self.job is None:
             return
         if step.on_target == "cancel":
@@ -210,6 +219,7 @@ class ServedJob:
         """The next hop's ``Job``; the last hop's outcomes join the earlier ones."""
         if self.job is not None:
             self.earlier_outcomes.update(self.job.outcomes)
+        self._held.clear()  # the new hop reads them again
         self.job = self._new_job()
         return self.job
 
@@ -338,13 +348,23 @@ class ServedJob:
         """Before each rollout starts: pacing, then step control (``Job``'s gate)."""
         await self._pace()
         while True:
-            start = self.step.admits(rollout.task_index)
+            room = self.step.admits(rollout.task_index, rollout.agent)
+            if room is None or room is Room.START:
+                return None if room is None else True
+            if room is Room.DEFER:
+                self._held.add(rollout)
             job = self.job
-            if start is not False or job is None or job.idle.is_set():
+            if room is not Room.WAIT or job is None or job.idle.is_set():
                 # With nothing in flight no room can come in this hop: a next
                 # hop runs what the open groups still need first.
-                return start
+                return False
             await self._room_or_idle(job)
+
+    def _room_for(self, agent: str) -> None:
+        """A group of ``agent`` was filtered out: offer its first task held aside."""
+        for rollout in self._held.take(agent):
+            if self.job is not None:
+                self.job.start_later(rollout)
 
     async def _room_or_idle(self, job: Job) -> None:
         """Until a group completes (a filtered one frees room) or nothing is in flight."""

@@ -12,10 +12,11 @@ import hashlib
 import os
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -33,7 +34,13 @@ from dispatcher.errors import ConfigError
 from dispatcher.serve.bodies import BadBody, load_json
 from dispatcher.settings.config import RunSettings
 from dispatcher.settings.serve import ServeLimits
-from dispatcher.tasks.keys import MAX_REPEATS, MAX_ROLLOUT_ID_LEN, ROLLOUT_ID_PATTERN
+from dispatcher.tasks.keys import (
+    AGENT_REF,
+    MAX_REPEATS,
+    MAX_ROLLOUT_ID_LEN,
+    ROLLOUT_ID_PATTERN,
+    TASK_INDEX,
+)
 from dispatcher.tasks.materialize import materialize
 
 
@@ -45,6 +52,9 @@ class TooBig(BadJob):
     """A job whose files would outgrow ``--max-job-bytes``: a 413."""
 
 
+# The job-body fields that set a target (``policy.policy_of``): at most one.
+TARGETS = ("target_groups", "target_groups_by_agent", "target_tokens")
+GROUP_TARGETS = (["target_groups"], ["target_groups_by_agent"])
 # Validating a record read back from ``job.json``: its rows are in its own file.
 STORED = {"stored": True}
 # A job's metadata is kept with its status for the daemon's life: a bound.
@@ -71,8 +81,12 @@ class JobSpec(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     # Merged shallowly over the daemon's --responses-create-params, then over each row's.
     responses_create_params: dict[str, Any] | None = None
-    # Step control (contracts §13): stop at this many kept groups.
+    # Step control (contracts §13, ``policy.py``): at most one target.
     target_groups: int | None = Field(default=None, ge=1)
+    target_groups_by_agent: dict[str, Annotated[int, Field(ge=1)]] | None = Field(
+        default=None, min_length=1
+    )
+    target_tokens: int | None = Field(default=None, ge=1)
     overprovision: float | None = Field(default=None, ge=1.0)
     on_target: Literal["finish", "cancel"] | None = None
     group_filter: Literal["nonzero_reward_std"] | None = None
@@ -92,10 +106,13 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _step_needs_a_target(self) -> JobSpec:
-        if self.target_groups is None:
-            for name in ("overprovision", "on_target"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name}: only with target_groups")
+        targets = [name for name in TARGETS if getattr(self, name) is not None]
+        if len(targets) > 1:
+            raise ValueError(f"{targets[1]}: not with {targets[0]} (a job has one target)")
+        if not targets and self.on_target is not None:
+            raise ValueError("on_target: only with a target (" + ", ".join(TARGETS) + ")")
+        if self.overprovision is not None and targets[:1] not in GROUP_TARGETS:
+            raise ValueError("overprovision: only with target_groups or target_groups_by_agent")
         return self
 
     @model_validator(mode="after")
@@ -121,6 +138,10 @@ class JobSpec(BaseModel):
         if spec.default_agent is not None and spec.default_agent not in agents:
             known = ", ".join(sorted(agents))
             raise BadJob(f"default_agent: unknown agent {spec.default_agent!r} (known: {known})")
+        for agent in spec.target_groups_by_agent or {}:
+            if agent not in agents:
+                known = ", ".join(sorted(agents))
+                raise BadJob(f"target_groups_by_agent.{agent}: unknown agent (known: {known})")
         return spec
 
     def rooted(self, root: Path, state_dir: Path) -> JobSpec:
@@ -182,6 +203,8 @@ class JobSpec(BaseModel):
 _LATER_FIELDS = (
     "responses_create_params",
     "target_groups",
+    "target_groups_by_agent",
+    "target_tokens",
     "overprovision",
     "on_target",
     "group_filter",
@@ -287,10 +310,35 @@ def check_tasks(
             result = materialize(task_spec, Path(folder) / "m.jsonl")
         except ConfigError as exc:
             raise BadJob(_rows_named(str(exc), tasks)) from None
+        if spec.target_groups_by_agent is not None:
+            _check_quotas(spec.target_groups_by_agent, _tasks_by_agent(Path(folder) / "m.jsonl"))
     if spec.target_groups is not None and spec.target_groups > result.tasks:
         raise BadJob(
             f"target_groups: {spec.target_groups} is more than the job's {result.tasks} tasks"
         )
+
+
+def _check_quotas(quotas: dict[str, int], tasks: Counter[str]) -> None:
+    """Every agent of the job's tasks has a quota, and every quota is within its tasks."""
+    for agent in sorted(tasks):
+        if agent not in quotas:
+            raise BadJob(f"target_groups_by_agent: no quota for agent {agent!r} of the job's rows")
+    for agent, quota in quotas.items():
+        if quota > tasks[agent]:
+            raise BadJob(
+                f"target_groups_by_agent.{agent}: {quota} is more than the job's "
+                f"{tasks[agent]} tasks of that agent"
+            )
+
+
+def _tasks_by_agent(materialized: Path) -> Counter[str]:
+    """How many tasks each agent has in a materialized file (blocking)."""
+    seen: dict[int, str] = {}
+    with materialized.open("rb") as f:
+        for line in f:
+            row = jsonx.loads(line)
+            seen[row[TASK_INDEX]] = row[AGENT_REF]["name"]
+    return Counter(seen.values())
 
 
 def _check_size(spec: JobSpec, tasks: Path, settings: RunSettings, limits: ServeLimits) -> None:

@@ -69,6 +69,8 @@ class SimAgentConfig:
     # of about ``prompt_tokens``, then every answer and a user turn after it).
     turns: bool = False
     prompt_tokens: int = 0
+    # The agent's own ``usage`` in its response: this many output tokens (0: none).
+    output_tokens: int = 0
 
 
 @dataclass
@@ -198,6 +200,8 @@ async def _answer(
         return _json({NO_PERSIST: True, "reason": "simulated preemption"})
     calls = await _call_model(request, config, row)
     result = _result(row, _reward_p(config, row), rng, calls)
+    if config.output_tokens > 0:
+        result["response"]["usage"] = {"input_tokens": 0, "output_tokens": config.output_tokens}
     if config.agent_trajectory and calls:
         result["ng_trajectory"] = agent_trajectory(
             task_id=row[TASK_INDEX],
@@ -416,6 +420,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--agent-trajectory", action="store_true", help="return the agent's own ng_trajectory"
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="report N output tokens in the response's usage (0: no usage)",
     )
     p.set_defaults(handler=_main, is_async=True)
 

@@ -12,7 +12,9 @@ from dispatcher.admission.pause import AdmissionPause
 from dispatcher.admission.pool import Budget, RolloutPool
 from dispatcher.files.resume import RunState
 from dispatcher.serve.groups import Groups
-from dispatcher.serve.step import StepControl, teaches_nothing
+from dispatcher.serve.lines import GroupLine
+from dispatcher.serve.policy import GroupsTarget, Room, teaches_nothing
+from dispatcher.serve.step import StepControl
 from dispatcher.tasks.keys import line_key
 from tests.helpers import wait_until
 
@@ -37,42 +39,49 @@ class FakeClock:
         self._moved = asyncio.Event()
 
 
+def group(task: int, filtered: bool = False, **details: object) -> GroupLine:
+    return GroupLine(task, [], 0, filtered, **details)  # type: ignore[arg-type]
+
+
+START, WAIT = Room.START, Room.WAIT
+
+
 def test_a_new_group_starts_only_under_the_bound_and_a_filtered_one_frees_one_place() -> None:
-    step = StepControl(target=4, overprovision=1.5)  # ceil(6.0) = 6 places
-    assert [step.admits(task) for task in range(7)] == [True] * 6 + [False]
-    assert step.admits(3) is True  # a repeat of an open group always starts
-    step.on_group(0, filtered=False, seq=1)
-    assert step.admits(6) is False  # a kept group holds its place
-    step.on_group(1, filtered=True, seq=2)
-    assert step.admits(6) is True and step.admits(7) is False  # one place, one group
+    step = StepControl(GroupsTarget(4, 1.5))  # ceil(6.0) = 6 places
+    assert [step.admits(task) for task in range(7)] == [START] * 6 + [WAIT]
+    assert step.admits(3) is START  # a repeat of an open group always starts
+    step.on_group(group(0), seq=1)
+    assert step.admits(6) is WAIT  # a kept group holds its place
+    step.on_group(group(1, filtered=True), seq=2)
+    assert step.admits(6) is START and step.admits(7) is WAIT  # one place, one group
     for seq, task in enumerate((2, 3, 4), start=3):
-        step.on_group(task, filtered=False, seq=seq)
+        step.on_group(group(task), seq=seq)
     assert step.satisfied and step.satisfied_seq == 5
     assert step.admits(5) is None  # satisfied: nothing starts, not even open groups
     assert step.figures()["groups_kept"] == 4 and step.figures()["groups_filtered"] == 1
 
 
 def test_without_a_target_every_task_starts() -> None:
-    step = StepControl(target=None)
-    assert all(step.admits(task) for task in range(100))
+    step = StepControl(None)
+    assert all(step.admits(task) is START for task in range(100))
     assert step.figures()["timeline"] is None
 
 
 def test_the_timeline_marks_the_first_group_and_50_90_100_percent_of_the_target() -> None:
     now = [0.0]
-    step = StepControl(target=10, clock=lambda: now[0])
+    step = StepControl(GroupsTarget(10), clock=lambda: now[0])
     for kept in range(1, 11):
         now[0] = float(kept)
-        step.on_group(kept, filtered=False, seq=kept)
+        step.on_group(group(kept), seq=kept)
     assert step.timeline == {"first_group_s": 1.0, "p50_s": 5.0, "p90_s": 9.0, "p100_s": 10.0}
 
 
 def test_satisfaction_is_told_once_and_late_listeners_hear_of_it_at_once() -> None:
     heard: list[str] = []
-    step = StepControl(target=1)
+    step = StepControl(GroupsTarget(1))
     step.when_satisfied(lambda: heard.append("early"))
-    step.on_group(0, filtered=False, seq=1)
-    step.on_group(1, filtered=False, seq=2)
+    step.on_group(group(0), seq=1)
+    step.on_group(group(1), seq=2)
     step.when_satisfied(lambda: heard.append("late"))
     assert heard == ["early", "late"] and step.satisfied_seq == 1
 
@@ -118,7 +127,7 @@ async def test_groups_read_back_their_filtered_lines_and_the_rewards_of_open_tas
         )
     )
     groups_path.write_text('{"task_index": 0, "rows": [1, 2], "failures": 0, "filtered": true}\n')
-    step = StepControl(target=1)
+    step = StepControl(GroupsTarget(1))
     groups = Groups(groups_path, group_filter=teaches_nothing, on_group=step.on_group)
     state = RunState(max_attempts=1)
     for line in output.read_bytes().splitlines(keepends=True):
@@ -131,7 +140,7 @@ async def test_groups_read_back_their_filtered_lines_and_the_rewards_of_open_tas
     await groups.open(missing)
     await groups.close()
     assert step.filtered == 1 and step.kept == 1 and step.satisfied_seq == 2
-    assert step.open == {2} and groups.rewards[2] == [1.0]
+    assert step.open == {2: ""} and groups.rewards[2] == [1.0]
 
 
 async def test_the_pause_ends_by_itself_when_its_ttl_runs_out_on_a_fake_clock() -> None:
