@@ -16,6 +16,21 @@ Printed, as medians over ``--rounds``: the time to the first group and to
 50%, 90% and 100% of ``--groups``; the target job's time to its last group
 over the plain job's (goal: at most 0.7); and each job's tail share, the
 time from 90% to 100% of the groups over the step's time.
+
+Then, in the same sitting, per-agent quotas and the token target:
+
+- mixed: a fast agent (lognormal, median ``--fast-median-s`` 0.1 s) and a
+  slow one (median ``--slow-median-s`` 2 s), ``--mixed-groups`` tasks of
+  each, interleaved, ``--mixed-concurrency`` 64. Three jobs: the slow
+  agent's tasks alone with ``target_groups`` N (its own N-group time, the
+  baseline); a plain ``target_groups`` 2N over the mixed tasks (today's
+  skew: whatever finishes first); ``target_groups_by_agent`` {fast: N,
+  slow: N}. Printed: each one's kept mix and its time to its last group,
+  as a ratio to the slow agent's own (goal for the quotas: <= 1.1, mix
+  exactly N/N).
+- tokens: ``target_tokens`` ``--target-tokens`` against the fast agent,
+  each row reporting ``--output-tokens`` generated tokens: the tokens the
+  kept groups hold over the target, in groups (goal: < 1 group over).
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +116,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--latency-dist", default="lognormal:0.25,1")
+    parser.add_argument("--mixed-groups", type=int, default=32, help="quota of each agent")
+    parser.add_argument("--mixed-concurrency", type=int, default=64)
+    parser.add_argument("--fast-median-s", type=float, default=0.1)
+    parser.add_argument("--slow-median-s", type=float, default=2.0)
+    parser.add_argument("--mixed-sigma", type=float, default=0.5)
+    parser.add_argument("--output-tokens", type=int, default=37, help="per row")
+    parser.add_argument("--target-tokens", type=int, default=3000)
     parser.add_argument("--smoke", action="store_true", help="one small round")
     options = parser.parse_args()
     if options.smoke:
         options.groups, options.rounds = 16, 1
+        options.mixed_groups, options.slow_median_s, options.target_tokens = 4, 0.5, 500
     agent_args = ["sim-agent", "--latency-dist", options.latency_dist, "--seed", "1"]
     with tempfile.TemporaryDirectory() as state, dispatcher_server(*agent_args) as agent:
         serve_args = [
@@ -125,6 +149,87 @@ def main() -> None:
     print(
         f"  time to the {options.groups}th group, target (overprovision "
         f"{options.overprovision:g}) / plain: {ratio:.2f} (goal <= 0.7)"
+    )
+    mixed_and_tokens(options)
+
+
+def mixed_rows(groups: int) -> list[dict[str, Any]]:
+    """``groups`` tasks of each agent, interleaved fast, slow, fast, ..."""
+    return [
+        {"agent_ref": {"name": agent}, "responses_create_params": {"input": f"{agent} {i}"}}
+        for i in range(groups)
+        for agent in ("fast", "slow")
+    ]
+
+
+async def mixed_jobs(url: str, options: argparse.Namespace) -> dict[str, tuple[float, Any]]:
+    """Each job's time to its last kept group and its kept groups by agent."""
+    n, repeats = options.mixed_groups, options.repeats
+    mixed = mixed_rows(n)
+    slow_only = [row for row in mixed if row["agent_ref"]["name"] == "slow"]
+    jobs: dict[str, dict[str, Any]] = {
+        "slow alone": {"rows": slow_only, "target_groups": n},
+        "plain": {"rows": mixed, "target_groups": 2 * n},
+        "quotas": {"rows": mixed, "target_groups_by_agent": {"fast": n, "slow": n}},
+    }
+    found: dict[str, tuple[float, Any]] = {}
+    async with AsyncClient(url) as client:
+        for name, fields in jobs.items():
+            job_id = name.replace(" ", "-")
+            started = time.perf_counter()
+            await client.submit(**fields, job_id=job_id, num_repeats=repeats)
+            kept: Counter[str] = Counter()
+            async for group in client.results(job_id, group=True):
+                kept[group["rows"][0]["agent_ref"]["name"]] += 1
+            found[name] = (time.perf_counter() - started, kept)
+            await client.wait(job_id, poll_s=0.1)
+    return found
+
+
+async def token_job(url: str, options: argparse.Namespace) -> tuple[int, int]:
+    """A token target's kept tokens and the tokens of one group."""
+    rows = [row for row in mixed_rows(options.mixed_groups) if row["agent_ref"]["name"] == "fast"]
+    async with AsyncClient(url) as client:
+        await client.submit(rows=rows, job_id="tokens", num_repeats=options.repeats,
+                            target_tokens=options.target_tokens)  # fmt: skip
+        groups = [group async for group in client.results("tokens", group=True)]
+        status = await client.wait("tokens", poll_s=0.1)
+    return status.tokens_kept or 0, options.output_tokens * len(groups[0]["rows"])
+
+
+def mixed_and_tokens(options: argparse.Namespace) -> None:
+    def agent(median_s: float) -> list[str]:
+        return ["sim-agent", "--latency-dist", f"lognormal:{median_s},{options.mixed_sigma}",
+                "--seed", "2", "--output-tokens", str(options.output_tokens)]  # fmt: skip
+
+    with (
+        tempfile.TemporaryDirectory() as state,
+        dispatcher_server(*agent(options.fast_median_s)) as fast,
+        dispatcher_server(*agent(options.slow_median_s)) as slow,
+    ):
+        serve_args = [
+            "serve", "--state-dir", state, "--agent", f"fast={fast}", "--agent", f"slow={slow}",
+            "--concurrency", str(options.mixed_concurrency), "--log-level", "warning",
+        ]  # fmt: skip
+        with dispatcher_server(*serve_args) as url:
+            found = asyncio.run(mixed_jobs(url, options))
+            kept_tokens, per_group = asyncio.run(token_job(url, options))
+    n = options.mixed_groups
+    print(
+        f"per-agent quotas: fast lognormal:{options.fast_median_s},{options.mixed_sigma} and "
+        f"slow lognormal:{options.slow_median_s},{options.mixed_sigma}, {n} tasks of each x "
+        f"{options.repeats} repeats, concurrency {options.mixed_concurrency}"
+    )
+    alone_s = found["slow alone"][0]
+    for name, (seconds, kept) in found.items():
+        mix = "/".join(f"{kept[a]}" for a in ("fast", "slow"))
+        print(f"  {name:>10}: kept fast/slow {mix}  {seconds:.2f}s  x{seconds / alone_s:.2f}")
+    print(f"  quotas' time / the slow agent's own {n}-group time: "
+          f"{found['quotas'][0] / alone_s:.2f} (goal <= 1.1; mix exactly {n}/{n})")  # fmt: skip
+    over = (kept_tokens - options.target_tokens) / per_group
+    print(
+        f"token target {options.target_tokens}: kept groups hold {kept_tokens} tokens, "
+        f"{over:.2f} of a group ({per_group} tokens) over (goal < 1)"
     )
 
 
