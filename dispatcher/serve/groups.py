@@ -61,6 +61,7 @@ class Groups:
         group_filter: GroupFilter | None = None,
         on_group: OnGroup | None = None,
         details: bool = False,
+        surplus: Callable[[str], bool] | None = None,
     ) -> None:
         self.path = path
         # A group line that cannot be written: the owner stops the job, naming it.
@@ -68,6 +69,8 @@ class Groups:
         self._filter = group_filter
         self._on_group = on_group
         self._details = details
+        # Whether a kept group of an agent is surplus (its quota met), asked before its line.
+        self._surplus = surplus
         # With details: each unlogged task's agent and its rows' generated tokens.
         self.agents: dict[int, str] = {}
         self.tokens: Counter[int] = Counter()
@@ -207,6 +210,8 @@ class Groups:
         if self._details:
             group.agent = self.agents.pop(task, None)
             group.tokens = self.tokens.pop(task, 0)
+            if not filtered and self._surplus is not None and group.agent is not None:
+                group.surplus = self._surplus(group.agent)
         line = encode(group)
         try:
             written = os.write(self._fd, line)

@@ -27,6 +27,9 @@ class GroupLine(msgspec.Struct, omit_defaults=True):
     # agent and the generated tokens of its rows.
     agent: str | None = None
     tokens: int | None = None
+    # Per-agent quotas: a kept group of an agent whose quota was already met, left out
+    # of grouped streams like a filtered one.
+    surplus: bool = False
 
 
 class EndLine(msgspec.Struct, omit_defaults=True):

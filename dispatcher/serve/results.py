@@ -347,9 +347,10 @@ class _GroupPlan:
         size = 0
         for i, raw in enumerate(lines):
             group = read_group(raw)
-            if group.filtered and not self.filtered:
+            if (group.filtered or group.surplus) and not self.filtered:
                 continue
             flag = b',"filtered":true' if group.filtered else b""
+            flag += b',"surplus":true' if group.surplus else b""
             pieces.append(
                 b'{"_ng_seq":%d,"task_index":%d,"failures":%d%s,"rows":['
                 % (first + i, group.task_index, group.failures, flag)

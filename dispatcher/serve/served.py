@@ -107,6 +107,7 @@ class ServedJob:
             group_filter=policy.group_filter.teaches_nothing if policy.group_filter else None,
             on_group=self.step.on_group,
             details=policy.needs_details,
+            surplus=self.step.surplus,
         )
         self.output_index = LineIndex()
         # Its failure rows, read by a stream that asked for them (contracts §12); one

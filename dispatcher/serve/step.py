@@ -111,7 +111,7 @@ class StepControl:
             self.filtered += 1
             if self.on_room is not None:
                 self.on_room(agent)
-        elif self.target is None or self.target.counts(agent, tally):
+        elif not group.surplus and (self.target is None or self.target.counts(agent, tally)):
             tally.kept[agent] += 1
             tally.tokens += group.tokens or 0
             self._mark_timeline()
@@ -138,6 +138,10 @@ class StepControl:
         callbacks, self._on_satisfied = self._on_satisfied, []
         for callback in callbacks:
             callback()
+
+    def surplus(self, agent: str) -> bool:
+        """Whether a kept group of ``agent`` completing now would not count (its quota met)."""
+        return self.target is not None and not self.target.counts(agent, self.tally)
 
     # ---- the gate ------------------------------------------------------------------------
 

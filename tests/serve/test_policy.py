@@ -57,8 +57,10 @@ def test_quotas_start_each_agent_under_its_bound_and_skip_it_once_met() -> None:
 def test_a_group_beyond_its_agents_quota_is_surplus_not_kept() -> None:
     step = StepControl(AgentQuotas({"fast": 1, "slow": 1}, overprovision=2.0))
     assert [step.admits(t, "fast") for t in range(3)] == [Room.START] * 2 + [Room.DEFER]
+    assert not step.surplus("fast")
     step.on_group(group(0, "fast"), seq=1)
-    step.on_group(group(1, "fast"), seq=2)
+    assert step.surplus("fast") and not step.surplus("slow")
+    step.on_group(GroupLine(1, [], 0, agent="fast", surplus=True), seq=2)
     figures = step.figures()
     assert figures["groups_kept_by_agent"] == {"fast": 1, "slow": 0}
     assert figures["groups_surplus"] == 1 and not step.satisfied

@@ -101,6 +101,33 @@ async def test_quotas_keep_exactly_n_of_each_agent_while_the_slow_one_lags(
     assert final["groups_surplus"] == 0
 
 
+async def test_with_overprovision_a_group_past_its_agents_quota_is_surplus_left_out(
+    tmp_path: Path, pair: tuple[FakeAgent, FakeAgent, TaskGates]
+) -> None:
+    """Quotas of one, overprovision 2: the fast agent runs two groups, the second past
+    its quota is marked surplus and left out of the stream, which holds one of each."""
+    fast, slow, gates = pair
+    serve = await start(tmp_path / "state", fast, slow)
+    try:
+        await serve.submit(job_id="over", rows=rows_of("fast", 3) + rows_of("slow", 2),
+                           num_repeats=2, target_groups_by_agent={"fast": 1, "slow": 1},
+                           overprovision=2.0, on_target="cancel")  # fmt: skip
+        await wait_until(lambda: fast.seen == 4 and slow.seen == 4)
+        await wait_until(lambda: field_is(serve, "over", "groups_surplus", 1))
+        gates.release(3)
+        groups = await serve.results("over", group=True, wait=True)
+        every = await serve.results("over", group=True, filtered=True)
+        await wait_until(lambda: serve.proc.saw("job_finished"))
+        final = await serve.job("over")
+    finally:
+        assert await serve.stop() == 0
+    assert set(fast.task_indexes()) == {0, 1}
+    assert kept_by_agent(groups) == {"fast": 1, "slow": 1}
+    assert [g.get("surplus", False) for g in row_lines(every)] == [False, True, False]
+    assert final["groups_kept_by_agent"] == {"fast": 1, "slow": 1}
+    assert final["groups_surplus"] == 1 and final["state"] == "satisfied"
+
+
 async def test_a_plain_target_over_the_same_tasks_takes_whatever_finishes_first(
     tmp_path: Path, pair: tuple[FakeAgent, FakeAgent, TaskGates]
 ) -> None:
