@@ -20,8 +20,9 @@ time from 90% to 100% of the groups over the step's time.
 Then, in the same sitting, per-agent quotas and the token target:
 
 - mixed: a fast agent (lognormal, median ``--fast-median-s`` 0.1 s) and a
-  slow one (median ``--slow-median-s`` 2 s), ``--mixed-groups`` tasks of
-  each, interleaved, ``--mixed-concurrency`` 64. Three jobs: the slow
+  slow one (median ``--slow-median-s`` 2 s), twice ``--mixed-groups`` N
+  tasks of each, interleaved, ``--mixed-concurrency`` 64, every job with
+  ``--overprovision``. Three jobs: the slow
   agent's tasks alone with ``target_groups`` N (its own N-group time, the
   baseline); a plain ``target_groups`` 2N over the mixed tasks (today's
   skew: whatever finishes first); ``target_groups_by_agent`` {fast: N,
@@ -30,7 +31,8 @@ Then, in the same sitting, per-agent quotas and the token target:
   exactly N/N).
 - tokens: ``target_tokens`` ``--target-tokens`` against the fast agent,
   each row reporting ``--output-tokens`` generated tokens: the tokens the
-  kept groups hold over the target, in groups (goal: < 1 group over).
+  groups of its stream (which ends at the target) hold over the target, in
+  groups (goal: < 1 group over).
 """
 
 from __future__ import annotations
@@ -164,13 +166,17 @@ def mixed_rows(groups: int) -> list[dict[str, Any]]:
 
 async def mixed_jobs(url: str, options: argparse.Namespace) -> dict[str, tuple[float, Any]]:
     """Each job's time to its last kept group and its kept groups by agent."""
-    n, repeats = options.mixed_groups, options.repeats
-    mixed = mixed_rows(n)
+    n, repeats, over = options.mixed_groups, options.repeats, options.overprovision
+    mixed = mixed_rows(2 * n)
     slow_only = [row for row in mixed if row["agent_ref"]["name"] == "slow"]
     jobs: dict[str, dict[str, Any]] = {
-        "slow alone": {"rows": slow_only, "target_groups": n},
-        "plain": {"rows": mixed, "target_groups": 2 * n},
-        "quotas": {"rows": mixed, "target_groups_by_agent": {"fast": n, "slow": n}},
+        "slow alone": {"rows": slow_only, "target_groups": n, "overprovision": over},
+        "plain": {"rows": mixed, "target_groups": 2 * n, "overprovision": over},
+        "quotas": {
+            "rows": mixed,
+            "target_groups_by_agent": {"fast": n, "slow": n},
+            "overprovision": over,
+        },
     }
     found: dict[str, tuple[float, Any]] = {}
     async with AsyncClient(url) as client:
@@ -187,14 +193,15 @@ async def mixed_jobs(url: str, options: argparse.Namespace) -> dict[str, tuple[f
 
 
 async def token_job(url: str, options: argparse.Namespace) -> tuple[int, int]:
-    """A token target's kept tokens and the tokens of one group."""
+    """The tokens of the groups a token target's stream delivers, and of one group."""
     rows = [row for row in mixed_rows(options.mixed_groups) if row["agent_ref"]["name"] == "fast"]
     async with AsyncClient(url) as client:
         await client.submit(rows=rows, job_id="tokens", num_repeats=options.repeats,
                             target_tokens=options.target_tokens)  # fmt: skip
         groups = [group async for group in client.results("tokens", group=True)]
-        status = await client.wait("tokens", poll_s=0.1)
-    return status.tokens_kept or 0, options.output_tokens * len(groups[0]["rows"])
+        await client.wait("tokens", poll_s=0.1)
+    tokens = [sum(row["response"]["usage"]["output_tokens"] for row in g["rows"]) for g in groups]
+    return sum(tokens), tokens[0]
 
 
 def mixed_and_tokens(options: argparse.Namespace) -> None:
@@ -217,8 +224,9 @@ def mixed_and_tokens(options: argparse.Namespace) -> None:
     n = options.mixed_groups
     print(
         f"per-agent quotas: fast lognormal:{options.fast_median_s},{options.mixed_sigma} and "
-        f"slow lognormal:{options.slow_median_s},{options.mixed_sigma}, {n} tasks of each x "
-        f"{options.repeats} repeats, concurrency {options.mixed_concurrency}"
+        f"slow lognormal:{options.slow_median_s},{options.mixed_sigma}, {2 * n} tasks of each x "
+        f"{options.repeats} repeats, concurrency {options.mixed_concurrency}, overprovision "
+        f"{options.overprovision:g}"
     )
     alone_s = found["slow alone"][0]
     for name, (seconds, kept) in found.items():
@@ -228,7 +236,7 @@ def mixed_and_tokens(options: argparse.Namespace) -> None:
           f"{found['quotas'][0] / alone_s:.2f} (goal <= 1.1; mix exactly {n}/{n})")  # fmt: skip
     over = (kept_tokens - options.target_tokens) / per_group
     print(
-        f"token target {options.target_tokens}: kept groups hold {kept_tokens} tokens, "
+        f"token target {options.target_tokens}: the stream's groups hold {kept_tokens} tokens, "
         f"{over:.2f} of a group ({per_group} tokens) over (goal < 1)"
     )
 
