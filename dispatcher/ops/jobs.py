@@ -329,6 +329,15 @@ def _step_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--group-filter", choices=("nonzero_reward_std",), help="drop groups that teach nothing"
     )
+    parser.add_argument(
+        "--target-groups-by-agent",
+        type=_json_object,
+        metavar="JSON",
+        help='exactly N kept groups of each agent: {"agent": N, ...}',
+    )
+    parser.add_argument(
+        "--target-tokens", type=positive_int, metavar="N", help="satisfied at N generated tokens"
+    )
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -372,6 +381,7 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
         responses_create_params=args.responses_create_params,
         target_groups=args.target_groups, overprovision=args.overprovision,
         on_target=args.on_target, group_filter=args.group_filter,
+        target_groups_by_agent=args.target_groups_by_agent, target_tokens=args.target_tokens,
     )  # fmt: skip
     if not args.wait:
         _print_submitted(job, args.json)
