@@ -270,6 +270,15 @@ GROUP_FAILURES = declare("failures", int, Where.GROUP, "its rollouts that ended 
 GROUP_FILTERED = declare(
     "filtered", bool, Where.GROUP, "true: the job's group filter left it out (§13)"
 )
+GROUP_AGENT = declare(
+    "agent", str, Where.GROUP, "its task's agent, with a target that reads it (§13)"
+)
+GROUP_TOKENS = declare(
+    "tokens", int, Where.GROUP, "its rows' generated tokens, with a target that reads them (§13)"
+)
+GROUP_SURPLUS = declare(
+    "surplus", bool, Where.GROUP, "true: kept after its agent's quota was met (§13)"
+)
 
 # -- the agent's keys the dispatcher reads ---------------------------------------------
 

@@ -36,6 +36,9 @@ def test_the_derived_sets_follow_the_declarations() -> None:
         "rows",
         "failures",
         "filtered",
+        "agent",
+        "tokens",
+        "surplus",
     } == keys.RESERVED_RESULT_KEYS
     assert DISPATCHER_KEYS == schema.STRIPPED_KEYS
     assert keys.FAILURE_TERMINAL in keys.RESERVED_SUCCESS_KEYS

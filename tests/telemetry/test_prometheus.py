@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.admission.pause import AdmissionPause
 from dispatcher.outcome import Outcome
-from dispatcher.serve.metrics import declare_service_metrics
+from dispatcher.serve.metrics import StepTotals, declare_service_metrics
 from dispatcher.telemetry.metrics import Metrics
 from dispatcher.telemetry.server import start_http_server
 from tests.conftest import SimAgentFactory
@@ -116,7 +116,7 @@ async def test_every_dashboard_query_is_valid_promql_on_real_series(
 def test_dashboard_only_queries_exported_metrics() -> None:
     metrics = Metrics(process_metrics=False)
     # A serve daemon's registry also holds the service's own series.
-    declare_service_metrics(metrics.registry, dict, lambda: 1, AdmissionPause())
+    declare_service_metrics(metrics.registry, dict, lambda: 1, AdmissionPause(), StepTotals)
     exported = {f.name for f in text_string_to_metric_families(metrics.render().decode())}
     suffixes = re.compile(r"_(total|bucket|count|sum)$")
 
