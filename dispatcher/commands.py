@@ -31,7 +31,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("sim-model", "dispatcher.sim.model", "run a simulated OpenAI-compatible model server"),
     Command(
         "capture-proxy",
-        "dispatcher.capture.proxy",
+        "dispatcher.capture.proxy_command",
         "record the model calls of each rollout on their way to the model",
     ),
     Command(

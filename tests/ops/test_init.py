@@ -457,6 +457,17 @@ def test_the_tests_mirror_the_package() -> None:
     assert not strays, f"top-level tests that name no top-level module: {sorted(strays)}"
 
 
+def test_no_module_is_over_500_lines() -> None:
+    """A module a reader takes in whole: past 500 lines, a part of it is a module of its own."""
+    sources = [*(ROOT / "dispatcher").rglob("*.py"), *(ROOT / "bench").glob("*.py")]
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sources
+        if (n := len(p.read_bytes().splitlines())) > 500
+    }
+    assert not long, long
+
+
 def test_the_readmes_benchmark_commands_name_scripts_and_flags_that_exist() -> None:
     """The figures' commands are cited, not run here (`make bench-smoke` runs each
     script in CI): each names a script in bench/ and only flags that script defines."""
