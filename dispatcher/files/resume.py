@@ -32,19 +32,29 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import msgspec
 import orjson
 
 from dispatcher.files.contracts import (
     DISPATCH_KEY,
     FAILURE_CLASS,
+    FAILURE_TERMINAL,
+    NOT_DELIVERED,
+    OMITTED_ROLLOUT,
     is_not_delivered,
     is_omitted,
     is_terminal,
 )
 from dispatcher.outcome import Outcome
-from dispatcher.tasks.keys import AGENT_REF, SPLIT_LINE_BYTES, line_key, row_key, split_row
+from dispatcher.tasks.keys import (
+    AGENT_REF,
+    ROLLOUT_INDEX,
+    TASK_INDEX,
+    FactsReader,
+    line_key,
+    row_key,
+)
 from dispatcher.tasks.keys import rollout_key as rollout_key  # tests import it here
+from dispatcher.tasks.schema import MASK_SAMPLE, REWARD
 
 _READ_CHUNK = 1 << 20
 
@@ -189,20 +199,18 @@ def nonblank_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield line_no, line
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
-    """Yield ``(line_no, raw, row)`` per non-blank line, streaming; ``row`` None if unparseable."""
+def iter_lines(
+    path: Path, reader: FactsReader
+) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
+    """Yield ``(line_no, raw, facts)`` per non-blank line, streaming: ``facts`` holds
+    the line's ``reader.keys`` (those it has), None if it is no JSON object."""
     for line_no, line in nonblank_lines(path):
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            yield line_no, line, None
-            continue
-        yield line_no, line, row if isinstance(row, dict) else None
+        yield line_no, line, reader.read(line)
 
 
-def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """Yield ``(line_no, row)`` for each non-blank line; ``row`` is None when unparseable."""
-    for line_no, _, row in iter_lines(path):
+def iter_rows(path: Path, reader: FactsReader) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """Yield ``(line_no, facts)`` for each non-blank line, as ``iter_lines`` reads it."""
+    for line_no, _, row in iter_lines(path, reader):
         yield line_no, row
 
 
@@ -213,38 +221,31 @@ def iter_line_keys(path: Path) -> Iterator[int | None]:
         yield line_key(line)
 
 
-# What a run's state reads of a success row besides its key (contracts §15).
-_SUCCESS_FACTS = (AGENT_REF, "reward", "mask_sample")
+# The keys the readers of a run's files decode of a row (each declared in tasks/schema.py).
+IDENTITY_FACTS = FactsReader((TASK_INDEX, ROLLOUT_INDEX, AGENT_REF))
+# A success row's: its key, agent, reward and ``mask_sample`` (contracts §15).
+SUCCESS_FACTS = FactsReader((*IDENTITY_FACTS.keys, REWARD, MASK_SAMPLE))
+# A failure row's: what ``RunState.add_failure`` counts.
+FAILURE_FACTS = FactsReader(
+    (
+        *IDENTITY_FACTS.keys,
+        DISPATCH_KEY,
+        FAILURE_CLASS,
+        FAILURE_TERMINAL,
+        NOT_DELIVERED,
+        OMITTED_ROLLOUT,
+    )
+)
 
 
 def success_facts(line: bytes) -> tuple[int, str | None, Any, Any] | None:
     """A success line's key, agent, reward and ``mask_sample``; None when unreadable.
-    A long line has only those values decoded, as ``line_key`` does."""
-    if len(line) < SPLIT_LINE_BYTES:
-        try:
-            small = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            return None
-        row = small if isinstance(small, dict) else None
-        key = row_key(row)
-    else:
-        split = split_row(line)
-        key = line_key(line) if split is not None else None
-        row = _decoded(split, _SUCCESS_FACTS) if split is not None else None
+    Only those values are decoded."""
+    row = SUCCESS_FACTS.read(line)
+    key = row_key(row)
     if key is None or row is None:
         return None
-    return key, _agent_of(row) or None, row.get("reward"), row.get("mask_sample")
-
-
-def _decoded(split: dict[str, msgspec.Raw], keys: tuple[str, ...]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for key in keys:
-        if key in split:
-            try:
-                values[key] = msgspec.json.decode(split[key])
-            except msgspec.DecodeError:
-                continue
-    return values
+    return key, _agent_of(row) or None, row.get(REWARD), row.get(MASK_SAMPLE)
 
 
 def spends_attempt(failure_row: dict[str, Any]) -> bool:
@@ -372,7 +373,7 @@ def load_run_state(paths: OutputPaths, max_attempts: int) -> RunState:
             state.unreadable_rows += 1
             continue
         state.add_success(*facts)
-    for _, row in iter_rows(paths.failures):
+    for _, row in iter_rows(paths.failures, FAILURE_FACTS):
         key = row_key(row)
         if row is None or key is None:
             state.unreadable_rows += 1

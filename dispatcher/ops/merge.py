@@ -43,7 +43,13 @@ import orjson
 from dispatcher.commands import command_help
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.files.atomic import temp_path
-from dispatcher.files.resume import OutputPaths, RunState, iter_lines
+from dispatcher.files.resume import (
+    FAILURE_FACTS,
+    IDENTITY_FACTS,
+    OutputPaths,
+    RunState,
+    iter_lines,
+)
 from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.status import DEFAULT_MAX_ATTEMPTS, max_attempts_for
 from dispatcher.ops.table import format_table
@@ -314,7 +320,7 @@ def _copy_materialized(
     paths: OutputPaths, out: AtomicSet, seen: set[int], conflicts: Conflicts, result: ShardResult
 ) -> set[int]:
     keys: set[int] = set()
-    for _, raw, row in iter_lines(paths.materialized):
+    for _, raw, row in iter_lines(paths.materialized, IDENTITY_FACTS):
         key = row_key(row)
         if key is None:
             result.unreadable += 1
@@ -339,7 +345,7 @@ def _copy_successes(
     conflicts: Conflicts,
     result: ShardResult,
 ) -> None:
-    for _, raw, row in iter_lines(paths.output):
+    for _, raw, row in iter_lines(paths.output, IDENTITY_FACTS):
         key = row_key(row)
         if key is None:
             result.unreadable += 1
@@ -363,7 +369,7 @@ def _copy_failures(
     conflicts: Conflicts,
     result: ShardResult,
 ) -> None:
-    for _, raw, row in iter_lines(paths.failures):
+    for _, raw, row in iter_lines(paths.failures, FAILURE_FACTS):
         key = row_key(row)
         if row is None or key is None:
             result.unreadable += 1

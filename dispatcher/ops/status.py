@@ -31,6 +31,8 @@ from dispatcher.errors import ExitCode
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.contracts import NOT_DELIVERED, RunManifest
 from dispatcher.files.resume import (
+    FAILURE_FACTS,
+    IDENTITY_FACTS,
     OutputPaths,
     RunState,
     Tail,
@@ -271,7 +273,7 @@ def _settle(health: FileHealth) -> None:
 
 def _scan_successes(paths: OutputPaths, state: RunState, status: RunStatus) -> None:
     health = _health(status, "output", paths.output)
-    for _, row in iter_rows(paths.output):
+    for _, row in iter_rows(paths.output, IDENTITY_FACTS):
         key = row_key(row)
         if key is None:
             health.unreadable += 1
@@ -285,7 +287,7 @@ def _scan_successes(paths: OutputPaths, state: RunState, status: RunStatus) -> N
 
 def _scan_failures(paths: OutputPaths, state: RunState, status: RunStatus) -> None:
     health = _health(status, "failures", paths.failures)
-    for _, row in iter_rows(paths.failures):
+    for _, row in iter_rows(paths.failures, FAILURE_FACTS):
         key = row_key(row)
         if row is None or key is None:
             health.unreadable += 1
@@ -303,7 +305,7 @@ def _scan_failures(paths: OutputPaths, state: RunState, status: RunStatus) -> No
 def _scan_materialized(paths: OutputPaths, state: RunState, status: RunStatus) -> set[int]:
     health = _health(status, "materialized", paths.materialized)
     expected: set[int] = set()
-    for _, row in iter_rows(paths.materialized):
+    for _, row in iter_rows(paths.materialized, IDENTITY_FACTS):
         key = row_key(row)
         if row is None or key is None:
             health.unreadable += 1

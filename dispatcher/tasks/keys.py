@@ -116,6 +116,7 @@ from dispatcher.tasks.schema import (
 from dispatcher.tasks.schema import (
     TASK_INDEX as TASK_INDEX,
 )
+from dispatcher.tasks.schema import facts_decoder
 
 ROLLOUT_BITS: Final = 24
 MAX_ROLLOUT_INDEX: Final = (1 << ROLLOUT_BITS) - 1
@@ -174,25 +175,10 @@ def split_row(data: bytes | bytearray | msgspec.Raw) -> dict[str, msgspec.Raw] |
         return None
 
 
-# Under this size a whole parse is faster than the split (a 241-byte row:
-# 1.7 us against 2.3; a 1.9 KB one: 9.3 us against 3.5).
-SPLIT_LINE_BYTES = 512
-
-
 def line_key(line: bytes) -> int | None:
-    """``row_key`` of one output line; a long line has only its two indices decoded."""
-    if len(line) < SPLIT_LINE_BYTES:
-        # orjson reads an int past 64 bits as a float: only the indices
-        # matter here, and such an index is out of bounds either way.
-        try:
-            small = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            return None
-        return row_key(small) if isinstance(small, dict) else None
-    row = split_row(line)
-    if row is None or TASK_INDEX not in row or ROLLOUT_INDEX not in row:
-        return None
-    return row_key({key: jsonx.loads(bytes(row[key])) for key in (TASK_INDEX, ROLLOUT_INDEX)})
+    """``row_key`` of one output line: only its two indices are decoded, the rest of
+    the line is skipped (``FactsReader``)."""
+    return row_key(_KEY_FACTS.read(line))
 
 
 def repeats_problem(repeats: int) -> str | None:
@@ -263,6 +249,45 @@ def materialized_key(line: bytes) -> int:
         row = jsonx.loads(line)
         return rollout_key(row[TASK_INDEX], row[ROLLOUT_INDEX])
     return rollout_key(int(match[1]), int(match[2]))
+
+
+# -- reading a row's keys ------------------------------------------------------------
+
+
+class FactsReader:
+    """Reads ``keys`` of a row, nothing else: msgspec decodes those keys, as declared
+    in tasks/schema.py, into a dict and skips the rest of the line without building
+    it. Every reader of a row's dispatcher keys (resume, ``status``, ``report``,
+    ``merge``, service mode's groups) reads through one of these, so a key a reader
+    needs is one declaration away. A 1.2 KB row: 0.7 us against orjson's 2.2 us for
+    the whole row; a 1 MB one: a third of orjson's time."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self._decoder = facts_decoder(keys)
+
+    def read(self, line: bytes) -> dict[str, Any] | None:
+        """The row's ``keys`` (those it has); None when the line is no JSON object."""
+        try:
+            return self._decoder.decode(line)
+        except msgspec.DecodeError:
+            # Not an object, a key of another type than declared, or an integer past
+            # 64 bits in one of the keys, which jsonx keeps exact (so an index that
+            # large reads as out of bounds).
+            return _split_facts(line, self.keys)
+
+
+def _split_facts(line: bytes, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    split = split_row(line)
+    if split is None:
+        return None
+    try:
+        return {key: jsonx.loads(bytes(split[key])) for key in keys if key in split}
+    except orjson.JSONDecodeError:
+        return None
+
+
+_KEY_FACTS = FactsReader((TASK_INDEX, ROLLOUT_INDEX))
 
 
 # -- the keys of output and failure rows, and of agents' results ------------------

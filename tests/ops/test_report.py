@@ -237,7 +237,7 @@ def test_render_without_timing(tmp_path: Path) -> None:
 def test_rows_are_read_for_the_keys_a_report_needs(tmp_path: Path) -> None:
     """Only a row's own keys are decoded; a big answer, an index past 64 bits or a line
     that is no object is read the way a whole parse would read it."""
-    from dispatcher.ops.attempts import FactsReader
+    from dispatcher.tasks.keys import FactsReader
 
     reader = FactsReader(("_ng_task_index", "reward"))
     big = {"response": {"text": "x" * 100_000, "n": [1, 2]}, "_ng_task_index": 3, "reward": 0.5}
