@@ -102,7 +102,7 @@ from dispatcher.client.gym_plan import (
 )
 from dispatcher.client.wire import ClientError
 from dispatcher.lifecycle import JobState
-from dispatcher.tasks.keys import ROLLOUT_INDEX, TASK_INDEX
+from dispatcher.tasks.keys import DISPATCH_KEY, ROLLOUT_INDEX, TASK_INDEX
 
 __all__ = [
     "DISPATCHER_KEYS",
@@ -348,7 +348,7 @@ class Collection:
         position = plan.by_key.get((row[TASK_INDEX], row[ROLLOUT_INDEX]))
         if position is None or position in self._resolved:
             return
-        duration = (row.get("_ng_dispatch") or {}).get("duration_s")
+        duration = (row.get(DISPATCH_KEY) or {}).get("duration_s")
         if isinstance(duration, int | float):
             self._durations.add(float(duration))
             if self._options.latency_tracker is not None:

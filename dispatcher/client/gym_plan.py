@@ -20,10 +20,12 @@ from dispatcher.tasks.keys import (
     FAILURE_MESSAGE,
     FAILURE_RESPONSE_BODY,
     FAILURE_TYPE,
+    NO_PERSIST,
     NOT_DELIVERED,
     STRIPPED_KEYS,
     TASK_INDEX,
 )
+from dispatcher.tasks.schema import DISPATCH_DRAINED
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +56,7 @@ class RolloutFailed(ClientError):
     """
 
     def __init__(self, failure: dict[str, Any]) -> None:
-        super().__init__(None, str(failure["_ng_failure_message"]))
+        super().__init__(None, str(failure[FAILURE_MESSAGE]))
         self.failure = failure
         self.http_status = _http_status(failure)
         self.status = self.http_status or _status_of_kind(failure)
@@ -86,9 +88,9 @@ def agent_result(row: Mapping[str, Any]) -> dict[str, Any]:
 def drained_result(message: str) -> dict[str, Any]:
     """Gym's result for a row that never ran (``_dispatch_drained_result``)."""
     return {
-        "_ng_failure_class": "cancelled",
-        "_ng_no_persist": True,
-        "_ng_dispatch_drained": True,
+        FAILURE_CLASS: "cancelled",
+        NO_PERSIST: True,
+        DISPATCH_DRAINED: True,
         "error_message": message,
     }
 
@@ -111,14 +113,14 @@ def failure_result(job: JobStatus) -> dict[str, Any]:
     classes = sorted(c for c, n in job.outcomes.items() if n and c in _FAILURE_CLASSES)
     counts = ", ".join(f"{c} {job.outcomes[c]}" for c in classes) or "none counted"
     return {
-        "_ng_failure_class": classes[0] if len(classes) == 1 else "rollout_failed",
-        "_ng_failure_type": "RolloutFailed",
-        "_ng_failure_message": (
+        FAILURE_CLASS: classes[0] if len(classes) == 1 else "rollout_failed",
+        FAILURE_TYPE: "RolloutFailed",
+        FAILURE_MESSAGE: (
             f"the rollout ended failed on the dispatcher (job {job.job_id}'s failed attempts: "
             f"{counts}); its failure rows are in the job's rollouts_failures.jsonl"
         ),
-        "_ng_failure_http_status": None,
-        "_ng_failure_response_body": None,
+        FAILURE_HTTP_STATUS: None,
+        FAILURE_RESPONSE_BODY: None,
     }
 
 
@@ -126,11 +128,11 @@ def streamed_failure(row: Mapping[str, Any]) -> dict[str, Any]:
     """What a rollout whose final failure row the daemon streamed resolves to: that
     row's Gym failure keys (its class, HTTP status and response body as they came)."""
     return {
-        "_ng_failure_class": row.get(FAILURE_CLASS) or "rollout_failed",
-        "_ng_failure_type": row.get(FAILURE_TYPE) or "RolloutFailed",
-        "_ng_failure_message": row.get(FAILURE_MESSAGE) or "the rollout ended failed",
-        "_ng_failure_http_status": row.get(FAILURE_HTTP_STATUS),
-        "_ng_failure_response_body": row.get(FAILURE_RESPONSE_BODY),
+        FAILURE_CLASS: row.get(FAILURE_CLASS) or "rollout_failed",
+        FAILURE_TYPE: row.get(FAILURE_TYPE) or "RolloutFailed",
+        FAILURE_MESSAGE: row.get(FAILURE_MESSAGE) or "the rollout ended failed",
+        FAILURE_HTTP_STATUS: row.get(FAILURE_HTTP_STATUS),
+        FAILURE_RESPONSE_BODY: row.get(FAILURE_RESPONSE_BODY),
     }
 
 

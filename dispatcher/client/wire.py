@@ -13,6 +13,8 @@ from urllib.parse import quote, urlencode
 from dispatcher import jsonx
 from dispatcher.files import contracts
 from dispatcher.lifecycle import JobState
+from dispatcher.tasks.keys import SEQ
+from dispatcher.tasks.schema import FAILURE_SEQ
 
 # A failure without an HTTP status, as a trainer's typed retry budgets read ``.status``:
 # the infrastructure's (the daemon or an agent never answered) or the task's data.
@@ -193,9 +195,9 @@ class StreamPosition:
             raise ClientError(None, f"results line is not JSON: {line[:200]!r}") from None
         if not isinstance(item, dict):
             raise ClientError(None, f"results line is not an object: {line[:200]!r}")
-        if "failure" in item and "_ng_failure_seq" in item:
+        if "failure" in item and FAILURE_SEQ in item:
             return self._failure(item, line)
-        seq = item.get("_ng_seq")
+        seq = item.get(SEQ)
         if seq is None:
             if "end" not in item:
                 raise ClientError(None, f"results line without _ng_seq: {line[:200]!r}")
@@ -209,7 +211,7 @@ class StreamPosition:
         return item
 
     def _failure(self, item: dict[str, Any], line: bytes) -> dict[str, Any] | None:
-        seq = item["_ng_failure_seq"]
+        seq = item[FAILURE_SEQ]
         if not isinstance(seq, int) or not isinstance(item["failure"], dict):
             raise ClientError(None, f"results failure line malformed: {line[:200]!r}")
         if seq <= self.last_failure_seq:

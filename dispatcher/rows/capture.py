@@ -32,6 +32,7 @@ from dispatcher.capture.records import CapturedCall, parse_record, token_fields
 from dispatcher.capture.store import capture_path, clear_rollouts, has_claims, incomplete_path
 from dispatcher.capture.tokens import TokenCounts
 from dispatcher.files.contracts import FAILURE_CLASS
+from dispatcher.tasks.schema import AGENT_OBSERVATIONS, MODEL_CALL_CAPTURE, PERF, TRAJECTORY
 
 JsonObject = dict[str, Any]
 
@@ -197,17 +198,17 @@ async def attach_capture(
     }
     if gaps:
         capture["gaps"] = gaps
-    row["ng_model_call_capture"] = capture
+    row[MODEL_CALL_CAPTURE] = capture
     _attach_trajectory(
         row, task_id, rollout_id, agent_result, (snapshot.calls, include_payloads), gaps
     )
-    trajectory = row.get("ng_trajectory")
+    trajectory = row.get(TRAJECTORY)
     if observability and isinstance(trajectory, dict):
         from dispatcher.trajectory.build import compute_perf  # imported by _attach_trajectory
 
         perf = compute_perf(trajectory, total_latency_ms=total_latency_ms)
         if perf is not None:
-            row["ng_perf"] = perf
+            row[PERF] = perf
     return CaptureSummary(wait_s, len(snapshot.calls), [g["code"] for g in gaps])
 
 
@@ -217,7 +218,7 @@ def attach_agent_trajectory(
     """Without capture: normalize the agent's own ``ng_trajectory`` (or observations) as
     Gym's collector does, so its missing model calls read as "unobserved" (a gap), not
     as a mismatch."""
-    has_own = ("ng_trajectory", "ng_agent_observations")
+    has_own = (TRAJECTORY, AGENT_OBSERVATIONS)
     if agent_result is None or not any(key in agent_result for key in has_own):
         return
     _attach_trajectory(row, task_id, rollout_id, agent_result, (None, False), [])
@@ -238,12 +239,12 @@ def _attach_trajectory(
     result = agent_result or {}
     calls, include_payloads = captured
     try:
-        observed = observed_from(result.get("ng_agent_observations"), calls)
-        row["ng_trajectory"] = build_trajectory(
+        observed = observed_from(result.get(AGENT_OBSERVATIONS), calls)
+        row[TRAJECTORY] = build_trajectory(
             task_id=trajectory_task_id(row, task_id),
             rollout_id=rollout_id,
             calls=calls,
-            agent_trajectory=result.get("ng_trajectory"),
+            agent_trajectory=result.get(TRAJECTORY),
             status="failed" if FAILURE_CLASS in row else "completed",
             capture_gaps=gaps,
             resolved=result.get("resolved"),
@@ -252,7 +253,7 @@ def _attach_trajectory(
         )
     except Exception as exc:  # the row must still be written: say why it has no trajectory
         failed = gap("trajectory_projection_failed", type(exc).__name__)
-        row["ng_trajectory"] = {
+        row[TRAJECTORY] = {
             "schema_version": "1.0",
             "task_id": trajectory_task_id(row, task_id),
             "rollout_id": rollout_id,

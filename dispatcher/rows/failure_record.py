@@ -38,10 +38,11 @@ from dispatcher.tasks.keys import (
     ROLLOUT_INDEX,
     TASK_INDEX,
 )
+from dispatcher.tasks.schema import FAILURE_STAGE
 
 SCHEMA_VERSION: Final = 1
 REASON_CHARS: Final = 2000
-STAGE_KEY: Final = "_ng_failure_stage"
+STAGE_KEY: Final = FAILURE_STAGE
 
 Source = Literal["environment", "collector"]
 

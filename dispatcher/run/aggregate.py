@@ -39,6 +39,7 @@ import structlog
 from dispatcher.files.atomic import write_atomic
 from dispatcher.files.contracts import DISPATCH_KEY
 from dispatcher.tasks.keys import ENVIRONMENT_SERVER, split_row
+from dispatcher.tasks.schema import AGENT_OBSERVATIONS, MODEL_CALL_CAPTURE, TRAJECTORY
 
 log = structlog.get_logger("dispatcher.aggregate")
 
@@ -50,9 +51,9 @@ _HEAVY_KEYS = frozenset(
     {
         "response",
         "responses_create_params",
-        "ng_agent_observations",
-        "ng_model_call_capture",
-        "ng_trajectory",
+        AGENT_OBSERVATIONS,
+        MODEL_CALL_CAPTURE,
+        TRAJECTORY,
     }
 )
 

@@ -80,6 +80,7 @@ STEPS = ("tar_written", "indexed")
 # A job's files in its folder, as an archive member names them.
 _FILES = OutputPaths.for_output(Path("rollouts.jsonl"))
 
+
 @dataclass(frozen=True, slots=True)
 class Folded:
     """What the index keeps of one settled job (``FinalJob``'s fields)."""

@@ -39,7 +39,12 @@ from dispatcher.files.resume import final_after_failure, spends_attempt
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.lines import EndLine, encode, read_group
-from dispatcher.tasks.keys import ROLLOUT_INDEX, TASK_INDEX
+from dispatcher.tasks.keys import ROLLOUT_INDEX, SEQ, TASK_INDEX
+from dispatcher.tasks.schema import FAILURE_SEQ
+
+# A streamed line's opening: a row's or a group's ``_ng_seq``, a failure's own number.
+_SEQ_OPEN = b'{"%s":' % SEQ.encode()
+_FAILURE_OPEN = b'{"%s":' % FAILURE_SEQ.encode()
 
 # Lines read per chunk at most: enough to amortize the thread hop. A chunk is
 # bounded in bytes too, by the bytes of the rows it carries (the stream's
@@ -207,7 +212,7 @@ class _Failures:
             span, hot = _span_bytes(index, first, last), _written_lately(index, first)
             lines = await _read(read, span, hot)
             out = [
-                b'{"_ng_failure_seq":%d,"failure":%s}\n' % (first + i, line)
+                _FAILURE_OPEN + b'%d,"failure":%s}\n' % (first + i, line)
                 for i, line in enumerate(lines)
                 if self._final(line) and first + i > self._after
             ]
@@ -311,7 +316,7 @@ def with_seq(line: bytes, seq: int) -> bytes:
 
     The row cannot hold an ``_ng_seq`` of its own: it is a reserved key, dropped
     from an agent's result (rows/build.py), so the line has exactly one."""
-    head = b'{"_ng_seq":%d' % seq
+    head = _SEQ_OPEN + b"%d" % seq
     body = line.rstrip(b"\n")
     if body == b"{}":
         return head + b"}"
@@ -352,7 +357,8 @@ class _GroupPlan:
             flag = b',"filtered":true' if group.filtered else b""
             flag += b',"surplus":true' if group.surplus else b""
             pieces.append(
-                b'{"_ng_seq":%d,"task_index":%d,"failures":%d%s,"rows":['
+                _SEQ_OPEN
+                + b'%d,"task_index":%d,"failures":%d%s,"rows":['
                 % (first + i, group.task_index, group.failures, flag)
             )
             for n, seq in enumerate(group.rows):

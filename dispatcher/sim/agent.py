@@ -37,7 +37,8 @@ from aiohttp import web
 from dispatcher.commands import command_help
 from dispatcher.files.contracts import NO_PERSIST
 from dispatcher.sim.model_client import agent_trajectory, call_model
-from dispatcher.tasks.keys import ATTEMPT_INDEX, TASK_INDEX, rollout_id_for
+from dispatcher.tasks.keys import ATTEMPT_INDEX, ROLLOUT_INDEX, TASK_INDEX, rollout_id_for
+from dispatcher.tasks.schema import TRAJECTORY
 from dispatcher.telemetry.http_app import serve_until_signal
 
 
@@ -105,8 +106,7 @@ OVERLOAD_429 = 1.25
 
 def _rng_for(config: SimAgentConfig, row: dict[str, Any]) -> random.Random:
     identity = (
-        f"{config.seed}:{row.get('_ng_task_index')}:{row.get('_ng_rollout_index')}:"
-        f"{row.get('_ng_attempt_index', 0)}"
+        f"{config.seed}:{row.get(TASK_INDEX)}:{row.get(ROLLOUT_INDEX)}:{row.get(ATTEMPT_INDEX, 0)}"
     )
     return random.Random(hashlib.blake2b(identity.encode(), digest_size=8).digest())
 
@@ -141,7 +141,7 @@ def _latency(config: SimAgentConfig, rng: random.Random) -> float:
 def _reward_p(config: SimAgentConfig, row: dict[str, Any]) -> float:
     if config.reward_p is not None:
         return config.reward_p
-    identity = f"{config.seed}:task:{row.get('_ng_task_index')}".encode()
+    identity = f"{config.seed}:task:{row.get(TASK_INDEX)}".encode()
     return random.Random(hashlib.blake2b(identity, digest_size=8).digest()).random()
 
 
@@ -151,7 +151,7 @@ def _result(
     reward = 1.0 if rng.random() < reward_p else 0.0
     return {
         **row,
-        "response": {"id": f"sim-{row.get('_ng_task_index')}", "output_text": "42"},
+        "response": {"id": f"sim-{row.get(TASK_INDEX)}", "output_text": "42"},
         "reward": reward,
         "model_calls_made": len(calls),
     }
@@ -203,7 +203,7 @@ async def _answer(
     if config.output_tokens > 0:
         result["response"]["usage"] = {"input_tokens": 0, "output_tokens": config.output_tokens}
     if config.agent_trajectory and calls:
-        result["ng_trajectory"] = agent_trajectory(
+        result[TRAJECTORY] = agent_trajectory(
             task_id=row[TASK_INDEX],
             rollout_id=_rollout_id(row),
             responses=calls,

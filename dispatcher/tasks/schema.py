@@ -9,10 +9,12 @@ else is read off the declarations:
 
 - ``reserved_result_keys`` (dropped from an agent's result, the dispatcher's
   value wins), ``reserved_input_keys`` (a task row carrying one is refused),
-  ``stripped_keys`` (the Gym drop-in's strip list);
+  ``stripped_keys`` (the Gym drop-in's strip list), all made by ``derive``;
 - ``facts_decoder``: a msgspec decoder of a row that decodes only the named
   keys, with their declared types, and skips every other value without
-  building it (the agent's answer stays bytes);
+  building it (the agent's answer stays bytes); every reader of a run's rows
+  (resume, ``status``, ``report``, ``merge``, service mode's groups) reads
+  through one, as ``FactsReader`` in keys.py;
 - ``docs_table``: the key table of docs/contracts.md §4, which a test
   compares with this file.
 
@@ -23,7 +25,7 @@ Adding a key is one ``declare`` here (and the code that produces its value).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -40,6 +42,8 @@ class Where(enum.Flag):
     STREAM = enum.auto()
     GROUP = enum.auto()  # a group line of a results stream (service mode)
     AGGREGATE = enum.auto()  # an entry of X_aggregate_metrics.json
+    # The Gym drop-in's result for an example it never ran (contracts §15).
+    DROP_IN = enum.auto()
 
 
 class Source(enum.Enum):
@@ -84,13 +88,15 @@ def declare(
     source: Source = Source.DISPATCHER,
     input_ok: bool = True,
     stripped: bool | None = None,
+    registry: dict[str, Key] = _DECLARED,
 ) -> str:
-    """Declare a key; returns its name. ``stripped`` defaults to the dispatcher's own."""
-    if name in _DECLARED:
+    """Declare a key (in ``registry``: this module's, unless a test brings its own);
+    returns its name. ``stripped`` defaults to the dispatcher's own."""
+    if name in registry:
         raise ValueError(f"row key {name} declared twice")
     if stripped is None:
         stripped = source is Source.DISPATCHER
-    _DECLARED[name] = Key(name, type_, where, source, input_ok, stripped, doc)
+    registry[name] = Key(name, type_, where, source, input_ok, stripped, doc)
     return name
 
 
@@ -206,6 +212,13 @@ NOT_DELIVERED = declare(
     "true: not delivered before the delivery deadline; spends no attempt (§11)",
     input_ok=False,
 )
+FAILURE_STAGE = declare(
+    "_ng_failure_stage",
+    str,
+    Where.FAILURE,
+    "where the agent's failure happened: kept in the failure record when it is Gym's stage (§15)",
+    source=Source.AGENT,
+)
 FAILURE_RECORD = declare(
     "_ng_failure_record", dict[str, Any], Where.FAILURE, "Gym's typed failure record (§15)"
 )
@@ -217,6 +230,13 @@ OMITTED_ROLLOUT = declare(
 )
 OMITTED_CAUSE = declare(
     "_ng_omitted_cause", str, Where.FAILURE, "why that rollout was left without a result (§15)"
+)
+# The Gym drop-in's mark on an example it never ran, beside ``_ng_no_persist`` (Gym's own).
+DISPATCH_DRAINED = declare(
+    "_ng_dispatch_drained",
+    bool,
+    Where.DROP_IN,
+    "true: the Gym drop-in never ran the example, as Gym's collector marks it (§15)",
 )
 # An agent's "write nothing" (a kill-shaped interruption): read from a result, never written.
 NO_PERSIST = declare(
@@ -243,6 +263,14 @@ TRAJECTORY = declare(
     stripped=True,
 )
 
+AGENT_OBSERVATIONS = declare(
+    "ng_agent_observations",
+    Any,
+    Where.ROW,
+    "the agent's observation bundle, joined to the captured calls for the trajectory (§7)",
+    source=Source.AGENT,
+)
+
 # -- service mode (contracts §12) -----------------------------------------------------
 
 POLICY_VERSION_START = declare(
@@ -261,6 +289,12 @@ POLICY_VERSION_END = declare(
 # resuming with ``after=`` would skip or repeat rows, so it is the dispatcher's alone.
 SEQ = declare(
     "_ng_seq", int, Where.STREAM | Where.GROUP, "the line's number on the results stream (§12)"
+)
+FAILURE_SEQ = declare(
+    "_ng_failure_seq",
+    int,
+    Where.STREAM,
+    "a failure line's number on the results stream, apart from the rows' (§12)",
 )
 GROUP_TASK = declare("task_index", int, Where.GROUP, "the group's task (§12)")
 GROUP_ROWS = declare(
@@ -307,33 +341,65 @@ def key(name: str) -> Key:
     return _DECLARED[name]
 
 
-def _names(keep: Any) -> frozenset[str]:
-    return frozenset(k.name for k in KEYS if keep(k))
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """The key sets read off a list of declarations."""
+
+    # What an agent's result may not set: the dispatcher writes them into every row it builds.
+    reserved_result: frozenset[str]
+    # On a success, also what an agent may say only of a failure it reports.
+    reserved_success: frozenset[str]
+    # What a task row may not carry: an agent that echoes its input would forge an outcome.
+    reserved_input: frozenset[str]
+    # What the Gym drop-in leaves out of the agent's answer.
+    stripped: frozenset[str]
+    # The flat failure keys (``FailureKeys`` in keys.py types them).
+    failure_flat: frozenset[str]
+    # The row keys; the group line's are not: a result's "rows" or "failures" are the agent's.
+    on_rows: frozenset[str]
 
 
-# The group line's keys are not row keys: a result's "rows" or "failures" are the agent's.
-_ROW_KEYS = _names(lambda k: k.where != Where.GROUP)
-# What an agent's result may not set: the dispatcher writes them into every row it builds.
-RESERVED_RESULT_KEYS = _names(lambda k: k.source is Source.DISPATCHER) & _ROW_KEYS
-# On a success, also what an agent may say only of a failure it reports.
-RESERVED_SUCCESS_KEYS = RESERVED_RESULT_KEYS | _names(lambda k: k.source is Source.AGENT_FAILURE)
-# What a task row may not carry: an agent that echoes its input would forge an outcome.
-RESERVED_INPUT_KEYS = _names(lambda k: not k.input_ok)
-# What the Gym drop-in leaves out of the agent's answer.
-STRIPPED_KEYS = _names(lambda k: k.stripped) & _ROW_KEYS
-# The flat failure keys (``FailureKeys`` in keys.py types them).
-FAILURE_FLAT_KEYS = _names(
-    lambda k: (
-        k.where == Where.FAILURE and k.name.startswith("_ng_failure_") and k.name != FAILURE_RECORD
+def derive(keys: Iterable[Key]) -> Derived:
+    """The key sets of ``keys`` (the module's constants are those of ``KEYS``)."""
+    keys = tuple(keys)
+
+    def names(keep: Callable[[Key], bool]) -> frozenset[str]:
+        return frozenset(k.name for k in keys if keep(k))
+
+    on_rows = names(lambda k: k.where != Where.GROUP)
+    reserved = names(lambda k: k.source is Source.DISPATCHER) & on_rows
+    return Derived(
+        reserved_result=reserved,
+        reserved_success=reserved | names(lambda k: k.source is Source.AGENT_FAILURE),
+        reserved_input=names(lambda k: not k.input_ok),
+        stripped=names(lambda k: k.stripped) & on_rows,
+        failure_flat=names(
+            lambda k: (
+                k.where == Where.FAILURE
+                and k.name.startswith("_ng_failure_")
+                and k.name not in (FAILURE_RECORD, FAILURE_STAGE)
+            )
+        ),
+        on_rows=on_rows,
     )
-)
 
 
-def facts_decoder(names: Iterable[str]) -> msgspec.json.Decoder[dict[str, Any]]:
-    """A decoder of a JSON object that keeps only ``names``, decoded as declared; every
-    other value is skipped without being built. A declared type that does not match
-    is a ``msgspec.ValidationError`` (a ``DecodeError``)."""
-    fields = {name: _DECLARED[name].type for name in names}
+_DERIVED = derive(KEYS)
+RESERVED_RESULT_KEYS = _DERIVED.reserved_result
+RESERVED_SUCCESS_KEYS = _DERIVED.reserved_success
+RESERVED_INPUT_KEYS = _DERIVED.reserved_input
+STRIPPED_KEYS = _DERIVED.stripped
+FAILURE_FLAT_KEYS = _DERIVED.failure_flat
+
+
+def facts_decoder(
+    names: Iterable[str], keys: Iterable[Key] = KEYS
+) -> msgspec.json.Decoder[dict[str, Any]]:
+    """A decoder of a JSON object that keeps only ``names``, decoded as declared in
+    ``keys``; every other value is skipped without being built. A declared type that
+    does not match is a ``msgspec.ValidationError`` (a ``DecodeError``)."""
+    declared = {k.name: k for k in keys}
+    fields = {name: declared[name].type for name in names}
     shape: Any = TypedDict("Facts", fields, total=False)  # type: ignore[misc]
     return msgspec.json.Decoder(shape)
 
@@ -345,6 +411,7 @@ _PLACES = (
     (Where.STREAM, "stream line"),
     (Where.GROUP, "group line"),
     (Where.AGGREGATE, "aggregate"),
+    (Where.DROP_IN, "drop-in result"),
 )
 
 
@@ -362,15 +429,17 @@ def _type_name(type_: Any) -> str:
     return " or ".join(_type_name(arg) for arg in type_.__args__)
 
 
-def docs_table() -> str:
+def docs_table(keys: Iterable[Key] = KEYS) -> str:
     """The key table of docs/contracts.md §4, as Markdown."""
     lines = [
         "| key | type | where | set by | in a task row | Gym drop-in | meaning |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for k in KEYS:
+    keys = tuple(keys)
+    row_keys = derive(keys).on_rows
+    for k in keys:
         where = ", ".join(label for flag, label in _PLACES if flag in k.where) or "agent result"
-        on_rows = k.name in _ROW_KEYS
+        on_rows = k.name in row_keys
         task_row = ("allowed" if k.input_ok else "refused") if on_rows else "-"
         drop_in = ("stripped" if k.stripped else "kept") if on_rows else "-"
         lines.append(

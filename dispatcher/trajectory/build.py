@@ -29,6 +29,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from dispatcher.capture.records import CapturedCall, model_server_ref
+from dispatcher.tasks.schema import TRAJECTORY
 from dispatcher.trajectory.schema import (
     Gap,
     Invocation,
@@ -373,7 +374,7 @@ def _add_unavailable_gaps(record: TrajectoryRecord, *, producer_turns: bool) -> 
 
 def _first_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "ng_trajectory"
+    where = ".".join(str(part) for part in first["loc"]) or TRAJECTORY
     return f"{where}: {first['msg']}"
 
 
