@@ -30,7 +30,7 @@ from dispatcher.rows.offload import off_loop
 from dispatcher.rows.wire import WireResult, row_line
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout
-from dispatcher.tasks.schema import MASK_SAMPLE, REWARD
+from dispatcher.tasks.schema import MASK_SAMPLE, PERF, REWARD
 from dispatcher.telemetry.metrics import Metrics
 
 
@@ -150,7 +150,7 @@ def generated_tokens(row: Mapping[str, Any]) -> int | None:
     """The tokens a rollout generated: its captured model calls' completion tokens
     (``ng_perf``), else the agent's own ``usage`` in its ``response``; None when
     neither says."""
-    perf = row.get("ng_perf")
+    perf = row.get(PERF)
     if isinstance(perf, Mapping):
         completion = perf.get("completion_tokens")
         if isinstance(completion, int) and not isinstance(completion, bool):
