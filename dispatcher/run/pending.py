@@ -12,6 +12,12 @@ On resume, the rollouts whose earlier attempts ran longest start first
 input order; then every other rollout in input order. Only their offsets in
 the materialized file are held, so memory grows with the failed rollouts, not
 their rows.
+
+With a ``StartOrder`` (``admission/order.py``, contracts §16) every other
+rollout starts in its order instead, longest expected first: the file is read
+ahead only as far as its window, each line held as its offset and task
+digest, and the rows read again when they start. The lines read ahead are
+reserved as one span a read (§5).
 """
 
 from __future__ import annotations
@@ -23,13 +29,18 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dispatcher import jsonx
+from dispatcher.admission.history import task_digest
+from dispatcher.admission.order import StartOrder, Waiting
 from dispatcher.files.reservations import Reservations
 from dispatcher.files.resume import RunState
 from dispatcher.rows.capture import clear_rollout_captures
-from dispatcher.tasks.keys import materialized_key
+from dispatcher.tasks.keys import materialized_key, task_of
 from dispatcher.tasks.materialize import Rollout
 
 READ_BATCH_ROWS = 512
+# Rollouts taken from the order at a time: few, so a sibling that finishes
+# meanwhile still reorders the rest.
+ORDERED_BATCH = 8
 
 
 class Pending:
@@ -42,7 +53,9 @@ class Pending:
         capture_dir: Path | None,
         capture_token: str | None,
         reservations: Path,
+        order: StartOrder | None = None,
     ) -> None:
+        self.order = order
         self._materialized = materialized
         self._reservations_path = reservations
         self._state = state
@@ -104,6 +117,10 @@ class Pending:
                     yield rollout
             f.seek(0)
             skip = frozenset(first)
+            if self.order is not None:
+                async for rollout in self._ordered(self.order, f, source, skip):
+                    yield rollout
+                return
             while True:
                 rest = await asyncio.to_thread(_read_batch, f, source, self._unreserved, skip)
                 if rest is None:
@@ -111,6 +128,35 @@ class Pending:
                 await self._clear_captures(rest)
                 for rollout in rest:
                     yield rollout
+
+    async def _ordered(
+        self, order: StartOrder, f: BinaryIO, source: _Source, skip: frozenset[int]
+    ) -> AsyncIterator[Rollout]:
+        """The rest of the file in ``order``'s start order."""
+        feed = _Feed(f, source.state, skip)
+        with self._materialized.open("rb") as rows:
+            while True:
+                if not feed.ended and feed.position < order.admits_until():
+                    found = await asyncio.to_thread(
+                        feed.read, order.admits_until(), self._unreserved
+                    )
+                    for waiting in found:
+                        order.add(waiting)
+                    order.skip_to(feed.position)
+                picks = _take(order, ORDERED_BATCH)
+                if not picks:
+                    if feed.ended:
+                        return
+                    continue
+                offsets = [w.offset for w in picks]
+                # Reserved as the feed read them: no span of their own.
+                batch = await asyncio.to_thread(_read_at, rows, offsets, source, [])
+                await self._clear_captures(batch)
+                for rollout in batch:
+                    yield rollout
+                history = order.history
+                if history is not None and history.due():
+                    await asyncio.to_thread(history.flush)
 
     async def _clear_captures(self, batch: list[Rollout]) -> None:
         if self._capture_dir is None or not batch:
@@ -147,6 +193,57 @@ class _Source:
         attempt = max(self.state.attempt_index(key), self.reserved.earlier(offset))
         row = jsonx.loads(line)
         return Rollout.from_materialized(row, attempt, self.capture_token, line)
+
+
+def _take(order: StartOrder, count: int) -> list[Waiting]:
+    picks: list[Waiting] = []
+    while len(picks) < count:
+        waiting = order.take()
+        if waiting is None:
+            break
+        picks.append(waiting)
+    return picks
+
+
+class _Feed:
+    """The materialized file read ahead for a ``StartOrder``: each line not final
+    (nor started first) as a ``Waiting``, up to a given input position."""
+
+    def __init__(self, f: BinaryIO, state: RunState, skip: frozenset[int]) -> None:
+        self._f = f
+        self._state = state
+        self._skip = skip
+        self.position = 0  # the next line's input position
+        self._offset = 0
+        self.ended = False
+        self._last: tuple[int, str] | None = None  # (task index, digest) of the last row
+
+    def read(self, until: int, spans: list[tuple[int, int]]) -> list[Waiting]:
+        """The waiting rollouts of the lines before position ``until`` (in a thread);
+        the span of lines read is added to ``spans``."""
+        found: list[Waiting] = []
+        first = self._offset
+        while self.position < until and len(found) < READ_BATCH_ROWS * 8:
+            line = self._f.readline()
+            if not line:
+                self.ended = True
+                break
+            position, offset = self.position, self._offset
+            self.position, self._offset = position + 1, offset + len(line)
+            key = materialized_key(line)
+            if self._state.is_final(key) or offset in self._skip:
+                continue
+            found.append(Waiting(position, offset, key, task_of(key), self._digest(key, line)))
+        if found:
+            spans.append((first, self._offset))
+        return found
+
+    def _digest(self, key: int, line: bytes) -> str:
+        # A task's repeats are consecutive lines: its row is parsed once.
+        task = task_of(key)
+        if self._last is None or self._last[0] != task:
+            self._last = (task, task_digest(jsonx.loads(line)))
+        return self._last[1]
 
 
 def _read_at(

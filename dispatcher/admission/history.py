@@ -1,0 +1,158 @@
+"""Each task's rollout latency, across jobs and restarts (contracts §16).
+
+A task is named by the digest of its input row (``task_digest``: the row's
+canonical JSON without the keys the dispatcher sets), so the same prompt in
+a later job, a later epoch or another output file finds its history. The
+history is a moving average per task (``ALPHA`` of each new latency), at most
+``max_tasks`` of them: the task updated longest ago goes first.
+
+On disk, one JSON line per update, ``{"t": digest, "s": average}``, appended
+(the last line of a task wins, so replaying the file in order rebuilds the
+map and its age order). Once the file holds ``COMPACT_FACTOR`` times more
+lines than tasks kept, it is replaced whole (a temporary file renamed over
+it). Crash-safe without fsync: a torn last line is skipped, and a history is
+a hint (losing its last updates reorders rollouts, never changes a row).
+Updates are buffered and appended in a worker thread (``flush``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from dispatcher import jsonx
+from dispatcher.files.atomic import write_atomic
+from dispatcher.tasks.keys import ATTEMPT_INDEX, CAPTURE_ID, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX
+
+log = structlog.get_logger(__name__)
+
+ALPHA = 0.3
+COMPACT_FACTOR = 2
+FLUSH_EVERY = 256
+DEFAULT_MAX_TASKS = 100_000
+HISTORY_FILE = "task_history.jsonl"
+# Keys a materialized row gains from the dispatcher: not part of the task.
+_OWN_KEYS = (TASK_INDEX, ROLLOUT_INDEX, ROLLOUT_ID, ATTEMPT_INDEX, CAPTURE_ID)
+
+
+def task_digest(row: dict[str, Any]) -> str:
+    """The stable name of a task: a digest of its row's canonical JSON (sorted keys),
+    the same for every repeat and every job that sends the row."""
+    task = {k: v for k, v in row.items() if k not in _OWN_KEYS}
+    data = jsonx.dumps(task, orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class TaskHistory:
+    """A bounded map of task digest -> moving average of its latency, kept in a file."""
+
+    def __init__(self, path: Path | None, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
+        self.path = path
+        self.max_tasks = max_tasks
+        self._average: OrderedDict[str, float] = OrderedDict()
+        self._unwritten: list[bytes] = []
+        self._lines_on_disk = 0
+        # Jobs of one service share the history; their flushes take turns.
+        self._file_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: Path | None, max_tasks: int = DEFAULT_MAX_TASKS) -> TaskHistory:
+        """The history in ``path`` (a missing file is an empty history; blocking)."""
+        history = cls(path, max_tasks)
+        if path is not None:
+            history._replay(path)
+        return history
+
+    def __len__(self) -> int:
+        return len(self._average)
+
+    def estimate(self, digest: str) -> float | None:
+        """The task's expected latency in seconds; None for a task never seen."""
+        return self._average.get(digest)
+
+    def observe(self, digest: str, latency_s: float) -> None:
+        """One finished rollout of the task: move its average, buffer the update."""
+        if not math.isfinite(latency_s) or latency_s < 0:
+            return
+        old = self._average.pop(digest, None)
+        average = latency_s if old is None else old + ALPHA * (latency_s - old)
+        self._set(digest, average)
+        if self.path is not None:
+            self._unwritten.append(_line(digest, average))
+
+    def due(self) -> bool:
+        return len(self._unwritten) >= FLUSH_EVERY
+
+    def flush(self) -> None:
+        """Append the buffered updates, or replace the file when it has grown past its
+        bound (blocking: called in a worker thread)."""
+        lines, self._unwritten = self._unwritten, []
+        if self.path is None or not lines:
+            return
+        with self._file_lock:
+            try:
+                if self._lines_on_disk + len(lines) > COMPACT_FACTOR * max(self.max_tasks, 1):
+                    self._compact()
+                else:
+                    self._append(lines)
+            except OSError as exc:
+                # A hint lost, never a row: the run goes on in its order so far.
+                log.warning("task_history_not_written", path=str(self.path), error=str(exc))
+
+    def _append(self, lines: list[bytes]) -> None:
+        assert self.path is not None
+        with self.path.open("ab") as f:
+            f.write(b"".join(lines))
+        self._lines_on_disk += len(lines)
+
+    def _compact(self) -> None:
+        assert self.path is not None
+        snapshot = list(self._average.items())
+        write_atomic(self.path, (_line(d, s) for d, s in snapshot))
+        self._lines_on_disk = len(snapshot)
+
+    def _set(self, digest: str, average: float) -> None:
+        self._average[digest] = average
+        while len(self._average) > self.max_tasks:
+            self._average.popitem(last=False)
+
+    def _replay(self, path: Path) -> None:
+        try:
+            with path.open("rb") as f:
+                for line in f:
+                    self._lines_on_disk += 1
+                    update = _parse(line)
+                    if update is not None:
+                        self._average.pop(update[0], None)
+                        self._set(*update)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("task_history_not_read", path=str(path), error=str(exc))
+
+
+def _line(digest: str, average: float) -> bytes:
+    return orjson.dumps({"t": digest, "s": average}) + b"\n"
+
+
+def _parse(line: bytes) -> tuple[str, float] | None:
+    """One update line; None for a torn or foreign one (skipped)."""
+    try:
+        update = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(update, dict):
+        return None
+    digest, average = update.get("t"), update.get("s")
+    if not isinstance(digest, str) or not isinstance(average, int | float):
+        return None
+    if not math.isfinite(average) or average < 0:
+        return None
+    return digest, float(average)

@@ -1,0 +1,183 @@
+"""Which waiting rollout starts next: the longest expected first (contracts §16).
+
+A job's makespan is set by its last rollouts to finish; starting the long
+ones first lets the short ones fill in behind them. ``StartOrder`` holds a
+window of a job's waiting rollouts and gives the next to start:
+
+1. a task never seen (no history, no sibling started): its first rollout,
+   in input order. It may be long, and its latency is what the rest learn;
+2. the siblings of a task whose first rollout is still running, in input
+   order: it has run longer than every sibling that finished already;
+3. every other rollout, longest expected first, then in input order. A
+   task's expectation is its first finished sibling's latency in this job,
+   else its history (``history.py``).
+
+No starvation: the window holds rollouts from the oldest waiting one (by
+input position) up to ``window`` positions after it, and only those can
+start. So a rollout starts before any rollout ``window`` or more positions
+after it in input order.
+
+Pure and synchronous: ``run/pending.py`` feeds it and reads the rows.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from dispatcher.admission.history import TaskHistory
+from dispatcher.latency.quantile import quantile
+
+DEFAULT_WINDOW = 65_536
+# Estimate errors kept for the job's status (the median of the latest).
+ERRORS_KEPT = 4096
+
+
+class Tier(IntEnum):
+    UNSEEN = 0
+    PROBING = 1
+    EXPECTED = 2
+
+
+@dataclass(slots=True)
+class Waiting:
+    """One waiting rollout: where its line is and which task it runs."""
+
+    position: int
+    offset: int
+    key: int
+    task_index: int
+    digest: str
+
+
+@dataclass(slots=True)
+class _Task:
+    waiting: set[int] = field(default_factory=set)
+    probed: bool = False
+    estimate_s: float | None = None
+    learned: bool = False  # a sibling finished in this job
+    version: int = 0
+
+
+class StartOrder:
+    """A job's waiting rollouts in start order; see the module docstring."""
+
+    def __init__(self, history: TaskHistory | None, window: int = DEFAULT_WINDOW) -> None:
+        self.history = history
+        self.window = window
+        self._waiting: dict[int, Waiting] = {}
+        self._tasks: dict[int, _Task] = {}
+        self._heap: list[tuple[int, float, int, int]] = []
+        self._oldest: list[int] = []
+        self._next_position = 0
+        # Started, not finished: what each was expected to take (None: unseen).
+        self._started: dict[int, tuple[str, float | None]] = {}
+        self.errors: deque[float] = deque(maxlen=ERRORS_KEPT)
+        self.estimated = 0
+        self.unseen = 0
+
+    # ---- the window ---------------------------------------------------------------
+
+    def admits_until(self) -> int:
+        """The first input position the window cannot take yet."""
+        return self.oldest_position() + self.window
+
+    def oldest_position(self) -> int:
+        while self._oldest and self._oldest[0] not in self._waiting:
+            heapq.heappop(self._oldest)
+        return self._oldest[0] if self._oldest else self._next_position
+
+    def skip_to(self, position: int) -> None:
+        """Lines up to ``position`` were read and need no start (final ones)."""
+        self._next_position = max(self._next_position, position)
+
+    def add(self, rollout: Waiting) -> None:
+        self._waiting[rollout.position] = rollout
+        self._next_position = max(self._next_position, rollout.position + 1)
+        heapq.heappush(self._oldest, rollout.position)
+        task = self._tasks.get(rollout.task_index)
+        if task is None:
+            task = self._tasks[rollout.task_index] = _Task()
+            if self.history is not None:
+                task.estimate_s = self.history.estimate(rollout.digest)
+        task.waiting.add(rollout.position)
+        self._push(rollout.position, task)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    # ---- taking -------------------------------------------------------------------
+
+    def take(self) -> Waiting | None:
+        """The rollout to start next (it counts as started); None when none waits."""
+        while self._heap:
+            _, _, position, version = heapq.heappop(self._heap)
+            rollout = self._waiting.get(position)
+            if rollout is None:
+                continue
+            task = self._tasks[rollout.task_index]
+            if version != task.version:
+                continue
+            del self._waiting[position]
+            task.waiting.discard(position)
+            self._started[rollout.key] = (rollout.digest, task.estimate_s)
+            self._count(task)
+            if not task.probed and task.estimate_s is None:
+                task.probed = True
+                self._reorder(task)
+            if not task.waiting and task.learned:
+                del self._tasks[rollout.task_index]
+            return rollout
+        return None
+
+    def _count(self, task: _Task) -> None:
+        if task.estimate_s is None:
+            self.unseen += 1
+        else:
+            self.estimated += 1
+
+    # ---- learning -----------------------------------------------------------------
+
+    def finished(self, key: int, task_index: int, latency_s: float) -> None:
+        """A started rollout ran to an answer in ``latency_s``: learn from it."""
+        started = self._started.pop(key, None)
+        if started is None:
+            return
+        digest, expected_s = started
+        if expected_s is not None and expected_s > 0 and latency_s > 0:
+            self.errors.append(abs(math.log(latency_s / expected_s)))
+        if self.history is not None:
+            self.history.observe(digest, latency_s)
+        task = self._tasks.get(task_index)
+        if task is None or task.learned:
+            return
+        task.learned, task.estimate_s = True, latency_s
+        if task.waiting:
+            self._reorder(task)
+        else:
+            del self._tasks[task_index]
+
+    def forget(self, key: int) -> None:
+        """A started rollout ended without a latency to learn (cancelled, put back)."""
+        self._started.pop(key, None)
+
+    def median_error(self) -> float | None:
+        """The median of |ln(actual / expected)| over the latest estimated rollouts."""
+        return quantile(sorted(self.errors), 0.5) if self.errors else None
+
+    def _reorder(self, task: _Task) -> None:
+        task.version += 1
+        for position in task.waiting:
+            self._push(position, task)
+
+    def _push(self, position: int, task: _Task) -> None:
+        if task.estimate_s is not None:
+            entry = (Tier.EXPECTED, -task.estimate_s, position, task.version)
+        elif task.probed:
+            entry = (Tier.PROBING, 0.0, position, task.version)
+        else:
+            entry = (Tier.UNSEEN, 0.0, position, task.version)
+        heapq.heappush(self._heap, entry)
