@@ -27,13 +27,28 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
+from typing import Any
 
-from dispatcher.admission.history import TaskHistory
+from dispatcher.admission.history import HISTORY_FILE, TaskHistory
 from dispatcher.latency.quantile import quantile
+from dispatcher.settings.config import RunSettings
 
 DEFAULT_WINDOW = 65_536
 # Estimate errors kept for the job's status (the median of the latest).
 ERRORS_KEPT = 4096
+
+
+def start_order_for(settings: RunSettings, history: TaskHistory | None) -> StartOrder | None:
+    """The job's start order, or None for input order (``start_order = "input"``).
+    Without a shared ``history`` (the service's), the run's own file is read
+    (blocking): ``task_history``, else ``task_history.jsonl`` beside the output."""
+    if settings.start_order == "input":
+        return None
+    if history is None:
+        path = settings.task_history or Path(settings.output).parent / HISTORY_FILE
+        history = TaskHistory.load(path, settings.task_history_max_tasks)
+    return StartOrder(history, settings.start_order_window)
 
 
 class Tier(IntEnum):
@@ -141,16 +156,23 @@ class StartOrder:
 
     # ---- learning -----------------------------------------------------------------
 
-    def finished(self, key: int, task_index: int, latency_s: float) -> None:
-        """A started rollout ran to an answer in ``latency_s``: learn from it."""
+    def finished(self, key: int, task_index: int, latency_s: float) -> float | None:
+        """A started rollout ran to an answer in ``latency_s``: learn from it. The
+        estimate's error, |ln(actual / expected)|; None for a rollout not expected."""
         started = self._started.pop(key, None)
         if started is None:
-            return
+            return None
         digest, expected_s = started
+        error = None
         if expected_s is not None and expected_s > 0 and latency_s > 0:
-            self.errors.append(abs(math.log(latency_s / expected_s)))
+            error = abs(math.log(latency_s / expected_s))
+            self.errors.append(error)
         if self.history is not None:
             self.history.observe(digest, latency_s)
+        self._learn(task_index, latency_s)
+        return error
+
+    def _learn(self, task_index: int, latency_s: float) -> None:
         task = self._tasks.get(task_index)
         if task is None or task.learned:
             return
@@ -160,13 +182,19 @@ class StartOrder:
         else:
             del self._tasks[task_index]
 
-    def forget(self, key: int) -> None:
-        """A started rollout ended without a latency to learn (cancelled, put back)."""
-        self._started.pop(key, None)
-
     def median_error(self) -> float | None:
         """The median of |ln(actual / expected)| over the latest estimated rollouts."""
         return quantile(sorted(self.errors), 0.5) if self.errors else None
+
+    def figures(self) -> dict[str, Any]:
+        """The order's part of a job's status."""
+        return {
+            "order": "longest",
+            "started_unseen": self.unseen,
+            "started_expected": self.estimated,
+            "estimate_error_median": self.median_error(),
+            "history_tasks": len(self.history) if self.history is not None else 0,
+        }
 
     def _reorder(self, task: _Task) -> None:
         task.version += 1

@@ -32,6 +32,8 @@ from typing import Any
 
 import structlog
 
+from dispatcher.admission.history import TaskHistory
+from dispatcher.admission.order import StartOrder, start_order_for
 from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.faults import LocalFault
@@ -82,6 +84,7 @@ class Job(JobFigures):
         output_index: LineIndex | None = None,
         failures_index: LineIndex | None = None,
         gate: Gate | None = None,
+        history: TaskHistory | None = None,
     ) -> None:
         self.daemon = daemon
         self.settings = settings
@@ -101,6 +104,9 @@ class Job(JobFigures):
         self._rank = rank
         self._publish_endpoint = publish_endpoint
         self._gate = gate
+        # Which rollout starts next (contracts §16); None: input order.
+        self._history = history
+        self.order: StartOrder | None = None
         # Service mode reads rows back by line number (the results stream).
         self.output_index = output_index
         self.failures_index = failures_index
@@ -150,6 +156,7 @@ class Job(JobFigures):
             # Every row carries the run's id (contracts §15).
             self.finalizer.run_id = self.recorder.attach(prepared, failures)
             self._resources = stack.pop_all()
+        self.order = await asyncio.to_thread(start_order_for, self.settings, self._history)
         self.daemon.jobs.add(self)
 
     def started_event(self) -> dict[str, Any]:
@@ -282,6 +289,7 @@ class Job(JobFigures):
                 self.settings.capture_dir,
                 self._capture_token,
                 self.prepared.paths.reservations,
+                self.order,
             )
         return self._pending
 
@@ -342,6 +350,7 @@ class Job(JobFigures):
             self.requeue(rollout, landing.fault, landing.duration_s)
         else:
             self.daemon.handled_answer()
+            self._learn(rollout, landing.duration_s)
             self.recorder.record(
                 rollout,
                 landing.outcome,
@@ -354,6 +363,13 @@ class Job(JobFigures):
             limit = self.recorder.failure_limit()
             if limit is not None and self.fatal is None:
                 self.fail(limit)
+
+    def _learn(self, rollout: Rollout, latency_s: float) -> None:
+        """An answered rollout's latency, for the start order and the task history."""
+        if self.order is not None:
+            error = self.order.finished(rollout.key, rollout.task_index, latency_s)
+            if error is not None:
+                self.daemon.metrics.start_order_error(error)
 
     # ---- the parts flights use -----------------------------------------------------
 
@@ -408,6 +424,8 @@ class Job(JobFigures):
             await self.recorder.drain()
             for writer in self.writers:
                 await writer.close()
+            if self.order is not None and self.order.history is not None:
+                await asyncio.to_thread(self.order.history.flush)
             await self._record_hop()
         finally:
             # The lock and the files are given back even when the disk is full.

@@ -59,6 +59,8 @@ _NOT_SERVE_FLAGS = frozenset(
         "--fresh",
         # Agents may start after a daemon that lives for days: they are probed back.
         "--wait-for-agents-s",
+        # The service keeps its task history in its state directory.
+        "--task-history",
     }
 )
 

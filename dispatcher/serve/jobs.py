@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from dispatcher.admission.history import HISTORY_FILE, TaskHistory
 from dispatcher.admission.pause import MAX_TTL_S
 from dispatcher.errors import ConfigError, ExitCode
 from dispatcher.heap import HeapTrimmer
@@ -117,6 +118,7 @@ class Service:
         self._setting_policy = asyncio.Lock()
         # The same for the admission pause's file.
         self._setting_admission = asyncio.Lock()
+        self.history: TaskHistory | None = None
 
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done, cancelled or
@@ -126,6 +128,12 @@ class Service:
                                      self.write)  # fmt: skip
         self.compaction.archived = await asyncio.to_thread(archive.count)
         self._next_seq = await asyncio.to_thread(archive.last_seq) + 1
+        if self.base.start_order == "longest":
+            # One task history for every job, kept in the state directory (§16).
+            path = self.registry.root / HISTORY_FILE
+            self.history = await asyncio.to_thread(
+                TaskHistory.load, path, self.base.task_history_max_tasks
+            )
         for record in await asyncio.to_thread(self._read_registry):
             if isinstance(record, Unreadable):
                 self.jobs[record.job_id] = BrokenJob(record)

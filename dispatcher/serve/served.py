@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from dispatcher.admission.history import TaskHistory
 from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.faults import as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
@@ -72,6 +73,7 @@ class Host(Protocol):
     base: RunSettings
     registry: Registry
     max_off_policy_steps: int | None
+    history: TaskHistory | None
 
     async def write(self, write: Callable[..., Any], *args: Any) -> Any: ...
 
@@ -135,6 +137,7 @@ class ServedJob:
             output_index=self.output_index,
             failures_index=self.failures_index,
             gate=self._gate,
+            history=self.service.history,
         )
 
     @property
@@ -427,6 +430,8 @@ class ServedJob:
             outcomes = self.earlier_outcomes + job.outcomes
             eta_s = job.eta_s(job.rollouts_per_hour())
             known.update(job.progress(), outcomes=dict(outcomes), eta_s=eta_s)
+            if job.order is not None:
+                known["start_order"] = job.order.figures()
         elif record.outcomes is not None:
             known["outcomes"] = record.outcomes
         if self.groups is not None:

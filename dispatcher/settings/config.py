@@ -130,6 +130,12 @@ class RunSettings(BaseModel):
     metrics_sd_dir: Path | None = None
     progress_interval_s: float = Field(default=30.0, gt=0)
 
+    # Which waiting rollout starts next (contracts §16).
+    start_order: Literal["longest", "input"] = "longest"
+    start_order_window: int = Field(default=65_536, ge=1)
+    task_history: Path | None = None
+    task_history_max_tasks: int = Field(default=100_000, ge=1)
+
     # NeMo Gym Main's run contracts (contracts §15).
     record_omitted: bool = False
     max_failure_fraction: float | None = Field(default=None, ge=0, le=1)

@@ -77,6 +77,14 @@ _RUN_FLAGS: dict[str, str] = {
     "--shard": "K/N: run only tasks with task_index %% N == K; 'auto' from Slurm/Kubernetes",
     "--max-response-bytes": "largest agent answer, decompressed (default 64 MiB)",
     "--response-read-timeout-s": "seconds an agent's answer body may take to arrive (default 600)",
+    "--start-order": "longest (default): rollouts expected to run longest start first, "
+    "unseen tasks before them; input: in the task file's order",
+    "--start-order-window": "a rollout starts before any rollout this many places after it "
+    "in input order (default 65536)",
+    "--task-history": "file of each task's latency, kept across runs (default: "
+    "task_history.jsonl beside the output)",
+    "--task-history-max-tasks": "tasks the history keeps, the least recently run "
+    "forgotten first (default 100000)",
     # NeMo Gym Main's run contracts (contracts §15).
     "--max-failure-fraction": "stop starting rollouts (exit 1) once counted failures exceed "
     "this fraction of the expected rollouts",

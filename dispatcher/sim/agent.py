@@ -1,7 +1,8 @@
 """A simulated agent server speaking the agent protocol (``POST /run``).
 
 Latency is fixed or lognormal (heavy-tailed: ``--latency-dist
-lognormal:MEDIAN_S,SIGMA``); each request can fail as HTTP 500, HTTP 503,
+lognormal:MEDIAN_S,SIGMA``), or the task row's own ``sim_latency_s`` in
+place of the median (tasks of different lengths); each request can fail as HTTP 500, HTTP 503,
 a hang, a malformed body or a kill-shaped answer, with the given
 probabilities (drawn per request from a generator seeded by ``--seed``); the
 first ``--rate-limit-first`` requests are refused with HTTP 429 and a
@@ -100,6 +101,7 @@ FAILURE_RNG_KEY = web.AppKey("failure_rng", random.Random)
 CONFIG_KEY = web.AppKey("config", SimAgentConfig)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 STARTED_KEY = web.AppKey("started", float)
+TASK_LATENCY = "sim_latency_s"
 # Past this load (in flight over capacity) the knee model answers 429.
 OVERLOAD_429 = 1.25
 
@@ -132,10 +134,14 @@ def _load_factor(app: web.Application, in_flight: int) -> float:
     return in_flight / capacity if capacity > 0 else 0.0
 
 
-def _latency(config: SimAgentConfig, rng: random.Random) -> float:
-    if config.latency == "lognormal" and config.latency_s > 0:
-        return rng.lognormvariate(math.log(config.latency_s), config.latency_sigma)
-    return config.latency_s
+def _latency(config: SimAgentConfig, rng: random.Random, row: dict[str, Any]) -> float:
+    # A task row may name its own latency (``sim_latency_s``: the fixed value or the
+    # lognormal median), so tasks differ as real ones do while their repeats scatter.
+    own = row.get(TASK_LATENCY)
+    latency_s = float(own) if isinstance(own, int | float) and own > 0 else config.latency_s
+    if config.latency == "lognormal" and latency_s > 0:
+        return rng.lognormvariate(math.log(latency_s), config.latency_sigma)
+    return latency_s
 
 
 def _reward_p(config: SimAgentConfig, row: dict[str, Any]) -> float:
@@ -175,7 +181,7 @@ async def _handle_run(request: web.Request) -> web.StreamResponse:
         # Failures are drawn per request, not per rollout: a rollout that was
         # interrupted once is not doomed to be interrupted on every resume.
         failure = _pick_failure(config, request.app[FAILURE_RNG_KEY])
-        await asyncio.sleep(_latency(config, rng) * max(1.0, load) ** 3)
+        await asyncio.sleep(_latency(config, rng, row) * max(1.0, load) ** 3)
         return await _answer(request, config, row, rng, failure)
     finally:
         stats.in_flight -= 1

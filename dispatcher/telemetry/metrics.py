@@ -48,6 +48,7 @@ DURATION_BUCKETS_S = (
 )  # fmt: skip
 # Quiescence polls every 0.05 s and gives up after 10 s (contracts §6).
 CAPTURE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+START_ORDER_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 # The lag goal is a p99 under 10 ms, so the resolution sits around it.
 LOOP_LAG_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -314,6 +315,13 @@ class Metrics:
         )
         for code in CAPTURE_GAP_CODES:
             self._capture_gaps.labels(code)
+        self._start_order_error = Histogram(
+            "dispatcher_start_order_estimate_error",
+            "How far a rollout's latency was from the start order's estimate: "
+            "|ln(actual / expected)| (0.1 is about 10% off).",
+            buckets=START_ORDER_ERROR_BUCKETS,
+            registry=registry,
+        )
         self.loop_lag = Histogram(
             "dispatcher_event_loop_lag_seconds",
             "How late the event loop woke a sleeping sampler task.",
@@ -323,6 +331,9 @@ class Metrics:
         Info("dispatcher_build", "Dispatcher build.", registry=registry).info(
             {"version": __version__, "python": platform.python_version()}
         )
+
+    def start_order_error(self, error: float) -> None:
+        self._start_order_error.observe(error)
 
     def declare_agents(self, agents: Iterable[str]) -> None:
         """Create each agent's series at zero so the first increment shows in `rate()`."""
