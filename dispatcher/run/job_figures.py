@@ -10,6 +10,7 @@ import asyncio
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from dispatcher.admission.order import StartOrder
 from dispatcher.errors import DispatcherError, ExitCode
 from dispatcher.lifecycle import JobState
 from dispatcher.run.aggregate import aggregation_states, write_aggregate_metrics
@@ -40,6 +41,7 @@ class JobFigures:
     _opened_at: float | None
     _dispatch_started: float | None
     _dispatch_ended: float | None
+    order: StartOrder | None
 
     # ---- the end of the hop -------------------------------------------------------------
 
@@ -133,6 +135,8 @@ class JobFigures:
             self.remaining(),
             (self.dispatch_seconds(), elapsed_s),
         )
+        if self.order is not None:
+            summary["start_order"] = self.order.figures()
         if isinstance(self.fatal, FailureLimitExceeded):
             summary["failure_limit_exceeded"] = str(self.fatal)
         return summary
