@@ -1,4 +1,4 @@
-"""Each task's rollout latency, across jobs and restarts (contracts §16).
+"""Each task's rollout latency, across jobs and restarts (contracts §13, start order).
 
 A task is named by the digest of its input row (``task_digest``: the row's
 canonical JSON without the keys the dispatcher sets), so the same prompt in

@@ -1,4 +1,4 @@
-"""Which waiting rollout starts next: the longest expected first (contracts §16).
+"""Which waiting rollout starts next: the longest expected first (contracts §13, start order).
 
 A job's makespan is set by its last rollouts to finish; starting the long
 ones first lets the short ones fill in behind them. ``StartOrder`` holds a

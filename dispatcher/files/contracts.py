@@ -123,7 +123,7 @@ class JobStatus:
     # A token target (``target_tokens``), and the generated tokens the kept groups hold.
     target_tokens: int | None = None
     tokens_kept: int | None = None
-    # The start order (contracts §16): rollouts started unseen and expected, the
+    # The start order (contracts §13, start order): rollouts started unseen and expected, the
     # median of |ln(actual / expected)|; None in input order.
     start_order: dict[str, Any] | None = None
 

@@ -104,7 +104,7 @@ class Job(JobFigures):
         self._rank = rank
         self._publish_endpoint = publish_endpoint
         self._gate = gate
-        # Which rollout starts next (contracts §16); None: input order.
+        # Which rollout starts next (contracts §13, start order); None: input order.
         self._history = history
         self.order: StartOrder | None = None
         # Service mode reads rows back by line number (the results stream).

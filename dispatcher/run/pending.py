@@ -13,7 +13,7 @@ input order; then every other rollout in input order. Only their offsets in
 the materialized file are held, so memory grows with the failed rollouts, not
 their rows.
 
-With a ``StartOrder`` (``admission/order.py``, contracts §16) every other
+With a ``StartOrder`` (``admission/order.py``, contracts §13, start order) every other
 rollout starts in its order instead, longest expected first: the file is read
 ahead only as far as its window, each line held as its offset and task
 digest, and the rows read again when they start. The lines read ahead are

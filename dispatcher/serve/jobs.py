@@ -129,7 +129,7 @@ class Service:
         self.compaction.archived = await asyncio.to_thread(archive.count)
         self._next_seq = await asyncio.to_thread(archive.last_seq) + 1
         if self.base.start_order == "longest":
-            # One task history for every job, kept in the state directory (§16).
+            # One task history for every job, kept in the state directory (contracts §13).
             path = self.registry.root / HISTORY_FILE
             self.history = await asyncio.to_thread(
                 TaskHistory.load, path, self.base.task_history_max_tasks

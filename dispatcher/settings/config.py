@@ -130,7 +130,7 @@ class RunSettings(BaseModel):
     metrics_sd_dir: Path | None = None
     progress_interval_s: float = Field(default=30.0, gt=0)
 
-    # Which waiting rollout starts next (contracts §16).
+    # Which waiting rollout starts next (contracts §13, start order).
     start_order: Literal["longest", "input"] = "longest"
     start_order_window: int = Field(default=65_536, ge=1)
     task_history: Path | None = None
