@@ -1,61 +1,121 @@
-"""What is left to start: final lines skipped, each batch reserved before it is handed out."""
+"""The start order through the real CLI (contracts §13, start order): a task's history
+survives the run that wrote it, unseen tasks start first, resume stays exactly-once."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path
+from typing import Any
 
 import orjson
+from aiohttp import web
 
-from dispatcher.files.resume import RunState
-from dispatcher.run.pending import READ_BATCH_ROWS, Pending
-from dispatcher.tasks.keys import rollout_key
-
-
-def _materialized(path: Path, count: int) -> Path:
-    rows = (
-        {"agent_ref": {"name": "sim"}, "_ng_task_index": t, "_ng_rollout_index": 0}
-        for t in range(count)
-    )
-    path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
-    return path
-
-
-async def _keys(pending: Pending) -> list[tuple[int, int]]:
-    """Each rollout handed out, reserved as a job does before sending it."""
-    handed = []
-    async for rollout in pending.each(lambda: False):
-        await pending.reserve()
-        handed.append((rollout.task_index, rollout.attempt_index))
-    return handed
+from tests.helpers import (
+    FakeAgent,
+    audit_outputs,
+    count_lines,
+    echo_result,
+    expected_keys,
+    run_args,
+    run_cli,
+    spawn_cli,
+    wait_until,
+    write_tasks,
+)
 
 
-async def test_a_long_stretch_of_final_lines_does_not_end_the_file(tmp_path: Path) -> None:
-    # Failed once: a read of only final lines came back empty and read as the end,
-    # so a resume whose pending rollouts lay past them started nothing (exit 75).
-    count = READ_BATCH_ROWS * 8 * 2 + 3
-    materialized = _materialized(tmp_path / "m.jsonl", count)
-    state = RunState(max_attempts=3)
-    for task in range(count - 1):
-        state.add_success(rollout_key(task, 0), "sim", 1.0, None)
-    reservations = tmp_path / "r.jsonl"
-    pending = Pending(materialized, state, None, None, reservations)
-    assert await _keys(pending) == [(count - 1, 0)]
-    # The next hop: the line was reserved, so its next attempt has a new index.
-    again = Pending(materialized, state, None, None, reservations)
-    assert await _keys(again) == [(count - 1, 1)]
+def add_tasks(path: Path, first: int, count: int) -> None:
+    with path.open("ab") as f:
+        for i in range(first, first + count):
+            row = {
+                "responses_create_params": {"input": f"question {i}"},
+                "agent_ref": {"name": "sim"},
+            }
+            f.write(orjson.dumps(row) + b"\n")
 
 
-async def test_a_hop_that_sends_nothing_reserves_nothing(tmp_path: Path) -> None:
-    materialized = _materialized(tmp_path / "m.jsonl", 3)
-    state = RunState(max_attempts=3)
-    reservations = tmp_path / "r.jsonl"
-    drained = Pending(materialized, state, None, None, reservations)
-    assert [r.attempt_index async for r in drained.each(lambda: False)] == [0, 0, 0]
-    assert not reservations.exists()
-    again = Pending(materialized, state, None, None, reservations)
-    assert await _keys(again) == [(0, 0), (1, 0), (2, 0)]
-    assert await _keys(Pending(materialized, state, None, None, reservations)) == [
-        (0, 1),
-        (1, 1),
-        (2, 1),
-    ]
+class HeldByTask:
+    """An agent that answers each task when the test says so."""
+
+    def __init__(self) -> None:
+        self.release: dict[int, asyncio.Event] = {}
+
+    async def respond(self, body: dict[str, Any]) -> web.StreamResponse:
+        task = body["_ng_task_index"]
+        await self.release.setdefault(task, asyncio.Event()).wait()
+        return echo_result(body)
+
+
+async def test_history_orders_the_next_run_longest_first_after_unseen_tasks(
+    tmp_path: Path,
+) -> None:
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 6)
+    held = HeldByTask()
+    agent = FakeAgent(held.respond)
+    await agent.start()
+    first = tmp_path / "a.jsonl"
+    proc = await spawn_cli(*run_args(tasks, first, agent.url, "--concurrency", "6"))
+    try:
+        await wait_until(lambda: agent.seen == 6 or proc.exited, timeout_s=60)
+        # Answered one at a time, each written before the next is released: the
+        # later a task is answered, the longer its latency.
+        for done, task in enumerate([3, 0, 5, 1, 4, 2], start=1):
+            held.release.setdefault(task, asyncio.Event()).set()
+            await wait_until(lambda n=done: count_lines(first) >= n or proc.exited, timeout_s=60)
+        assert (await proc.wait()).returncode == 0
+    finally:
+        await proc.kill()
+        await agent.close()
+    assert (tmp_path / "task_history.jsonl").exists()
+    # A new run (a new process) on the same tasks and two more: the unseen ones
+    # first, then the longest in the history first.
+    add_tasks(tasks, 6, 2)
+    second = FakeAgent()
+    await second.start()
+    try:
+        args = run_args(tasks, tmp_path / "b.jsonl", second.url, "--concurrency", "1")
+        result = await run_cli(*args)
+    finally:
+        await second.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert second.task_indexes() == [6, 7, 2, 4, 1, 5, 0, 3]
+    # In input order when asked.
+    third = FakeAgent()
+    await third.start()
+    try:
+        args = run_args(
+            tasks, tmp_path / "c.jsonl", third.url, "--concurrency", "1", "--start-order", "input"
+        )
+        assert (await run_cli(*args)).returncode == 0
+    finally:
+        await third.close()
+    assert third.task_indexes() == list(range(8))
+
+
+async def test_a_killed_ordered_run_resumes_exactly_once(tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 30)
+    output = tmp_path / "x.jsonl"
+    # A history file cut by a kill in the middle of a line: skipped, never an error.
+    with (tmp_path / "task_history.jsonl").open("wb") as f:
+        f.write(b'{"t": "torn"')
+    agent = FakeAgent(gated=True)
+    await agent.start()
+    args = run_args(tasks, output, agent.url, "--concurrency", "4", "--num-repeats", "3")
+    try:
+        proc = await spawn_cli(*args)
+        for answered in range(1, 11):
+            await wait_until(lambda: agent.holding > 0 or proc.exited, timeout_s=60)
+            agent.release_next()
+            await wait_until(lambda n=answered: count_lines(output) >= n, timeout_s=60)
+        proc.send_signal(signal.SIGKILL)
+        await proc.kill()
+        agent.open()
+        result = await run_cli(*args)
+    finally:
+        await agent.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    audit_outputs(output, expected_keys(30, 3), max_attempts=3)
+    # The resumed hop learned from the first: its status has the order's figures.
+    summary = [e for e in result.stderr.splitlines() if '"run_summary"' in e]
+    assert summary and '"start_order"' in summary[-1]

@@ -1,0 +1,45 @@
+"""The task history: a moving average per task, bounded, kept in a file across restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dispatcher.admission.history import ALPHA, TaskHistory, task_digest
+
+
+def test_the_digest_ignores_the_dispatchers_keys_and_key_order() -> None:
+    row = {"agent_ref": {"name": "a"}, "responses_create_params": {"input": "q"}}
+    materialized = {**row, "_ng_task_index": 3, "_ng_rollout_index": 1}
+    reordered = dict(reversed(list(row.items())))
+    assert task_digest(materialized) == task_digest(row) == task_digest(reordered)
+    assert task_digest({**row, "x": 1}) != task_digest(row)
+
+
+def test_the_history_survives_a_restart_and_skips_a_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    history = TaskHistory.load(path, max_tasks=10)
+    history.observe("a", 2.0)
+    history.observe("a", 4.0)
+    history.observe("b", 1.0)
+    history.flush()
+    with path.open("ab") as f:
+        f.write(b'{"t": "c", "s"')  # a kill in the middle of an append
+    again = TaskHistory.load(path, max_tasks=10)
+    assert again.estimate("a") == 2.0 + ALPHA * (4.0 - 2.0)
+    assert again.estimate("b") == 1.0
+    assert again.estimate("c") is None
+
+
+def test_the_history_is_bounded_in_tasks_and_lines(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    history = TaskHistory.load(path, max_tasks=3)
+    for round_ in range(5):
+        for task in "abcde":
+            history.observe(task, float(round_))
+        history.flush()
+    assert len(history) == 3
+    # The least recently updated are gone; the file never holds more than twice the tasks.
+    assert history.estimate("a") is None and history.estimate("e") is not None
+    assert len(path.read_bytes().splitlines()) <= 2 * 3 + 5
+    again = TaskHistory.load(path, max_tasks=3)
+    assert {t: again.estimate(t) for t in "cde"} == {t: history.estimate(t) for t in "cde"}

@@ -1,0 +1,71 @@
+"""The start order: unseen first, a finished sibling's estimate, the starvation bound."""
+
+from __future__ import annotations
+
+from dispatcher.admission.history import TaskHistory
+from dispatcher.admission.order import StartOrder, Waiting
+
+
+def waiting(position: int, task: int, repeat: int = 0) -> Waiting:
+    return Waiting(position, position * 100, (task << 8) | repeat, task, f"d{task}")
+
+
+def taken(order: StartOrder, count: int) -> list[int]:
+    picks = [order.take() for _ in range(count)]
+    return [p.position for p in picks if p is not None]
+
+
+def test_unseen_tasks_start_first_then_the_longest_expected() -> None:
+    history = TaskHistory(None)
+    history.observe("d0", 1.0)
+    history.observe("d1", 5.0)
+    order = StartOrder(history)
+    for position, task in enumerate([0, 1, 2, 3]):
+        order.add(waiting(position, task))
+    history.observe("d3", 3.0)  # too late for the task already added: it stays unseen
+    assert taken(order, 5) == [2, 3, 1, 0]
+    assert order.take() is None
+    assert (order.unseen, order.estimated) == (2, 2)
+
+
+def test_a_finished_sibling_sets_the_estimate_of_the_rest() -> None:
+    order = StartOrder(TaskHistory(None))
+    # Two tasks of three repeats each, in input order.
+    for position in range(6):
+        order.add(waiting(position, position // 3, position % 3))
+    # The first repeat of each (unseen), then the other repeats while they run.
+    assert taken(order, 3) == [0, 3, 1]
+    order.finished((0 << 8) | 0, 0, 1.0)
+    order.finished((1 << 8) | 0, 1, 4.0)
+    # Task 1 is the longer one now: its repeats go before task 0's last one.
+    assert taken(order, 3) == [4, 5, 2]
+    # The error of a rollout started with an estimate: |ln(actual / expected)|.
+    order.finished((1 << 8) | 1, 1, 4.0)
+    assert order.median_error() == 0.0
+
+
+def test_no_rollout_is_passed_by_a_window_of_later_ones() -> None:
+    window = 4
+    order = StartOrder(TaskHistory(None), window)
+    history = order.history
+    assert history is not None
+    # Every task but the first is expected long: the first is never the longest.
+    for task in range(1, 40):
+        history.observe(f"d{task}", 10.0 + task)
+    history.observe("d0", 0.1)
+    started: list[int] = []
+    position = 0
+    while True:
+        while position < 40 and position < order.admits_until():
+            order.add(waiting(position, position))
+            position += 1
+        pick = order.take()
+        if pick is None:
+            break
+        started.append(pick.position)
+    assert sorted(started) == list(range(40))
+    # Position 0 is passed by at most window - 1 later rollouts.
+    assert started.index(0) <= window - 1
+    for at, p in enumerate(started):
+        later_before = sum(1 for q in started[:at] if q >= p + window)
+        assert later_before == 0
