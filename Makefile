@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/many_jobs.py
 	$(BIN)/python bench/latency_window.py
 	$(BIN)/python bench/step_control.py
+	$(BIN)/python bench/ordering.py
 	$(BIN)/python bench/cli_startup.py
 	$(BIN)/python bench/routing.py
 	$(BIN)/python bench/report_timeline.py
@@ -64,6 +65,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/many_jobs.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
 	$(BIN)/python bench/step_control.py --smoke
+	$(BIN)/python bench/ordering.py --smoke
 	$(BIN)/python bench/report_timeline.py --smoke
 	$(BIN)/python bench/service_hostile.py --smoke
 	$(BIN)/python bench/cli_startup.py --smoke
