@@ -19,13 +19,18 @@ def test_latency_dist_sets_a_heavy_tailed_lognormal() -> None:
     args = parse_args(["sim-agent", "--latency-dist", "lognormal:0.25,1"])
     assert args.latency_dist == {"latency": "lognormal", "latency_s": 0.25, "latency_sigma": 1.0}
     config = SimAgentConfig(**args.latency_dist)
-    draws = sorted(
-        _latency(config, _rng_for(config, {"_ng_task_index": t, "_ng_rollout_index": 0}))
-        for t in range(2000)
-    )
+    rows = [{"_ng_task_index": t, "_ng_rollout_index": 0} for t in range(2000)]
+    draws = sorted(_latency(config, _rng_for(config, row), row) for row in rows)
     p50, p99 = draws[1000], draws[1980]
     assert 0.2 < p50 < 0.3
     assert p99 / p50 > 5  # the last 1% take ten times the median: a heavy tail
+
+
+def test_a_task_rows_own_latency_is_its_median() -> None:
+    config = SimAgentConfig(latency="lognormal", latency_s=0.25, latency_sigma=0.2)
+    rows = [{"_ng_task_index": 1, "_ng_rollout_index": r, "sim_latency_s": 4.0} for r in range(500)]
+    draws = sorted(_latency(config, _rng_for(config, row), row) for row in rows)
+    assert 3.5 < draws[250] < 4.5
 
 
 @pytest.mark.parametrize("bad", ["lognormal:0.25", "pareto:1,2", "fixed:-1", "lognormal:a,b"])
