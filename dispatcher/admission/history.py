@@ -12,11 +12,12 @@ map and its age order). Once the file holds ``COMPACT_FACTOR`` times more
 lines than tasks kept, it is replaced whole (a temporary file renamed over
 it). Crash-safe without fsync: a torn last line is skipped, and a history is
 a hint (losing its last updates reorders rollouts, never changes a row).
-Updates are buffered and appended in a worker thread (``flush``).
+Updates are buffered and appended in a worker thread (``save``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import threading
@@ -90,10 +91,20 @@ class TaskHistory:
     def due(self) -> bool:
         return len(self._unwritten) >= FLUSH_EVERY
 
-    def flush(self) -> None:
-        """Append the buffered updates, or replace the file when it has grown past its
-        bound (blocking: called in a worker thread)."""
+    async def save(self) -> None:
+        """Write the buffered updates in a worker thread (taken here, on the loop,
+        so an update made meanwhile waits for the next save)."""
         lines, self._unwritten = self._unwritten, []
+        if lines:
+            await asyncio.to_thread(self._write, lines)
+
+    def flush(self) -> None:
+        """``save``, blocking."""
+        lines, self._unwritten = self._unwritten, []
+        self._write(lines)
+
+    def _write(self, lines: list[bytes]) -> None:
+        """Append ``lines``, or replace the file when it has grown past its bound."""
         if self.path is None or not lines:
             return
         with self._file_lock:

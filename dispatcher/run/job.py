@@ -425,7 +425,7 @@ class Job(JobFigures):
             for writer in self.writers:
                 await writer.close()
             if self.order is not None and self.order.history is not None:
-                await asyncio.to_thread(self.order.history.flush)
+                await self.order.history.save()
             await self._record_hop()
         finally:
             # The lock and the files are given back even when the disk is full.

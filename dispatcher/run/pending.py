@@ -156,7 +156,7 @@ class Pending:
                     yield rollout
                 history = order.history
                 if history is not None and history.due():
-                    await asyncio.to_thread(history.flush)
+                    await history.save()
 
     async def _clear_captures(self, batch: list[Rollout]) -> None:
         if self._capture_dir is None or not batch:
