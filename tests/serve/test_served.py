@@ -17,7 +17,7 @@ import pytest
 from dispatcher.run import daemon as daemon_module
 from dispatcher.serve import command as serve_module
 from dispatcher.settings.serve import ServeLimits
-from tests.helpers import FakeAgent, serve_arguments, wait_until
+from tests.helpers import FakeAgent, echo_result, serve_arguments, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,3 +115,63 @@ async def test_a_job_submitted_an_hour_in_has_the_eta_and_rate_of_its_own_pace(
 
 async def _done(status: Any, count: int) -> bool:
     return bool((await status())["rows_durable"] == count)
+
+
+async def test_the_task_history_orders_a_job_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """contracts §13, start order: the daemon's task history outlives it; a later job
+    starts its unseen task first, then the longest expected first."""
+    release: dict[int, asyncio.Event] = {}
+
+    async def held(body: dict[str, Any]) -> Any:
+        await release.setdefault(body["q"], asyncio.Event()).wait()
+        return echo_result(body)
+
+    agent = FakeAgent(held)
+    await agent.start()
+    rows = [{"agent_ref": {"name": "sim"}, "q": i} for i in range(4)]
+    try:
+        serve = await start_serve(tmp_path, agent.url, monkeypatch, concurrency=3)
+        async with aiohttp.ClientSession() as http:
+            await _submit(http, serve.url, "first", rows[:3])
+            await wait_until(lambda: agent.seen == 3)
+            # The later a task is answered, the longer it ran.
+            for done, q in enumerate([2, 0, 1], start=1):
+                release.setdefault(q, asyncio.Event()).set()
+                await wait_until(lambda n=done: _durable(http, serve.url, "first", n))
+            status = await _status(http, serve.url, "first")
+            assert status["start_order"]["started_unseen"] == 3
+        assert await serve.stop() == 0
+        assert (tmp_path / "state" / "task_history.jsonl").exists()
+        agent.bodies.clear()
+        serve = await start_serve(tmp_path, agent.url, monkeypatch, concurrency=1)
+        async with aiohttp.ClientSession() as http:
+            await _submit(http, serve.url, "second", rows)
+            release[3] = asyncio.Event()
+            release[3].set()
+            await wait_until(lambda: _durable(http, serve.url, "second", 4))
+        assert await serve.stop() == 0
+    finally:
+        await agent.close()
+    assert [body["q"] for body in agent.bodies] == [3, 1, 0, 2]
+
+
+async def _submit(http: aiohttp.ClientSession, url: str, job_id: str, rows: list[Any]) -> None:
+    async def resumed() -> bool:  # until then, the API answers 503 "starting"
+        async with http.get(f"{url}/v1/jobs") as r:
+            return r.status == 200
+
+    await wait_until(resumed)
+    async with http.post(f"{url}/v1/jobs", json={"job_id": job_id, "rows": rows}) as r:
+        assert r.status == 201, await r.text()
+
+
+async def _status(http: aiohttp.ClientSession, url: str, job_id: str) -> dict[str, Any]:
+    async with http.get(f"{url}/v1/jobs/{job_id}") as r:
+        body: dict[str, Any] = await r.json()
+        return body
+
+
+async def _durable(http: aiohttp.ClientSession, url: str, job_id: str, count: int) -> bool:
+    return bool((await _status(http, url, job_id))["rows_durable"] >= count)
