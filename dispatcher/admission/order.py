@@ -12,6 +12,10 @@ window of a job's waiting rollouts and gives the next to start:
    task's expectation is its first finished sibling's latency in this job,
    else its history (``history.py``).
 
+In the service (``whole_groups``), a task's repeats start together, as its
+step control counts open groups: tiers 1 and 3 only, the estimate from the
+history alone.
+
 No starvation: the window holds rollouts from the oldest waiting one (by
 input position) up to ``window`` positions after it, and only those can
 start. So a rollout starts before any rollout ``window`` or more positions
@@ -39,7 +43,9 @@ DEFAULT_WINDOW = 65_536
 ERRORS_KEPT = 4096
 
 
-def start_order_for(settings: RunSettings, history: TaskHistory | None) -> StartOrder | None:
+def start_order_for(
+    settings: RunSettings, history: TaskHistory | None, whole_groups: bool = False
+) -> StartOrder | None:
     """The job's start order, or None for input order (``start_order = "input"``).
     Without a shared ``history`` (the service's), the run's own file is read
     (blocking): ``task_history``, else ``task_history.jsonl`` beside the output."""
@@ -48,7 +54,7 @@ def start_order_for(settings: RunSettings, history: TaskHistory | None) -> Start
     if history is None:
         path = settings.task_history or Path(settings.output).parent / HISTORY_FILE
         history = TaskHistory.load(path, settings.task_history_max_tasks)
-    return StartOrder(history, settings.start_order_window)
+    return StartOrder(history, settings.start_order_window, whole_groups=whole_groups)
 
 
 class Tier(IntEnum):
@@ -80,9 +86,18 @@ class _Task:
 class StartOrder:
     """A job's waiting rollouts in start order; see the module docstring."""
 
-    def __init__(self, history: TaskHistory | None, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self,
+        history: TaskHistory | None,
+        window: int = DEFAULT_WINDOW,
+        *,
+        whole_groups: bool = False,
+    ) -> None:
         self.history = history
         self.window = window
+        # A task's repeats start one after another (tiers 1 and 2 and a sibling's
+        # estimate are left out): the service's step control counts open groups.
+        self.whole_groups = whole_groups
         self._waiting: dict[int, Waiting] = {}
         self._tasks: dict[int, _Task] = {}
         self._heap: list[tuple[int, float, int, int]] = []
@@ -140,7 +155,7 @@ class StartOrder:
             task.waiting.discard(position)
             self._started[rollout.key] = (rollout.digest, task.estimate_s)
             self._count(task)
-            if not task.probed and task.estimate_s is None:
+            if not task.probed and task.estimate_s is None and not self.whole_groups:
                 task.probed = True
                 self._reorder(task)
             if not task.waiting and task.learned:
@@ -174,7 +189,7 @@ class StartOrder:
 
     def _learn(self, task_index: int, latency_s: float) -> None:
         task = self._tasks.get(task_index)
-        if task is None or task.learned:
+        if task is None or task.learned or self.whole_groups:
             return
         task.learned, task.estimate_s = True, latency_s
         if task.waiting:

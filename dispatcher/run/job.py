@@ -156,7 +156,11 @@ class Job(JobFigures):
             # Every row carries the run's id (contracts §15).
             self.finalizer.run_id = self.recorder.attach(prepared, failures)
             self._resources = stack.pop_all()
-        self.order = await asyncio.to_thread(start_order_for, self.settings, self._history)
+        # A gated job (the service's) keeps each group's repeats together.
+        whole_groups = self._gate is not None
+        self.order = await asyncio.to_thread(
+            start_order_for, self.settings, self._history, whole_groups
+        )
         self.daemon.jobs.add(self)
 
     def started_event(self) -> dict[str, Any]:

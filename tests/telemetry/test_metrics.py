@@ -24,6 +24,7 @@ EXPECTED_FAMILIES = {
     "dispatcher_rollouts_remaining": ("gauge", set()),
     "dispatcher_event_loop_lag_seconds": ("histogram", {"le"}),
     "dispatcher_capture_wait_seconds": ("histogram", {"le"}),
+    "dispatcher_start_order_estimate_error": ("histogram", {"le"}),
     "dispatcher_capture_gaps": ("counter", {"code"}),
     "dispatcher_build_info": ("gauge", {"version", "python"}),
     "dispatcher_retries": ("counter", {"agent", "reason"}),
