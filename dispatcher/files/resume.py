@@ -24,6 +24,7 @@ starts those first).
 
 from __future__ import annotations
 
+import collections
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -414,3 +415,11 @@ DISPATCHER_OBSERVED = frozenset(
         Outcome.PROTOCOL_VIOLATION.value,
     }
 )
+
+
+def file_outcomes(state: RunState) -> collections.Counter[str]:
+    """A job's outcomes as its files tell them: successes and failed attempts by class."""
+    outcomes = collections.Counter(state.failure_classes)
+    if state.successes:
+        outcomes["success"] = len(state.successes)
+    return outcomes

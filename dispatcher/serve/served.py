@@ -45,7 +45,7 @@ from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.faults import as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.contracts import JobStatus
-from dispatcher.files.resume import OutputPaths, RunState
+from dispatcher.files.resume import OutputPaths, file_outcomes
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.run.daemon import Daemon
@@ -491,11 +491,3 @@ class ServedJob:
 
     def _end_error(self) -> str | None:
         return self.record.error if self.finished else None
-
-
-def file_outcomes(state: RunState) -> Counter[str]:
-    """A job's outcomes as its files tell them: successes and failed attempts by class."""
-    outcomes = Counter(state.failure_classes)
-    if state.successes:
-        outcomes["success"] = len(state.successes)
-    return outcomes
