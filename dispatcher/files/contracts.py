@@ -310,3 +310,15 @@ def _without(data: dict[str, Any], locations: list[tuple[int | str, ...]]) -> di
         elif isinstance(top, str):
             data.pop(top, None)
     return data
+
+
+# The attempt cap of a run whose manifest names none (``--max-attempts``' default).
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+def max_attempts_for(given: int | None, manifest: RunManifest | None) -> int:
+    """The attempt cap: as given, else the manifest's ``max_attempts``, else the default."""
+    if given is not None:
+        return given
+    recorded = manifest.max_attempts if manifest is not None else None
+    return recorded if recorded is not None else DEFAULT_MAX_ATTEMPTS

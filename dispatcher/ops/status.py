@@ -29,7 +29,13 @@ from typing import Any
 
 from dispatcher.errors import ExitCode
 from dispatcher.files import delivery_history as delivery
-from dispatcher.files.contracts import NOT_DELIVERED, RunManifest
+from dispatcher.files.contracts import (
+    DEFAULT_MAX_ATTEMPTS as DEFAULT_MAX_ATTEMPTS,
+)
+from dispatcher.files.contracts import (
+    NOT_DELIVERED,
+)
+from dispatcher.files.contracts import max_attempts_for as max_attempts_for
 from dispatcher.files.resume import (
     FAILURE_FACTS,
     IDENTITY_FACTS,
@@ -53,8 +59,6 @@ from dispatcher.ops.runfiles import (
 from dispatcher.ops.table import format_table, percent, ratio, utc_time
 from dispatcher.settings.args import non_negative_int, positive_int
 from dispatcher.tasks.keys import row_key
-
-DEFAULT_MAX_ATTEMPTS = 3
 
 
 class Standing(StrEnum):
@@ -249,14 +253,6 @@ def given_attempt_cap(args: argparse.Namespace) -> int | None:
     if args.max_attempts is None:
         return None
     return int(args.max_attempts) + int(args.extend_attempts)
-
-
-def max_attempts_for(given: int | None, manifest: RunManifest | None) -> int:
-    """The attempt cap: as given, else the manifest's ``max_attempts``, else the default."""
-    if given is not None:
-        return given
-    recorded = manifest.max_attempts if manifest is not None else None
-    return recorded if recorded is not None else DEFAULT_MAX_ATTEMPTS
 
 
 def _health(status: RunStatus, name: str, path: Path) -> FileHealth:

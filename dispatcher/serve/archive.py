@@ -48,11 +48,10 @@ import structlog
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
 from dispatcher.files.atomic import fsync_dir
-from dispatcher.files.contracts import JobStatus, RunManifest
+from dispatcher.files.contracts import JobStatus, RunManifest, max_attempts_for
 from dispatcher.files.resume import OutputPaths
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
-from dispatcher.ops.status import max_attempts_for
 from dispatcher.serve.final import FinalJob, saved_status, unknown_completion
 from dispatcher.serve.registry import BadRecord, JobRecord, Registry
 from dispatcher.serve.results import Source

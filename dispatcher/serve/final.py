@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.files.atomic import read_manifest
-from dispatcher.files.contracts import JobStatus
+from dispatcher.files.contracts import JobStatus, max_attempts_for
 from dispatcher.files.resume import OutputPaths
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
-from dispatcher.ops.status import max_attempts_for
 from dispatcher.serve.registry import JobRecord, Registry, Unreadable
 from dispatcher.serve.results import Source
 
