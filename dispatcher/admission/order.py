@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -224,3 +225,8 @@ class StartOrder:
         else:
             entry = (Tier.UNSEEN, 0.0, position, task.version)
         heapq.heappush(self._heap, entry)
+
+
+# Makes a job's start order from its settings, the shared task history and whether
+# a group's repeats stay together: ``start_order_for``, or a step policy's ordering.
+OrderFor = Callable[[RunSettings, TaskHistory | None, bool], StartOrder | None]

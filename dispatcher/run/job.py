@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 
 from dispatcher.admission.history import TaskHistory
-from dispatcher.admission.order import StartOrder, start_order_for
+from dispatcher.admission.order import OrderFor, StartOrder, start_order_for
 from dispatcher.admission.pool import Slots
 from dispatcher.aio import cancel_and_wait
 from dispatcher.delivery.faults import LocalFault
@@ -85,6 +85,7 @@ class Job(JobFigures):
         failures_index: LineIndex | None = None,
         gate: Gate | None = None,
         history: TaskHistory | None = None,
+        order_for: OrderFor = start_order_for,
     ) -> None:
         self.daemon = daemon
         self.settings = settings
@@ -106,6 +107,7 @@ class Job(JobFigures):
         self._gate = gate
         # Which rollout starts next (contracts §13, start order); None: input order.
         self._history = history
+        self._order_for = order_for
         self.order: StartOrder | None = None
         # Service mode reads rows back by line number (the results stream).
         self.output_index = output_index
@@ -159,7 +161,7 @@ class Job(JobFigures):
         # A gated job (the service's) keeps each group's repeats together.
         whole_groups = self._gate is not None
         self.order = await asyncio.to_thread(
-            start_order_for, self.settings, self._history, whole_groups
+            self._order_for, self.settings, self._history, whole_groups
         )
         self.daemon.jobs.add(self)
 

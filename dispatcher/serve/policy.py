@@ -9,8 +9,10 @@ built here by ``policy_of``; ``step.py`` keeps the job's tally and asks them:
   per agent) and ``TokensTarget`` (``target_tokens``).
 - ``GroupFilter``: whether a complete group teaches nothing, from its rows'
   rewards (``group_filter``).
-- ``Ordering``: which outstanding rollout starts first. ``InputOrder`` (the
-  default) keeps the task file's order.
+- ``Ordering``: which outstanding rollout starts first: it makes the job's
+  ``StartOrder`` (``admission/order.py``). ``SettingsOrder`` (the default) is the
+  daemon's ``--start-order``: longest expected first from the task history, or
+  input order; ``InputOrder`` keeps the task file's order whatever the daemon's.
 
 A new policy implements one part and declares its job-body field in
 ``spec.py`` (``JobSpec``) and in ``policy_of``; nothing else changes.
@@ -24,6 +26,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from dispatcher.admission.history import TaskHistory
+from dispatcher.admission.order import StartOrder, start_order_for
+from dispatcher.settings.config import RunSettings
 
 
 class Room(enum.Enum):
@@ -70,10 +76,12 @@ class GroupFilter(Protocol):
 
 
 class Ordering(Protocol):
-    """The order in which outstanding rollouts start: a lower key starts first, ties
-    in input order."""
+    """The order in which a job's outstanding rollouts start: its ``StartOrder``, or
+    None for input order (``admission.order.OrderFor``; ``Job`` calls it once)."""
 
-    def key(self, task_index: int, agent: str) -> float: ...
+    def start_order(
+        self, settings: RunSettings, history: TaskHistory | None, whole_groups: bool
+    ) -> StartOrder | None: ...
 
 
 def _bound(target: int, overprovision: float | None) -> int:
@@ -168,11 +176,22 @@ def _hashable(value: Any) -> Any:
     return value if isinstance(value, int | float | str | bool | None) else repr(value)
 
 
-class InputOrder:
-    """The default ordering: every rollout alike, so the task file's order holds."""
+class SettingsOrder:
+    """The default ordering: the daemon's ``--start-order`` (contracts §13, start order)."""
 
-    def key(self, task_index: int, agent: str) -> float:
-        return 0.0
+    def start_order(
+        self, settings: RunSettings, history: TaskHistory | None, whole_groups: bool
+    ) -> StartOrder | None:
+        return start_order_for(settings, history, whole_groups)
+
+
+class InputOrder:
+    """The task file's order, whatever the daemon's ``--start-order``."""
+
+    def start_order(
+        self, settings: RunSettings, history: TaskHistory | None, whole_groups: bool
+    ) -> StartOrder | None:
+        return None
 
 
 FILTERS: dict[str, GroupFilter] = {"nonzero_reward_std": NonzeroRewardStd()}
@@ -184,7 +203,7 @@ class StepPolicy:
 
     target: Target | None = None
     group_filter: GroupFilter | None = None
-    ordering: Ordering = field(default_factory=InputOrder)
+    ordering: Ordering = field(default_factory=SettingsOrder)
 
     @property
     def needs_details(self) -> bool:

@@ -138,6 +138,7 @@ class ServedJob:
             failures_index=self.failures_index,
             gate=self._gate,
             history=self.service.history,
+            order_for=self.policy.ordering.start_order,
         )
 
     @property

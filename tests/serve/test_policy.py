@@ -17,6 +17,7 @@ from dispatcher.serve.policy import (
     GroupsTarget,
     InputOrder,
     Room,
+    SettingsOrder,
     TokensTarget,
     policy_of,
 )
@@ -106,7 +107,8 @@ def test_held_aside_keeps_a_tasks_rollouts_together_and_a_bounded_number_of_task
 def test_the_policy_of_a_body_and_its_default_ordering() -> None:
     plain = policy_of(JobSpec.parse(b'{"rows": [{}], "target_groups": 2}', AGENTS))
     assert plain.target == GroupsTarget(2) and not plain.needs_details
-    assert isinstance(plain.ordering, InputOrder) and plain.ordering.key(5, "fast") == 0.0
+    assert isinstance(plain.ordering, SettingsOrder)
+    assert InputOrder().start_order(None, None, True) is None  # type: ignore[arg-type]
     mixed = JobSpec.parse(b'{"rows": [{}], "target_groups_by_agent": {"fast": 1}}', AGENTS)
     assert policy_of(mixed).target == AgentQuotas({"fast": 1}) and policy_of(mixed).needs_details
     tokens = JobSpec.parse(b'{"rows": [{}], "target_tokens": 9, "group_filter": '
