@@ -373,6 +373,14 @@ def reward_p(text: str) -> float | None:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("sim-agent", help=command_help("sim-agent"))
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any free port)")
+    _add_timing_flags(p)
+    _add_answer_flags(p)
+    _add_model_flags(p)
+    p.set_defaults(handler=_main, is_async=True)
+
+
+def _add_timing_flags(p: argparse.ArgumentParser) -> None:
+    """How long an answer takes, and how the agent behaves under load."""
     p.add_argument("--latency", choices=("fixed", "lognormal"), default="fixed")
     p.add_argument("--latency-s", type=float, default=0.0, help="fixed latency or lognormal median")
     p.add_argument("--latency-sigma", type=float, default=0.5)
@@ -382,6 +390,19 @@ def add_parser(subparsers: Any) -> None:
         metavar="fixed:S|lognormal:MEDIAN_S,SIGMA",
         help="the latency in one flag (heavy-tailed: lognormal with sigma 1 or more)",
     )
+    p.add_argument(
+        "--rate-limit-first", type=int, default=0, help="answer the first N requests with 429"
+    )
+    p.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of those 429s")
+    p.add_argument(
+        "--capacity", type=int, default=0, help="rollouts in flight past which latency climbs"
+    )
+    p.add_argument("--capacity-then", type=int, default=0, help="the capacity after the change")
+    p.add_argument("--capacity-change-after-s", type=float, default=0.0)
+
+
+def _add_answer_flags(p: argparse.ArgumentParser) -> None:
+    """What an answer holds: failures, rewards, its size, its usage."""
     for name in _FAILURES:
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, type=float, default=0.0, help=f"probability of {name}")
@@ -393,21 +414,26 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--rate-limit-first", type=int, default=0, help="answer the first N requests with 429"
-    )
-    p.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of those 429s")
-    p.add_argument(
-        "--capacity", type=int, default=0, help="rollouts in flight past which latency climbs"
-    )
-    p.add_argument("--capacity-then", type=int, default=0, help="the capacity after the change")
-    p.add_argument("--capacity-change-after-s", type=float, default=0.0)
-    p.add_argument(
         "--row-bytes",
         type=int,
         default=0,
         help=f"answer rows of about N bytes: the task echoed back plus {TOKENS_KEY}, "
         "a list of {token_id, logprob} objects",
     )
+    p.add_argument(
+        "--agent-trajectory", action="store_true", help="return the agent's own ng_trajectory"
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="report N output tokens in the response's usage (0: no usage)",
+    )
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model calls a rollout makes through the capture proxy."""
     p.add_argument("--model-url", help="capture proxy base URL the agent calls the model through")
     p.add_argument("--model-calls", type=int, default=0, help="model calls per rollout")
     p.add_argument("--model-dialect", choices=("chat", "responses", "messages"), default="chat")
@@ -424,17 +450,6 @@ def add_parser(subparsers: Any) -> None:
         default=0,
         help="with --turns: the task's prompt padded to about N tokens, shared by its repeats",
     )
-    p.add_argument(
-        "--agent-trajectory", action="store_true", help="return the agent's own ng_trajectory"
-    )
-    p.add_argument(
-        "--output-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="report N output tokens in the response's usage (0: no usage)",
-    )
-    p.set_defaults(handler=_main, is_async=True)
 
 
 async def _main(args: argparse.Namespace) -> int:
