@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 
 from dispatcher.latency.quantile import quantile
@@ -190,3 +191,19 @@ class LoopLag:
     @property
     def max(self) -> float:
         return max(self.lags, default=0.0)
+
+
+async def consume(http: aiohttp.ClientSession, url: str, job_id: str) -> tuple[int, int]:
+    """Read a job's group stream to its end: (groups, rows)."""
+    groups = rows = 0
+    params = {"group": "true", "wait": "true"}
+    async with http.get(f"{url}/v1/jobs/{job_id}/results", params=params) as r:
+        async for line in r.content:
+            data = orjson.loads(line)
+            if "end" in data:
+                if data["end"] != "done":
+                    raise SystemExit(f"{job_id} ended {data['end']}")
+                break
+            groups += 1
+            rows += len(data["rows"])
+    return groups, rows

@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ServeProcess, dispatcher_server
+from _common import ServeProcess, consume, dispatcher_server
 
 from dispatcher.latency.quantile import quantile
 from dispatcher.serve.archive import Archive, Folded
@@ -97,7 +97,7 @@ class Trainer:
                 if r.status != 201:
                     raise SystemExit(f"submit {job_id}: {r.status} {await r.text()}")
             self.submit_s.append(time.perf_counter() - started)
-            rows = await read_rows(http, self.url, job_id)
+            rows = (await consume(http, self.url, job_id))[1]
             if rows != self.args.repeats:
                 raise SystemExit(f"{job_id}: {rows} rows of {self.args.repeats}")
             self.done += 1
@@ -107,21 +107,6 @@ class Trainer:
                 print(f"  ... {self.done:,} jobs done", flush=True)
         if self.done < self.args.first:
             self.at_first.set()
-
-
-async def read_rows(http: aiohttp.ClientSession, url: str, job_id: str) -> int:
-    """A job's grouped stream read to its end line: its rows."""
-    rows = 0
-    params = {"group": "true", "wait": "true"}
-    async with http.get(f"{url}/v1/jobs/{job_id}/results", params=params) as r:
-        async for line in r.content:
-            data = orjson.loads(line)
-            if "end" in data:
-                if data["end"] != "done":
-                    raise SystemExit(f"{job_id} ended {data['end']}")
-                break
-            rows += len(data["rows"])
-    return rows
 
 
 async def folds_done(url: str, archived: int, timeout_s: float = 300) -> None:
@@ -172,7 +157,7 @@ async def archived_answers(url: str, job_id: str, repeats: int) -> str:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/v1/jobs/{job_id}") as r:
             status = await r.json()
-        rows = await read_rows(http, url, job_id)
+        rows = (await consume(http, url, job_id))[1]
     where = status.get("archive", "its own folder")
     ok = status["state"] == "done" and rows == repeats
     verdict = "ok" if ok else "WRONG"

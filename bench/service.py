@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoopLag, ServeProcess, dispatcher_server, rss_mb
+from _common import LoopLag, ServeProcess, consume, dispatcher_server, rss_mb
 
 # The jobs API takes JSON bodies only: what a browser sends unasked is refused.
 JSON_TYPE = {"Content-Type": "application/json"}
@@ -104,22 +104,6 @@ async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
     async with http.post(f"{url}/v1/jobs", data=orjson.dumps(body), headers=JSON_TYPE) as r:
         if r.status != 201:
             raise SystemExit(f"submit: {r.status} {await r.text()}")
-
-
-async def consume(http: aiohttp.ClientSession, url: str, job_id: str) -> tuple[int, int]:
-    """Read a job's group stream to its end: (groups, rows)."""
-    groups = rows = 0
-    params = {"group": "true", "wait": "true"}
-    async with http.get(f"{url}/v1/jobs/{job_id}/results", params=params) as r:
-        async for line in r.content:
-            data = orjson.loads(line)
-            if "end" in data:
-                if data["end"] != "done":
-                    raise SystemExit(f"{job_id} ended {data['end']}")
-                break
-            groups += 1
-            rows += len(data["rows"])
-    return groups, rows
 
 
 async def load_phase(daemon: ServeProcess, tasks: int, repeats: int) -> None:

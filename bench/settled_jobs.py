@@ -27,8 +27,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ServeProcess, dispatcher_server
-from service import consume, submit
+from _common import ServeProcess, consume, dispatcher_server
+from service import submit
 
 GOAL_BYTES_PER_ROW = 60
 
