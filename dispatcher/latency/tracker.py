@@ -1,8 +1,10 @@
 """Per-rollout latency, live: the figures behind the drain margin (contracts §8).
 
-Pure bookkeeping, no I/O. Durations live in a ``SortedList`` so a record is
-O(log n) and any quantile is an O(log n) index lookup: cheap for millions of
-rollouts, and exact (linear interpolation between the two nearest ranks).
+Pure bookkeeping, no I/O. Durations live in a ``SortedList``, and a record is
+a list append: the records since the last read join it in one bulk update when a
+figure is read. Any quantile is then an O(log n) index lookup: cheap for
+millions of rollouts, and exact (linear interpolation between the two nearest
+ranks).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ class DispatchLatencyTracker:
     """Rollout durations, failed-attempt durations that count, and drained rows."""
 
     def __init__(self) -> None:
-        self._durations: SortedList = SortedList()
+        self._sorted: SortedList = SortedList()
+        # Recorded since the last read: a record is an append, not a sorted insert.
+        self._unsorted: list[float] = []
         self._completions = 0
         self._completed_s = 0.0
         self._drained = 0
@@ -30,7 +34,7 @@ class DispatchLatencyTracker:
         """Record a completed rollout; non-positive durations are ignored."""
         if duration_s <= 0:
             return
-        self._durations.add(duration_s)
+        self._unsorted.append(duration_s)
         self._completions += 1
         self._completed_s += duration_s
 
@@ -45,7 +49,7 @@ class DispatchLatencyTracker:
             return
         median = self.quantile(0.5)
         if median is not None and duration_s >= median:
-            self._durations.add(duration_s)
+            self._unsorted.append(duration_s)
 
     def record_drained(self) -> None:
         """Count a row the budget never started."""
@@ -56,9 +60,17 @@ class DispatchLatencyTracker:
         return self._drained
 
     @property
+    def _durations(self) -> SortedList:
+        """Every duration counted, sorted (the records since the last read joined)."""
+        if self._unsorted:
+            self._sorted.update(self._unsorted)
+            self._unsorted.clear()
+        return self._sorted
+
+    @property
     def count(self) -> int:
         """Durations recorded (completions plus failures that counted)."""
-        return len(self._durations)
+        return len(self._sorted) + len(self._unsorted)
 
     @property
     def completions(self) -> int:

@@ -19,7 +19,6 @@ import platform
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -34,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dispatcher import __version__
 from dispatcher.outcome import NOT_STARTED, Outcome
+from dispatcher.telemetry.hot_series import RolloutSeries
 from dispatcher.urls import replica_names
 
 # Agent runs last seconds to hours; the top bucket is the two-hour ceiling the
@@ -229,31 +229,12 @@ class Metrics:
         self.registry.register(self._figures)
         if process_metrics:
             ProcessCollector(registry=self.registry)
-        # Label lookups take a lock and build a tuple; the hot path reuses children.
-        self._finished_children: dict[tuple[str, str], tuple[Any, Any]] = {}
-        self._in_flight_children: dict[str, Any] = {}
 
     def _define_rollout_metrics(self) -> None:
         registry = self.registry
-        self._rollouts = Counter(
-            "dispatcher_rollouts",
-            "Rollout attempts finished, by agent and outcome class.",
-            ("agent", "outcome"),
-            registry=registry,
-        )
-        self._in_flight = Gauge(
-            "dispatcher_rollouts_in_flight",
-            "Rollouts at agents: admitted and not answered yet (commits not included).",
-            ("agent",),
-            registry=registry,
-        )
-        self._duration = Histogram(
-            "dispatcher_rollout_duration_seconds",
-            "Wall time of finished rollout attempts, by agent and outcome class.",
-            ("agent", "outcome"),
-            buckets=DURATION_BUCKETS_S,
-            registry=registry,
-        )
+        # The per-rollout series: plain numbers, rendered at each scrape.
+        self._series = RolloutSeries(DURATION_BUCKETS_S)
+        registry.register(self._series)
         self._drained = Counter(
             "dispatcher_rollouts_drained",
             "Rollouts the dispatch budget never started; they run on resume.",
@@ -337,32 +318,24 @@ class Metrics:
 
     def declare_agents(self, agents: Iterable[str]) -> None:
         """Create each agent's series at zero so the first increment shows in `rate()`."""
+        outcomes = [outcome.value for outcome in Outcome if outcome not in NOT_STARTED]
         for agent in agents:
-            self._in_flight_child(agent)
             self._agent_up.labels(agent).set(1)
-            for outcome in Outcome:
-                if outcome not in NOT_STARTED:
-                    self._rollouts.labels(agent, outcome)
+            self._series.declare(agent, outcomes)
 
     def dispatch_started(self) -> None:
         """Mark the start of dispatch: the rate is measured from here."""
         self._rate.start()
 
     def rollout_started(self, agent: str) -> None:
-        self._in_flight_child(agent).inc()
+        self._series.started(agent)
 
     def rollout_left_agent(self, agent: str) -> None:
-        self._in_flight_child(agent).dec()
+        self._series.left_agent(agent)
 
     def rollout_finished(self, agent: str, outcome: str, duration_s: float) -> None:
         """Count one finished attempt; O(1), called once per rollout."""
-        children = self._finished_children.get((agent, outcome))
-        if children is None:
-            children = self._new_finished_children(agent, outcome)
-        total, duration = children
-        total.inc()
-        if duration_s >= 0:  # also false for NaN, which would poison the _sum
-            duration.observe(duration_s)
+        self._series.finished(agent, outcome, duration_s)
         if outcome in self._rate_outcomes:
             self._rate.add()
 
@@ -422,14 +395,3 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in the Prometheus text format (version 0.0.4)."""
         return generate_latest(_WithoutCreated(self.registry))
-
-    def _in_flight_child(self, agent: str) -> Any:
-        child = self._in_flight_children.get(agent)
-        if child is None:
-            child = self._in_flight_children[agent] = self._in_flight.labels(agent)
-        return child
-
-    def _new_finished_children(self, agent: str, outcome: str) -> tuple[Any, Any]:
-        children = (self._rollouts.labels(agent, outcome), self._duration.labels(agent, outcome))
-        self._finished_children[(agent, outcome)] = children
-        return children
