@@ -48,6 +48,14 @@ def normalize_usage(usage: object) -> TokenCounts:
     return TokenCounts(prompt, completion, reasoning, cached, total)
 
 
+def completion_tokens(usage: object) -> int | None:
+    """``normalize_usage(usage).completion`` alone: read once per row, so without
+    the other quantities."""
+    if isinstance(usage, (dict, Mapping)):  # dict first: the ABC check is slow
+        return _count(usage, "completion_tokens", "output_tokens")
+    return None
+
+
 def _count(usage: Mapping[str, Any], *keys: str) -> int | None:
     for key in keys:
         value = usage.get(key)

@@ -20,7 +20,7 @@ from typing import Any
 
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
-from dispatcher.capture.tokens import normalize_usage
+from dispatcher.capture.tokens import completion_tokens
 from dispatcher.delivery.client import Attempt
 from dispatcher.files.contracts import FAILURE_CLASS, FAILURE_TERMINAL, NOT_DELIVERED
 from dispatcher.files.writer import Line
@@ -150,14 +150,15 @@ def generated_tokens(row: Mapping[str, Any]) -> int | None:
     """The tokens a rollout generated: its captured model calls' completion tokens
     (``ng_perf``), else the agent's own ``usage`` in its ``response``; None when
     neither says."""
+    # ``type(x) is dict`` first: the ABC check of ``Mapping`` is most of the cost.
     perf = row.get(PERF)
-    if isinstance(perf, Mapping):
+    if perf is not None and (type(perf) is dict or isinstance(perf, Mapping)):
         completion = perf.get("completion_tokens")
         if isinstance(completion, int) and not isinstance(completion, bool):
             return completion
     response = row.get("response")
-    if isinstance(response, Mapping):
-        return normalize_usage(response.get("usage")).completion
+    if type(response) is dict or isinstance(response, Mapping):
+        return completion_tokens(response.get("usage"))
     return None
 
 
