@@ -312,6 +312,9 @@ async def test_the_router_proxy_example_sends_the_identity_and_the_release_to_th
 SERVICE_EXAMPLES = "ops.test_init.test_readme_service_and_step_control_examples_run_as_written"
 GYM_PATH = "gym.test_gym_readme.test_the_five_minute_path_runs_as_written"
 NEMO_RL_GUIDE = "client.test_embedded.test_the_nemo_rl_guide_runs_as_written"
+GYM_ROUTING = (
+    "gym.test_gym_routing_proxy.test_the_proxy_in_front_of_gym_model_servers_runs_as_written"
+)
 RUN_BY = {
     "make demo": ".ci/run",
     "pip install .": "test_the_installed_package_example_runs_as_written",
@@ -327,6 +330,9 @@ RUN_BY = {
     "dispatcher capture-proxy --listen 127.0.0.1:8200 --capture-dir": (
         "test_the_router_proxy_example_sends_the_identity_and_the_release_to_the_router"
     ),
+    "dispatcher capture-proxy --listen 127.0.0.1:8100 --route group": GYM_ROUTING,
+    "cat > replica_1.yaml": GYM_ROUTING,
+    "dispatcher run --gym-head-server 127.0.0.1:11000 --capture-proxy-url": GYM_ROUTING,
     "sbatch rd-config/slurm/dispatch.sbatch": (
         "test_the_slurm_example_runs_under_a_stand_in_for_slurm"
     ),
