@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -21,21 +22,24 @@ from dispatcher.latency.quantile import quantile
 
 
 @contextmanager
-def dispatcher_server(*args: str) -> Iterator[str]:
-    """Run ``dispatcher ARGS`` (a server command) in its own process; yield its URL."""
-    with server_process([sys.executable, "-m", "dispatcher", *args], args[0]) as url:
+def dispatcher_server(*args: str, log: Path | None = None) -> Iterator[str]:
+    """Run ``dispatcher ARGS`` (a server command) in its own process; yield its URL.
+    Its log (stderr) goes to ``log`` when given."""
+    with server_process([sys.executable, "-m", "dispatcher", *args], args[0], log) as url:
         yield url
 
 
 @contextmanager
-def server_process(command: Sequence[str], name: str) -> Iterator[str]:
+def server_process(command: Sequence[str], name: str, log: Path | None = None) -> Iterator[str]:
     """Run ``COMMAND --listen 127.0.0.1:0`` in its own process until it prints
-    ``... listening on URL``; yield the URL."""
-    proc = subprocess.Popen(
-        [*command, "--listen", "127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
+    ``... listening on URL``; yield the URL. Its stderr goes to ``log`` when given."""
+    # The child holds its own copy of the log's descriptor: ours closes at once.
+    with log.open("wb") if log is not None else contextlib.nullcontext() as err:
+        proc = subprocess.Popen(
+            [*command, "--listen", "127.0.0.1:0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if err is None else err,
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     try:

@@ -1,6 +1,7 @@
-"""What bench/routing.py watches beside the model servers' counts: when the proxy told
-the upstream that each session ended (``--session-release-url`` pointed here), and the
-calls in flight per upstream over time (sampled from the proxy's ``GET /ng-metrics``)."""
+"""What bench/routing.py watches beside the model servers' counts: when the proxy forgot
+each rollout's session (its log) and when it told the upstream (``--session-release-url``
+pointed here), and the calls in flight per upstream over time (sampled from the proxy's
+``GET /ng-metrics``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -31,16 +33,30 @@ class Releases:
         with self._lock:
             self.at.setdefault(_TOKEN.sub("", session_id), now)
 
-    def delays(self, finished: list[dict[str, Any]]) -> tuple[int, list[float]]:
-        """Rollouts whose end (``rollout_finished`` events) had a release, and each
-        release's delay after that end, in seconds."""
-        delays = []
-        for event in finished:
-            ended = datetime.fromisoformat(event["timestamp"]).timestamp()
-            released = self.at.get(event["rollout_id"])
-            if released is not None:
-                delays.append(max(0.0, released - ended))
-        return len(finished), delays
+
+def released_at_proxy(log: Path) -> dict[str, float]:
+    """Unix time at which the proxy forgot each rollout's session (its ``session_released``
+    events), by rollout id (the capture token dropped)."""
+    at: dict[str, float] = {}
+    for line in log.read_bytes().splitlines():
+        if line.startswith(b"{"):
+            event = orjson.loads(line)
+            if event.get("event") == "session_released":
+                stamp = datetime.fromisoformat(event["timestamp"]).timestamp()
+                at.setdefault(_TOKEN.sub("", event["rollout_id"]), stamp)
+    return at
+
+
+def release_delays(at: dict[str, float], finished: list[dict[str, Any]]) -> list[float]:
+    """Each release's delay, in seconds, after the end of its rollout as the dispatcher
+    recorded it (its ``rollout_finished`` event); a rollout never released counts as
+    infinitely late."""
+    delays = []
+    for event in finished:
+        ended = datetime.fromisoformat(event["timestamp"]).timestamp()
+        released = at.get(event["rollout_id"])
+        delays.append(float("inf") if released is None else max(0.0, released - ended))
+    return delays
 
 
 @contextmanager

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -51,11 +52,18 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from dispatcher.latency.quantile import quantile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dispatcher_server, run_child
-from _routing_watch import Releases, in_flight_sampler, release_listener
+from _routing_watch import (
+    Releases,
+    in_flight_sampler,
+    release_delays,
+    release_listener,
+    released_at_proxy,
+)
 
 POLICIES = ("round_robin", "session", "group")
 
@@ -69,11 +77,17 @@ class Figures:
     cached_tokens: int
     calls: list[int]
     with_identity: int
-    rollouts: int
+    # Per rollout, from its end as the dispatcher recorded it (rollout_finished) to the
+    # proxy forgetting its session (the proxy's session_released), and to the upstream
+    # hearing of it (--session-release-url); inf: never.
     release_delays: list[float]
+    told_delays: list[float]
     # Calls in flight per upstream, sampled through the run (the proxy's /ng-metrics).
     in_flight: list[list[float]]
     slow: bool = False
+    # The machine's load average (1 minute) as the run ended: a starved machine's
+    # figures are the machine's, not the policy's.
+    load: float = 0.0
 
     @property
     def hit(self) -> float:
@@ -84,8 +98,8 @@ class Figures:
         return self.prompt_tokens - self.cached_tokens
 
     @property
-    def released_in_1s(self) -> float:
-        return sum(d <= 1.0 for d in self.release_delays) / max(1, self.rollouts)
+    def rollouts(self) -> int:
+        return len(self.release_delays)
 
     @property
     def slow_lead(self) -> tuple[float, float]:
@@ -139,7 +153,8 @@ def servers(
     args: argparse.Namespace, policy: str, replicas: int, out: Path, release_url: str, slow: bool
 ) -> Iterator[tuple[str, str, list[str]]]:
     """The model replicas (the first ``--slow-factor`` slower if ``slow``), the proxy in
-    front of them and the agent; the agent's URL, the proxy's and the replicas'."""
+    front of them (its captures and its log in ``out``) and the agent; the agent's URL,
+    the proxy's and the replicas'."""
     with contextlib.ExitStack() as stack:
         models = [
             stack.enter_context(dispatcher_server(*model_args(args, slower)))
@@ -147,10 +162,10 @@ def servers(
         ]
         upstreams = [flag for url in models for flag in ("--upstream", url)]
         proxy_args = (
-            "capture-proxy", *upstreams, "--route", policy, "--capture-dir", str(out),
-            "--session-release-url", release_url,
+            "capture-proxy", *upstreams, "--route", policy, "--capture-dir",
+            str(out / "captures"), "--session-release-url", release_url,
         )  # fmt: skip
-        proxy = stack.enter_context(dispatcher_server(*proxy_args))
+        proxy = stack.enter_context(dispatcher_server(*proxy_args, log=out / "proxy.log"))
         agent_args = (
             "sim-agent", "--model-url", proxy, "--model-calls", str(args.turns), "--turns",
             "--prompt-tokens", str(args.prompt_tokens), "--reward-p", "1",
@@ -174,7 +189,7 @@ def one_run(
     with contextlib.ExitStack() as stack:
         release_url, releases = stack.enter_context(release_listener())
         agent, proxy, models = stack.enter_context(
-            servers(args, policy, replicas, out / "captures", release_url, slow)
+            servers(args, policy, replicas, out, release_url, slow)
         )
         in_flight = stack.enter_context(in_flight_sampler(proxy))
         command = [
@@ -189,7 +204,11 @@ def one_run(
         if run.returncode != 0:
             raise SystemExit(f"{policy}: dispatcher run exited {run.returncode}: see {out}/run.log")
         stats = [_stats(url) for url in models]
-        rollouts, delays = _released(releases, run.events("rollout_finished"))
+        finished = run.events("rollout_finished")
+        _wait_for_releases(releases, len(finished))
+    # Read once the proxy stopped: its log is whole.
+    delays = release_delays(released_at_proxy(out / "proxy.log"), finished)
+    told = release_delays(releases.at, finished)
     return Figures(
         policy=policy,
         replicas=replicas,
@@ -198,19 +217,19 @@ def one_run(
         cached_tokens=sum(s["cached_tokens"] for s in stats),
         calls=[s["requests"] for s in stats],
         with_identity=sum(s["with_identity"] for s in stats),
-        rollouts=rollouts,
         release_delays=delays,
+        told_delays=told,
         in_flight=in_flight,
         slow=slow,
+        load=os.getloadavg()[0],
     )
 
 
-def _released(releases: Releases, finished: list[dict[str, Any]]) -> tuple[int, list[float]]:
-    """Waits (a second at most) for the last releases to arrive; see Releases.delays."""
+def _wait_for_releases(releases: Releases, count: int) -> None:
+    """Waits (a second at most) for the upstream to hear of the last releases."""
     deadline = time.monotonic() + 1.0
-    while len(releases.at) < len(finished) and time.monotonic() < deadline:
+    while len(releases.at) < count and time.monotonic() < deadline:
         time.sleep(0.01)
-    return releases.delays(finished)
 
 
 def _stats(url: str) -> dict[str, int]:
@@ -224,7 +243,7 @@ def report(figures: list[Figures]) -> None:
     print(
         f"{'policy':<14} {'replicas':>8} {'hit':>6} {'hit/rr':>7} {'prefill tok':>12} "
         f"{'prefill/rr':>10} {'wall s':>7} {'wall/rr':>8} {'max/mean calls':>14} "
-        f"{'headers':>8} {'released<=1s':>12} {'max release s':>13}"
+        f"{'headers':>8} {'load':>5}"
     )
     for f in figures:
         headers = f.with_identity / max(1, sum(f.calls))
@@ -232,9 +251,17 @@ def report(figures: list[Figures]) -> None:
         print(
             f"{name:<14} {f.replicas:>8} {f.hit:>6.3f} {f.hit / max(base.hit, 1e-9):>7.2f} "
             f"{f.prefill:>12,} {f.prefill / max(base.prefill, 1):>10.2f} {f.wall_s:>7.2f} "
-            f"{f.wall_s / base.wall_s:>8.2f} {f.balance:>14.2f} {headers:>8.1%} "
-            f"{_release_figures(f)}"
+            f"{f.wall_s / base.wall_s:>8.2f} {f.balance:>14.2f} {headers:>8.1%} {f.load:>5.1f}"
         )
+    print(
+        "sessions released, from the rollout's end as the dispatcher recorded it "
+        "(rollout_finished) to the proxy forgetting it (session_released), and to the "
+        "upstream hearing of it (--session-release-url):"
+    )
+    for f in figures:
+        name = f"{f.policy}{' slow' if f.slow else ''} on {f.replicas}"
+        released, told = _release_figures(f.release_delays), _release_figures(f.told_delays)
+        print(f"  {name:<20} {released}; told {told}")
     for f in figures:
         if f.slow:
             most, mean = f.slow_lead
@@ -245,8 +272,14 @@ def report(figures: list[Figures]) -> None:
             )
 
 
-def _release_figures(f: Figures) -> str:
-    return f"{f.released_in_1s:>12.1%} {max(f.release_delays, default=0.0):>13.3f}"
+def _release_figures(delays: list[float]) -> str:
+    ordered = sorted(delays)
+    within = sum(d <= 1.0 for d in ordered) / max(1, len(ordered))
+    p50, p99 = (quantile(ordered, q) or 0.0 for q in (0.5, 0.99))
+    return (
+        f"{within:.1%} <= 1 s of {len(ordered)}, p50 {p50:.3f} s, p99 {p99:.3f} s, "
+        f"max {max(ordered, default=0.0):.3f} s"
+    )
 
 
 def main() -> int:

@@ -210,6 +210,9 @@ async def _handle_release(request: web.Request) -> web.Response:
         return _error_response(400, "invalid_rollout_id", _BAD_ID)
     upstream = request.app[UPSTREAM_KEY]
     session_id = upstream.router.release(rollout_id)
+    # Its time is when the session was forgotten: what the release's promptness is
+    # measured by, against the dispatcher's rollout_finished.
+    log.info("session_released", rollout_id=rollout_id, known=session_id is not None)
     if session_id is not None and upstream.release_url is not None:
         _tell_upstream(request.app, upstream.release_url, session_id)
     released = session_id is not None
