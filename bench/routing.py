@@ -131,6 +131,7 @@ def parse_args() -> argparse.Namespace:
         default=4.0,
         help="a group run with replica 0 this much slower (decode and prefill); 0: none",
     )
+    p.add_argument("--start-order", help="dispatcher run --start-order (default: its own)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: does it run")
     args = p.parse_args()
     if args.smoke:
@@ -199,6 +200,7 @@ def one_run(
             "--concurrency", str(args.concurrency), "--capture-dir", str(out / "captures"),
             "--capture-proxy-url", proxy, "--fsync", "never", "--metrics-listen", "off",
             "--log-format", "json",
+            *(("--start-order", args.start_order) if args.start_order else ()),
         ]  # fmt: skip
         run = run_child(command, out / "run.log")
         if run.returncode != 0:

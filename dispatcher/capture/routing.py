@@ -10,11 +10,17 @@ and its siblings' shared prompt, come back to them:
 - ``session``: a rollout's first call goes to the least loaded upstream (fewest
   live sessions, then fewest calls in flight, then fewest calls so far); its later
   calls follow it.
-- ``group``: a rollout's first call goes where its group went, unless that upstream
-  has more than ``margin`` calls in flight above the least loaded one: then to the
-  one with the fewest calls in flight, the group staying where it was. A pin never
-  becomes a hot spot (consistent hashing without load awareness is how one published
-  run fell from 98 % to 5 % prefix hits).
+- ``group``: a rollout's first call goes where its group went; its later calls
+  follow it.
+
+The margin, under both: an upstream with more than ``margin`` calls in flight above
+the one with the fewest is passed over, at every call, not only at a rollout's first:
+the call goes to the upstream with the fewest calls in flight, and its rollout's pin
+moves there (its conversation is cached there from this call on); a group stays where
+its prompt is cached. A pin never becomes a hot spot: a slow replica keeps no more than
+``margin`` calls above the rest, whatever was pinned to it before it slowed (consistent
+hashing without load awareness is how one published run fell from 98 % to 5 % prefix
+hits).
 
 A call that cannot connect goes to the next upstream and the pin moves with it.
 Sessions end when the dispatcher releases them (``release``) or, past
@@ -75,6 +81,8 @@ class Upstream:
     # From the answers' usage: prompt tokens, and those the upstream had cached.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Calls of rollouts pinned here sent elsewhere: it was past the margin.
+    passed_over: int = 0
 
 
 class Router:
@@ -113,13 +121,18 @@ class Router:
             if pinned is None:
                 self._pin(rollout_id, index)
             return index
-        if pinned is not None:
-            return pinned
-        if self.policy is RoutePolicy.GROUP:
-            chosen = self._for_group(group_of(rollout_id))
-        else:
-            chosen = self._least_loaded()
-        self._pin(rollout_id, chosen)
+        if pinned is None:
+            if self.policy is RoutePolicy.GROUP:
+                pinned = self._for_group(group_of(rollout_id))
+            else:
+                pinned = self._least_loaded()
+        chosen = pinned
+        if self._overloaded(pinned):
+            # Its later calls follow it: the pin moves (the group's stays).
+            chosen = self._fewest_in_flight()
+            self.upstreams[pinned].passed_over += 1
+        if self._sessions.get(rollout_id) != chosen:
+            self._pin(rollout_id, chosen)
         return chosen
 
     def any(self) -> int:
@@ -177,15 +190,13 @@ class Router:
         return min(loads)[2]
 
     def _for_group(self, group: str) -> int:
+        # An overloaded group's rollouts go elsewhere (``pick``); the group stays where
+        # its prefix is cached (moving the pin made every overflow a cold start on the
+        # new upstream). Elsewhere is the fewest calls in flight, what overloaded means:
+        # by live sessions first, the overloaded upstream itself could be the one chosen.
         pinned = self._groups.get(group)
         if pinned is None:
             pinned = self._least_loaded()
-        elif self._overloaded(pinned):
-            # This rollout goes elsewhere; the group stays where its prefix is cached
-            # (moving the pin made every overflow a cold start on the new upstream).
-            # Elsewhere is the fewest calls in flight, what overloaded means: by live
-            # sessions first, the overloaded upstream itself could be the one chosen.
-            return self._fewest_in_flight()
         self._remember(self._groups, group, pinned, self._max_groups)
         return pinned
 

@@ -1,10 +1,11 @@
 """The capture proxy's figures per upstream (contracts §6), served at ``GET /ng-metrics``.
 
 Per upstream (its URL, credentials masked): calls, calls in flight, live sessions,
-prompt and cached tokens from the answers' usage, and the prefix-hit ratio (cached
-over prompt tokens), in Prometheus' text format. The router keeps the live counts;
-the token counts are added as each call's capture record is made, which runs in a
-thread: the counts are handed to the event loop, which alone changes them.
+prompt and cached tokens from the answers' usage, calls passed over (past the margin),
+and the prefix-hit ratio (cached over prompt tokens), in Prometheus' text format. The
+router keeps the live counts; the token counts are added as each call's capture record
+is made, which runs in a thread: the counts are handed to the event loop, which alone
+changes them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class UpstreamCollector(Collector):
         cached = CounterMetricFamily(
             f"{name}cached_tokens", "prompt tokens it had cached (usage)", labels=_LABELS
         )
+        passed_over = CounterMetricFamily(
+            f"{name}calls_passed_over",
+            "calls of rollouts pinned to it sent elsewhere: it was past --route-margin",
+            labels=_LABELS,
+        )
         hit = GaugeMetricFamily(
             "dispatcher_capture_prefix_hit_ratio",
             "cached over prompt tokens of its answers so far",
@@ -88,8 +94,9 @@ class UpstreamCollector(Collector):
             sessions.add_metric(label, upstream.sessions)
             prompt.add_metric(label, upstream.prompt_tokens)
             cached.add_metric(label, upstream.cached_tokens)
+            passed_over.add_metric(label, upstream.passed_over)
             hit.add_metric(label, upstream.cached_tokens / max(1, upstream.prompt_tokens))
-        yield from (calls, in_flight, sessions, prompt, cached, hit)
+        yield from (calls, in_flight, sessions, prompt, cached, passed_over, hit)
 
 
 def metrics_handler(router: Router) -> Callable[[web.Request], Any]:

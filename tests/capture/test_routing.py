@@ -50,7 +50,9 @@ def test_group_keeps_siblings_together_until_the_margin_is_passed() -> None:
         router.started(home)
     moved = router.pick("5-4")
     assert moved != home
-    assert router.pick("5-1") == home  # a session already started stays
+    assert router.pick("5-1") == moved  # a session already started moves too, and stays
+    assert router.pick("5-1") == moved  # where its conversation is now cached
+    assert router.upstreams[home].passed_over == 2
     for _ in range(3):  # home is no longer loaded: the next sibling goes home again,
         router.ended(home)  # where the group's prefix is cached
     assert router.pick("5-5") == home
@@ -293,6 +295,73 @@ async def test_a_slow_pinned_upstream_takes_no_more_than_the_margin_above_the_re
     await asyncio.gather(*held)
     await call(session, proxy, "5-8")  # no longer loaded: the group's home again
     assert upstreams.calls[-1][0] == 0
+
+
+class GatedModels:
+    """Simulated model servers; the first holds the calls it gets while ``slow`` is set
+    (a replica that slowed down after rollouts were pinned to it), counting them."""
+
+    def __init__(self, servers: Servers) -> None:
+        self.servers = servers
+        self.slow = asyncio.Event()
+        self.go = servers.gate()
+        self.held = self.most_held = 0
+        self.answered = [0, 0]
+
+    async def start(self) -> list[str]:
+        return [await self.servers.start(self._app(index)) for index in range(2)]
+
+    def _app(self, index: int) -> web.Application:
+        app = build_sim_model_app(SimModelConfig(seed=index))
+
+        async def counted(request: web.Request, handler: Any) -> web.StreamResponse:
+            if index == 0 and self.slow.is_set():
+                self.held += 1
+                self.most_held = max(self.most_held, self.held)
+                try:
+                    await self.go.wait()
+                finally:
+                    self.held -= 1
+            response: web.StreamResponse = await handler(request)
+            self.answered[index] += 1
+            return response
+
+        app.middlewares.append(web.middleware(counted))
+        return app
+
+
+async def test_rollouts_pinned_to_a_replica_that_slowed_move_past_the_margin(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    models = GatedModels(servers)
+    margin = 2
+    app = build_proxy_app(await models.start(), tmp_path, route_margin=margin)
+    proxy = await servers.start(app)
+    router = app[UPSTREAM_KEY].router
+    siblings = [f"5-{repeat}" for repeat in range(8)]
+    for rollout in siblings:  # one group: each first turn goes to its home, upstream 0
+        await call(session, proxy, rollout)
+    assert models.answered == [8, 0]
+    models.slow.set()
+    held: list[asyncio.Task[None]] = []
+    for rollout in siblings:  # the second turns, each held at 0 or answered by 1 in turn
+        before = models.held
+        task = asyncio.create_task(call(session, proxy, rollout))
+        held.append(task)
+        await wait_until(
+            lambda b=before, t=task: (
+                models.held > b or (t.done() and not router.upstreams[1].in_flight)
+            )
+        )
+    # Level with the other upstream, then the margin; the rest went to the other one.
+    assert models.most_held == margin + 1
+    assert models.answered == [8, 8 - margin - 1]
+    assert router.upstreams[0].passed_over == 8 - margin - 1
+    models.go.set()
+    await asyncio.gather(*held)
+    for rollout in siblings:  # the moved ones stay where their conversation is now
+        await call(session, proxy, rollout)
+    assert models.answered == [8 + 2 * (margin + 1), 2 * (8 - margin - 1)]
 
 
 class HoldingAgent:

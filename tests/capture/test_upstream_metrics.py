@@ -66,6 +66,7 @@ async def test_each_upstream_counts_its_calls_sessions_and_cached_tokens(
         assert figures["dispatcher_capture_upstream_calls_total", url] == 3 == t["requests"]
         assert figures["dispatcher_capture_upstream_calls_in_flight", url] == 0
         assert figures["dispatcher_capture_upstream_sessions", url] == 1
+        assert figures["dispatcher_capture_upstream_calls_passed_over_total", url] == 0
         assert figures["dispatcher_capture_upstream_cached_tokens_total", url] == 2 * 256
         assert t["cached_tokens"] == 2 * 256
         hit = figures["dispatcher_capture_prefix_hit_ratio", url]
