@@ -158,8 +158,10 @@ class Job(JobFigures):
             # Every row carries the run's id (contracts §15).
             self.finalizer.run_id = self.recorder.attach(prepared, failures)
             self._resources = stack.pop_all()
-        # A gated job (the service's) keeps each group's repeats together.
-        whole_groups = self._gate is not None
+        # A gated job (the service's) keeps each group's repeats together, and so does
+        # one whose model calls a capture proxy routes: the repeats of a task share a
+        # replica's prefix cache only while they run together.
+        whole_groups = self._gate is not None or self.settings.capture_proxy_url is not None
         self.order = await asyncio.to_thread(
             self._order_for, self.settings, self._history, whole_groups
         )

@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from dispatcher.capture.proxy import build_proxy_app
+from tests.capture.test_proxy import Servers, servers
 from tests.helpers import (
     FakeAgent,
     audit_outputs,
@@ -23,6 +25,8 @@ from tests.helpers import (
     wait_until,
     write_tasks,
 )
+
+__all__ = ["servers"]  # the fixture, imported for these tests
 
 
 def add_tasks(path: Path, first: int, count: int) -> None:
@@ -119,3 +123,21 @@ async def test_a_killed_ordered_run_resumes_exactly_once(tmp_path: Path) -> None
     # The resumed hop learned from the first: its status has the order's figures.
     summary = [e for e in result.stderr.splitlines() if '"run_summary"' in e]
     assert summary and '"start_order"' in summary[-1]
+
+
+async def test_a_run_whose_model_calls_are_routed_starts_a_tasks_repeats_together(
+    tmp_path: Path, servers: Servers
+) -> None:
+    # The repeats of a task share a replica's prefix cache only while they run together:
+    # unseen tasks' first repeats first (the default order) scattered them over the run.
+    proxy = await servers.start(build_proxy_app("http://127.0.0.1:9", tmp_path / "captures"))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 3)
+    agent = FakeAgent()
+    await agent.start()
+    try:
+        extra = ("--concurrency", "1", "--num-repeats", "3", "--capture-proxy-url", proxy)
+        result = await run_cli(*run_args(tasks, tmp_path / "out.jsonl", agent.url, *extra))
+    finally:
+        await agent.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert agent.task_indexes() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
