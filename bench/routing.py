@@ -85,6 +85,8 @@ class Figures:
     # Calls in flight per upstream, sampled through the run (the proxy's /ng-metrics).
     in_flight: list[list[float]]
     slow: bool = False
+    # Calls sent away from their pinned upstream, past the margin (the proxy's count).
+    passed_over: int = 0
     # The machine's load average (1 minute) as the run ended: a starved machine's
     # figures are the machine's, not the policy's.
     load: float = 0.0
@@ -101,11 +103,16 @@ class Figures:
     def rollouts(self) -> int:
         return len(self.release_delays)
 
-    @property
-    def slow_lead(self) -> tuple[float, float]:
-        """Calls in flight on upstream 0 above the others' mean: the most, and on average."""
-        leads = [s[0] - sum(s[1:]) / len(s[1:]) for s in self.in_flight if len(s) > 1]
-        return (max(leads), sum(leads) / len(leads)) if leads else (0.0, 0.0)
+    def leads(self) -> list[float]:
+        """Per sample, the calls in flight on upstream 0 (the slow one) or on the busiest
+        above the others' mean, ascending."""
+        leads = []
+        for sample in self.in_flight:
+            if len(sample) > 1:
+                top = 0 if self.slow else max(range(len(sample)), key=sample.__getitem__)
+                others = sample[:top] + sample[top + 1 :]
+                leads.append(sample[top] - sum(others) / len(others))
+        return sorted(leads)
 
     @property
     def balance(self) -> float:
@@ -131,6 +138,7 @@ def parse_args() -> argparse.Namespace:
         default=4.0,
         help="a group run with replica 0 this much slower (decode and prefill); 0: none",
     )
+    p.add_argument("--route-margin", type=int, default=4, help="the proxy's --route-margin")
     p.add_argument("--start-order", help="dispatcher run --start-order (default: its own)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: does it run")
     args = p.parse_args()
@@ -165,6 +173,7 @@ def servers(
         proxy_args = (
             "capture-proxy", *upstreams, "--route", policy, "--capture-dir",
             str(out / "captures"), "--session-release-url", release_url,
+            "--route-margin", str(args.route_margin),
         )  # fmt: skip
         proxy = stack.enter_context(dispatcher_server(*proxy_args, log=out / "proxy.log"))
         agent_args = (
@@ -206,6 +215,7 @@ def one_run(
         if run.returncode != 0:
             raise SystemExit(f"{policy}: dispatcher run exited {run.returncode}: see {out}/run.log")
         stats = [_stats(url) for url in models]
+        passed_over = _passed_over(proxy)
         finished = run.events("rollout_finished")
         _wait_for_releases(releases, len(finished))
     # Read once the proxy stopped: its log is whole.
@@ -223,6 +233,7 @@ def one_run(
         told_delays=told,
         in_flight=in_flight,
         slow=slow,
+        passed_over=passed_over,
         load=os.getloadavg()[0],
     )
 
@@ -234,18 +245,27 @@ def _wait_for_releases(releases: Releases, count: int) -> None:
         time.sleep(0.01)
 
 
+def _passed_over(proxy: str) -> int:
+    with urllib.request.urlopen(f"{proxy}/ng-metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    name = "dispatcher_capture_upstream_calls_passed_over_total"
+    return sum(
+        int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(name)
+    )
+
+
 def _stats(url: str) -> dict[str, int]:
     with urllib.request.urlopen(f"{url}/stats", timeout=30) as answer:
         stats: dict[str, int] = json.loads(answer.read())
         return stats
 
 
-def report(figures: list[Figures]) -> None:
+def report(args: argparse.Namespace, figures: list[Figures]) -> None:
     base = next((f for f in figures if f.policy == "round_robin"), figures[0])
     print(
         f"{'policy':<14} {'replicas':>8} {'hit':>6} {'hit/rr':>7} {'prefill tok':>12} "
         f"{'prefill/rr':>10} {'wall s':>7} {'wall/rr':>8} {'max/mean calls':>14} "
-        f"{'headers':>8} {'load':>5}"
+        f"{'headers':>8} {'moved':>6} {'load':>5}"
     )
     for f in figures:
         headers = f.with_identity / max(1, sum(f.calls))
@@ -253,7 +273,8 @@ def report(figures: list[Figures]) -> None:
         print(
             f"{name:<14} {f.replicas:>8} {f.hit:>6.3f} {f.hit / max(base.hit, 1e-9):>7.2f} "
             f"{f.prefill:>12,} {f.prefill / max(base.prefill, 1):>10.2f} {f.wall_s:>7.2f} "
-            f"{f.wall_s / base.wall_s:>8.2f} {f.balance:>14.2f} {headers:>8.1%} {f.load:>5.1f}"
+            f"{f.wall_s / base.wall_s:>8.2f} {f.balance:>14.2f} {headers:>8.1%} "
+            f"{f.passed_over:>6} {f.load:>5.1f}"
         )
     print(
         "sessions released, from the rollout's end as the dispatcher recorded it "
@@ -264,14 +285,21 @@ def report(figures: list[Figures]) -> None:
         name = f"{f.policy}{' slow' if f.slow else ''} on {f.replicas}"
         released, told = _release_figures(f.release_delays), _release_figures(f.told_delays)
         print(f"  {name:<20} {released}; told {told}")
+    print(
+        f"calls in flight above the others' mean (margin {args.route_margin}), on the slow "
+        "replica (slow runs) or the busiest one, sampled from the proxy's /ng-metrics:"
+    )
     for f in figures:
-        if f.slow:
-            most, mean = f.slow_lead
-            print(
-                f"slow replica ({f.replicas} replicas, replica 0 slower): calls in "
-                f"flight above the others' mean: at most {most:.1f}, on average {mean:.2f} "
-                f"({len(f.in_flight)} samples); its share of calls {f.calls[0] / sum(f.calls):.1%}"
-            )
+        leads = f.leads()
+        mean = sum(leads) / max(1, len(leads))
+        within = sum(lead <= args.route_margin for lead in leads) / max(1, len(leads))
+        p50, p99 = (quantile(leads, q) or 0.0 for q in (0.5, 0.99))
+        share = f" its share of calls {f.calls[0] / sum(f.calls):.1%}" if f.slow else ""
+        print(
+            f"  {f.policy}{' slow' if f.slow else ''} on {f.replicas:<8} mean {mean:.2f}, "
+            f"p50 {p50:.1f}, p99 {p99:.1f}, max {max(leads, default=0.0):.1f}; "
+            f"{within:.1%} of {len(leads)} samples within the margin;{share}"
+        )
 
 
 def _release_figures(delays: list[float]) -> str:
@@ -300,7 +328,7 @@ def main() -> int:
             figures.append(one_run(args, "group", args.wide_replicas, work))
         if args.slow_factor:
             figures.append(one_run(args, "group", args.replicas, work, slow=True))
-        report(figures)
+        report(args, figures)
     return 0
 
 
