@@ -406,11 +406,16 @@ class _Relay:
 
 
 def _concurrency_bound(limit: int) -> Any:
-    """Middleware: at most ``limit`` calls in the proxy at once; the rest wait, unread."""
+    """Middleware: at most ``limit`` calls in the proxy at once; the rest wait, unread.
+    Releases and the metrics pass: they are the proxy's own, answered at once (a release
+    waiting for a model call to end kept the session, and its upstream's, that long)."""
     slots = asyncio.Semaphore(limit)
 
     @web.middleware
     async def bounded(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith(RELEASE_PREFIX) or request.path == METRICS_PATH:
+            answer: web.StreamResponse = await handler(request)
+            return answer
         async with slots:
             response: web.StreamResponse = await handler(request)
             return response

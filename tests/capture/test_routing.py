@@ -13,6 +13,7 @@ from aiohttp import web
 
 from dispatcher.capture.proxy import UPSTREAM_KEY, build_proxy_app
 from dispatcher.capture.routing import RoutePolicy, Router, group_of
+from dispatcher.delivery.limits import ProxyLimits
 from dispatcher.sim.dialects import SimModelConfig
 from dispatcher.sim.model import build_sim_model_app
 from dispatcher.tasks.keys import ATTEMPT_INDEX, rollout_id_for
@@ -202,6 +203,27 @@ async def test_release_forgets_a_session_and_tells_the_upstream_once(
             assert await answer.json() == {"session_id": "1-0", "released": expected}
     assert await asyncio.wait_for(told.get(), 10) == {"session_id": "1-0"}
     assert told.empty()
+
+
+async def test_a_release_is_answered_while_every_call_slot_is_taken(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # A release must not queue behind model calls: a proxy at --max-concurrency would
+    # otherwise keep a rollout's session (and its upstream's) until some call ended.
+    upstreams = GatedUpstreams(servers)
+    limits = ProxyLimits(max_concurrency=1)
+    app = build_proxy_app(await upstreams.start(1), tmp_path, limits=limits)
+    proxy = await servers.start(app)
+    held = asyncio.create_task(call(session, proxy, "1-0"))
+    await wait_until(lambda: upstreams.held == 1)  # the one slot is taken
+    answer = await asyncio.wait_for(session.post(f"{proxy}/ng-release/1-0"), 30)
+    async with answer:
+        assert await answer.json() == {"session_id": "1-0", "released": True}
+    async with session.get(f"{proxy}/ng-metrics") as metrics:  # nor do the metrics
+        assert metrics.status == 200
+    assert upstreams.held == 1 and not held.done()
+    upstreams.gate.set()
+    await held
 
 
 # ---- the dispatcher releases each rollout's session when it ends ----------------------
