@@ -273,7 +273,7 @@ async def _forward(
     for _ in range(len(router.upstreams)):
         if exchange is not None:
             exchange.upstream = redact_url(router.upstreams[index].url)
-        router.started(index)
+        router.started(index, rollout_id)
         try:
             return await _send(request, target, headers, body, recording, index)
         except aiohttp.ClientConnectorError as exc:
@@ -285,7 +285,7 @@ async def _forward(
             failure = (ErrorCategory.UPSTREAM_ERROR, exc)
             break
         finally:
-            router.ended(index)
+            router.ended(index, rollout_id)
         index = router.unreachable(rollout_id, index) if rollout_id else router.after(index)
     assert failure is not None
     answer = _no_answer(exchange, *failure)

@@ -40,8 +40,9 @@ def add_parser(subparsers: Any) -> None:
         "--route-margin",
         type=positive_int,
         default=DEFAULT_MARGIN,
-        help="group: a pinned upstream with more than this many calls in flight above the "
-        f"least loaded one is passed over (default {DEFAULT_MARGIN})",
+        help="group, session: at every call, a pinned upstream with more than this many "
+        "calls in flight above the others' mean (a group's own not counted) is passed over "
+        f"(default {DEFAULT_MARGIN})",
     )
     p.add_argument(
         "--session-release-url",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from dispatcher.capture.proxy import UPSTREAM_KEY, build_proxy_app
@@ -57,6 +58,18 @@ def test_group_keeps_siblings_together_until_the_margin_is_passed() -> None:
     for _ in range(3):  # home is no longer loaded: the next sibling goes home again,
         router.ended(home)  # where the group's prefix is cached
     assert router.pick("5-5") == home
+
+
+def test_one_upstream_dipping_between_turns_moves_no_rollout_elsewhere() -> None:
+    router = Router(["a", "b", "c", "d"], RoutePolicy.SESSION, margin=4)
+    home = router.pick("1-0")
+    for index, calls in enumerate([10, 10, 10, 2]):  # one upstream's rollouts between
+        for _ in range(calls):  # two turns: their calls ended at once
+            router.started(index)
+    assert router.pick("1-0") == home  # 10 is not above the others' mean (7.3) + 4
+    for _ in range(2):
+        router.started(home)
+    assert router.pick("1-0") != home  # 12 is
 
 
 def test_idle_upstreams_take_new_rollouts_in_turn_not_the_first_one_always() -> None:
@@ -292,31 +305,22 @@ async def test_a_served_job_releases_its_rollouts_sessions_failed_ones_too(
     assert router.live_sessions == 0
 
 
-async def test_a_slow_pinned_upstream_takes_no_more_than_the_margin_above_the_rest(
+async def test_a_groups_repeats_stay_together_on_a_slow_upstream(
     servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
+    # A group's own calls are no load against its siblings: one group on an upstream is
+    # the rule at work, not a pile-up (other groups' calls are: the test below).
     upstreams = GatedUpstreams(servers)
-    urls = await upstreams.start(2)
-    margin = 2
-    app = build_proxy_app(urls, tmp_path, route_margin=margin)
+    app = build_proxy_app(await upstreams.start(2), tmp_path, route_margin=2)
     proxy = await servers.start(app)
-    other = app[UPSTREAM_KEY].router.upstreams[1]
-    held: list[asyncio.Task[None]] = []
+    held = []
     for repeat in range(8):  # one group; its first call pins it to upstream 0, the slow one
-        before = upstreams.held
-        task = asyncio.create_task(call(session, proxy, f"5-{repeat}"))
-        held.append(task)
-        # Each call is either held by the slow upstream or answered by the other
-        # before the next is sent: the other has no call in flight when one is routed.
-        await wait_until(
-            lambda b=before, t=task: upstreams.held > b or (t.done() and not other.in_flight)
-        )
-    assert upstreams.most_held == margin + 1  # level with the rest, then the margin
-    assert [index for index, _ in upstreams.calls] == [1] * (8 - margin - 1)
+        held.append(asyncio.create_task(call(session, proxy, f"5-{repeat}")))
+        await wait_until(lambda r=repeat: upstreams.held == r + 1)
+    assert upstreams.calls == []  # none went to upstream 1
     upstreams.gate.set()
     await asyncio.gather(*held)
-    await call(session, proxy, "5-8")  # no longer loaded: the group's home again
-    assert upstreams.calls[-1][0] == 0
+    assert [index for index, _ in upstreams.calls] == [0] * 8
 
 
 class GatedModels:
@@ -352,21 +356,22 @@ class GatedModels:
         return app
 
 
+@pytest.mark.parametrize("policy", [RoutePolicy.GROUP, RoutePolicy.SESSION])
 async def test_rollouts_pinned_to_a_replica_that_slowed_move_past_the_margin(
-    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path, policy: RoutePolicy
 ) -> None:
     models = GatedModels(servers)
     margin = 2
-    app = build_proxy_app(await models.start(), tmp_path, route_margin=margin)
+    app = build_proxy_app(await models.start(), tmp_path, route=policy, route_margin=margin)
     proxy = await servers.start(app)
     router = app[UPSTREAM_KEY].router
-    siblings = [f"5-{repeat}" for repeat in range(8)]
-    for rollout in siblings:  # one group: each first turn goes to its home, upstream 0
+    rollouts = [f"{task}-0" for task in range(16)]  # 16 tasks, 16 groups
+    for rollout in rollouts:  # the first turns, placed in turn: every other one on 0
         await call(session, proxy, rollout)
-    assert models.answered == [8, 0]
+    assert models.answered == [8, 8]
     models.slow.set()
     held: list[asyncio.Task[None]] = []
-    for rollout in siblings:  # the second turns, each held at 0 or answered by 1 in turn
+    for rollout in rollouts:  # the second turns, each held at 0 or answered by 1 in turn
         before = models.held
         task = asyncio.create_task(call(session, proxy, rollout))
         held.append(task)
@@ -376,14 +381,15 @@ async def test_rollouts_pinned_to_a_replica_that_slowed_move_past_the_margin(
             )
         )
     # Level with the other upstream, then the margin; the rest went to the other one.
+    moved = 8 - margin - 1
     assert models.most_held == margin + 1
-    assert models.answered == [8, 8 - margin - 1]
-    assert router.upstreams[0].passed_over == 8 - margin - 1
+    assert models.answered == [8, 16 + moved]
+    assert router.upstreams[0].passed_over == moved
     models.go.set()
     await asyncio.gather(*held)
-    for rollout in siblings:  # the moved ones stay where their conversation is now
+    for rollout in rollouts:  # the moved ones stay where their conversation is now
         await call(session, proxy, rollout)
-    assert models.answered == [8 + 2 * (margin + 1), 2 * (8 - margin - 1)]
+    assert models.answered == [8 + 2 * (margin + 1), 16 + moved + 8 + moved]
 
 
 class HoldingAgent:
