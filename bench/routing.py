@@ -140,6 +140,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--route-margin", type=int, default=4, help="the proxy's --route-margin")
     p.add_argument("--start-order", help="dispatcher run --start-order (default: its own)")
+    p.add_argument("--keep", type=Path, help="keep each run's files (logs, captures) here")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: does it run")
     args = p.parse_args()
     if args.smoke:
@@ -315,7 +316,8 @@ def _release_figures(delays: list[float]) -> str:
 def main() -> int:
     args = parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         print(
             f"{args.tasks} tasks x {args.repeats} repeats x {args.turns} turns, prompts of "
             f"~{args.prompt_tokens} tokens; {args.replicas} replicas, each with "
