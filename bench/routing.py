@@ -29,14 +29,21 @@ Printed per policy, from the model servers' own counts (``/stats``): prefix-toke
 hit (cached prompt tokens over prompt tokens), prefill work (uncached prompt
 tokens) and the job's wall time, each also as a ratio to round robin's; the most
 calls one replica took over the mean; the share of calls that carried both
-identity headers (X-Session-ID, X-Prefix-Group). Goals (issue 38): group's hit
-at least 0.85, its prefill at most 0.3x and its time at most 0.75x round robin's.
-Also: the share of rollouts whose session the proxy released (told the
-``--session-release-url``, served by this bench) within 1 s of the rollout's
-``rollout_finished`` event, and the longest delay. ``--wide-replicas N`` adds a
-group run on N replicas for the balance of calls; ``--slow-factor F`` a group run
-whose replica 0 is F times slower, with its calls in flight above the others'
-(sampled from the proxy's ``GET /ng-metrics``).
+identity headers (X-Session-ID, X-Prefix-Group); the calls the proxy moved off
+their pinned replica (past ``--route-margin``); the machine's load average. Goals
+(issue 38): group's hit at least 0.85, its prefill at most 0.3x and its time at
+most 0.75x round robin's.
+
+Releases: per rollout, from its end as the dispatcher recorded it (its
+``rollout_finished`` event) to the proxy forgetting its session (the proxy's
+``session_released`` event): the share within 1 s (a rollout never released counts
+as late), p50, p99 and the longest; beside it, the same up to the upstream hearing
+of it (``--session-release-url``, served by this bench: one more hop, through this
+process). ``--wide-replicas N`` adds a group run on N replicas for the balance of
+calls; ``--slow-factor F`` a group run whose replica 0 is F times slower. For each
+run, the calls in flight on the slow replica (or the busiest one) above the others'
+mean, sampled from the proxy's ``GET /ng-metrics``: the busiest of a run without a
+slow replica is what group placement itself leaves (a group's repeats together).
 """
 
 from __future__ import annotations
