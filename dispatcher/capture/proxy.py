@@ -37,6 +37,7 @@ from dispatcher.capture.records import DIALECT_BY_PATH, ErrorCategory, Exchange
 from dispatcher.capture.routing import (
     DEFAULT_MARGIN,
     GROUP_HEADER,
+    RELEASE_PATH,
     RELEASE_PREFIX,
     SESSION_HEADER,
     RoutePolicy,
@@ -125,6 +126,7 @@ def build_proxy_app(
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_route("*", ROLLOUT_PREFIX + "{rollout_id}/{tail:.*}", _handle_rollout_call)
     app.router.add_post(RELEASE_PREFIX + "{rollout_id}", _handle_release)
+    app.router.add_post(RELEASE_PATH, _handle_releases)
     app.router.add_get(METRICS_PATH, metrics_handler(router))
     app.router.add_route("*", "/{tail:.*}", _handle_passthrough)
     return app
@@ -208,15 +210,39 @@ async def _handle_release(request: web.Request) -> web.Response:
     rollout_id = request.match_info["rollout_id"]
     if not is_valid_rollout_id(rollout_id):
         return _error_response(400, "invalid_rollout_id", _BAD_ID)
-    upstream = request.app[UPSTREAM_KEY]
+    session_id = _release(request.app, rollout_id)
+    released = session_id is not None
+    return web.json_response({"session_id": session_id or rollout_id, "released": released})
+
+
+async def _handle_releases(request: web.Request) -> web.Response:
+    """``POST /ng-release`` with ``{"session_ids": [...]}``: several rollouts ended (the
+    dispatcher's sends, a burst of rollouts ending at once in one call); how many
+    sessions were known and forgotten."""
+    try:
+        ids = orjson.loads(await request.read())["session_ids"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        message = 'expected a JSON object {"session_ids": [rollout ids]}'
+        return _error_response(400, "invalid_request", message)
+    bad = next((i for i in ids if not is_valid_rollout_id(i)), None)
+    if bad is not None:
+        return _error_response(400, "invalid_rollout_id", f"session_ids: {bad[:80]!r}: {_BAD_ID}")
+    released = sum(_release(request.app, rollout_id) is not None for rollout_id in ids)
+    return web.json_response({"released": released, "unknown": len(ids) - released})
+
+
+def _release(app: web.Application, rollout_id: str) -> str | None:
+    """Forget a rollout's session and tell the upstream; the session's id, None if unknown."""
+    upstream = app[UPSTREAM_KEY]
     session_id = upstream.router.release(rollout_id)
     # Its time is when the session was forgotten: what the release's promptness is
     # measured by, against the dispatcher's rollout_finished.
     log.info("session_released", rollout_id=rollout_id, known=session_id is not None)
     if session_id is not None and upstream.release_url is not None:
-        _tell_upstream(request.app, upstream.release_url, session_id)
-    released = session_id is not None
-    return web.json_response({"session_id": session_id or rollout_id, "released": released})
+        _tell_upstream(app, upstream.release_url, session_id)
+    return session_id
 
 
 def _tell_upstream(app: web.Application, url: str, session_id: str) -> None:
@@ -413,7 +439,7 @@ def _concurrency_bound(limit: int) -> Any:
 
     @web.middleware
     async def bounded(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith(RELEASE_PREFIX) or request.path == METRICS_PATH:
+        if request.path in (RELEASE_PATH, METRICS_PATH) or request.path.startswith(RELEASE_PREFIX):
             answer: web.StreamResponse = await handler(request)
             return answer
         async with slots:

@@ -51,8 +51,11 @@ DEFAULT_MAX_GROUPS = 100_000
 # a router in front of the engines can route by them.
 SESSION_HEADER = "X-Session-ID"
 GROUP_HEADER = "X-Prefix-Group"
-# The proxy's route by which the dispatcher releases a rollout's session.
-RELEASE_PREFIX = "/ng-release/"
+# The proxy's routes by which the dispatcher releases sessions: one rollout's
+# (``/ng-release/<id>``), or several in one call (``POST /ng-release``, their ids in
+# ``session_ids``).
+RELEASE_PATH = "/ng-release"
+RELEASE_PREFIX = RELEASE_PATH + "/"
 
 # The per-hop token that makes a capture id of a rollout id (keys.CAPTURE_TOKEN_LEN).
 _TOKEN_PATTERN = r"\.[0-9a-f]{8}"

@@ -218,6 +218,25 @@ async def test_release_forgets_a_session_and_tells_the_upstream_once(
     assert told.empty()
 
 
+async def test_several_sessions_are_released_in_one_call(
+    servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    spy = ReleaseSpy()
+    proxy, router = await routed_stack(servers, tmp_path, spy)
+    for task in range(3):
+        await call(session, proxy, f"{task}-0")
+    body = {"session_ids": ["0-0", "2-0", "9-0"]}  # 9-0: unknown, harmless
+    async with session.post(f"{proxy}/ng-release", json=body) as answer:
+        assert await answer.json() == {"released": 2, "unknown": 1}
+    assert router.live_sessions == 1
+    await wait_until(lambda: sorted(spy.released) == ["0-0", "2-0"])
+    for bad in ({"session_ids": "0-0"}, {"ids": []}, {"session_ids": ["../x"]}, [1]):
+        async with session.post(f"{proxy}/ng-release", json=bad) as answer:
+            assert answer.status == 400
+            assert "session_ids" in (await answer.json())["error"]["message"]
+    assert router.live_sessions == 1
+
+
 async def test_a_release_is_answered_while_every_call_slot_is_taken(
     servers: Servers, session: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
