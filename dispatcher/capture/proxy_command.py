@@ -41,7 +41,7 @@ def add_parser(subparsers: Any) -> None:
         type=positive_int,
         default=DEFAULT_MARGIN,
         help="group, session: at every call, a pinned upstream with more than this many "
-        "calls in flight above the others' mean (a group's own not counted) is passed over "
+        "calls in flight above the least loaded one (a group's own not counted) is passed over "
         f"(default {DEFAULT_MARGIN})",
     )
     p.add_argument(

@@ -14,7 +14,7 @@ and its siblings' shared prompt, come back to them:
   follow it.
 
 The margin, under both: an upstream with more than ``margin`` calls in flight above
-the others' mean (under ``group``, the calls of the rollout's own group not counted) is
+the least loaded one (under ``group``, the calls of the rollout's own group not counted) is
 passed over, at every call, not only at a rollout's first:
 the call goes to the upstream with the fewest calls in flight, and its rollout's pin
 moves there (its conversation is cached there from this call on); a group stays where
@@ -216,20 +216,18 @@ class Router:
         return pinned
 
     def _overloaded(self, pinned: int, rollout_id: str) -> bool:
-        """More than ``margin`` calls in flight above the others' mean, its siblings' own
-        calls not counted. Against the others' mean, not the least loaded one: a group's
-        rollouts run in step, so an upstream's calls in flight dip by a whole group
-        between two turns. Without its siblings: a group keeps its repeats together by
+        """More than ``margin`` calls in flight above the least loaded other upstream,
+        its siblings' own calls not counted: a group keeps its repeats together by
         design, so an upstream holding one more group than the others is a group's
         calls above them (8 for 8 repeats); against a margin of 4 that moved rollouts
-        off their cached prefix all the time (the routing bench's prefix hit 0.98 with
-        no margin, 0.78 with it) where only other groups' calls are a pile-up."""
+        off their cached prefix all the time where only other groups' calls are a
+        pile-up."""
         loads = [u.in_flight for u in self.upstreams]
-        mean = (sum(loads) - loads[pinned]) / (len(loads) - 1)
+        least = min(load for i, load in enumerate(loads) if i != pinned)
         siblings = 0
         if self.policy is RoutePolicy.GROUP:
             siblings = self._group_calls.get((group_of(rollout_id), pinned), 0)
-        return loads[pinned] - siblings > mean + self.margin
+        return loads[pinned] - siblings > least + self.margin
 
     # ---- bookkeeping ----------------------------------------------------------------
 

@@ -60,16 +60,19 @@ def test_group_keeps_siblings_together_until_the_margin_is_passed() -> None:
     assert router.pick("5-5") == home
 
 
-def test_one_upstream_dipping_between_turns_moves_no_rollout_elsewhere() -> None:
+def test_the_margin_is_counted_from_the_least_loaded_upstream() -> None:
     router = Router(["a", "b", "c", "d"], RoutePolicy.SESSION, margin=4)
     home = router.pick("1-0")
-    for index, calls in enumerate([10, 10, 10, 2]):  # one upstream's rollouts between
-        for _ in range(calls):  # two turns: their calls ended at once
+    for index, calls in enumerate([6, 6, 6, 6]):
+        for _ in range(calls):
             router.started(index)
-    assert router.pick("1-0") == home  # 10 is not above the others' mean (7.3) + 4
-    for _ in range(2):
+    router.ended(
+        (home + 1) % 4,
+    )
+    assert router.pick("1-0") == home  # 6 is not above the least loaded (5) + 4
+    for _ in range(4):
         router.started(home)
-    assert router.pick("1-0") != home  # 12 is
+    assert router.pick("1-0") != home  # 10 is
 
 
 def test_idle_upstreams_take_new_rollouts_in_turn_not_the_first_one_always() -> None:
