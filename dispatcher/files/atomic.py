@@ -112,9 +112,11 @@ def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
     write_atomic(path, [jsonx.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)])
 
 
-def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
+def write_atomic(path: Path, chunks: Iterable[bytes], *, durable: bool = True) -> None:
     """Write, fsync, rename, fsync the directory (blocking): readers see the old
-    file or the new one, never a part.
+    file or the new one, never a part. ``durable=False`` skips both fsyncs, for a
+    file that something already durable can write again after a crash (the
+    service's journal of submissions): readers still see it whole or not at all.
 
     Each write has a temporary file of its own (``temp_path``): two writers of one
     file (a thread and the loop, two processes) each rename a whole file, the last
@@ -126,22 +128,30 @@ def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         _replace(tmp, path)
     except BaseException:
         # A full disk must not leave a half-written temporary file taking its space.
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Make a file's written bytes durable (blocking)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (names created, renamed, removed) durable."""
+    fsync_file(path)
 
 
 def read_manifest(path: Path) -> RunManifest | None:

@@ -264,6 +264,10 @@ class Archive:
             job_id, self.tar_path(number), JobState(state), error, seq, digest, satisfied, where
         )
 
+    def has(self, job_id: str) -> bool:
+        """Whether the job is archived (blocking: one index lookup)."""
+        return self._has(job_id)
+
     def _has(self, job_id: str) -> bool:
         return bool(self._query("SELECT 1 FROM jobs WHERE job_id = ?", (job_id,)))
 

@@ -30,15 +30,17 @@ import structlog
 
 from dispatcher.admission.history import HISTORY_FILE, TaskHistory
 from dispatcher.admission.pause import MAX_TTL_S
-from dispatcher.errors import ConfigError, ExitCode
+from dispatcher.errors import ExitCode
 from dispatcher.heap import HeapTrimmer
 from dispatcher.latency.quantile import quantile
-from dispatcher.run.daemon import Daemon, peak_rss_mb
+from dispatcher.run.daemon import Daemon
+from dispatcher.run.job import Job
 from dispatcher.serve.archive import Archive, ArchivedJob, Compaction
 from dispatcher.serve.bodies import BodyBudget
 from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
-from dispatcher.serve.metrics import StepTotals, declare_service_metrics
+from dispatcher.serve.journal import Journal, Refused
+from dispatcher.serve.metrics import StepTotals, declare_service_metrics, service_status
 from dispatcher.serve.registry import (
     ROWS_FILE,
     SETTLED_STATES,
@@ -111,9 +113,12 @@ class Service:
         # body's objects is reused by the next, not kept in an allocator arena
         # per worker thread.
         self._bodies_thread = ThreadPoolExecutor(1, thread_name_prefix="serve-bodies")
-        # One submission at a time: two racing bodies for one job_id must
-        # not both create it.
+        # Ids and submission orders are taken one body at a time: two racing bodies
+        # for one job_id must not both create it.
         self._submitting = asyncio.Lock()
+        self.journal = Journal(registry)
+        # Jobs being committed, by id: a body of the same id waits for the commit.
+        self._accepting: dict[str, asyncio.Future[None]] = {}
         # One policy update at a time: the versions are saved in the order set.
         self._setting_policy = asyncio.Lock()
         # The same for the admission pause's file.
@@ -127,6 +132,8 @@ class Service:
         self.compaction = Compaction(archive, self.limits.retain_settled_jobs, self.jobs,
                                      self.write)  # fmt: skip
         self.compaction.archived = await asyncio.to_thread(archive.count)
+        # Before the registry is read: a job a kill cut after its commit is made whole.
+        await asyncio.to_thread(self.journal.replay, archive.has)
         self._next_seq = await asyncio.to_thread(archive.last_seq) + 1
         if self.base.start_order == "longest":
             # One task history for every job, kept in the state directory (contracts §13).
@@ -179,43 +186,82 @@ class Service:
 
     async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """Accept a job: (201, status) new, (200, status) the same again; raises
-        ``BadJob`` (400), ``TooBig`` (413) or ``Conflict`` (409)."""
+        ``BadJob`` (400), ``TooBig`` (413) or ``Conflict`` (409). Answered once the
+        job is durable (``journal.py``: submissions commit in groups)."""
         loop = asyncio.get_running_loop()
         spec, digest = await loop.run_in_executor(self._bodies_thread, self._parse, body)
         del body
+        if (answer := await self._known(spec, digest)) is not None:
+            return answer
+        # Checked outside the lock: one job's check never waits for another's commit.
+        settings = self._settings_for(spec)
+        await self.write(
+            check_tasks, spec, settings, self.registry.scratch, self.limits, on_bodies=True
+        )
+        answer, record = await self._reserve(spec, digest)
+        if answer is not None:
+            return answer
+        assert record is not None
+        done = self.journal.submit(record, spec.rows, self._accepted)
+        del spec
+        self._accepting[record.job_id] = done
+        done.add_done_callback(lambda _: self._accepting.pop(record.job_id, None))
+        try:
+            await asyncio.shield(done)
+        except Refused as exc:
+            raise Conflict(str(exc)) from None
+        except OSError as exc:
+            self.disk_fault(exc)
+            raise
+        return 201, await self.status_of(self.jobs[record.job_id])
+
+    async def _known(self, spec: JobSpec, digest: str) -> tuple[int, dict[str, Any]] | None:
+        """The answer for a body whose job exists (200, or a ``Conflict``); None for a
+        new one. A job of the same id being committed is waited for."""
+        if spec.job_id is None:
+            return None
+        while (committing := self._accepting.get(spec.job_id)) is not None:
+            await asyncio.wait([committing])
+        existing = await self.find(spec.job_id)
+        if isinstance(existing, BrokenJob):
+            self._still_broken(existing)
+            existing = None
+        if existing is None:
+            return None
+        if existing.digest != digest:
+            raise Conflict(f"job_id: {spec.job_id!r} exists with a different body")
+        return 200, await self.status_of(existing)
+
+    async def _reserve(
+        self, spec: JobSpec, digest: str
+    ) -> tuple[tuple[int, dict[str, Any]] | None, JobRecord | None]:
+        """The job's id and submission order, taken for it alone: (None, its record);
+        or (the answer, None) when a body of its id came first."""
         async with self._submitting:
-            existing = await self.find(spec.job_id) if spec.job_id is not None else None
-            if isinstance(existing, BrokenJob):
-                self._still_broken(existing)
-                existing = None
-            if existing is not None:
-                if existing.digest != digest:
-                    raise Conflict(f"job_id: {spec.job_id!r} exists with a different body")
-                return 200, await self.status_of(existing)
+            if (answer := await self._known(spec, digest)) is not None:
+                return answer, None
             spec = spec.with_id()
             assert spec.job_id is not None
-            settings = self._settings_for(spec)
-            await self.write(
-                check_tasks, spec, settings, self.registry.scratch, self.limits, on_bodies=True
-            )
+            if spec.job_id in self._accepting:  # an id made up twice: 48 random bits
+                raise Conflict(f"job_id: {spec.job_id!r} is being submitted")
             # The rows go to the job's own file; its record keeps none of them.
-            rows = spec.rows
-            rows_file = ROWS_FILE if rows is not None else None
+            rows_file = ROWS_FILE if spec.rows is not None else None
             stored = spec.model_copy(update={"rows": None})
             fields = {"spec": stored, "digest": digest, "submitted_seq": self._next_seq,
                       "submitted_at": now_iso(), "rows_file": rows_file}  # fmt: skip
             # Validated as read back: its rows are in its folder.
             record = JobRecord.model_validate(fields, context=STORED)
-            del spec
-            await self.write(self._create, record, rows, on_bodies=True)
-            del rows
             self._next_seq += 1
-            served = ServedJob(self, record)
-            self.jobs[record.job_id] = served
-            served.start()
-        log.info("job_submitted", job_id=record.job_id, priority=stored.priority,
-                 policy_version=stored.policy_version)  # fmt: skip
-        return 201, served.status()
+            return None, record
+
+    def _accepted(self, record: JobRecord) -> None:
+        """The job is durable: it runs (called by the journal, on the loop)."""
+        served = ServedJob(self, record)
+        self.jobs[record.job_id] = served
+        served.start()
+        spec = record.spec
+        log.info("job_submitted", job_id=record.job_id, priority=spec.priority,
+                 policy_version=spec.policy_version)  # fmt: skip
 
     def _parse(self, body: bytes) -> tuple[JobSpec, str]:
         """The body's spec, rooted, and its digest (blocking: a big body takes a while)."""
@@ -282,12 +328,10 @@ class Service:
         """The job's settings for a task file, with its output in the scratch folder."""
         return lambda tasks: spec.settings(self.base, tasks, self.registry.scratch / "x.jsonl")
 
-    def _create(self, record: JobRecord, rows: list[dict[str, Any]] | None) -> None:
-        """The job's folder, rows and record (blocking); a folder already there is a 409."""
-        try:
-            self.registry.create(record, rows)
-        except ConfigError as exc:
-            raise Conflict(str(exc)) from None
+    async def save_final(self, record: JobRecord) -> None:
+        """A job's final record, durably; its journal line is needed no more."""
+        await self.write(self.registry.save_final, record)
+        self.journal.final_saved(record.job_id)
 
     async def cancel(self, job_id: str) -> dict[str, Any] | None:
         job = await self.find(job_id)
@@ -393,6 +437,7 @@ class Service:
         if tasks:
             await asyncio.wait(tasks)
         await self.heap.close()
+        await self.journal.close()
         if self.compaction is not None:
             await self.compaction.close()
         self._bodies_thread.shutdown(wait=False, cancel_futures=True)
@@ -422,46 +467,13 @@ class Service:
                 job.step.add_to(totals)
         return totals
 
+    def running(self) -> list[Job]:
+        """The hops running now, one per job (held in memory whole)."""
+        return [j.job for j in self.jobs.values() if isinstance(j, ServedJob) and j.job]
+
     def status(self) -> dict[str, Any]:
-        daemon = self.daemon
-        running = [j.job for j in self.jobs.values() if isinstance(j, ServedJob) and j.job]
-        progress = Counter[str]()
-        for job in running:
-            progress.update({k: v or 0 for k, v in job.progress().items()})
-        outcomes = Counter[str]()
-        for job in running:
-            outcomes.update(job.outcomes)
-        return {
-            "state": str(daemon.phase.state),
-            "elapsed_s": round(daemon.elapsed_s(), 3),
-            "policy_version": daemon.policy_version(),
-            "max_off_policy_steps": self.max_off_policy_steps,
-            "jobs": self.job_counts(),
-            # Jobs held in memory whole (running); a final one holds a few fields.
-            "jobs_running_in_memory": len(running),
-            # Settled jobs folded into archives (contracts §12), not in "jobs".
-            "jobs_archived": self.compaction.archived if self.compaction else 0,
-            # What clients hold of the daemon now, against its bounds (contracts §12).
-            "streams_open": self.streams.open,
-            "request_bytes_held": self.bodies.held,
-            "requests_waiting": self.bodies.waiting,
-            "progress": dict(progress),
-            "outcomes": dict(outcomes),
-            "rollouts_per_hour": daemon.metrics.rollouts_per_hour(),
-            "latency_s": daemon.latency_quantiles(),
-            "drain_margin_s": daemon.drain_margin(),
-            "budget_remaining_s": daemon.budget.remaining_s(),
-            "in_flight_by_agent": daemon.in_flight_by_agent(),
-            "committing": daemon.commit_queue.committing,
-            # Jobs whose next rollout waits for a slot of the shared pool.
-            "slot_waiters": daemon.slot_waiters(),
-            **daemon.delivery_figures(),
-            "metrics_url": daemon.metrics_endpoint.url if daemon.metrics_endpoint else None,
-            "results_delay_s": self.delay_quantiles(),
-            "event_loop_lag_p99_s": daemon.lag.p99_s(),
-            "event_loop_lag_max_s": daemon.lag.max_s(),
-            "peak_rss_mb": peak_rss_mb(),
-        }
+        """The daemon's ``/status``: its figures and the service's."""
+        return service_status(self)
 
 
 __all__ = ["BadJob", "BrokenJob", "Conflict", "FinalJob", "ServedJob", "Service"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +20,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from dispatcher.admission.pause import AdmissionPause
 from dispatcher.lifecycle import JobState
+from dispatcher.run.daemon import peak_rss_mb
+
+if TYPE_CHECKING:
+    from dispatcher.serve.jobs import Service
 
 # JobState names "paced" (a running job held back by --max-off-policy-steps) itself.
 JOB_STATES = tuple(state.value for state in JobState)
@@ -141,3 +146,46 @@ def declare_service_metrics(
         buckets=DELAY_BUCKETS_S,
         registry=registry,
     )
+
+
+def service_status(service: Service) -> dict[str, Any]:
+    """The daemon's ``/status``: its figures and the service's (jobs, streams, delays)."""
+    daemon = service.daemon
+    running = service.running()
+    progress = Counter[str]()
+    for job in running:
+        progress.update({k: v or 0 for k, v in job.progress().items()})
+    outcomes = Counter[str]()
+    for job in running:
+        outcomes.update(job.outcomes)
+    return {
+        "state": str(daemon.phase.state),
+        "elapsed_s": round(daemon.elapsed_s(), 3),
+        "policy_version": daemon.policy_version(),
+        "max_off_policy_steps": service.max_off_policy_steps,
+        "jobs": service.job_counts(),
+        # Jobs held in memory whole (running); a final one holds a few fields.
+        "jobs_running_in_memory": len(running),
+        # Settled jobs folded into archives (contracts §12), not in "jobs".
+        "jobs_archived": service.compaction.archived if service.compaction else 0,
+        # What clients hold of the daemon now, against its bounds (contracts §12).
+        "streams_open": service.streams.open,
+        "request_bytes_held": service.bodies.held,
+        "requests_waiting": service.bodies.waiting,
+        "progress": dict(progress),
+        "outcomes": dict(outcomes),
+        "rollouts_per_hour": daemon.metrics.rollouts_per_hour(),
+        "latency_s": daemon.latency_quantiles(),
+        "drain_margin_s": daemon.drain_margin(),
+        "budget_remaining_s": daemon.budget.remaining_s(),
+        "in_flight_by_agent": daemon.in_flight_by_agent(),
+        "committing": daemon.commit_queue.committing,
+        # Jobs whose next rollout waits for a slot of the shared pool.
+        "slot_waiters": daemon.slot_waiters(),
+        **daemon.delivery_figures(),
+        "metrics_url": daemon.metrics_endpoint.url if daemon.metrics_endpoint else None,
+        "results_delay_s": service.delay_quantiles(),
+        "event_loop_lag_p99_s": daemon.lag.p99_s(),
+        "event_loop_lag_max_s": daemon.lag.max_s(),
+        "peak_rss_mb": peak_rss_mb(),
+    }

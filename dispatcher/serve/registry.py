@@ -27,6 +27,7 @@ while the other jobs go on; a stray file in ``jobs/`` is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -41,7 +42,13 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
-from dispatcher.files.atomic import RunLock, is_temp_of, write_atomic, write_json_atomic
+from dispatcher.files.atomic import (
+    RunLock,
+    fsync_file,
+    is_temp_of,
+    write_atomic,
+    write_json_atomic,
+)
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.spec import STORED, JobSpec
 
@@ -208,29 +215,53 @@ class Registry:
 
     def create(self, record: JobRecord, rows: list[dict[str, Any]] | None) -> Path:
         """Make the job's folder with its rows file (when given rows) and its record in
-        it, each written atomically, the record last; a folder already there is refused."""
-        folder = self.job_dir(record.job_id)
+        it, each written atomically and fsynced, the record last; a folder already
+        there is refused (``claim``)."""
+        folder = self.claim(record.job_id)
         try:
-            folder.mkdir()
-        except FileExistsError:
-            # An empty folder is a submission a kill cut before its record: reused.
-            if not folder.is_dir() or _holds_files(folder):
-                raise ConfigError(
-                    f"{folder}: exists without this job's record; move it aside to submit "
-                    "this job_id again"
-                ) from None
-        try:
-            if rows is not None:
-                assert record.rows_file is not None
-                write_atomic(folder / record.rows_file, _jsonl(rows))
-            write_atomic(folder / "job.json", [record.to_json()])
+            self.write_job(record, rows, durable=True)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return folder
 
+    def claim(self, job_id: str) -> Path:
+        """The job's folder, made empty (an empty one, a submission a kill cut, is
+        reused); a ``ConfigError`` when it holds another job's files."""
+        folder = self.job_dir(job_id)
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            if not folder.is_dir() or _holds_files(folder):
+                raise ConfigError(
+                    f"{folder}: exists without this job's record; move it aside to submit "
+                    "this job_id again"
+                ) from None
+        return folder
+
+    def write_job(
+        self, record: JobRecord, rows: list[dict[str, Any]] | None, *, durable: bool
+    ) -> None:
+        """The rows file (when given rows), then the record, each atomically, into the
+        job's claimed folder; fsynced when ``durable`` (else the journal of
+        submissions holds them, ``journal.py``)."""
+        folder = self.job_dir(record.job_id)
+        folder.mkdir(exist_ok=True)
+        if rows is not None:
+            assert record.rows_file is not None
+            write_atomic(folder / record.rows_file, rows_lines(rows), durable=durable)
+        write_atomic(folder / "job.json", [record.to_json()], durable=durable)
+
     def save(self, record: JobRecord) -> None:
         write_atomic(self.job_dir(record.job_id) / "job.json", [record.to_json()])
+
+    def save_final(self, record: JobRecord) -> None:
+        """A final record, durably, its rows file fsynced first: from here on the
+        job needs nothing of the journal of submissions (``journal.py``)."""
+        if record.rows_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                fsync_file(self.job_dir(record.job_id) / record.rows_file)
+        self.save(record)
 
     def all(self) -> list[JobRecord | Unreadable]:
         """Every job: the records in submission order, then the unreadable ones."""
@@ -348,6 +379,7 @@ def _holds_files(folder: Path) -> bool:
     return not all(_cut_submission(entry.name) for entry in folder.iterdir())
 
 
-def _jsonl(rows: list[dict[str, Any]]) -> Iterator[bytes]:
+def rows_lines(rows: list[dict[str, Any]]) -> Iterator[bytes]:
+    """The rows file's lines, as the job's folder holds them."""
     for row in rows:
         yield jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE)

@@ -77,6 +77,8 @@ class Host(Protocol):
 
     async def write(self, write: Callable[..., Any], *args: Any) -> Any: ...
 
+    async def save_final(self, record: JobRecord) -> None: ...
+
     def disk_fault(self, exc: BaseException) -> None: ...
 
     def finished(self, served: ServedJob) -> None: ...
@@ -320,7 +322,7 @@ class ServedJob:
             error = "failed without a recorded reason"
         self._record_final(state, error)
         try:
-            await self.service.write(self.service.registry.save, self.record)
+            await self.service.save_final(self.record)
         except OSError as exc:
             log_crash("job_record_not_saved", exc, job_id=self.job_id)
             reason = f"job.json not saved: {one_line(exc)}"

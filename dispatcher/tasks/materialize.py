@@ -375,8 +375,11 @@ def input_digest(spec: MaterializeSpec) -> str:
     return hasher.hexdigest()
 
 
-def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:
-    """Stream the task file into ``destination`` (blocking: run it in a thread).
+def materialize(
+    spec: MaterializeSpec, destination: Path, *, durable: bool = True
+) -> MaterializeResult:
+    """Stream the task file into ``destination`` (blocking: run it in a thread),
+    fsynced unless ``durable=False`` (a check whose file is thrown away).
 
     The caller writes to a temporary name and renames it into place, so a bad
     line leaves no materialized file behind.
@@ -399,7 +402,8 @@ def materialize(spec: MaterializeSpec, destination: Path) -> MaterializeResult:
                 agent = row[AGENT_REF]["name"]
                 by_agent[agent] = by_agent.get(agent, 0) + written
         out.flush()
-        os.fsync(out.fileno())
+        if durable:
+            os.fsync(out.fileno())
     return MaterializeResult(
         input_rows=input_rows,
         tasks=materializer.tasks,

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import resource
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -216,7 +217,10 @@ def _edit_record(folder: Path, **changes: Any) -> None:
 
 
 def _damage(state: Path) -> None:
-    """Damage each victim's files one way; add a stray file and an empty folder."""
+    """Damage each victim's files one way; add a stray file and an empty folder. The
+    journal of submissions goes too: it would make whole again a record a kill cut,
+    and this is damage to jobs whose lines it no longer holds."""
+    shutil.rmtree(state / "journal")
     (job_dir(state, "notjson") / "job.json").write_bytes(b"{not json")
     (job_dir(state, "alist") / "job.json").write_bytes(b"[1, 2]")
     _edit_record(job_dir(state, "strseq"), submitted_seq="3")

@@ -1,0 +1,299 @@
+"""The submissions' group commit: a job is accepted once its journal line is durable.
+
+Submissions that wait at once are committed together, in one thread hop:
+their lines (each the job's record, as ``job.json`` holds it, and its rows)
+appended to ``DIR/journal/NNNNNN.jsonl`` in one write and one fsync; then each
+job's folder written (``Registry.write_job``) without fsync; then each
+submitter answered. No timer: while one batch is on disk the next gathers, so
+a lone submit waits for one fsync and a thousand at once for a few.
+
+Crash-safety: a job's folder files are written only once its line is durable,
+so after a kill or a power cut every job whose folder holds anything has its
+line. At start, ``replay`` writes again (durably) the folder of every job of
+the journal whose record is missing or unreadable, or whose rows file is not
+its rows, unless the job is archived. A job answered 2xx survives; a job not
+answered is whole or absent, never half.
+
+A journal line is needed until its job's final record is saved
+(``Registry.save_final``: its rows file and ``job.json`` fsynced). A segment
+is closed after ``SEGMENT_JOBS`` jobs and removed, once none of its jobs is
+pending, after ``jobs/`` is fsynced (the folders' names are durable then).
+Jobs that run across a restart keep their segments until they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from dispatcher import jsonx
+from dispatcher.errors import ConfigError
+from dispatcher.files.atomic import fsync_dir
+from dispatcher.serve.registry import (
+    SETTLED_STATES,
+    BadRecord,
+    JobRecord,
+    Registry,
+    rows_lines,
+)
+
+log = structlog.get_logger("dispatcher.serve")
+
+JOURNAL_DIR = "journal"
+# Where ``Journal.step`` is called during a commit: a test stops one there as a kill would.
+APPENDED = "appended"
+# Jobs per segment: what a restart reads at most of the journal beyond the jobs
+# still running.
+SEGMENT_JOBS = 1024
+
+
+class Refused(Exception):
+    """A job's folder holds another job's files: the submit is a 409 with this message."""
+
+
+@dataclass
+class Entry:
+    """One submission waiting for its commit."""
+
+    record: JobRecord
+    rows: list[dict[str, Any]] | None
+    # Called on the loop once the job is durable, before its submitter hears of it.
+    accepted: Callable[[JobRecord], None]
+    done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+    def line(self) -> bytes:
+        record = self.record.to_json().rstrip(b"\n")
+        rows = jsonx.dumps(self.rows) if self.rows is not None else b"null"
+        return b'{"record":' + record + b',"rows":' + rows + b"}\n"
+
+
+class Journal:
+    """The journal of one state directory: commits submissions in groups, replays
+    them at start, drops what final jobs no longer need."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.root = registry.root / JOURNAL_DIR
+        self._waiting: list[Entry] = []
+        self._task: asyncio.Task[None] | None = None
+        # One thread writes the journal: its appends are in commit order.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="serve-journal")
+        self._segment = 1
+        self._in_segment = 0
+        # Jobs not final yet -> their segment; segment -> how many of them.
+        self._pending: dict[str, int] = {}
+        self._open: dict[int, int] = {}
+        self._drops: set[asyncio.Task[None]] = set()
+        # Batches committed and the largest one.
+        self.batches = 0
+        self.largest_batch = 0
+        # Called in the commit's thread once a batch's lines are durable (a test's hook).
+        self.step: Callable[[str], None] = lambda _: None
+
+    # ---- commit -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        record: JobRecord,
+        rows: list[dict[str, Any]] | None,
+        accepted: Callable[[JobRecord], None],
+    ) -> asyncio.Future[None]:
+        """Queue the job for the next commit. The future is done once the job is
+        durable and ``accepted`` has been called (or with ``Refused`` or the
+        ``OSError`` of the write); a submitter that stops waiting for it changes
+        nothing: the commit and ``accepted`` happen."""
+        entry = Entry(record, rows, accepted)
+        self._waiting.append(entry)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._commits(), name="journal-commits")
+        return entry.done
+
+    async def _commits(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._waiting:
+            batch, self._waiting = self._waiting, []
+            segment = self._segment
+            try:
+                results = await loop.run_in_executor(self._thread, self._write, batch, segment)
+            except Exception as exc:
+                # The journal itself could not be written: none of them is accepted.
+                results = [exc] * len(batch)
+            self._settle(batch, results, segment)
+
+    def _settle(
+        self, batch: list[Entry], results: list[BaseException | None], segment: int
+    ) -> None:
+        accepted = [entry for entry, error in zip(batch, results, strict=True) if error is None]
+        self.batches += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
+        for entry in accepted:
+            self._pending[entry.record.job_id] = segment
+        self._open[segment] = self._open.get(segment, 0) + len(accepted)
+        self._in_segment += len(accepted)
+        if self._in_segment >= SEGMENT_JOBS:
+            self._segment, self._in_segment = segment + 1, 0
+            self._drop_if_done(segment)
+        for entry, error in zip(batch, results, strict=True):
+            if error is None:
+                entry.accepted(entry.record)
+                entry.done.set_result(None)
+            else:
+                entry.done.set_exception(error)
+            # A submitter gone away never reads it: no "never retrieved" warning.
+            entry.done.exception()
+
+    def _write(self, batch: list[Entry], segment: int) -> list[BaseException | None]:
+        """The batch's lines, durable in one fsync, then its folders (blocking)."""
+        results: list[BaseException | None] = []
+        for entry in batch:
+            try:
+                self.registry.claim(entry.record.job_id)
+            except ConfigError as exc:
+                results.append(Refused(str(exc)))
+            else:
+                results.append(None)
+        lines = [e.line() for e, error in zip(batch, results, strict=True) if error is None]
+        if lines:
+            self._append(segment, b"".join(lines))
+        self.step(APPENDED)
+        for i, entry in enumerate(batch):
+            if results[i] is None:
+                try:
+                    self.registry.write_job(entry.record, entry.rows, durable=False)
+                except OSError as exc:
+                    # Not answered: its line makes it whole at the next start.
+                    results[i] = exc
+        return results
+
+    def _append(self, segment: int, data: bytes) -> None:
+        path = self.segment_path(segment)
+        new = not path.exists()
+        if new:
+            self.root.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if new:
+            fsync_dir(self.root)
+
+    def segment_path(self, segment: int) -> Path:
+        return self.root / f"{segment:06d}.jsonl"
+
+    # ---- a job's end --------------------------------------------------------------------
+
+    def final_saved(self, job_id: str) -> None:
+        """The job's final record is durable: its line is needed no more."""
+        segment = self._pending.pop(job_id, None)
+        if segment is None:
+            return
+        self._open[segment] -= 1
+        self._drop_if_done(segment)
+
+    def _drop_if_done(self, segment: int) -> None:
+        if segment == self._segment or self._open.get(segment, 0) > 0:
+            return
+        self._open.pop(segment, None)
+        task = asyncio.create_task(asyncio.to_thread(self._drop, segment), name="journal-drop")
+        self._drops.add(task)
+        task.add_done_callback(self._dropped)
+
+    def _dropped(self, task: asyncio.Task[None]) -> None:
+        self._drops.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # Kept, it is replayed at the next start, which changes nothing.
+            log.warning("journal_segment_not_removed", error=str(exc))
+
+    def _drop(self, segment: int) -> None:
+        fsync_dir(self.registry.jobs_dir)
+        with contextlib.suppress(FileNotFoundError):
+            self.segment_path(segment).unlink()
+        fsync_dir(self.root)
+
+    async def close(self) -> None:
+        """Let the commits and drops under way end."""
+        tasks = [t for t in (self._task, *self._drops) if t is not None and not t.done()]
+        if tasks:
+            await asyncio.wait(tasks)
+        self._thread.shutdown(wait=False)
+
+    # ---- start --------------------------------------------------------------------------
+
+    def replay(self, archived: Callable[[str], bool]) -> int:
+        """Make whole, durably, every job of the journal a kill cut (blocking, before
+        the registry is read); the number repaired. Segments whose jobs are all
+        final go; the others stay until their jobs end."""
+        segments = self._segments()
+        repaired = 0
+        for segment in segments:
+            for record, rows in _entries(self.segment_path(segment)):
+                job_id = record.job_id
+                if archived(job_id):
+                    continue
+                whole = self._whole(record, rows)
+                if whole is None:  # final
+                    continue
+                if not whole:
+                    self.registry.write_job(record, rows, durable=True)
+                    repaired += 1
+                    log.warning("journal_job_restored", job_id=job_id)
+                self._pending[job_id] = segment
+                self._open[segment] = self._open.get(segment, 0) + 1
+        if repaired:
+            fsync_dir(self.registry.jobs_dir)
+        self._segment = max(segments, default=0) + 1
+        for segment in segments:
+            if self._open.get(segment, 0) == 0:
+                self._open.pop(segment, None)
+                self._drop(segment)
+        return repaired
+
+    def _segments(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n[:-6]) for n in names if n.endswith(".jsonl") and n[:-6].isdigit())
+
+    def _whole(self, record: JobRecord, rows: list[dict[str, Any]] | None) -> bool | None:
+        """Whether the job's folder holds its record and rows; None when its record
+        there is settled (the journal has nothing more to say of it)."""
+        found = self.registry.read(self.registry.job_dir(record.job_id))
+        if not isinstance(found, JobRecord) or found.digest != record.digest:
+            return False
+        if found.state in SETTLED_STATES:
+            return None
+        if rows is None or record.rows_file is None:
+            return True
+        try:
+            held = (self.registry.job_dir(record.job_id) / record.rows_file).read_bytes()
+        except FileNotFoundError:
+            return False
+        return held == b"".join(rows_lines(rows))
+
+
+def _entries(path: Path) -> Iterator[tuple[JobRecord, list[dict[str, Any]] | None]]:
+    """A segment's whole lines; a torn one (never fsynced, so never answered) is skipped."""
+    for line in path.read_bytes().splitlines():
+        try:
+            data = jsonx.loads(line)
+            record = JobRecord.from_json(data["record"])
+        except (orjson.JSONDecodeError, BadRecord, KeyError, TypeError):
+            log.warning("journal_line_skipped", path=str(path), bytes=len(line))
+            continue
+        yield record, data["rows"]

@@ -1,0 +1,168 @@
+"""The submissions' group commit (contracts §12): submits waiting at once share one
+fsync of the journal and are answered only once durable; a kill at any instant
+leaves each job whole or absent, and every job answered 2xx whole.
+
+The service runs in this process (as in ``test_archive.py``) where a commit is
+held or cut at its step; the real CLI is killed with SIGKILL in the middle of
+many concurrent submits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from dispatcher.serve.journal import APPENDED, JOURNAL_DIR
+from dispatcher.serve.registry import JobRecord, Registry
+from tests.helpers import FakeAgent, wait_until
+from tests.serve.test_archive import agent, daemon  # noqa: F401 (a fixture)
+from tests.serve.test_service_e2e import Serve, api_session, rows
+
+pytestmark = pytest.mark.timeout(180)
+
+JSON = {"Content-Type": "application/json"}
+
+
+def body(job_id: str, count: int = 2) -> bytes:
+    return orjson.dumps({"job_id": job_id, "rows": rows(count)})
+
+
+def fsyncs_by_thread(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count every fsync of this process by the name of the thread that made it."""
+    counts: dict[str, int] = {}
+    real = os.fsync
+
+    def counted(fd: Any) -> None:
+        name = threading.current_thread().name.rsplit("_", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    return counts
+
+
+async def test_submits_waiting_at_once_share_one_fsync_and_answer_once_durable(
+    tmp_path: Path, agent: FakeAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fsyncs = fsyncs_by_thread(monkeypatch)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_first(step: str) -> None:
+        if not held.is_set():
+            held.set()
+            release.wait(60)
+
+    async with daemon(tmp_path, agent, window=1000) as api:
+        api.service.journal.step = hold_first
+        first = asyncio.create_task(api.submit("first"))
+        await wait_until(held.is_set)
+        # The first job's line is durable, its answer held: 20 more come meanwhile.
+        others = [asyncio.create_task(api.submit(f"j{n}")) for n in range(20)]
+        await wait_until(lambda: len(api.service.journal._waiting) == 20)
+        assert not first.done() and not any(task.done() for task in others)
+        release.set()
+        assert await first == 201
+        assert await asyncio.gather(*others) == [201] * 20
+        journal = api.service.journal
+        assert (journal.batches, journal.largest_batch) == (2, 20)
+        # Every job was durable when answered: its line is in the journal.
+        lines = b"".join(p.read_bytes() for p in (tmp_path / "state" / JOURNAL_DIR).iterdir())
+        assert len(lines.splitlines()) == 21
+        for n in range(20):
+            assert (await api.status(f"j{n}"))["job_id"] == f"j{n}"
+    # 21 submits, two commits: the journal's fsync each and its folder's once; none
+    # by the bodies' thread (the check of a body writes nothing durable).
+    submit_fsyncs = {k: v for k, v in fsyncs.items() if k.startswith("serve-")}
+    assert submit_fsyncs == {"serve-journal": 3}, fsyncs
+
+
+class Cut(Exception):
+    """A commit stopped here, as by a kill."""
+
+
+async def test_a_commit_cut_after_its_lines_are_durable_is_whole_after_a_restart(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    def cut(step: str) -> None:
+        assert step == APPENDED
+        raise Cut(step)
+
+    async with daemon(tmp_path, agent, window=1000) as api:
+        api.service.journal.step = cut
+        # Not answered 2xx: such a job may exist after a restart, whole.
+        assert await api.submit("cut", count=3) == 500
+        folder = tmp_path / "state" / "jobs" / "cut"
+        assert not (folder / "job.json").exists()
+    async with daemon(tmp_path, agent, window=1000) as api:
+        stream = await api.results("cut", wait="true")
+        assert (await api.status("cut"))["state"] == "done"
+        assert len([line for line in stream.splitlines() if b"_ng_seq" in line]) == 3
+        # The same body is the same job; the journal made it whole.
+        assert await api.submit("cut", count=3) == 200
+
+
+async def test_files_a_power_cut_loses_are_made_whole_from_the_journal(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    agent.gated = True
+    async with daemon(tmp_path, agent, window=1000) as api:
+        for job_id in ("a", "b", "c"):
+            assert await api.submit(job_id, count=2) == 201
+    jobs = tmp_path / "state" / "jobs"
+    registry = Registry(tmp_path / "state")
+    before = {j: registry.read(jobs / j) for j in "abc"}
+    # Never fsynced, these files may be gone or empty after a power cut.
+    (jobs / "a" / "job.json").unlink()
+    (jobs / "b" / "input.jsonl").write_bytes(b"")
+    (jobs / "c" / "job.json").write_bytes(b"")
+    agent.gated = False
+    async with daemon(tmp_path, agent, window=1000) as api:
+        for job_id in "abc":
+            await api.results(job_id, wait="true")
+            assert (await api.status(job_id))["state"] == "done"
+            after = registry.read(jobs / job_id)
+            assert isinstance(after, JobRecord) and isinstance(before[job_id], JobRecord)
+            assert after.digest == before[job_id].digest  # type: ignore[union-attr]
+        assert await api.listed() == {"a", "b", "c"}
+    # Every job final: their journal segment is gone.
+    assert list((tmp_path / "state" / JOURNAL_DIR).iterdir()) == []
+
+
+async def test_a_kill_during_many_concurrent_submits_keeps_every_job_answered(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    agent.gated = True
+    state = tmp_path / "state"
+    serve = await Serve.start(state, agent.url)
+    answered: list[str] = []
+
+    async def submit(n: int) -> None:
+        async with serve.http.post(f"{serve.url}/v1/jobs", data=body(f"k{n}")) as r:
+            if r.status == 201:
+                answered.append(f"k{n}")
+
+    tasks = [asyncio.create_task(submit(n)) for n in range(200)]
+    await wait_until(lambda: len(answered) >= 20)
+    assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL
+    await asyncio.gather(*tasks, return_exceptions=True)
+    agent.gated = False
+    again = await Serve.start(state, agent.url)
+    try:
+        async with api_session() as http:
+            async with http.get(f"{again.url}/v1/jobs") as r:
+                listed = {job["job_id"]: job for job in (await r.json())["jobs"]}
+        for job_id in answered:
+            assert listed[job_id]["state"] != "failed", listed[job_id]
+        # Every job there, answered or not, is whole: it runs to its end.
+        for job_id in listed:
+            stream = await again.results(job_id, wait=True)
+            assert stream[-1] == {"end": "done"} and len(stream) == 3, (job_id, stream)
+    finally:
+        await again.stop()
