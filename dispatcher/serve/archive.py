@@ -389,6 +389,9 @@ class Compaction:
         self.write = write
         self.waiting: dict[str, FinalJob] = {}
         self.archived = 0
+        # Folds whose jobs left ``jobs`` (for the index): a lookup since the last one
+        # that missed a job in ``jobs`` must look in the index again.
+        self.committed = 0
         # Archived jobs whose folders a stream still reads.
         self._read: list[tuple[Folded, FinalJob]] = []
         self._task: asyncio.Task[None] | None = None
@@ -432,6 +435,7 @@ class Compaction:
             del self.waiting[job.job_id]
             if self.jobs.get(job.job_id) is job:
                 del self.jobs[job.job_id]
+        self.committed += 1
         # A folder a stream began to read during the fold stays until a later fold
         # (or the next start) finds no stream on it.
         pairs = [*zip(folded, ready, strict=True), *self._read]

@@ -113,6 +113,7 @@ class Service:
         # body's objects is reused by the next, not kept in an allocator arena
         # per worker thread.
         self._bodies_thread = ThreadPoolExecutor(1, thread_name_prefix="serve-bodies")
+        self._index_thread = ThreadPoolExecutor(1, thread_name_prefix="serve-index")
         # Ids and submission orders are taken one body at a time: two racing bodies
         # for one job_id must not both create it.
         self._submitting = asyncio.Lock()
@@ -170,7 +171,9 @@ class Service:
         job = self.jobs.get(job_id)
         if job is not None or self.compaction is None:
             return job
-        return await asyncio.to_thread(self.compaction.archive.find, job_id)
+        # A thread of its own: lookups never queue behind the jobs' file work.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._index_thread, self.compaction.archive.find, job_id)
 
     def _read_registry(self) -> list[JobRecord | FinalJob | Unreadable]:
         """The registry's jobs (blocking), each settled one kept as a ``FinalJob`` as
@@ -191,6 +194,7 @@ class Service:
         loop = asyncio.get_running_loop()
         spec, digest = await loop.run_in_executor(self._bodies_thread, self._parse, body)
         del body
+        archived = self._archived()
         if (answer := await self._known(spec, digest)) is not None:
             return answer
         # Checked outside the lock: one job's check never waits for another's commit.
@@ -198,7 +202,7 @@ class Service:
         await self.write(
             check_tasks, spec, settings, self.registry.scratch, self.limits, on_bodies=True
         )
-        answer, record = await self._reserve(spec, digest)
+        answer, record = await self._reserve(spec, digest, archived)
         if answer is not None:
             return answer
         assert record is not None
@@ -215,14 +219,17 @@ class Service:
             raise
         return 201, await self.status_of(self.jobs[record.job_id])
 
-    async def _known(self, spec: JobSpec, digest: str) -> tuple[int, dict[str, Any]] | None:
+    async def _known(
+        self, spec: JobSpec, digest: str, *, archived: bool = True
+    ) -> tuple[int, dict[str, Any]] | None:
         """The answer for a body whose job exists (200, or a ``Conflict``); None for a
-        new one. A job of the same id being committed is waited for."""
+        new one. A job of the same id being committed is waited for; ``archived``:
+        the archive is looked in too (only the service's settled jobs go there)."""
         if spec.job_id is None:
             return None
         while (committing := self._accepting.get(spec.job_id)) is not None:
             await asyncio.wait([committing])
-        existing = await self.find(spec.job_id)
+        existing = await self.find(spec.job_id) if archived else self.jobs.get(spec.job_id)
         if isinstance(existing, BrokenJob):
             self._still_broken(existing)
             existing = None
@@ -232,13 +239,18 @@ class Service:
             raise Conflict(f"job_id: {spec.job_id!r} exists with a different body")
         return 200, await self.status_of(existing)
 
+    def _archived(self) -> int:
+        return self.compaction.committed if self.compaction is not None else 0
+
     async def _reserve(
-        self, spec: JobSpec, digest: str
+        self, spec: JobSpec, digest: str, archived: int
     ) -> tuple[tuple[int, dict[str, Any]] | None, JobRecord | None]:
         """The job's id and submission order, taken for it alone: (None, its record);
-        or (the answer, None) when a body of its id came first."""
+        or (the answer, None) when a body of its id came first. The archive is looked
+        in again only if a fold ended since ``archived`` (what it held then)."""
         async with self._submitting:
-            if (answer := await self._known(spec, digest)) is not None:
+            folded = self._archived() != archived
+            if (answer := await self._known(spec, digest, archived=folded)) is not None:
                 return answer, None
             spec = spec.with_id()
             assert spec.job_id is not None
@@ -441,6 +453,7 @@ class Service:
         if self.compaction is not None:
             await self.compaction.close()
         self._bodies_thread.shutdown(wait=False, cancel_futures=True)
+        self._index_thread.shutdown(wait=False, cancel_futures=True)
 
     def exit_code(self) -> ExitCode:
         if self.daemon.fatal is not None:

@@ -8,9 +8,10 @@ malformed row is a 400 naming ``rows[i]`` and leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import tempfile
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -281,6 +282,10 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
             f.write(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
 
 
+# What a check leaves in its scratch folder at most (a bigger file is emptied).
+KEPT_BYTES = 1 << 20
+
+
 def check_tasks(
     spec: JobSpec,
     settings: Callable[[Path], RunSettings],
@@ -290,15 +295,21 @@ def check_tasks(
     """Validate the job's rows or task file as ``dispatcher run`` would (blocking),
     its size against the daemon's bounds, and its ``target_groups`` against its tasks.
 
-    Runs in ``scratch``, which is left empty: a bad job creates nothing.
+    Runs in a folder of ``scratch`` of the calling thread's own, whose files each check
+    overwrites: a check creates and removes no file (on a busy disk each costs a
+    wait for its journal), and what it leaves there is at most ``KEPT_BYTES``.
     """
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch) as folder:
-        tasks = Path(folder) / "rows.jsonl"
-        if spec.rows is not None:
-            write_rows(spec.rows, tasks)
-        else:
-            tasks = _readable_input(spec.input)
+    folder = scratch / f"check-{threading.get_ident()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks = folder / "rows.jsonl"
+    if spec.rows is not None:
+        write_rows(spec.rows, tasks)
+    else:
+        tasks = _readable_input(spec.input)
+    # Only a check of quotas reads the materialized rows back.
+    quotas = spec.target_groups_by_agent
+    materialized = folder / "m.jsonl" if quotas is not None else Path(os.devnull)
+    try:
         try:
             run_settings = settings(tasks)
             _check_size(spec, tasks, run_settings, limits)
@@ -306,11 +317,16 @@ def check_tasks(
             # A task file's every line is a task: it names its model call. A
             # file that is not one (a log, a config) is refused at its first line.
             task_spec = replace(task_spec, require_params=spec.input is not None)
-            result = materialize(task_spec, Path(folder) / "m.jsonl", durable=False)
+            result = materialize(task_spec, materialized, durable=False)
         except ConfigError as exc:
             raise BadJob(_rows_named(str(exc), tasks)) from None
-        if spec.target_groups_by_agent is not None:
-            _check_quotas(spec.target_groups_by_agent, _tasks_by_agent(Path(folder) / "m.jsonl"))
+        if quotas is not None:
+            _check_quotas(quotas, _tasks_by_agent(materialized))
+    finally:
+        for path in (folder / "rows.jsonl", folder / "m.jsonl"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_size > KEPT_BYTES:
+                    path.write_bytes(b"")
     if spec.target_groups is not None and spec.target_groups > result.tasks:
         raise BadJob(
             f"target_groups: {spec.target_groups} is more than the job's {result.tasks} tasks"
