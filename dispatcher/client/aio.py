@@ -201,6 +201,7 @@ class AsyncClient:
         max_attempts: int | None = None,
         target_groups_by_agent: Mapping[str, int] | None = None,
         target_tokens: int | None = None,
+        max_in_flight: int | None = None,
     ) -> JobStatus:
         """Submit a job: ``rows``, or ``input``, a task file's path on the daemon's host.
 
@@ -213,7 +214,8 @@ class AsyncClient:
         ``target_groups_by_agent`` ({agent: N}, exactly N kept groups of each) or
         ``target_tokens`` (N generated tokens in kept groups) are the other targets.
         ``max_attempts`` replaces the daemon's ``--max-attempts`` for this job's
-        rollouts (1 when the caller retries itself).
+        rollouts (1 when the caller retries itself); ``max_in_flight`` bounds its
+        rollouts at agents at once.
         """
         body = submit_body(
             rows, input, job_id=job_id, num_repeats=num_repeats, default_agent=default_agent,
@@ -224,6 +226,7 @@ class AsyncClient:
             ),
             target_groups=target_groups, overprovision=overprovision, on_target=on_target,
             group_filter=group_filter, max_attempts=max_attempts, target_tokens=target_tokens,
+            max_in_flight=max_in_flight,
             target_groups_by_agent=(
                 dict(target_groups_by_agent) if target_groups_by_agent is not None else None
             ),

@@ -149,6 +149,7 @@ class Client:
         max_attempts: int | None = None,
         target_groups_by_agent: Mapping[str, int] | None = None,
         target_tokens: int | None = None,
+        max_in_flight: int | None = None,
     ) -> JobStatus:
         """See ``AsyncClient.submit``."""
         return self._run(
@@ -160,6 +161,7 @@ class Client:
                 overprovision=overprovision, on_target=on_target, group_filter=group_filter,
                 max_attempts=max_attempts,
                 target_groups_by_agent=target_groups_by_agent, target_tokens=target_tokens,
+                max_in_flight=max_in_flight,
             )
         )  # fmt: skip
 

@@ -33,9 +33,12 @@ retries a rollout, its caller does. The daemon resumes as for any job
 
 Gym's keyword arguments:
 
-- ``max_resident_tasks``: at most that many examples are submitted and not
-  yet resolved; the rest are submitted as slots free up, each free slot
-  refilled at once. ``ValueError`` below 1, as Gym.
+- ``max_resident_tasks``: at most that many examples at agents at once. All
+  are one job whose ``max_in_flight`` it is: the daemon starts the next as one
+  leaves its agent, and the rows come back on one stream. With a dispatch
+  budget, examples are submitted as slots free up (a job of the examples that
+  fit), so that each is checked against the budget then. ``ValueError``
+  below 1, as Gym.
 - ``dispatch_budget_s``, ``drain_margin_s``: an example not submitted when
   less than the margin is left of the budget (counted from this call) never
   runs and resolves to Gym's drained result (``_ng_failure_class``
@@ -152,6 +155,8 @@ class Collection:
         self._deadline = None if budget is None else time.monotonic() + budget
         self._task: asyncio.Task[None] | None = None
         self._taken = 0
+        # Each job's max_in_flight: the window, when the daemon refills it.
+        self._window: int | None = None
 
     async def next_completion(self) -> Pair:
         if self._task is None:
@@ -205,6 +210,13 @@ class Collection:
         """Submit the examples as jobs, a window at a time, and follow each job."""
         total = len(self._examples)
         window = self._options.max_resident_tasks or total
+        if self._deadline is None and window < total:
+            # One job whose window the daemon refills as each rollout leaves its
+            # agent, its rows on one stream (its pieces, if cut, one after another).
+            self._window, self._next = window, total
+            async for job_id, plan in self._hand_over(range(total)):
+                await self._follow(job_id, plan)
+            return
         async with asyncio.TaskGroup() as jobs:
             while self._next < total:
                 count = await self._room_for(window, total)
@@ -289,8 +301,9 @@ class Collection:
         try:
             # With a job_id the submit is idempotent, so a lost answer is retried.
             await self._api.submit(
-                plan.rows, job_id=job_id, num_repeats=1, max_attempts=self._options.max_attempts
-            )
+                plan.rows, job_id=job_id, num_repeats=1, max_attempts=self._options.max_attempts,
+                max_in_flight=self._window,
+            )  # fmt: skip
         except ClientError as exc:
             if exc.status == 413:
                 # Refused before it was read: no such job (its id is used again).

@@ -1,13 +1,12 @@
 """A job of ``dispatcher serve`` while it runs: its hops, gate and live status.
 
 A ``ServedJob`` is one accepted job that is not final: its record
-(``registry.py``), a ``Job`` (``run/job.py``: the same files, resume contract
-and exit rules as ``dispatcher run``) driven in a task of its own, and its
-``Groups``. Jobs share the daemon's pool: a free slot goes to the job of
-highest priority, then to the earliest submitted (the pool's rank). A job
-whose ``policy_version`` p is more than K steps ahead of the trainer's
-version V starts nothing until V ≥ p − K; nothing in flight is ever
-cancelled for staleness (contracts §12).
+(``registry.py``), a ``Job`` (``run/job.py``: the files, resume contract and
+exit rules of ``dispatcher run``) in a task of its own, and its ``Groups``.
+A free slot of the daemon's pool goes to the job of highest priority, then the
+earliest submitted. A job whose ``policy_version`` p is more than K ahead of
+the trainer's V starts nothing until V ≥ p − K, nothing in flight cancelled
+for staleness (contracts §12); one with ``max_in_flight`` W, at most W at once.
 
 A job's step-control policy (``policy.py``: its target, group filter and
 ordering, from its body) is applied by its ``StepControl`` (``step.py``): its
@@ -352,8 +351,9 @@ class ServedJob:
         record.final_status = status.to_json()
 
     async def _gate(self, rollout: Rollout) -> bool | None:
-        """Before each rollout starts: pacing, then step control (``Job``'s gate)."""
+        """Before each rollout starts: pacing, its window, then step control (``Job``'s gate)."""
         await self._pace()
+        await self._window()
         while True:
             room = self.step.admits(rollout.task_index, rollout.agent)
             if room is None or room is Room.START:
@@ -384,6 +384,12 @@ class ServedJob:
         finally:
             for task in waits:
                 await cancel_and_wait(task)
+
+    async def _window(self) -> None:
+        """Until fewer than ``max_in_flight`` of the job's rollouts are at agents."""
+        cap, job = self.record.spec.max_in_flight, self.job
+        while cap is not None and job is not None and job.at_agents() >= cap:
+            await self.service.daemon.left_agent.wait(HOP_PAUSE_CAP_S)
 
     async def _pace(self) -> None:
         """Admission pacing: wait while this job's policy version is more than K ahead."""
@@ -469,18 +475,11 @@ class ServedJob:
         is a ``FinalJob``, read from its files)."""
         assert self.groups is not None
         return Source(
-            self.output,
-            self.output_index,
-            self.groups_path,
-            self.groups.index,
-            self._end,
-            self.groups.completed_at.get,
-            self._end_error,
-            self._satisfied_seq,
+            self.output, self.output_index, self.groups_path, self.groups.index, self._end,
+            self.groups.completed_at.get, self._end_error, self._satisfied_seq,
             failures_path=OutputPaths.for_output(self.output).failures,
-            failures=self.failures_index,
-            attempt_cap=self.settings.attempt_cap,
-        )
+            failures=self.failures_index, attempt_cap=self.settings.attempt_cap,
+        )  # fmt: skip
 
     def _satisfied_seq(self) -> int | None:
         if self.step.satisfied_seq is None and self.record.step is not None:

@@ -62,6 +62,7 @@ STORED = {"stored": True}
 MAX_METADATA_BYTES = 64 * 1024
 # A job's own attempt cap: every attempt is a failure row kept on disk, so a bound.
 MAX_JOB_ATTEMPTS = 100
+MAX_JOB_IN_FLIGHT = 1_000_000
 
 
 class JobSpec(BaseModel):
@@ -94,6 +95,9 @@ class JobSpec(BaseModel):
     # Counted failed attempts that make one of the job's rollouts final, in place of
     # the daemon's --max-attempts: 1 when the caller retries itself (contracts §12).
     max_attempts: int | None = Field(default=None, ge=1, le=MAX_JOB_ATTEMPTS)
+    # At most this many of the job's rollouts at agents at once: a freed one starts
+    # the job's next (a trainer's window of resident tasks, as one job).
+    max_in_flight: int | None = Field(default=None, ge=1, le=MAX_JOB_IN_FLIGHT)
 
     @model_validator(mode="after")
     def _rows_or_input(self, info: ValidationInfo) -> JobSpec:

@@ -175,3 +175,25 @@ async def _status(http: aiohttp.ClientSession, url: str, job_id: str) -> dict[st
 
 async def _durable(http: aiohttp.ClientSession, url: str, job_id: str, count: int) -> bool:
     return bool((await _status(http, url, job_id))["rows_durable"] >= count)
+
+
+async def test_max_in_flight_refills_the_jobs_window_as_each_rollout_leaves_its_agent(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    """A window of resident tasks is one job: at most ``max_in_flight`` at agents, the
+    next started as one answers (it was a job per freed slot, and the field a 400)."""
+    from tests.serve.test_service_e2e import Serve, rows
+
+    serve = await Serve.start(tmp_path / "state", gated_agent.url, "--concurrency", "64")
+    try:
+        await serve.submit(job_id="w", rows=rows(6), max_in_flight=2)
+        for left in range(6, 0, -1):
+            await wait_until(lambda: gated_agent.holding == min(2, left))  # noqa: B023
+            gated_agent.release_next()
+        stream = await serve.results("w", wait=True)
+        assert stream[-1] == {"end": "done"} and len(stream) == 7
+        assert gated_agent.max_in_flight == 2 and gated_agent.seen == 6
+        refused = await serve.submit(400, job_id="x", rows=rows(1), max_in_flight=0)
+        assert refused["error"].startswith("max_in_flight:"), refused
+    finally:
+        await serve.stop()
