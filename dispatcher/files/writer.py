@@ -67,7 +67,9 @@ class RowWriter:
     ``append`` returns once the row is on disk by the fsync policy:
     ``always`` fsyncs each batch as soon as the previous one is done,
     ``batch`` gathers rows for up to ``interval_s``, ``max_rows`` or ``max_bytes`` first,
-    ``never`` writes without fsync. Writes and fsyncs run in a thread.
+    or only until ``quiet()`` says no row is coming soon (its job has nothing at
+    an agent: waiting would only delay the rows in hand), ``never`` writes without
+    fsync. Writes and fsyncs run in a thread.
     """
 
     def __init__(
@@ -80,9 +82,11 @@ class RowWriter:
         max_bytes: int = 4 << 20,
         on_error: Callable[[OutputWriteError], None] | None = None,
         index: LineIndex | None = None,
+        quiet: Callable[[], bool] | None = None,
     ) -> None:
         self.path = path
         self._policy = policy
+        self._quiet = quiet
         self._interval_s = interval_s if policy == "batch" else 0.0
         self._max_rows = max_rows
         # Big rows: a batch this size gains nothing by waiting (its write and fsync
@@ -189,6 +193,7 @@ class RowWriter:
             len(self._pending) < self._max_rows
             and self._pending_bytes < self._max_bytes
             and not self._closing
+            and not (self._quiet is not None and self._quiet())
         ):
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:

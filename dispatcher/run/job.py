@@ -188,6 +188,8 @@ class Job(JobFigures):
             max_rows=self.settings.fsync_batch_rows,
             on_error=self.fail,
             index=index,
+            # Nothing at an agent: a row of this job is not coming soon.
+            quiet=lambda: self._at_agents == 0,
         )
 
     # ---- dispatch ------------------------------------------------------------------
