@@ -107,9 +107,10 @@ def _create_temp(path: Path) -> tuple[Path, int]:
             continue
 
 
-def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+def write_json_atomic(path: Path, data: Mapping[str, Any], *, durable: bool = True) -> None:
     """``data`` as indented JSON, written atomically (``write_atomic``)."""
-    write_atomic(path, [jsonx.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)])
+    text = jsonx.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    write_atomic(path, [text], durable=durable)
 
 
 def write_atomic(path: Path, chunks: Iterable[bytes], *, durable: bool = True) -> None:
@@ -174,8 +175,8 @@ def read_manifest(path: Path) -> RunManifest | None:
         ) from None
 
 
-def write_manifest(path: Path, manifest: RunManifest) -> None:
-    write_json_atomic(path, manifest.to_json())
+def write_manifest(path: Path, manifest: RunManifest, *, durable: bool = True) -> None:
+    write_json_atomic(path, manifest.to_json(), durable=durable)
 
 
 def move_aside(paths: OutputPaths) -> Path | None:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
@@ -83,10 +83,13 @@ class RowWriter:
         on_error: Callable[[OutputWriteError], None] | None = None,
         index: LineIndex | None = None,
         quiet: Callable[[], bool] | None = None,
+        barrier: Awaitable[None] | None = None,
     ) -> None:
         self.path = path
         self._policy = policy
         self._quiet = quiet
+        # Awaited before the first batch: what must be durable before any row is.
+        self._barrier = barrier
         self._interval_s = interval_s if policy == "batch" else 0.0
         self._max_rows = max_rows
         # Big rows: a batch this size gains nothing by waiting (its write and fsync
@@ -150,9 +153,9 @@ class RowWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        # Closed, it reports nothing more; its owner's callback would hold the
+        # Closed, it reports nothing more; its owner's callbacks would hold the
         # owner in a reference cycle (what a long-lived daemon frees late).
-        self._on_error = None
+        self._on_error = self._quiet = self._barrier = None
 
     async def _flush_loop(self) -> None:
         """Write batches until closed; if it dies, every waiting row fails with it.
@@ -177,6 +180,13 @@ class RowWriter:
                 await self._gather_window()
             self._wakeup.clear()
             batch = self._take_batch()
+            if batch and self._barrier is not None:
+                barrier, self._barrier = self._barrier, None
+                try:
+                    await barrier
+                except BaseException:
+                    self._pending = batch + self._pending  # failed by _flush_loop
+                    raise
             if batch:
                 try:
                     await asyncio.to_thread(self._commit, batch)

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import contextvars
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ class Job(JobFigures):
         gate: Gate | None = None,
         history: TaskHistory | None = None,
         order_for: OrderFor = start_order_for,
+        durable_start: bool = True,
     ) -> None:
         self.daemon = daemon
         self.settings = settings
@@ -105,6 +107,10 @@ class Job(JobFigures):
         self._rank = rank
         self._publish_endpoint = publish_endpoint
         self._gate = gate
+        # False: the hop's files are prepared without fsync and made durable beside
+        # its first rollouts, before its first row (a served job: ``prepare_run``).
+        self._durable_start = durable_start
+        self._synced: asyncio.Task[None] | None = None
         # Which rollout starts next (contracts §13, start order); None: input order.
         self._history = history
         self._order_for = order_for
@@ -138,9 +144,15 @@ class Job(JobFigures):
         self._opened_at = self.daemon.clock()
         async with contextlib.AsyncExitStack() as stack:
             self.prepared = prepared = await asyncio.to_thread(
-                prepare_run, self.settings, self._shard_filter
+                partial(prepare_run, durable=self._durable_start),
+                self.settings,
+                self._shard_filter,
             )
             stack.callback(prepared.lock.release)
+            if prepared.sync is not None:
+                self._synced = asyncio.create_task(asyncio.to_thread(prepared.sync))
+                # Awaited by the writers' first batch, and by close whatever happens.
+                stack.push_async_callback(self._sync_ended)
             endpoint = self.daemon.metrics_endpoint
             if self._publish_endpoint and endpoint is not None:
                 await asyncio.to_thread(publish_metrics_endpoint, prepared, endpoint, self.settings)
@@ -167,6 +179,13 @@ class Job(JobFigures):
         )
         self.daemon.jobs.add(self)
 
+    async def _sync_ended(self) -> None:
+        """The deferred fsync of the hop's files, ended: a failure of it fails the job."""
+        assert self._synced is not None
+        await asyncio.wait([self._synced])
+        if not self._synced.cancelled() and (exc := self._synced.exception()) is not None:
+            self.fail(DispatcherError(f"the run's files could not be made durable: {exc}"))
+
     def started_event(self) -> dict[str, Any]:
         """The fields of ``run_started``."""
         prepared = self.prepared
@@ -190,6 +209,7 @@ class Job(JobFigures):
             index=index,
             # Nothing at an agent: a row of this job is not coming soon.
             quiet=lambda: self._at_agents == 0,
+            barrier=self._synced,
         )
 
     # ---- dispatch ------------------------------------------------------------------

@@ -10,6 +10,7 @@ leaves no new file behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import os
@@ -27,7 +28,15 @@ import structlog
 from dispatcher import __version__, jsonx
 from dispatcher.errors import ConfigError
 from dispatcher.files import gym_compat
-from dispatcher.files.atomic import RunLock, move_aside, read_manifest, temp_path, write_manifest
+from dispatcher.files.atomic import (
+    RunLock,
+    fsync_dir,
+    fsync_file,
+    move_aside,
+    read_manifest,
+    temp_path,
+    write_manifest,
+)
 from dispatcher.files.contracts import RunManifest
 from dispatcher.files.resume import (
     OutputPaths,
@@ -68,6 +77,9 @@ class PreparedRun:
     state: RunState
     already_final: int
     resumed: bool
+    # Prepared without fsync: makes the materialized rows and the manifest durable
+    # (blocking), to be done before any row of the hop is.
+    sync: Callable[[], None] | None = None
 
 
 def task_settings(settings: RunSettings) -> dict[str, Any]:
@@ -82,8 +94,19 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(jsonx.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
-def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | None) -> PreparedRun:
-    """Lock, materialize, check identity, repair and load state (blocking)."""
+def prepare_run(
+    settings: RunSettings,
+    shard_filter: Callable[[int], bool] | None,
+    *,
+    durable: bool = True,
+) -> PreparedRun:
+    """Lock, materialize, check identity, repair and load state (blocking).
+
+    ``durable=False`` (a served job, whose rows the service keeps durable) writes
+    the materialized rows and the manifest without fsync, and the result's ``sync``
+    makes them durable: its caller runs it beside its first rollouts, before the
+    first row is durable. A crash before it leaves the earlier files or none, and
+    no row: the next hop materializes the same rows again."""
     paths = OutputPaths.for_output(settings.output)
     check_run_paths(settings.input, paths)
     folder = paths.output.parent
@@ -92,7 +115,7 @@ def prepare_run(settings: RunSettings, shard_filter: Callable[[int], bool] | Non
     lock = RunLock(paths.lock)
     try:
         lock.acquire()
-        return _prepare_locked(settings, paths, lock, shard_filter)
+        return _prepare_locked(settings, paths, lock, shard_filter, durable)
     except BaseException:
         # Nothing was dispatched: leave the file system as it was found.
         lock.release(remove=lock.created)  # a no-op when the lock was never taken
@@ -174,6 +197,7 @@ def _prepare_locked(
     paths: OutputPaths,
     lock: RunLock,
     shard_filter: Callable[[int], bool] | None,
+    durable: bool,
 ) -> PreparedRun:
     if settings.fresh:
         folder = move_aside(paths)
@@ -184,9 +208,9 @@ def _prepare_locked(
     if previous is None and gym_run is None:
         _refuse_orphan_outputs(paths)
     with gym_compat.adoption(paths.materialized, paths.manifest, gym_run):
-        result = _materialize_checked(settings, paths, previous, shard_filter)
+        result = _materialize_checked(settings, paths, previous, shard_filter, durable)
     manifest = _manifest(settings, result, previous)
-    write_manifest(paths.manifest, manifest)
+    write_manifest(paths.manifest, manifest, durable=durable)
     for path in (paths.output, paths.failures):
         repair = repair_torn_tail(path)
         if repair is not TailRepair.NONE:
@@ -200,7 +224,15 @@ def _prepare_locked(
         state=state,
         already_final=_count_final(state),
         resumed=previous is not None or gym_run is not None,
+        sync=None if durable else functools.partial(_sync, paths),
     )
+
+
+def _sync(paths: OutputPaths) -> None:
+    """The hop's materialized rows and manifest, and their names, durable (blocking)."""
+    for path in (paths.materialized, paths.manifest):
+        fsync_file(path)
+    fsync_dir(paths.manifest.parent)
 
 
 def _gym_output(paths: OutputPaths) -> gym_compat.Signature | None:
@@ -223,6 +255,7 @@ def _materialize_checked(
     paths: OutputPaths,
     previous: RunManifest | None,
     shard_filter: Callable[[int], bool] | None,
+    durable: bool = True,
 ) -> MaterializeResult:
     spec = settings.materialize_spec(shard_filter)
     _remove_stale_temporaries(paths)
@@ -232,7 +265,7 @@ def _materialize_checked(
             return recorded
     tmp = temp_path(paths.materialized)
     try:
-        result = materialize(spec, tmp)
+        result = materialize(spec, tmp, durable=durable)
         if result.input_rows == 0 and not settings.allow_empty:
             read = " with --limit 0" if settings.limit == 0 else ""
             raise ConfigError(

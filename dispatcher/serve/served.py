@@ -140,6 +140,9 @@ class ServedJob:
             gate=self._gate,
             history=self.service.history,
             order_for=self.policy.ordering.start_order,
+            # Its input is durable (the journal, or the file it named): its files
+            # are made durable beside its first rollouts, not before them.
+            durable_start=False,
         )
 
     @property

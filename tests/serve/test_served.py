@@ -197,3 +197,52 @@ async def test_max_in_flight_refills_the_jobs_window_as_each_rollout_leaves_its_
         assert refused["error"].startswith("max_in_flight:"), refused
     finally:
         await serve.stop()
+
+
+async def test_a_served_jobs_first_rollout_is_sent_before_its_files_are_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's materialized rows and manifest are made durable beside its first
+    rollout, and before its first row (they were fsynced before it was sent)."""
+    import os
+    import threading
+
+    from tests.serve.test_archive import Client
+
+    synced: list[str] = []
+    held, release = threading.Event(), threading.Event()
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.endswith("_manifest.json") and not held.is_set():
+            held.set()
+            release.wait(60)
+        synced.append(name)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    agent = FakeAgent(gated=True)
+    await agent.start()
+    try:
+        settings, state, access = serve_arguments(tmp_path, agent.url)
+        settings = settings.model_copy(update={"fsync": "batch"})
+        async with (
+            serve_module.serving(settings, state, None, None, access, ServeLimits()) as service,
+            aiohttp.ClientSession() as http,
+        ):
+            api = Client(service, http)
+            assert await api.submit("first", count=1) == 201
+            # Sent while the manifest's fsync is held.
+            await wait_until(lambda: agent.holding == 1 and held.is_set())
+            agent.open()
+            release.set()
+            await api.results("first", wait="true")
+            assert (await api.status("first"))["rows_durable"] == 1
+            service.daemon.stop_requested.set()
+    finally:
+        release.set()
+        await agent.close()
+    manifest = next(i for i, n in enumerate(synced) if n.endswith("rollouts_manifest.json"))
+    rows = next(i for i, n in enumerate(synced) if n.endswith("/first/rollouts.jsonl"))
+    assert manifest < rows
