@@ -13,6 +13,7 @@ import asyncio
 import os
 import signal
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,20 @@ import pytest
 from dispatcher.serve.journal import APPENDED, JOURNAL_DIR
 from dispatcher.serve.registry import JobRecord, Registry
 from tests.helpers import FakeAgent, wait_until
-from tests.serve.test_archive import agent, daemon  # noqa: F401 (a fixture)
+from tests.serve.test_archive import daemon
 from tests.serve.test_service_e2e import Serve, api_session, rows
 
 pytestmark = pytest.mark.timeout(180)
 
 JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture
+async def agent() -> AsyncIterator[FakeAgent]:
+    agent = FakeAgent()
+    await agent.start()
+    yield agent
+    await agent.close()
 
 
 def body(job_id: str, count: int = 2) -> bytes:
@@ -155,9 +164,8 @@ async def test_a_kill_during_many_concurrent_submits_keeps_every_job_answered(
     agent.gated = False
     again = await Serve.start(state, agent.url)
     try:
-        async with api_session() as http:
-            async with http.get(f"{again.url}/v1/jobs") as r:
-                listed = {job["job_id"]: job for job in (await r.json())["jobs"]}
+        async with api_session() as http, http.get(f"{again.url}/v1/jobs") as r:
+            listed = {job["job_id"]: job for job in (await r.json())["jobs"]}
         for job_id in answered:
             assert listed[job_id]["state"] != "failed", listed[job_id]
         # Every job there, answered or not, is whole: it runs to its end.
