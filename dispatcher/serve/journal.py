@@ -163,9 +163,16 @@ class Journal:
                 results.append(Refused(str(exc)))
             else:
                 results.append(None)
-        lines = [e.line() for e, error in zip(batch, results, strict=True) if error is None]
-        if lines:
-            self._append(segment, b"".join(lines))
+        claimed = [e for e, error in zip(batch, results, strict=True) if error is None]
+        try:
+            if claimed:
+                self._append(segment, b"".join(e.line() for e in claimed))
+        except BaseException:
+            # Not accepted: the folders claimed for them go (empty, as claimed).
+            for entry in claimed:
+                with contextlib.suppress(OSError):
+                    self.registry.job_dir(entry.record.job_id).rmdir()
+            raise
         self.step(APPENDED)
         for i, entry in enumerate(batch):
             if results[i] is None:
@@ -268,6 +275,11 @@ class Journal:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise ConfigError(
+                f"{self.root}: the journal of submissions cannot be read: {exc.strerror}; "
+                "fix or move it aside (a job it holds that a kill cut is then lost)"
+            ) from None
         return sorted(int(n[:-6]) for n in names if n.endswith(".jsonl") and n[:-6].isdigit())
 
     def _whole(self, record: JobRecord, rows: list[dict[str, Any]] | None) -> bool | None:

@@ -14,7 +14,7 @@ import os
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -278,6 +278,35 @@ def first_error(exc: ValidationError, of: str = "a job") -> str:
     return f"{where}: {message}"
 
 
+@contextlib.contextmanager
+def _rows_file(rows: list[dict[str, Any]], folder: Path) -> Iterator[Path]:
+    """The submitted rows as a file to check: in memory where the system has
+    ``memfd_create`` (Linux), else in ``folder``."""
+    if not hasattr(os, "memfd_create"):
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "rows.jsonl"
+        write_rows(rows, path)
+        yield path
+        _keep_small(path)
+        return
+    fd = os.memfd_create("dispatcher-rows", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            for row in rows:
+                f.write(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+        # Read back by its name: the checks open it as a task file.
+        yield Path(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _keep_small(path: Path) -> None:
+    """Empty a file a check leaves, if it is bigger than ``KEPT_BYTES``."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.stat().st_size > KEPT_BYTES:
+            path.write_bytes(b"")
+
+
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
     """The submitted rows as a task file to check (blocking; thrown away after the
     check, so never fsynced: a submit waits for no disk here)."""
@@ -299,21 +328,25 @@ def check_tasks(
     """Validate the job's rows or task file as ``dispatcher run`` would (blocking),
     its size against the daemon's bounds, and its ``target_groups`` against its tasks.
 
-    Runs in a folder of ``scratch`` of the calling thread's own, whose files each check
-    overwrites: a check creates and removes no file (on a busy disk each costs a
-    wait for its journal), and what it leaves there is at most ``KEPT_BYTES``.
+    Submitted rows are checked in a file in memory (``memfd``, else a folder of
+    ``scratch`` of the calling thread's own): a check creates, truncates and
+    removes no file on the state directory's disk, each a wait for its journal
+    when the disk is busy. Only a check of quotas writes there, what it leaves
+    at most ``KEPT_BYTES``.
     """
     folder = scratch / f"check-{threading.get_ident()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    tasks = folder / "rows.jsonl"
-    if spec.rows is not None:
-        write_rows(spec.rows, tasks)
-    else:
-        tasks = _readable_input(spec.input)
-    # Only a check of quotas reads the materialized rows back.
-    quotas = spec.target_groups_by_agent
-    materialized = folder / "m.jsonl" if quotas is not None else Path(os.devnull)
-    try:
+    with contextlib.ExitStack() as stack:
+        if spec.rows is not None:
+            tasks = stack.enter_context(_rows_file(spec.rows, folder))
+        else:
+            tasks = _readable_input(spec.input)
+        # Only a check of quotas reads the materialized rows back.
+        quotas = spec.target_groups_by_agent
+        materialized = None
+        if quotas is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            materialized = folder / "m.jsonl"
+            stack.callback(_keep_small, materialized)
         try:
             run_settings = settings(tasks)
             _check_size(spec, tasks, run_settings, limits)
@@ -323,14 +356,10 @@ def check_tasks(
             task_spec = replace(task_spec, require_params=spec.input is not None)
             result = materialize(task_spec, materialized, durable=False)
         except ConfigError as exc:
-            raise BadJob(_rows_named(str(exc), tasks)) from None
+            raise BadJob(_rows_named(str(exc), tasks, spec.rows is not None)) from None
         if quotas is not None:
+            assert materialized is not None
             _check_quotas(quotas, _tasks_by_agent(materialized))
-    finally:
-        for path in (folder / "rows.jsonl", folder / "m.jsonl"):
-            with contextlib.suppress(FileNotFoundError):
-                if path.stat().st_size > KEPT_BYTES:
-                    path.write_bytes(b"")
     if spec.target_groups is not None and spec.target_groups > result.tasks:
         raise BadJob(
             f"target_groups: {spec.target_groups} is more than the job's {result.tasks} tasks"
@@ -421,10 +450,10 @@ def _readable_input(value: str | None) -> Path:
     return path
 
 
-def _rows_named(message: str, tasks: Path) -> str:
-    """Name a submitted row ``rows[i]`` instead of its line in the scratch file."""
+def _rows_named(message: str, tasks: Path, inline: bool) -> str:
+    """Name a submitted row ``rows[i]`` instead of its line in the file checked."""
     prefix = f"{tasks}:"
-    if not message.startswith(prefix) or tasks.name != "rows.jsonl":
+    if not message.startswith(prefix) or not inline:
         return message
     line, _, rest = message[len(prefix) :].partition(":")
     return f"rows[{int(line) - 1}]:{rest}" if line.isdigit() else message

@@ -13,6 +13,7 @@ How a rollout is named and keyed (ids, the integer key, their bounds) is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -376,10 +377,10 @@ def input_digest(spec: MaterializeSpec) -> str:
 
 
 def materialize(
-    spec: MaterializeSpec, destination: Path, *, durable: bool = True
+    spec: MaterializeSpec, destination: Path | None, *, durable: bool = True
 ) -> MaterializeResult:
     """Stream the task file into ``destination`` (blocking: run it in a thread),
-    fsynced unless ``durable=False`` (a check whose file is thrown away).
+    fsynced unless ``durable=False``; None: written nowhere (a check of the rows).
 
     The caller writes to a temporary name and renames it into place, so a bad
     line leaves no materialized file behind.
@@ -389,7 +390,7 @@ def materialize(
     input_rows = rollouts = 0
     by_agent: dict[str, int] = {}
     rows = spec_rows(spec, input_hash)
-    with destination.open("wb") as out:
+    with destination.open("wb") if destination is not None else _Discard() as out:
         for where, raw, row in rows:
             input_rows += 1
             written = 0
@@ -402,7 +403,7 @@ def materialize(
                 agent = row[AGENT_REF]["name"]
                 by_agent[agent] = by_agent.get(agent, 0) + written
         out.flush()
-        if durable:
+        if durable and not isinstance(out, _Discard):
             os.fsync(out.fileno())
     return MaterializeResult(
         input_rows=input_rows,
@@ -422,3 +423,16 @@ def _encoded_batches(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[bytes, in
     it = iter(rows)
     while batch := list(itertools.islice(it, _WRITE_BATCH_ROWS)):
         yield b"".join(jsonx.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in batch), len(batch)
+
+
+class _Discard(contextlib.AbstractContextManager["_Discard"]):
+    """Where ``materialize`` writes nothing: no file, no descriptor."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        return None

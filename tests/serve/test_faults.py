@@ -141,13 +141,13 @@ async def test_an_unexpected_handler_error_is_one_line_json(
 ) -> None:
     state = tmp_path / "state"
     (state / "jobs").mkdir(parents=True)
-    # The scratch folder a submission is checked in is a file: mkdir fails.
-    (state / "tmp").write_bytes(b"not a folder\n")
     serve = await Serve.start(state, gated_agent.url)
+    # The folder of the journal a submission is committed to is a file: mkdir fails.
+    (state / "journal").write_bytes(b"not a folder\n")
     try:
         status, body = await post(serve, "/v1/jobs", {"job_id": "j", "rows": rows(1)})
         assert status == 500
-        assert str(state / "tmp") in one_line_error(body)
+        assert str(state / "journal") in one_line_error(body)
         status, body = await get(serve, "/v1/nothing-here")
         assert status == 404 and one_line_error(body)
         # Not a write the disk refused: the daemon stays healthy.

@@ -174,3 +174,18 @@ async def test_a_kill_during_many_concurrent_submits_keeps_every_job_answered(
             assert stream[-1] == {"end": "done"} and len(stream) == 3, (job_id, stream)
     finally:
         await again.stop()
+
+
+async def test_a_journal_that_cannot_be_read_is_exit_2_naming_it(tmp_path: Path) -> None:
+    """It was an unexpected error with a stack of frames."""
+    from tests.helpers import run_cli
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / JOURNAL_DIR).write_bytes(b"not a folder\n")
+    result = await run_cli(
+        "serve", "--state-dir", str(state), "--agent", "a=http://127.0.0.1:9",
+        "--listen", "127.0.0.1:0",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-1000:]
+    assert str(state / JOURNAL_DIR) in result.stderr and "Traceback" not in result.stderr
