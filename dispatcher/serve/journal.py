@@ -246,11 +246,17 @@ class Journal:
         the registry is read); the number repaired. Segments whose jobs are all
         final go; the others stay until their jobs end."""
         segments = self._segments()
+        # A job_id submitted again (its folder moved aside): its last line is the job.
+        last = {
+            record.job_id: (segment, n)
+            for segment in segments
+            for n, (record, _) in enumerate(_entries(self.segment_path(segment)))
+        }
         repaired = 0
         for segment in segments:
-            for record, rows in _entries(self.segment_path(segment)):
+            for n, (record, rows) in enumerate(_entries(self.segment_path(segment))):
                 job_id = record.job_id
-                if archived(job_id):
+                if last[job_id] != (segment, n) or archived(job_id):
                     continue
                 whole = self._whole(record, rows)
                 if whole is None:  # final
