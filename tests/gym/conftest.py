@@ -363,6 +363,13 @@ def gym_stack(request: pytest.FixtureRequest, shared_stack: SharedStack) -> GymS
     return shared_stack.seen_by(request.module.MODEL_SERVER)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that stop the shared stack (``no_shared_stack``) run after every test
+    that uses it, in their order: a test of the shared stack after them would start
+    it again, and a stack costs more than anything else in the group."""
+    items.sort(key=lambda item: "no_shared_stack" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture
 def no_shared_stack(shared_stack: SharedStack) -> None:
     """For a test that starts a stack of its own: Ray runs one cluster per machine
