@@ -20,7 +20,8 @@ Gym's own model-call capture is on (``+observability_enabled=true
 directory, keyed by rollout id, and ``dispatcher run --capture-dir`` reads it
 (such a run first clears the captures of exactly its own rollout ids).
 Ray runs one cluster per machine at a time: a test that starts a stack of its
-own asks for ``no_shared_stack`` first. The tests' Gym-side scripts (Gym's
+own asks for ``no_shared_stack`` first, and runs after every test of the shared
+stack (so that the session starts the shared stack once). The tests' Gym-side scripts (Gym's
 models) and ``gym`` commands other than ``gym env start`` run in processes
 forked from one long-lived, Gym-importing Python of the Gym venv,
 ``gym_interpreter`` (``interpreter.py``). The stack runs from the cached
