@@ -296,19 +296,20 @@ class SharedStack:
 
     def _start(self) -> GymStack:
         root = self._tmp_path_factory.mktemp("gym-stack")
+        # Both sim-models start at once; the proxy needs the first one's URL.
         sim = self._spawn(dispatcher_cmd("sim-model", "--listen", "127.0.0.1:0"), root / "sim.log")
-        sim_url = wait_for(sim, LISTENING, 30).group(1)
-        proxy_args = ["capture-proxy", "--listen", "127.0.0.1:0", "--upstream", sim_url]
-        proxy_args += ["--capture-dir", str(root / "proxy-captures")]
-        proxy = self._spawn(dispatcher_cmd(*proxy_args), root / "proxy.log")
-        proxy_url = wait_for(proxy, LISTENING, 30).group(1)
-        head_port = free_port()
-        agent_ports = {agent: free_port() for agent in AGENTS.values()}
         token_sim = self._spawn(
             dispatcher_cmd("sim-model", "--listen", "127.0.0.1:0", "--token-ids"),
             root / "token-sim.log",
         )
+        sim_url = wait_for(sim, LISTENING, 30).group(1)
+        proxy_args = ["capture-proxy", "--listen", "127.0.0.1:0", "--upstream", sim_url]
+        proxy_args += ["--capture-dir", str(root / "proxy-captures")]
+        proxy = self._spawn(dispatcher_cmd(*proxy_args), root / "proxy.log")
         token_sim_url = wait_for(token_sim, LISTENING, 30).group(1)
+        proxy_url = wait_for(proxy, LISTENING, 30).group(1)
+        head_port = free_port()
+        agent_ports = {agent: free_port() for agent in AGENTS.values()}
         token_port = free_port()
         gym_args = _gym_args(
             self._venv, proxy_url, root, head_port, agent_ports, (token_sim_url, token_port)

@@ -179,15 +179,16 @@ def _deployment(gym_venv: Path, tmp_path: Path) -> Deployment:
 def _start_stack(deployment: Deployment, gym_venv: Path, proxy_block: str, gym_block: str) -> Proc:
     """The engines, the docs' proxy in front of the Gym model servers, and the docs' Gym
     stack; the proxy's process."""
-    for i in range(2):
-        command = " ".join(dispatcher_cmd("sim-model", "--listen", "127.0.0.1:0"))
-        deployment.engines.append(wait_for(deployment.spawn(command, f"e{i}"), LISTENING, 30)[1])
+    # The engines and the proxy (whose upstreams are the Gym model servers' ports) start at once.
+    command = " ".join(dispatcher_cmd("sim-model", "--listen", "127.0.0.1:0"))
+    engines = [deployment.spawn(command, f"e{i}") for i in range(2)]
     proxy_script = replaced(proxy_block, {
         "127.0.0.1:8100": f"127.0.0.1:{deployment.proxy_port}",
         "http://127.0.0.1:8001": deployment.model_urls[0],
         "http://127.0.0.1:8002": deployment.model_urls[1],
     })  # fmt: skip
     proxy = deployment.spawn(proxy_script, "proxy")
+    deployment.engines += [wait_for(engine, LISTENING, 30)[1] for engine in engines]
     wait_for(proxy, LISTENING, 30)
     gym_script = replaced(gym_block, {
         "http://127.0.0.1:8100": deployment.proxy_url,
