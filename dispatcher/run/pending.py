@@ -23,9 +23,12 @@ reserved as one span a read (§5).
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import TracebackType
 from typing import BinaryIO
 
 from dispatcher import jsonx
@@ -41,6 +44,8 @@ READ_BATCH_ROWS = 512
 # Rollouts taken from the order at a time: few, so a sibling that finishes
 # meanwhile still reorders the rest.
 ORDERED_BATCH = 8
+# A row the start order takes longer than this is decoded in a worker thread.
+INLINE_ROW_BYTES = 64 * 1024
 
 
 class Pending:
@@ -134,7 +139,7 @@ class Pending:
     ) -> AsyncIterator[Rollout]:
         """The rest of the file in ``order``'s start order."""
         feed = _Feed(f, source.state, skip)
-        with self._materialized.open("rb") as rows:
+        with _Lines(f) as lines:
             while True:
                 if not feed.ended and feed.position < order.admits_until():
                     found = await asyncio.to_thread(
@@ -148,9 +153,8 @@ class Pending:
                     if feed.ended:
                         return
                     continue
-                offsets = [w.offset for w in picks]
                 # Reserved as the feed read them: no span of their own.
-                batch = await asyncio.to_thread(_read_at, rows, offsets, source, [])
+                batch = [await lines.rollout(w, source) for w in picks]
                 await self._clear_captures(batch)
                 for rollout in batch:
                     yield rollout
@@ -244,6 +248,36 @@ class _Feed:
         if self._last is None or self._last[0] != task:
             self._last = (task, task_digest(jsonx.loads(line)))
         return self._last[1]
+
+
+class _Lines:
+    """The materialized file mapped into memory, for the rows a ``StartOrder`` takes out
+    of input order: a row is a slice of the map, not a read and a thread hop a row. The
+    feed's thread has just read every line it handed the order (their pages are in
+    memory); a row longer than ``INLINE_ROW_BYTES`` is still decoded in a thread."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        size = os.fstat(f.fileno()).st_size
+        # An empty file cannot be mapped, and has no line to take.
+        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._map is not None:
+            self._map.close()
+
+    async def rollout(self, waiting: Waiting, source: _Source) -> Rollout:
+        """The rollout of the line ``waiting`` names."""
+        assert self._map is not None, "a waiting rollout's line is in the file"
+        end = self._map.find(b"\n", waiting.offset)
+        line = self._map[waiting.offset : len(self._map) if end < 0 else end + 1]
+        if len(line) > INLINE_ROW_BYTES:
+            return await asyncio.to_thread(source.rollout, line, waiting.key, waiting.offset)
+        return source.rollout(line, waiting.key, waiting.offset)
 
 
 def _read_at(
