@@ -138,10 +138,10 @@ class Pending:
         self, order: StartOrder, f: BinaryIO, source: _Source, skip: frozenset[int]
     ) -> AsyncIterator[Rollout]:
         """The rest of the file in ``order``'s start order."""
-        feed = _Feed(f, source.state, skip)
+        feed = _Feed(f, source.state, skip, order.window)
         with _Lines(f) as lines:
             while True:
-                if not feed.ended and feed.position < order.admits_until():
+                if feed.due(order.admits_until()):
                     found = await asyncio.to_thread(
                         feed.read, order.admits_until(), self._unreserved
                     )
@@ -213,14 +213,22 @@ class _Feed:
     """The materialized file read ahead for a ``StartOrder``: each line not final
     (nor started first) as a ``Waiting``, up to a given input position."""
 
-    def __init__(self, f: BinaryIO, state: RunState, skip: frozenset[int]) -> None:
+    def __init__(self, f: BinaryIO, state: RunState, skip: frozenset[int], window: int) -> None:
         self._f = f
+        # Lines read at a time once the window has room for them: one thread hop and
+        # one reservation a batch, not a few lines each time the window moves on.
+        self._batch = max(1, min(READ_BATCH_ROWS * 8, window // 2))
         self._state = state
         self._skip = skip
         self.position = 0  # the next line's input position
         self._offset = 0
         self.ended = False
         self._last: tuple[int, str] | None = None  # (task index, digest) of the last row
+
+    def due(self, until: int) -> bool:
+        """Whether to read on: lines are left and the window (up to position ``until``)
+        has room for a batch of them."""
+        return not self.ended and until - self.position >= self._batch
 
     def read(self, until: int, spans: list[tuple[int, int]]) -> list[Waiting]:
         """The waiting rollouts of the lines before position ``until`` (in a thread);

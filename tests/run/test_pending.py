@@ -141,3 +141,21 @@ async def test_a_run_whose_model_calls_are_routed_starts_a_tasks_repeats_togethe
         await agent.close()
     assert result.returncode == 0, result.stderr[-2000:]
     assert agent.task_indexes() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+async def test_the_ordered_feed_reads_and_reserves_a_batch_at_a_time(tmp_path: Path) -> None:
+    # The window moves on by one rollout at a time; the file is read (and its lines
+    # reserved, one fsynced line each) only once the window has room for a batch.
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 1000)
+    output = tmp_path / "x.jsonl"
+    agent = FakeAgent()
+    await agent.start()
+    try:
+        args = run_args(tasks, output, agent.url, "--concurrency", "4")
+        result = await run_cli(*args, "--start-order-window", "64")
+    finally:
+        await agent.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    audit_outputs(output, expected_keys(1000, 1), max_attempts=1)
+    # Batches of half the window: 1000 / 32 reads, not one every few rollouts.
+    assert count_lines(tmp_path / "x_attempt_reservations.jsonl") <= 1000 // 32 + 2
