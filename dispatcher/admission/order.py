@@ -30,7 +30,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -75,17 +75,26 @@ class Waiting:
     digest: str
 
 
-@dataclass(slots=True)
 class _Task:
-    waiting: set[int] = field(default_factory=set)
-    probed: bool = False
-    estimate_s: float | None = None
-    learned: bool = False  # a sibling finished in this job
-    version: int = 0
+    """A task with rollouts waiting or started: what the order knows of it."""
+
+    __slots__ = ("estimate_s", "learned", "probed", "version", "waiting")
+
+    def __init__(self, estimate_s: float | None) -> None:
+        self.waiting: set[int] = set()
+        self.probed = False
+        self.estimate_s = estimate_s
+        self.learned = False  # a sibling finished in this job
+        self.version = 0
 
 
 class StartOrder:
-    """A job's waiting rollouts in start order; see the module docstring."""
+    """A job's waiting rollouts in start order; see the module docstring.
+
+    Rollouts are added in input order. Tier 1 is a queue in that order (a task
+    is unseen only when added, so it only grows at its end); tiers 2 and 3 are a
+    heap. An entry whose task moved to another tier since is skipped when met.
+    """
 
     def __init__(
         self,
@@ -101,8 +110,9 @@ class StartOrder:
         self.whole_groups = whole_groups
         self._waiting: dict[int, Waiting] = {}
         self._tasks: dict[int, _Task] = {}
+        self._unseen: deque[tuple[int, int]] = deque()  # (position, task version)
         self._heap: list[tuple[int, float, int, int]] = []
-        self._oldest: list[int] = []
+        self._oldest: deque[int] = deque()  # the positions added, in input order
         self._next_position = 0
         # Started, not finished: what each was expected to take (None: unseen).
         self._started: dict[int, tuple[str, float | None]] = {}
@@ -117,25 +127,30 @@ class StartOrder:
         return self.oldest_position() + self.window
 
     def oldest_position(self) -> int:
-        while self._oldest and self._oldest[0] not in self._waiting:
-            heapq.heappop(self._oldest)
-        return self._oldest[0] if self._oldest else self._next_position
+        oldest, waiting = self._oldest, self._waiting
+        while oldest and oldest[0] not in waiting:
+            oldest.popleft()
+        return oldest[0] if oldest else self._next_position
 
     def skip_to(self, position: int) -> None:
         """Lines up to ``position`` were read and need no start (final ones)."""
         self._next_position = max(self._next_position, position)
 
     def add(self, rollout: Waiting) -> None:
-        self._waiting[rollout.position] = rollout
-        self._next_position = max(self._next_position, rollout.position + 1)
-        heapq.heappush(self._oldest, rollout.position)
+        """One more waiting rollout, after every one added before in input order."""
+        position = rollout.position
+        if position < self._next_position:
+            raise ValueError(f"position {position} added after {self._next_position - 1}")
+        self._waiting[position] = rollout
+        self._next_position = position + 1
+        self._oldest.append(position)
         task = self._tasks.get(rollout.task_index)
         if task is None:
-            task = self._tasks[rollout.task_index] = _Task()
-            if self.history is not None:
-                task.estimate_s = self.history.estimate(rollout.digest)
-        task.waiting.add(rollout.position)
-        self._push(rollout.position, task)
+            history = self.history
+            estimate = history.estimate(rollout.digest) if history is not None else None
+            task = self._tasks[rollout.task_index] = _Task(estimate)
+        task.waiting.add(position)
+        self._push(position, task)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -144,31 +159,33 @@ class StartOrder:
 
     def take(self) -> Waiting | None:
         """The rollout to start next (it counts as started); None when none waits."""
-        while self._heap:
-            _, _, position, version = heapq.heappop(self._heap)
-            rollout = self._waiting.get(position)
+        unseen, heap, waiting, tasks = self._unseen, self._heap, self._waiting, self._tasks
+        while True:
+            if unseen:
+                position, version = unseen.popleft()
+            elif heap:
+                _, _, position, version = heapq.heappop(heap)
+            else:
+                return None
+            rollout = waiting.get(position)
             if rollout is None:
                 continue
-            task = self._tasks[rollout.task_index]
+            task = tasks[rollout.task_index]
             if version != task.version:
                 continue
-            del self._waiting[position]
+            del waiting[position]
             task.waiting.discard(position)
             self._started[rollout.key] = (rollout.digest, task.estimate_s)
-            self._count(task)
-            if not task.probed and task.estimate_s is None and not self.whole_groups:
-                task.probed = True
-                self._reorder(task)
+            if task.estimate_s is None:
+                self.unseen += 1
+                if not task.probed and not self.whole_groups:
+                    task.probed = True
+                    self._reorder(task)
+            else:
+                self.estimated += 1
             if not task.waiting and task.learned:
-                del self._tasks[rollout.task_index]
+                del tasks[rollout.task_index]
             return rollout
-        return None
-
-    def _count(self, task: _Task) -> None:
-        if task.estimate_s is None:
-            self.unseen += 1
-        else:
-            self.estimated += 1
 
     # ---- learning -----------------------------------------------------------------
 
@@ -219,12 +236,11 @@ class StartOrder:
 
     def _push(self, position: int, task: _Task) -> None:
         if task.estimate_s is not None:
-            entry = (Tier.EXPECTED, -task.estimate_s, position, task.version)
+            heapq.heappush(self._heap, (Tier.EXPECTED, -task.estimate_s, position, task.version))
         elif task.probed:
-            entry = (Tier.PROBING, 0.0, position, task.version)
+            heapq.heappush(self._heap, (Tier.PROBING, 0.0, position, task.version))
         else:
-            entry = (Tier.UNSEEN, 0.0, position, task.version)
-        heapq.heappush(self._heap, entry)
+            self._unseen.append((position, task.version))
 
 
 # Makes a job's start order from its settings, the shared task history and whether
