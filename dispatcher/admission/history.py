@@ -25,6 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import structlog
 
@@ -36,19 +37,32 @@ log = structlog.get_logger(__name__)
 
 ALPHA = 0.3
 COMPACT_FACTOR = 2
-FLUSH_EVERY = 256
+FLUSH_EVERY = 4096
 DEFAULT_MAX_TASKS = 100_000
 HISTORY_FILE = "task_history.jsonl"
 # Keys a materialized row gains from the dispatcher: not part of the task.
-_OWN_KEYS = (TASK_INDEX, ROLLOUT_INDEX, ROLLOUT_ID, ATTEMPT_INDEX, CAPTURE_ID)
+_OWN_KEYS = frozenset((TASK_INDEX, ROLLOUT_INDEX, ROLLOUT_ID, ATTEMPT_INDEX, CAPTURE_ID))
+_BLAKE2B = hashlib.blake2b(digest_size=16)  # copied: cheaper than made anew each time
 
 
 def task_digest(row: dict[str, Any]) -> str:
     """The stable name of a task: a digest of its row's canonical JSON (sorted keys),
     the same for every repeat and every job that sends the row."""
-    task = {k: v for k, v in row.items() if k not in _OWN_KEYS}
-    data = jsonx.dumps(task, orjson.OPT_SORT_KEYS)
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    task = (
+        row if _OWN_KEYS.isdisjoint(row) else {k: v for k, v in row.items() if k not in _OWN_KEYS}
+    )
+    digest = _BLAKE2B.copy()
+    digest.update(jsonx.dumps(task, orjson.OPT_SORT_KEYS))
+    return digest.hexdigest()
+
+
+def line_digest(line: bytes) -> str:
+    """``task_digest`` of a materialized line."""
+    row = jsonx.loads(line)
+    # Its own parse: the two keys every materialized row has go without a copy.
+    row.pop(TASK_INDEX, None)
+    row.pop(ROLLOUT_INDEX, None)
+    return task_digest(row)
 
 
 class TaskHistory:
@@ -58,7 +72,7 @@ class TaskHistory:
         self.path = path
         self.max_tasks = max_tasks
         self._average: OrderedDict[str, float] = OrderedDict()
-        self._unwritten: list[bytes] = []
+        self._unwritten: list[tuple[str, float]] = []
         self._lines_on_disk = 0
         # Jobs of one service share the history; their flushes take turns.
         self._file_lock = threading.Lock()
@@ -86,7 +100,7 @@ class TaskHistory:
         average = latency_s if old is None else old + ALPHA * (latency_s - old)
         self._set(digest, average)
         if self.path is not None:
-            self._unwritten.append(_line(digest, average))
+            self._unwritten.append((digest, average))
 
     def due(self) -> bool:
         return len(self._unwritten) >= FLUSH_EVERY
@@ -103,7 +117,7 @@ class TaskHistory:
         lines, self._unwritten = self._unwritten, []
         self._write(lines)
 
-    def _write(self, lines: list[bytes]) -> None:
+    def _write(self, lines: list[tuple[str, float]]) -> None:
         """Append ``lines``, or replace the file when it has grown past its bound."""
         if self.path is None or not lines:
             return
@@ -117,10 +131,10 @@ class TaskHistory:
                 # A hint lost, never a row: the run goes on in its order so far.
                 log.warning("task_history_not_written", path=str(self.path), error=str(exc))
 
-    def _append(self, lines: list[bytes]) -> None:
+    def _append(self, lines: list[tuple[str, float]]) -> None:
         assert self.path is not None
         with self.path.open("ab") as f:
-            f.write(b"".join(lines))
+            f.write(b"".join(_line(d, s) for d, s in lines))
         self._lines_on_disk += len(lines)
 
     def _compact(self) -> None:
@@ -153,17 +167,20 @@ def _line(digest: str, average: float) -> bytes:
     return orjson.dumps({"t": digest, "s": average}) + b"\n"
 
 
+class _Update(msgspec.Struct):
+    t: str
+    s: float
+
+
+_UPDATE = msgspec.json.Decoder(_Update)
+
+
 def _parse(line: bytes) -> tuple[str, float] | None:
     """One update line; None for a torn or foreign one (skipped)."""
     try:
-        update = orjson.loads(line)
-    except orjson.JSONDecodeError:
+        update = _UPDATE.decode(line)
+    except msgspec.DecodeError:
         return None
-    if not isinstance(update, dict):
+    if not math.isfinite(update.s) or update.s < 0:
         return None
-    digest, average = update.get("t"), update.get("s")
-    if not isinstance(digest, str) or not isinstance(average, int | float):
-        return None
-    if not math.isfinite(average) or average < 0:
-        return None
-    return digest, float(average)
+    return update.t, update.s

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import BinaryIO
 
 from dispatcher import jsonx
-from dispatcher.admission.history import task_digest
+from dispatcher.admission.history import line_digest
 from dispatcher.admission.order import StartOrder, Waiting
 from dispatcher.files.reservations import Reservations
 from dispatcher.files.resume import RunState
@@ -254,7 +254,7 @@ class _Feed:
         # A task's repeats are consecutive lines: its row is parsed once.
         task = task_of(key)
         if self._last is None or self._last[0] != task:
-            self._last = (task, task_digest(jsonx.loads(line)))
+            self._last = (task, line_digest(line))
         return self._last[1]
 
 
