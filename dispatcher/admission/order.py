@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +65,25 @@ class Tier(IntEnum):
     EXPECTED = 2
 
 
+# A heap entry of tiers 2 and 3 is one int, compared in C: the tier, then the
+# estimate (a non-negative float's bits, inverted: the longest first), then the
+# input position.
+POSITION_BITS = 48
+_POSITION_MASK = (1 << POSITION_BITS) - 1
+_ESTIMATE_MASK = (1 << 64) - 1
+_DOUBLE = struct.Struct("<d")
+
+
+def _rank(estimate_s: float | None, probed: bool) -> int | None:
+    """A task's part of its heap entries; None in tier 1 (unseen)."""
+    if estimate_s is not None:
+        bits = int.from_bytes(_DOUBLE.pack(estimate_s if estimate_s > 0.0 else 0.0), "little")
+        return (Tier.EXPECTED << 64 | (_ESTIMATE_MASK ^ bits)) << POSITION_BITS
+    if probed:
+        return Tier.PROBING << 64 << POSITION_BITS
+    return None
+
+
 @dataclass(slots=True)
 class Waiting:
     """One waiting rollout: where its line is and which task it runs."""
@@ -78,22 +98,22 @@ class Waiting:
 class _Task:
     """A task with rollouts waiting or started: what the order knows of it."""
 
-    __slots__ = ("estimate_s", "learned", "probed", "version", "waiting")
+    __slots__ = ("estimate_s", "learned", "probed", "rank", "waiting")
 
     def __init__(self, estimate_s: float | None) -> None:
         self.waiting: set[int] = set()
         self.probed = False
         self.estimate_s = estimate_s
         self.learned = False  # a sibling finished in this job
-        self.version = 0
+        self.rank = _rank(estimate_s, False)
 
 
 class StartOrder:
     """A job's waiting rollouts in start order; see the module docstring.
 
-    Rollouts are added in input order. Tier 1 is a queue in that order (a task
-    is unseen only when added, so it only grows at its end); tiers 2 and 3 are a
-    heap. An entry whose task moved to another tier since is skipped when met.
+    Rollouts are added in input order. Tier 1 is a queue of positions in that
+    order (a task is unseen only when added, so it only grows at its end); tiers
+    2 and 3 are a heap. An entry whose task has another rank since is skipped.
     """
 
     def __init__(
@@ -110,8 +130,8 @@ class StartOrder:
         self.whole_groups = whole_groups
         self._waiting: dict[int, Waiting] = {}
         self._tasks: dict[int, _Task] = {}
-        self._unseen: deque[tuple[int, int]] = deque()  # (position, task version)
-        self._heap: list[tuple[int, float, int, int]] = []
+        self._unseen: deque[int] = deque()
+        self._heap: list[int] = []  # rank | position
         self._oldest: deque[int] = deque()  # the positions added, in input order
         self._next_position = 0
         # Started, not finished: what each was expected to take (None: unseen).
@@ -139,7 +159,7 @@ class StartOrder:
     def add(self, rollout: Waiting) -> None:
         """One more waiting rollout, after every one added before in input order."""
         position = rollout.position
-        if position < self._next_position:
+        if not self._next_position <= position <= _POSITION_MASK:
             raise ValueError(f"position {position} added after {self._next_position - 1}")
         self._waiting[position] = rollout
         self._next_position = position + 1
@@ -162,16 +182,19 @@ class StartOrder:
         unseen, heap, waiting, tasks = self._unseen, self._heap, self._waiting, self._tasks
         while True:
             if unseen:
-                position, version = unseen.popleft()
+                position = unseen.popleft()
+                rank = None
             elif heap:
-                _, _, position, version = heapq.heappop(heap)
+                entry = heapq.heappop(heap)
+                position = entry & _POSITION_MASK
+                rank = entry ^ position
             else:
                 return None
             rollout = waiting.get(position)
             if rollout is None:
                 continue
             task = tasks[rollout.task_index]
-            if version != task.version:
+            if rank != task.rank:
                 continue
             del waiting[position]
             task.waiting.discard(position)
@@ -180,6 +203,7 @@ class StartOrder:
                 self.unseen += 1
                 if not task.probed and not self.whole_groups:
                     task.probed = True
+                    task.rank = _rank(None, True)
                     self._reorder(task)
             else:
                 self.estimated += 1
@@ -210,6 +234,7 @@ class StartOrder:
         if task is None or task.learned or self.whole_groups:
             return
         task.learned, task.estimate_s = True, latency_s
+        task.rank = _rank(latency_s, task.probed)
         if task.waiting:
             self._reorder(task)
         else:
@@ -230,17 +255,14 @@ class StartOrder:
         }
 
     def _reorder(self, task: _Task) -> None:
-        task.version += 1
         for position in task.waiting:
             self._push(position, task)
 
     def _push(self, position: int, task: _Task) -> None:
-        if task.estimate_s is not None:
-            heapq.heappush(self._heap, (Tier.EXPECTED, -task.estimate_s, position, task.version))
-        elif task.probed:
-            heapq.heappush(self._heap, (Tier.PROBING, 0.0, position, task.version))
+        if task.rank is None:
+            self._unseen.append(position)
         else:
-            self._unseen.append((position, task.version))
+            heapq.heappush(self._heap, task.rank | position)
 
 
 # Makes a job's start order from its settings, the shared task history and whether

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from dispatcher.admission.history import TaskHistory
 from dispatcher.admission.order import StartOrder, Waiting
 
@@ -69,3 +71,68 @@ def test_no_rollout_is_passed_by_a_window_of_later_ones() -> None:
     for at, p in enumerate(started):
         later_before = sum(1 for q in started[:at] if q >= p + window)
         assert later_before == 0
+
+
+class Rule:
+    """What the order should do, by sorting what waits at each take: unseen tasks
+    first, then probing ones, then the longest expected, each in input order."""
+
+    def __init__(self, history: TaskHistory) -> None:
+        self.history = history
+        self.tasks: dict[int, tuple[float | None, bool, bool]] = {}  # estimate, probed, learned
+        self.waits: dict[int, int] = {}  # position -> task
+
+    def add(self, position: int, task: int) -> None:
+        if task not in self.tasks:
+            self.tasks[task] = (self.history.estimate(f"d{task}"), False, False)
+        self.waits[position] = task
+
+    def take(self) -> int:
+        def rank(position: int) -> tuple[int, float, int]:
+            estimate, probed, _ = self.tasks[self.waits[position]]
+            if estimate is not None:
+                return (2, -estimate, position)
+            return (1 if probed else 0, 0.0, position)
+
+        position = min(self.waits, key=rank)
+        task = self.waits.pop(position)
+        estimate, _, learned = self.tasks[task]
+        self.tasks[task] = (estimate, True, learned)
+        if learned and task not in self.waits.values():
+            del self.tasks[task]  # nothing more to learn or order
+        return position
+
+    def finished(self, task: int, latency_s: float) -> None:
+        if task not in self.tasks or self.tasks[task][2]:
+            return
+        self.tasks[task] = (latency_s, self.tasks[task][1], True)
+        if task not in self.waits.values():
+            del self.tasks[task]
+
+
+def test_the_order_follows_its_rule_whatever_happens_between_takes() -> None:
+    rng = random.Random(7)
+    history = TaskHistory(None)
+    for task in range(0, 60, 3):
+        history.observe(f"d{task}", rng.choice([0.0, 0.5, 2.0, rng.random()]))
+    order, rule = StartOrder(history, window=1 << 20), Rule(history)
+    started: list[tuple[int, int]] = []  # key, task
+    for position in range(400):
+        # A few repeats in a row, now and then a task seen before.
+        task = position // 3 if rng.random() < 0.8 else rng.randrange(60)
+        rule.add(position, task)
+        order.add(Waiting(position, position, position, task, f"d{task}"))
+        for _ in range(rng.randrange(3)):
+            if rule.waits and rng.random() < 0.6:
+                pick = order.take()
+                assert pick is not None and pick.position == rule.take()
+                started.append((pick.key, pick.task_index))
+            elif started:
+                key, done = started.pop(rng.randrange(len(started)))
+                latency_s = rng.choice([0.1, 1.0, 3.0, rng.random()])
+                rule.finished(done, latency_s)  # before the order moves the history on
+                order.finished(key, done, latency_s)
+    while rule.waits:
+        pick = order.take()
+        assert pick is not None and pick.position == rule.take()
+    assert order.take() is None
