@@ -150,17 +150,25 @@ class TaskHistory:
 
     def _replay(self, path: Path) -> None:
         try:
-            with path.open("rb") as f:
-                for line in f:
-                    self._lines_on_disk += 1
-                    update = _parse(line)
-                    if update is not None:
-                        self._average.pop(update[0], None)
-                        self._set(*update)
+            data = path.read_bytes()
         except FileNotFoundError:
             return
         except OSError as exc:
             log.warning("task_history_not_read", path=str(path), error=str(exc))
+            return
+        lines = data.split(b"\n")
+        if not lines[-1]:
+            lines.pop()
+        self._lines_on_disk = len(lines)
+        # The last update of each task wins, and the ``max_tasks`` updated last stay:
+        # read backwards, each task's first update is its last.
+        latest: dict[str, float] = {}
+        for digest, average in reversed(_parse_all(lines)):
+            if digest not in latest:
+                latest[digest] = average
+                if len(latest) >= self.max_tasks:
+                    break
+        self._average = OrderedDict(reversed(latest.items()))
 
 
 def _line(digest: str, average: float) -> bytes:
@@ -173,6 +181,19 @@ class _Update(msgspec.Struct):
 
 
 _UPDATE = msgspec.json.Decoder(_Update)
+
+
+_UPDATES = msgspec.json.Decoder(list[_Update])
+
+
+def _parse_all(lines: list[bytes]) -> list[tuple[str, float]]:
+    """The updates of ``lines`` in order: all at once, or a line at a time when one
+    is torn or foreign (skipped)."""
+    try:
+        updates = _UPDATES.decode(b"[" + b",".join(lines) + b"]")
+    except msgspec.DecodeError:
+        return [u for u in map(_parse, lines) if u is not None]
+    return [(u.t, u.s) for u in updates if math.isfinite(u.s) and u.s >= 0]
 
 
 def _parse(line: bytes) -> tuple[str, float] | None:

@@ -154,7 +154,13 @@ class Pending:
                         return
                     continue
                 # Reserved as the feed read them: no span of their own.
-                batch = [await lines.rollout(w, source) for w in picks]
+                batch = []
+                for w in picks:
+                    line = lines.line(w)
+                    if len(line) > INLINE_ROW_BYTES:
+                        batch.append(await asyncio.to_thread(source.rollout, line, w.key, w.offset))
+                    else:
+                        batch.append(source.rollout(line, w.key, w.offset))
                 await self._clear_captures(batch)
                 for rollout in batch:
                     yield rollout
@@ -278,14 +284,11 @@ class _Lines:
         if self._map is not None:
             self._map.close()
 
-    async def rollout(self, waiting: Waiting, source: _Source) -> Rollout:
-        """The rollout of the line ``waiting`` names."""
+    def line(self, waiting: Waiting) -> bytes:
+        """The line ``waiting`` names."""
         assert self._map is not None, "a waiting rollout's line is in the file"
         end = self._map.find(b"\n", waiting.offset)
-        line = self._map[waiting.offset : len(self._map) if end < 0 else end + 1]
-        if len(line) > INLINE_ROW_BYTES:
-            return await asyncio.to_thread(source.rollout, line, waiting.key, waiting.offset)
-        return source.rollout(line, waiting.key, waiting.offset)
+        return self._map[waiting.offset : len(self._map) if end < 0 else end + 1]
 
 
 def _read_at(
