@@ -70,7 +70,8 @@ class Tier(IntEnum):
 # input position.
 POSITION_BITS = 48
 _POSITION_MASK = (1 << POSITION_BITS) - 1
-_ESTIMATE_MASK = (1 << 64) - 1
+_EXPECTED = (int(Tier.EXPECTED) << 64 | ((1 << 64) - 1)) << POSITION_BITS
+_PROBING = int(Tier.PROBING) << 64 << POSITION_BITS
 _DOUBLE = struct.Struct("<d")
 
 
@@ -78,10 +79,8 @@ def _rank(estimate_s: float | None, probed: bool) -> int | None:
     """A task's part of its heap entries; None in tier 1 (unseen)."""
     if estimate_s is not None:
         bits = int.from_bytes(_DOUBLE.pack(estimate_s if estimate_s > 0.0 else 0.0), "little")
-        return (Tier.EXPECTED << 64 | (_ESTIMATE_MASK ^ bits)) << POSITION_BITS
-    if probed:
-        return Tier.PROBING << 64 << POSITION_BITS
-    return None
+        return _EXPECTED ^ (bits << POSITION_BITS)
+    return _PROBING if probed else None
 
 
 @dataclass(slots=True)
@@ -100,8 +99,8 @@ class _Task:
 
     __slots__ = ("estimate_s", "learned", "probed", "rank", "waiting")
 
-    def __init__(self, estimate_s: float | None) -> None:
-        self.waiting: set[int] = set()
+    def __init__(self, estimate_s: float | None, position: int) -> None:
+        self.waiting = {position}
         self.probed = False
         self.estimate_s = estimate_s
         self.learned = False  # a sibling finished in this job
@@ -168,8 +167,9 @@ class StartOrder:
         if task is None:
             history = self.history
             estimate = history.estimate(rollout.digest) if history is not None else None
-            task = self._tasks[rollout.task_index] = _Task(estimate)
-        task.waiting.add(position)
+            task = self._tasks[rollout.task_index] = _Task(estimate, position)
+        else:
+            task.waiting.add(position)
         self._push(position, task)
 
     def __len__(self) -> int:
@@ -233,12 +233,12 @@ class StartOrder:
         task = self._tasks.get(task_index)
         if task is None or task.learned or self.whole_groups:
             return
+        if not task.waiting:
+            del self._tasks[task_index]  # nothing left to order by it
+            return
         task.learned, task.estimate_s = True, latency_s
         task.rank = _rank(latency_s, task.probed)
-        if task.waiting:
-            self._reorder(task)
-        else:
-            del self._tasks[task_index]
+        self._reorder(task)
 
     def median_error(self) -> float | None:
         """The median of |ln(actual / expected)| over the latest estimated rollouts."""

@@ -229,7 +229,7 @@ class _Feed:
         self.position = 0  # the next line's input position
         self._offset = 0
         self.ended = False
-        self._last: tuple[int, str] | None = None  # (task index, digest) of the last row
+        self._last = (-1, "")  # the last row's task index and digest
 
     def due(self, until: int) -> bool:
         """Whether to read on: lines are left and the window (up to position ``until``)
@@ -240,28 +240,29 @@ class _Feed:
         """The waiting rollouts of the lines before position ``until`` (in a thread);
         the span of lines read is added to ``spans``."""
         found: list[Waiting] = []
-        first = self._offset
-        while self.position < until and len(found) < READ_BATCH_ROWS * 8:
-            line = self._f.readline()
+        first = offset = self._offset
+        position, end = self.position, min(until, self.position + READ_BATCH_ROWS * 8)
+        readline, is_final, skip = self._f.readline, self._state.is_final, self._skip
+        # A task's repeats are consecutive lines: its row is parsed once.
+        last_task, digest = self._last
+        while position < end:
+            line = readline()
             if not line:
                 self.ended = True
                 break
-            position, offset = self.position, self._offset
-            self.position, self._offset = position + 1, offset + len(line)
+            at, offset = offset, offset + len(line)
+            position += 1
             key = materialized_key(line)
-            if self._state.is_final(key) or offset in self._skip:
+            if is_final(key) or at in skip:
                 continue
-            found.append(Waiting(position, offset, key, task_of(key), self._digest(key, line)))
+            task = task_of(key)
+            if task != last_task:
+                last_task, digest = task, line_digest(line)
+            found.append(Waiting(position - 1, at, key, task, digest))
+        self.position, self._offset, self._last = position, offset, (last_task, digest)
         if found:
-            spans.append((first, self._offset))
+            spans.append((first, offset))
         return found
-
-    def _digest(self, key: int, line: bytes) -> str:
-        # A task's repeats are consecutive lines: its row is parsed once.
-        task = task_of(key)
-        if self._last is None or self._last[0] != task:
-            self._last = (task, line_digest(line))
-        return self._last[1]
 
 
 class _Lines:
