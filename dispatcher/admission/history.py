@@ -181,8 +181,6 @@ class _Update(msgspec.Struct):
 
 
 _UPDATE = msgspec.json.Decoder(_Update)
-
-
 _UPDATES = msgspec.json.Decoder(list[_Update])
 
 
@@ -192,6 +190,8 @@ def _parse_all(lines: list[bytes]) -> list[tuple[str, float]]:
     try:
         updates = _UPDATES.decode(b"[" + b",".join(lines) + b"]")
     except msgspec.DecodeError:
+        updates = None
+    if updates is None or len(updates) != len(lines):
         return [u for u in map(_parse, lines) if u is not None]
     return [(u.t, u.s) for u in updates if math.isfinite(u.s) and u.s >= 0]
 

@@ -43,3 +43,26 @@ def test_the_history_is_bounded_in_tasks_and_lines(tmp_path: Path) -> None:
     assert len(path.read_bytes().splitlines()) <= 2 * 3 + 5
     again = TaskHistory.load(path, max_tasks=3)
     assert {t: again.estimate(t) for t in "cde"} == {t: history.estimate(t) for t in "cde"}
+
+
+def test_a_foreign_line_is_skipped_and_the_last_update_of_a_task_wins(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    path.write_bytes(
+        b'{"t":"a","s":1.0}\n'
+        b"\n"
+        b'{"t":"b","s":1},{"t":"c","s":2}\n'  # two objects on a line: not an update
+        b'{"t":"d","s":-1}\n'
+        b'{"t":"a","s":3}\n'
+        b'{"t":"e","s":2.5,"x":0}\n'
+    )
+    history = TaskHistory.load(path, max_tasks=2)
+    assert {t: history.estimate(t) for t in "abcde"} == {
+        "a": 3.0,
+        "b": None,
+        "c": None,
+        "d": None,
+        "e": 2.5,
+    }
+    # The two updated last are kept, oldest first: "a" goes before "e".
+    history.observe("f", 1.0)
+    assert history.estimate("a") is None and history.estimate("e") == 2.5
