@@ -269,7 +269,7 @@ class _Feed:
 class _Lines:
     """The materialized file mapped into memory, for the rows a ``StartOrder`` takes out
     of input order: a row is a slice of the map, not a read and a thread hop a row. The
-    feed's thread has just read every line it handed the order (their pages are in
+    feed's thread has read every line it handed the order (their pages are in
     memory); a row longer than ``INLINE_ROW_BYTES`` is still decoded in a thread."""
 
     def __init__(self, f: BinaryIO) -> None:
