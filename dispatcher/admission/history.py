@@ -4,7 +4,13 @@ A task is named by the digest of its input row (``task_digest``: the row's
 canonical JSON without the keys the dispatcher sets), so the same prompt in
 a later job, a later epoch or another output file finds its history. The
 history is a moving average per task (``ALPHA`` of each new latency), at most
-``max_tasks`` of them: the task updated longest ago goes first.
+``max_tasks`` of them: the task updated longest ago goes first (``max_tasks // 16``
+more with it, so forgetting is a rare batch, not a step of every new task).
+
+In memory a task costs ~40 bytes (``_Tasks``: parallel arrays sorted by digest):
+a daemon that serves a job per prompt group sees a new task with nearly every
+job, and an ordered map of digest strings to floats took ~200 bytes a task,
+20 MB of resident memory at the default bound.
 
 On disk, one JSON line per update, ``{"t": digest, "s": average}``, appended
 (the last line of a task wins, so replaying the file in order rebuilds the
@@ -19,9 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import math
 import threading
-from collections import OrderedDict
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +80,13 @@ class TaskHistory:
     def __init__(self, path: Path | None, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
         self.path = path
         self.max_tasks = max_tasks
-        self._average: OrderedDict[str, float] = OrderedDict()
+        self._tasks = _Tasks()
         self._unwritten: list[tuple[str, float]] = []
         self._lines_on_disk = 0
         # Jobs of one service share the history; their flushes take turns.
         self._file_lock = threading.Lock()
+        # The loop changes the tasks while a flush's thread copies them to compact.
+        self._tasks_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: Path | None, max_tasks: int = DEFAULT_MAX_TASKS) -> TaskHistory:
@@ -86,21 +97,26 @@ class TaskHistory:
         return history
 
     def __len__(self) -> int:
-        return len(self._average)
+        return len(self._tasks)
 
     def estimate(self, digest: str) -> float | None:
         """The task's expected latency in seconds; None for a task never seen."""
-        return self._average.get(digest)
+        return self._tasks.get(_key(digest))
 
     def observe(self, digest: str, latency_s: float) -> None:
         """One finished rollout of the task: move its average, buffer the update."""
         if not math.isfinite(latency_s) or latency_s < 0:
             return
-        old = self._average.pop(digest, None)
+        key = _key(digest)
+        old = self._tasks.get(key)
         average = latency_s if old is None else old + ALPHA * (latency_s - old)
-        self._set(digest, average)
+        with self._tasks_lock:
+            self._tasks.set(key, average)
+            if len(self._tasks) > self.max_tasks:
+                extra = len(self._tasks) - self.max_tasks + self.max_tasks // 16
+                self._tasks.forget_oldest(extra)
         if self.path is not None:
-            self._unwritten.append((digest, average))
+            self._unwritten.append((_hex(key), average))
 
     def due(self) -> bool:
         return len(self._unwritten) >= FLUSH_EVERY
@@ -139,14 +155,11 @@ class TaskHistory:
 
     def _compact(self) -> None:
         assert self.path is not None
-        snapshot = list(self._average.items())
-        write_atomic(self.path, (_line(d, s) for d, s in snapshot))
+        with self._tasks_lock:
+            tasks = self._tasks.copy()
+        snapshot = list(tasks.oldest_first())
+        write_atomic(self.path, (_line(_hex(k), s) for k, s in snapshot))
         self._lines_on_disk = len(snapshot)
-
-    def _set(self, digest: str, average: float) -> None:
-        self._average[digest] = average
-        while len(self._average) > self.max_tasks:
-            self._average.popitem(last=False)
 
     def _replay(self, path: Path) -> None:
         try:
@@ -162,13 +175,108 @@ class TaskHistory:
         self._lines_on_disk = len(lines)
         # The last update of each task wins, and the ``max_tasks`` updated last stay:
         # read backwards, each task's first update is its last.
-        latest: dict[str, float] = {}
+        latest: dict[int, float] = {}
         for digest, average in reversed(_parse_all(lines)):
-            if digest not in latest:
-                latest[digest] = average
+            key = _key(digest)
+            if key not in latest:
+                latest[key] = average
                 if len(latest) >= self.max_tasks:
                     break
-        self._average = OrderedDict(reversed(latest.items()))
+        self._tasks = _Tasks.of(reversed(latest.items()))
+
+
+class _Tasks:
+    """Tasks' averages in parallel arrays sorted by digest (its high and low 64 bits),
+    with the tick of each one's last update: ~40 bytes a task. A lookup is a binary
+    search; a new task moves the arrays' tails (a memmove of at most a few MB)."""
+
+    def __init__(self) -> None:
+        self.hi = array("Q")
+        self.lo = array("Q")
+        self.average = array("d")
+        self.tick = array("Q")
+        self._clock = 0
+
+    @classmethod
+    def of(cls, items: Iterable[tuple[int, float]]) -> _Tasks:
+        """The tasks of ``(digest, average)`` pairs, oldest update first."""
+        tasks = cls()
+        ordered = sorted((key, tick, average) for tick, (key, average) in enumerate(items))
+        tasks.hi = array("Q", (key >> 64 for key, _, _ in ordered))
+        tasks.lo = array("Q", (key & _LOW for key, _, _ in ordered))
+        tasks.average = array("d", (average for _, _, average in ordered))
+        tasks.tick = array("Q", (tick for _, tick, _ in ordered))
+        tasks._clock = len(ordered)
+        return tasks
+
+    def __len__(self) -> int:
+        return len(self.hi)
+
+    def copy(self) -> _Tasks:
+        tasks = _Tasks()
+        tasks.hi, tasks.lo = array("Q", self.hi), array("Q", self.lo)
+        tasks.average, tasks.tick = array("d", self.average), array("Q", self.tick)
+        tasks._clock = self._clock
+        return tasks
+
+    def _find(self, key: int) -> tuple[int, bool]:
+        """Where ``key`` is (True), or where it would go (False)."""
+        hi, lo = key >> 64, key & _LOW
+        at = bisect_left(self.hi, hi)
+        while at < len(self.hi) and self.hi[at] == hi and self.lo[at] < lo:
+            at += 1
+        return at, at < len(self.hi) and self.hi[at] == hi and self.lo[at] == lo
+
+    def get(self, key: int) -> float | None:
+        at, found = self._find(key)
+        return self.average[at] if found else None
+
+    def set(self, key: int, average: float) -> None:
+        at, found = self._find(key)
+        if found:
+            self.average[at] = average
+            self.tick[at] = self._clock
+        else:
+            self.hi.insert(at, key >> 64)
+            self.lo.insert(at, key & _LOW)
+            self.average.insert(at, average)
+            self.tick.insert(at, self._clock)
+        self._clock += 1
+
+    def forget_oldest(self, count: int) -> None:
+        """The ``count`` tasks updated longest ago go."""
+        if count <= 0:
+            return
+        cutoff = sorted(self.tick)[count - 1]
+        keep = [tick > cutoff for tick in self.tick]
+        self.hi = array("Q", itertools.compress(self.hi, keep))
+        self.lo = array("Q", itertools.compress(self.lo, keep))
+        self.average = array("d", itertools.compress(self.average, keep))
+        self.tick = array("Q", itertools.compress(self.tick, keep))
+
+    def oldest_first(self) -> Iterator[tuple[int, float]]:
+        """Every ``(digest, average)``, the one updated longest ago first."""
+        for at in sorted(range(len(self.hi)), key=self.tick.__getitem__):
+            yield self.hi[at] << 64 | self.lo[at], self.average[at]
+
+
+_LOW = (1 << 64) - 1
+
+
+def _key(digest: str) -> int:
+    """A task digest (``task_digest``: 32 hex digits) as a number; another name is
+    digested into one."""
+    try:
+        data = bytes.fromhex(digest)
+    except ValueError:
+        data = b""
+    if len(data) != 16:
+        data = hashlib.blake2b(digest.encode(), digest_size=16).digest()
+    return int.from_bytes(data)
+
+
+def _hex(key: int) -> str:
+    return f"{key:032x}"
 
 
 def _line(digest: str, average: float) -> bytes:

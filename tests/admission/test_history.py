@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 from dispatcher.admission.history import ALPHA, TaskHistory, task_digest
@@ -66,3 +67,38 @@ def test_a_foreign_line_is_skipped_and_the_last_update_of_a_task_wins(tmp_path: 
     # The two updated last are kept, oldest first: "a" goes before "e".
     history.observe("f", 1.0)
     assert history.estimate("a") is None and history.estimate("e") == 2.5
+
+
+def test_a_task_costs_the_history_a_few_dozen_bytes() -> None:
+    # A daemon serving a job per prompt group sees a new task with nearly every job:
+    # an ordered map of digest strings took ~200 bytes a task (20 MB at the default bound).
+    count = 20_000
+    tracemalloc.start()
+    try:
+        history = TaskHistory(None, max_tasks=count)
+        for n in range(count):
+            history.observe(task_digest({"input": n}), 1.5)
+        per_task = tracemalloc.get_traced_memory()[0] / count
+    finally:
+        tracemalloc.stop()
+    assert per_task < 60, per_task
+    assert history.estimate(task_digest({"input": 0})) == 1.5
+
+
+def test_the_history_forgets_the_least_recently_updated_in_a_batch(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    history = TaskHistory.load(path, max_tasks=32)
+    tasks = [task_digest({"input": n}) for n in range(40)]
+    for digest in tasks[:32]:
+        history.observe(digest, 1.0)
+    # The first task updated again: the second is now the one updated longest ago.
+    history.observe(tasks[0], 3.0)
+    history.observe(tasks[32], 2.0)
+    # Over the bound: the least recently updated go, max_tasks // 16 more with it.
+    assert len(history) == 30
+    assert [history.estimate(t) is None for t in tasks[:4]] == [False, True, True, True]
+    history.flush()
+    # A restart keeps the last max_tasks updated (the batch's extra ones too).
+    again = TaskHistory.load(path, max_tasks=32)
+    kept = {t: history.estimate(t) for t in tasks if history.estimate(t) is not None}
+    assert {t: again.estimate(t) for t in kept} == kept and len(again) == 32
