@@ -50,7 +50,7 @@ def start_daemon(work: Path, agent: str, args: argparse.Namespace) -> ServeProce
     return ServeProcess(
         work, "--agent", f"sim={agent}", "--concurrency", str(args.concurrency),
         "--retain-settled-jobs", str(args.retain), "--log-format", "json",
-        "--log-level", "warning", "--fsync", args.fsync,
+        "--log-level", "warning", "--fsync", args.fsync, *args.serve_arg,
     )  # fmt: skip
 
 
@@ -62,9 +62,12 @@ def body(job_id: str, repeats: int) -> bytes:
 class Trainer:
     """The clients: sessions that submit prompt groups and read each one to its end."""
 
-    def __init__(self, url: str, args: argparse.Namespace) -> None:
+    def __init__(self, url: str, args: argparse.Namespace, rss: Any) -> None:
         self.url = url
         self.args = args
+        # The daemon's resident memory now (MB), for the progress lines.
+        self.rss = rss
+        self.started = time.perf_counter()
         self.numbers = itertools.count()
         self.done = 0
         self.submit_s: list[float] = []
@@ -103,8 +106,10 @@ class Trainer:
             self.done += 1
             if self.done == self.args.first:
                 self.at_first.set()
-            if self.done % 10_000 == 0:
-                print(f"  ... {self.done:,} jobs done", flush=True)
+            if self.done % self.args.every == 0:
+                rate = self.done / (time.perf_counter() - self.started)
+                print(f"  ... {self.done:,} jobs done, {rate:,.0f} jobs/s, daemon RSS "
+                      f"{self.rss():.1f} MB", flush=True)  # fmt: skip
         if self.done < self.args.first:
             self.at_first.set()
 
@@ -166,7 +171,7 @@ async def archived_answers(url: str, job_id: str, repeats: int) -> str:
 
 async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     daemon = await asyncio.to_thread(start_daemon, work, agent, args)
-    trainer = Trainer(daemon.url, args)
+    trainer = Trainer(daemon.url, args, daemon.rss_mb)
     rss: dict[str, float] = {}
     seconds = await trainer.run(lambda: rss.setdefault("first", daemon.rss_mb()))
     # A fold runs once a window is full: the last one may still be writing.
@@ -263,11 +268,18 @@ def main() -> None:
         default=0,
         help="archived jobs added (copies) before the restart is timed",
     )
+    parser.add_argument("--every", type=int, default=10_000, help="a progress line every N jobs")
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="one more flag for dispatcher serve (repeatable): --serve-arg=--start-order=input",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     args = parser.parse_args()
     if args.smoke:
         args.jobs, args.first, args.retain, args.clients, args.per_client = 300, 100, 50, 2, 4
-        args.add_archived = 200
+        args.add_archived, args.every = 200, 100
     with (
         tempfile.TemporaryDirectory() as folder,
         dispatcher_server("sim-agent", "--latency-s", "0") as agent,
