@@ -59,10 +59,12 @@ async def service(tmp_path: Path, gated_agent: FakeAgent) -> AsyncIterator[Servi
 
 
 @contextlib.asynccontextmanager
-async def in_process(tmp_path: Path, agent: FakeAgent) -> AsyncIterator[Service]:
+async def in_process(
+    tmp_path: Path, agent: FakeAgent, limits: ServeLimits | None = None
+) -> AsyncIterator[Service]:
     """``dispatcher serve`` on ``tmp_path/state`` in this process, until the block ends."""
     settings, state, access = serve_arguments(tmp_path, agent.url)
-    async with serving(settings, state, None, None, access, ServeLimits()) as running:
+    async with serving(settings, state, None, None, access, limits or ServeLimits()) as running:
         yield running
         running.daemon.stop_requested.set()
 
@@ -122,6 +124,45 @@ async def test_a_final_jobs_per_row_state_is_freed_by_reference_counting(
     ours = {"ServedJob", "Job", "Groups", "RunState", "Flight", "Connection"}
     kept = {type(o).__name__ for o in gc.garbage} & ours
     assert not kept, kept
+
+
+async def test_many_small_jobs_settled_and_archived_leave_nothing_for_the_collector(
+    tmp_path: Path, refcounting_only: None
+) -> None:
+    # A trainer submits a job per prompt group: ~10^5 jobs. Whatever each leaves in a
+    # reference cycle (the daemon, not the test's client) stays for the daemon's life:
+    # its old generation is walked about once every two billion allocations. Each fold
+    # of settled jobs into an archive left one (~11 tar headers a job, ~7 KB).
+    agent = FakeAgent()
+    await agent.start()
+    try:
+        limits = ServeLimits(retain_settled_jobs=4)
+        async with in_process(tmp_path, agent, limits) as service:
+            url = url_of(service)
+            async with aiohttp.ClientSession() as http:
+                for n in range(12):
+                    body = orjson.dumps({"job_id": f"g{n}", "rows": rows(1), "num_repeats": 4})
+                    async with http.post(f"{url}/v1/jobs", data=body, headers=JSON) as r:
+                        assert r.status == 201, await r.text()
+                    query = {"group": "true", "wait": "true"}
+                    async with http.get(f"{url}/v1/jobs/g{n}/results", params=query) as r:
+                        lines = [orjson.loads(line) async for line in r.content if line.strip()]
+                    assert lines[-1] == {"end": "done"}
+            assert service.compaction is not None
+            await wait_until(lambda: service.compaction.archived == 12)  # type: ignore[union-attr]
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            kept = sorted(
+                {
+                    f"{type(o).__module__}.{type(o).__qualname__}"
+                    for o in gc.garbage
+                    if type(o).__module__.split(".")[0] in ("dispatcher", "tarfile")
+                }
+            )
+            service.daemon.stop_requested.set()
+    finally:
+        await agent.close()
+    assert kept == []
 
 
 PARAMS_BYTES = 1 << 20
