@@ -230,6 +230,18 @@ async def test_a_fold_leaves_nothing_for_the_cyclic_collector(
     assert kept == []
 
 
+def test_the_index_holds_a_bounded_page_cache(tmp_path: Path) -> None:
+    # sqlite's default (2 MB) filled with the index over the first ~5,000 jobs: the
+    # daemon's resident memory grew with the jobs it archived.
+    (tmp_path / "state/jobs").mkdir(parents=True)
+    archive = Archive(Registry(tmp_path / "state"))
+    try:
+        ((kib,),) = archive._query("PRAGMA cache_size")
+    finally:
+        archive.close()
+    assert -kib <= 256
+
+
 async def test_an_archive_index_that_cannot_be_read_stops_the_daemon_naming_it(
     tmp_path: Path, agent: FakeAgent
 ) -> None:
