@@ -350,7 +350,7 @@ def _add_folder(tar: tarfile.TarFile, folder: Path, job_id: str) -> dict[str, li
     A member's header is made here, not by ``gettarinfo``: its ``TarInfo`` points back
     at the tar (a reference cycle, with every member the tar lists), which the
     daemon's rare old-generation collection (``aio.tune_gc``) left alive, ~7 KB of
-    every archived job. The tar lists no member either: nothing reads it back."""
+    every archived job."""
     where: dict[str, list[int]] = {}
     for name in _files(folder):
         path = folder / name
@@ -359,7 +359,9 @@ def _add_folder(tar: tarfile.TarFile, folder: Path, job_id: str) -> dict[str, li
             info = tarfile.TarInfo(f"{job_id}/{name}")
             info.size, info.mtime, info.mode = found.st_size, int(found.st_mtime), 0o644
             tar.addfile(info, f)
-        tar.members.clear()
+        # A writing tar's list of its members (getmembers returns it): emptied, a
+        # fold's ~11 headers a job are not all held until its end.
+        tar.getmembers().clear()
         # The member's data ends where the tar is now, padded to a block.
         blocks = -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
         where[name] = [tar.offset - blocks, info.size]
