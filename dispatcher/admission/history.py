@@ -188,31 +188,38 @@ class TaskHistory:
 class _Tasks:
     """Tasks' averages in parallel arrays sorted by digest (its high and low 64 bits),
     with the tick of each one's last update: ~40 bytes a task. A lookup is a binary
-    search; a new task moves the arrays' tails (a memmove of at most a few MB)."""
+    search. New tasks wait in a dict and join the arrays ``_MERGE_AT`` at a time: a
+    task added alone would move the arrays' tails, a memmove per new task."""
 
     def __init__(self) -> None:
         self.hi = array("Q")
         self.lo = array("Q")
         self.average = array("d")
         self.tick = array("Q")
+        # Not in the arrays yet: digest -> (average, tick).
+        self._new: dict[int, tuple[float, int]] = {}
         self._clock = 0
 
     @classmethod
     def of(cls, items: Iterable[tuple[int, float]]) -> _Tasks:
         """The tasks of ``(digest, average)`` pairs, oldest update first."""
         tasks = cls()
-        ordered = sorted((key, tick, average) for tick, (key, average) in enumerate(items))
-        tasks.hi = array("Q", (key >> 64 for key, _, _ in ordered))
-        tasks.lo = array("Q", (key & _LOW for key, _, _ in ordered))
-        tasks.average = array("d", (average for _, _, average in ordered))
-        tasks.tick = array("Q", (tick for _, tick, _ in ordered))
-        tasks._clock = len(ordered)
+        tasks._fill(sorted((key, tick, average) for tick, (key, average) in enumerate(items)))
+        tasks._clock = len(tasks.hi)
         return tasks
 
+    def _fill(self, ordered: list[tuple[int, int, float]]) -> None:
+        """The arrays from ``(digest, tick, average)`` sorted by digest."""
+        self.hi = array("Q", (key >> 64 for key, _, _ in ordered))
+        self.lo = array("Q", (key & _LOW for key, _, _ in ordered))
+        self.average = array("d", (average for _, _, average in ordered))
+        self.tick = array("Q", (tick for _, tick, _ in ordered))
+
     def __len__(self) -> int:
-        return len(self.hi)
+        return len(self.hi) + len(self._new)
 
     def copy(self) -> _Tasks:
+        self._merge()
         tasks = _Tasks()
         tasks.hi, tasks.lo = array("Q", self.hi), array("Q", self.lo)
         tasks.average, tasks.tick = array("d", self.average), array("Q", self.tick)
@@ -220,7 +227,7 @@ class _Tasks:
         return tasks
 
     def _find(self, key: int) -> tuple[int, bool]:
-        """Where ``key`` is (True), or where it would go (False)."""
+        """Where ``key`` is in the arrays (True), or where it would go (False)."""
         hi, lo = key >> 64, key & _LOW
         at = bisect_left(self.hi, hi)
         while at < len(self.hi) and self.hi[at] == hi and self.lo[at] < lo:
@@ -228,25 +235,50 @@ class _Tasks:
         return at, at < len(self.hi) and self.hi[at] == hi and self.lo[at] == lo
 
     def get(self, key: int) -> float | None:
+        new = self._new.get(key)
+        if new is not None:
+            return new[0]
         at, found = self._find(key)
         return self.average[at] if found else None
 
     def set(self, key: int, average: float) -> None:
-        at, found = self._find(key)
+        at, found = (0, False) if key in self._new else self._find(key)
         if found:
             self.average[at] = average
             self.tick[at] = self._clock
         else:
-            self.hi.insert(at, key >> 64)
-            self.lo.insert(at, key & _LOW)
-            self.average.insert(at, average)
-            self.tick.insert(at, self._clock)
+            self._new[key] = (average, self._clock)
+            if len(self._new) >= _MERGE_AT:
+                self._merge()
         self._clock += 1
+
+    def _merge(self) -> None:
+        """The new tasks into the arrays: each one's place found by a binary search,
+        the arrays rebuilt from slices between those places (copies, in C)."""
+        if not self._new:
+            return
+        columns: tuple[array[Any], ...] = (self.hi, self.lo, self.average, self.tick)
+        merged: tuple[array[Any], ...] = (array("Q"), array("Q"), array("d"), array("Q"))
+        start = 0
+        for key, (average, tick) in sorted(self._new.items()):
+            at, _ = self._find(key)
+            for column, out in zip(columns, merged, strict=True):
+                out.extend(column[start:at])
+            merged[0].append(key >> 64)
+            merged[1].append(key & _LOW)
+            merged[2].append(average)
+            merged[3].append(tick)
+            start = at
+        for column, out in zip(columns, merged, strict=True):
+            out.extend(column[start:])
+        self.hi, self.lo, self.average, self.tick = merged
+        self._new.clear()
 
     def forget_oldest(self, count: int) -> None:
         """The ``count`` tasks updated longest ago go."""
         if count <= 0:
             return
+        self._merge()
         cutoff = sorted(self.tick)[count - 1]
         keep = [tick > cutoff for tick in self.tick]
         self.hi = array("Q", itertools.compress(self.hi, keep))
@@ -256,9 +288,13 @@ class _Tasks:
 
     def oldest_first(self) -> Iterator[tuple[int, float]]:
         """Every ``(digest, average)``, the one updated longest ago first."""
+        self._merge()
         for at in sorted(range(len(self.hi)), key=self.tick.__getitem__):
             yield self.hi[at] << 64 | self.lo[at], self.average[at]
 
+
+# New tasks wait in a dict until there are this many (~180 KB of it at most).
+_MERGE_AT = 1024
 
 _LOW = (1 << 64) - 1
 
