@@ -10,9 +10,9 @@ final: one series per agent of a quota (agents are the daemon's ``--agent``s).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,10 +20,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from dispatcher.admission.pause import AdmissionPause
 from dispatcher.lifecycle import JobState
-from dispatcher.run.daemon import peak_rss_mb
-
-if TYPE_CHECKING:
-    from dispatcher.serve.jobs import Service
+from dispatcher.run.daemon import Daemon, peak_rss_mb
 
 # JobState names "paced" (a running job held back by --max-off-policy-steps) itself.
 JOB_STATES = tuple(state.value for state in JobState)
@@ -81,7 +78,7 @@ class AdmissionGauges(Collector):
 
 @dataclass
 class StepTotals:
-    """The targets of the jobs not final, summed (``jobs.Service.step_totals``)."""
+    """The targets of the jobs not final, summed (``Service.step_totals`` in ``jobs.py``)."""
 
     kept_by_agent: Counter[str] = field(default_factory=Counter)
     quota_by_agent: Counter[str] = field(default_factory=Counter)
@@ -148,7 +145,26 @@ def declare_service_metrics(
     )
 
 
-def service_status(service: Service) -> dict[str, Any]:
+class ServiceView(Protocol):
+    """What ``/status`` reads of the service (``jobs.Service``), named here so this
+    module need not import the one that imports it."""
+
+    @property
+    def daemon(self) -> Daemon: ...
+    @property
+    def max_off_policy_steps(self) -> Any: ...
+    @property
+    def compaction(self) -> Any: ...
+    @property
+    def streams(self) -> Any: ...
+    @property
+    def bodies(self) -> Any: ...
+    def running(self) -> Sequence[Any]: ...
+    def job_counts(self) -> dict[str, int]: ...
+    def delay_quantiles(self) -> dict[str, float | None]: ...
+
+
+def service_status(service: ServiceView) -> dict[str, Any]:
     """The daemon's ``/status``: its figures and the service's (jobs, streams, delays)."""
     daemon = service.daemon
     running = service.running()
