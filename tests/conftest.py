@@ -31,6 +31,15 @@ async def sim_agent() -> AsyncIterator[SimAgentFactory]:
 
 
 @pytest.fixture
+async def agent() -> AsyncIterator[FakeAgent]:
+    """A ``FakeAgent`` on 127.0.0.1 that answers each request at once."""
+    agent = FakeAgent()
+    await agent.start()
+    yield agent
+    await agent.close()
+
+
+@pytest.fixture
 async def gated_agent() -> AsyncIterator[FakeAgent]:
     """A ``FakeAgent`` on 127.0.0.1 that holds each request until the test releases it."""
     agent = FakeAgent(gated=True)

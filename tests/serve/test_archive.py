@@ -37,14 +37,6 @@ pytestmark = pytest.mark.timeout(120)
 JSON = {"Content-Type": "application/json"}
 
 
-@pytest.fixture
-async def agent() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent()
-    await agent.start()
-    yield agent
-    await agent.close()
-
-
 @contextlib.asynccontextmanager
 async def daemon(tmp_path: Path, agent: FakeAgent, window: int) -> AsyncIterator[Client]:
     """``dispatcher serve --retain-settled-jobs window`` on ``tmp_path/state`` in this

@@ -13,7 +13,6 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,6 @@ from tests.serve.test_service_e2e import Serve, api_session, rows
 pytestmark = pytest.mark.timeout(180)
 
 JSON = {"Content-Type": "application/json"}
-
-
-@pytest.fixture
-async def agent() -> AsyncIterator[FakeAgent]:
-    agent = FakeAgent()
-    await agent.start()
-    yield agent
-    await agent.close()
 
 
 def body(job_id: str, count: int = 2) -> bytes:
