@@ -69,9 +69,6 @@ class RolloutSeries(Collector):
         durations.counts[bisect.bisect_left(self._bounds, duration_s)] += 1
         durations.total_s += duration_s
 
-    def in_flight(self, agent: str) -> int:
-        return self._in_flight.get(agent, 0)
-
     def collect(self) -> Iterator[Metric]:
         # Copies first: a scrape from another thread must not see a dict resized.
         finished = dict(self._finished)
