@@ -141,6 +141,13 @@ def write_atomic(path: Path, chunks: Iterable[bytes], *, durable: bool = True) -
         fsync_dir(path.parent)
 
 
+def write_fully(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """All of ``data`` to ``fd``: ``os.write`` may take part of it (a pipe, a signal)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def fsync_file(path: Path) -> None:
     """Make a file's written bytes durable (blocking)."""
     fd = os.open(path, os.O_RDONLY)

@@ -31,6 +31,7 @@ import structlog
 from dispatcher import jsonx
 from dispatcher.aio import Wakeup
 from dispatcher.errors import OutputWriteError
+from dispatcher.files.atomic import write_fully
 
 # How durable a row is before it counts as written (``--fsync``).
 FsyncPolicy = Literal["always", "batch", "never"]
@@ -280,9 +281,7 @@ class RowWriter:
             if isinstance(chunk, Pieces):
                 _writev_all(self._fd, chunk.parts)
                 continue
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            write_fully(self._fd, chunk)
         if self._policy != "never":
             os.fsync(self._fd)
         self._size += size

@@ -32,6 +32,7 @@ from typing import IO, Any
 from dispatcher.delivery.client import Classified, classify_response
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.delivery.limits import Body
+from dispatcher.files.atomic import write_fully
 from dispatcher.rows.wire import Split, split_body
 
 _LENGTH = struct.Struct("!Q")
@@ -122,9 +123,7 @@ def _widen(fd: int) -> None:
 
 def _write_frame(fd: int, data: Body) -> None:
     os.write(fd, _LENGTH.pack(len(data)))
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    write_fully(fd, data)
 
 
 def _read_frame(stream: IO[bytes]) -> bytes:

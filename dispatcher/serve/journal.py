@@ -37,7 +37,7 @@ import structlog
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
-from dispatcher.files.atomic import fsync_dir
+from dispatcher.files.atomic import fsync_dir, write_fully
 from dispatcher.serve.registry import (
     SETTLED_STATES,
     BadRecord,
@@ -190,9 +190,7 @@ class Journal:
             self.root.mkdir(exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_fully(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
