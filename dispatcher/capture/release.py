@@ -9,7 +9,8 @@ bounds each). One id goes as ``POST {proxy}/ng-release/<id>``; several that
 came together (a group's rollouts end at once, 64 at the first wave) go in one
 ``POST {proxy}/ng-release`` naming them all: a loaded proxy took seconds to get
 through a burst of one request each, behind the model calls that came with it.
-A proxy without that route (404, 405: an older one) is sent each id on its own.
+A proxy without that route (404, 405: an older one) is sent each id on its own
+from then on.
 A release that fails is logged once per kind of failure and not retried: a
 proxy that restarted knows no session, and one that is gone has none to forget.
 """
@@ -44,6 +45,8 @@ class SessionReleaser:
     def __init__(self, proxy_url: str) -> None:
         self._url = proxy_url.rstrip("/") + RELEASE_PATH
         self._waiting: deque[str] = deque(maxlen=MAX_WAITING)
+        # False once the proxy said it has no route for several ids at once.
+        self._several = True
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -93,11 +96,13 @@ class SessionReleaser:
             self._slots.release()
 
     async def _send(self, ids: list[str]) -> None:
-        if len(ids) > 1:
+        if len(ids) > 1 and self._several:
             status = await self._post(self._url, {"session_ids": ids}, len(ids))
             if status not in (404, 405):
                 return
-            # A proxy without the route for several (an older one): each on its own.
+            # A proxy without the route for several (an older one): each on its own,
+            # from now on.
+            self._several = False
         await asyncio.gather(*(self._post(f"{self._url}/{i}", None, 1) for i in ids))
 
     async def _post(self, url: str, body: dict[str, list[str]] | None, count: int) -> int | None:
