@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, BinaryIO, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -292,8 +292,7 @@ def _rows_file(rows: list[dict[str, Any]], folder: Path) -> Iterator[Path]:
     fd = os.memfd_create("dispatcher-rows", os.MFD_CLOEXEC)
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
-            for row in rows:
-                f.write(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+            _dump_rows(rows, f)
         # Read back by its name: the checks open it as a task file.
         yield Path(f"/proc/self/fd/{fd}")
     finally:
@@ -311,8 +310,12 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
     """The submitted rows as a task file to check (blocking; thrown away after the
     check, so never fsynced: a submit waits for no disk here)."""
     with path.open("wb") as f:
-        for row in rows:
-            f.write(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+        _dump_rows(rows, f)
+
+
+def _dump_rows(rows: list[dict[str, Any]], f: BinaryIO) -> None:
+    for row in rows:
+        f.write(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
 
 
 # What a check leaves in its scratch folder at most (a bigger file is emptied).
