@@ -139,10 +139,24 @@ class RowWriter:
         if self._error is not None:
             raise self._error
         future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-        self._pending.append((line, future))
+        pending = self._pending
+        pending.append((line, future))
         self._pending_bytes += len(line)
-        self._wakeup.set()
+        # The flusher is woken by a batch's first row and by what ends its window
+        # early; any other row would wake it only to wait again (a task and a
+        # timer per row in ``_gather_window``).
+        if len(pending) == 1 or self._window_full():
+            self._wakeup.set()
         return future
+
+    def _window_full(self) -> bool:
+        """Whether the rows in hand end the gathering window now (``_gather_window``)."""
+        return (
+            not self._interval_s
+            or len(self._pending) >= self._max_rows
+            or self._pending_bytes >= self._max_bytes
+            or (self._quiet is not None and self._quiet())
+        )
 
     async def close(self) -> None:
         """Write what is queued, then close."""
@@ -200,12 +214,7 @@ class RowWriter:
 
     async def _gather_window(self) -> None:
         deadline = asyncio.get_running_loop().time() + self._interval_s
-        while (
-            len(self._pending) < self._max_rows
-            and self._pending_bytes < self._max_bytes
-            and not self._closing
-            and not (self._quiet is not None and self._quiet())
-        ):
+        while not self._closing and not self._window_full():
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return
