@@ -51,6 +51,7 @@ T = TypeVar("T")
 
 
 class CommitQueue(Protocol):
+    def enter_now(self, body_bytes: int) -> bool: ...
     async def enter(self, body_bytes: int) -> None: ...
     def leave(self, body_bytes: int) -> None: ...
 
@@ -139,7 +140,8 @@ class Flight:
             self._move(Stage.ANSWERED)
             # Backpressure: past the queue's bounds the rollout keeps its agent
             # slots, so no new rollout starts until rows are written.
-            await parts.commit_queue.enter(attempt.body_bytes)
+            if not parts.commit_queue.enter_now(attempt.body_bytes):
+                await parts.commit_queue.enter(attempt.body_bytes)
             self._move(Stage.COMMITTING)
         except LocalFault as fault:
             return Landing(Outcome.REQUEUED, self.elapsed_s(), fault=fault)

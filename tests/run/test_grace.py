@@ -45,7 +45,7 @@ async def test_an_answered_rollout_is_written_at_shutdown_when_the_commit_queue_
         await wait_until(lambda: agent.holding == 1)
         await queue.enter(1)  # the queue is full until the test leaves it
         agent.release_next()
-        await wait_until(lambda: len(queue._bytes._waiters) == 1)
+        await wait_until(lambda: queue.waiting == 1)
         dispatcher.daemon._handle_signal(signal.SIGTERM)
         await settled.wait()
         queue.leave(1)
