@@ -6,58 +6,60 @@ a few percent of the dispatcher's CPU (``bench/dispatch_overhead.py``).
 Deadlines of one length expire in the order they were set, so one queue and
 one timer at its oldest open deadline serve every call.
 
-``Deadlines.scope()`` behaves as ``asyncio.timeout(seconds)`` does: at the
-deadline the task is cancelled, and the scope turns that cancellation (and
-only that one: the task's ``cancelling()`` count tells) into ``TimeoutError``.
+A deadline bounds a future, not a task: ``bound(future, owner)`` and, once
+the future is awaited, ``settled()``. At the deadline a future still pending
+is handed to ``owner.expire(future)``, which fails it (with ``TimeoutError``)
+unless it knows better (an answer's head in, waiting for its turn to wake its
+call). No task is cancelled, so no scope object, cancel count or ``uncancel``
+is kept per call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections import deque
-from types import TracebackType
+from typing import Protocol
 
-# Done scopes kept behind an open one at the queue's head before the queue is
+# Done futures kept behind an open one at the queue's head before the queue is
 # swept: a long call must not make every call after it stay in memory.
 _SWEEP_SLACK = 64
 
 
-class _State(enum.Enum):
-    OPEN = "open"
-    EXPIRING = "expiring"
-    EXITED = "exited"
+class Expires(Protocol):
+    """What fails a bounded future at its deadline (``Deadlines.bound``)."""
+
+    def expire(self, future: asyncio.Future[None]) -> None: ...
 
 
 class Deadlines:
-    """Scopes that each end ``seconds`` after they are entered, on one timer."""
+    """Futures that each fail ``seconds`` after they are bound, on one timer."""
 
     def __init__(self, seconds: float) -> None:
         if seconds <= 0:
             raise ValueError(f"a deadline must be positive, got {seconds} s")
         self.seconds = seconds
-        self._queue: deque[DeadlineScope] = deque()
+        self._queue: deque[tuple[float, asyncio.Future[None], Expires]] = deque()
         self._open = 0
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def scope(self) -> DeadlineScope:
-        """``async with deadlines.scope():`` bounds the block by ``seconds``."""
-        return DeadlineScope(self)
-
-    def _entered(self, scope: DeadlineScope, loop: asyncio.AbstractEventLoop) -> None:
-        self._queue.append(scope)
+    def bound(self, future: asyncio.Future[None], owner: Expires) -> None:
+        """Bound ``future`` by ``seconds`` from now; call ``settled`` once it is awaited."""
+        loop = future.get_loop()
+        when = loop.time() + self.seconds
+        self._queue.append((when, future, owner))
         self._open += 1
         if self._timer is None or self._loop is not loop:
-            self._arm(loop, scope.when)
+            self._arm(loop, when)
 
-    def _exited(self) -> None:
+    def settled(self) -> None:
+        """A bound future was awaited (answered, failed or cancelled)."""
         self._open -= 1
         queue = self._queue
-        while queue and queue[0].state is not _State.OPEN:
+        while queue and queue[0][1].done():
             queue.popleft()
         if len(queue) > 2 * self._open + _SWEEP_SLACK:
-            self._queue = deque(s for s in queue if s.state is _State.OPEN)
+            self._queue = deque(entry for entry in queue if not entry[1].done())
 
     def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
         if self._timer is not None:
@@ -66,67 +68,17 @@ class Deadlines:
         self._timer = loop.call_at(when, self._fire)
 
     def _fire(self) -> None:
-        """Expire every scope past its deadline; wait again for the oldest open one."""
+        """Expire every future past its deadline; wait again for the oldest open one."""
         self._timer = None
         loop = self._loop
         assert loop is not None
         now = loop.time()
         queue = self._queue
         while queue:
-            head = queue[0]
-            if head.state is _State.OPEN:
-                if head.when > now:
-                    self._arm(loop, head.when)
+            when, future, owner = queue[0]
+            if not future.done():
+                if when > now:
+                    self._arm(loop, when)
                     return
-                head.expire()
+                owner.expire(future)
             queue.popleft()
-
-
-class DeadlineScope:
-    """One ``async with`` of a ``Deadlines``; see the module docstring."""
-
-    __slots__ = ("_cancelling", "_deadlines", "_task", "state", "when")
-
-    def __init__(self, deadlines: Deadlines) -> None:
-        self._deadlines = deadlines
-        self._task: asyncio.Task[object] | None = None
-        self._cancelling = 0
-        self.state = _State.OPEN
-        self.when = 0.0
-
-    async def __aenter__(self) -> DeadlineScope:
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("a deadline scope must be entered in a task")
-        loop = task.get_loop()
-        self._task = task
-        self._cancelling = task.cancelling()
-        self.when = loop.time() + self._deadlines.seconds
-        self._deadlines._entered(self, loop)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        task, self._task = self._task, None
-        expiring = self.state is _State.EXPIRING
-        self.state = _State.EXITED
-        self._deadlines._exited()
-        # As asyncio.timeout: our cancel, and no other, becomes a TimeoutError.
-        # (``uncancel`` only when it expired: it takes back the cancel ``expire`` sent.)
-        if (
-            expiring
-            and task is not None
-            and task.uncancel() <= self._cancelling
-            and exc_type is asyncio.CancelledError
-        ):
-            raise TimeoutError from exc
-
-    def expire(self) -> None:
-        """The deadline passed: cancel the task (``__aexit__`` makes it a ``TimeoutError``)."""
-        if self.state is _State.OPEN and self._task is not None:
-            self.state = _State.EXPIRING
-            self._task.cancel()

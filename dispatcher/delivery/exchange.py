@@ -77,8 +77,15 @@ async def post_run(
             try:
                 if conn is None:
                     conn = await pool.connect(target)
-                async with _NO_TIMEOUT if limits.first_byte is None else limits.first_byte.scope():
-                    await conn.send(target.head, body, limits.body.max_bytes)
+                head = conn.send(target.head, body, limits.body.max_bytes)
+                if limits.first_byte is None:
+                    await head
+                else:
+                    limits.first_byte.bound(head, conn)
+                    try:
+                        await head
+                    finally:
+                        limits.first_byte.settled()
             # The rollout timeout expiring meanwhile arrives as a CancelledError
             # (not caught here) and becomes a TimeoutError below.
             except (OSError, TimeoutError) as exc:

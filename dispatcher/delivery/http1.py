@@ -174,6 +174,12 @@ class Connection(asyncio.BufferedProtocol):
             self._transport.write(body)
         return answered
 
+    def expire(self, head: asyncio.Future[None]) -> None:
+        """The first-byte deadline of ``head``'s call passed (``Deadlines``): a
+        ``TimeoutError``, unless its status line is in (delivered, waiting its turn)."""
+        if head is self._head and not head.done() and not self.status:
+            head.set_exception(TimeoutError("no status line before the first-byte timeout"))
+
     def header(self, name: bytes) -> str | None:
         """The answer's header ``name`` (lower case), or None."""
         for key, value in self.headers:

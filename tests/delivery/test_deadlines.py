@@ -1,4 +1,4 @@
-"""``Deadlines``: one timer for many same-length deadlines, with ``asyncio.timeout``'s rules."""
+"""``Deadlines``: one timer for many same-length deadlines, each on a future."""
 
 from __future__ import annotations
 
@@ -9,72 +9,106 @@ import pytest
 from dispatcher.delivery.deadlines import Deadlines
 
 
-async def test_a_scope_past_its_deadline_raises_timeout_error() -> None:
+class Owner:
+    """Fails what expires with ``TimeoutError``, unless told the head is in."""
+
+    def __init__(self, answered: bool = False) -> None:
+        self.answered = answered
+        self.expired: list[asyncio.Future[None]] = []
+        self.expiry = asyncio.Event()
+
+    def expire(self, future: asyncio.Future[None]) -> None:
+        self.expired.append(future)
+        self.expiry.set()
+        if not self.answered:
+            future.set_exception(TimeoutError())
+
+
+async def bounded(deadlines: Deadlines, future: asyncio.Future[None], owner: Owner) -> None:
+    deadlines.bound(future, owner)
+    try:
+        await future
+    finally:
+        deadlines.settled()
+
+
+async def test_a_future_past_its_deadline_fails_with_timeout_error() -> None:
     deadlines = Deadlines(0.01)
-    never = asyncio.get_running_loop().create_future()
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     with pytest.raises(TimeoutError):
-        async with deadlines.scope():
-            await never
+        await bounded(deadlines, never, Owner())
+    # No task was cancelled for it.
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
-
-
-async def test_a_scope_that_ends_in_time_returns_its_value() -> None:
-    deadlines = Deadlines(5.0)
-    async with deadlines.scope():
-        value = await asyncio.sleep(0, "answered")
-    assert value == "answered"
     assert deadlines._open == 0
-    assert not deadlines._queue
+
+
+async def test_a_future_answered_in_time_is_never_expired() -> None:
+    deadlines = Deadlines(5.0)
+    owner = Owner()
+    answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    answer.set_result(None)
+    await bounded(deadlines, answer, owner)
+    assert deadlines._open == 0 and not deadlines._queue and not owner.expired
 
 
 async def test_only_the_slow_call_expires_among_many() -> None:
     deadlines = Deadlines(0.05)
-    slow_answer = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    owner = Owner()
 
-    async def call(answer: asyncio.Future[str] | None) -> str:
-        async with deadlines.scope():
-            return await answer if answer is not None else await asyncio.sleep(0, "fast")
+    async def call(slow: bool) -> str:
+        future: asyncio.Future[None] = loop.create_future()
+        if not slow:
+            loop.call_soon(future.set_result, None)
+        await bounded(deadlines, future, owner)
+        return "fast"
 
-    slow = asyncio.create_task(call(slow_answer))
-    fast = [asyncio.create_task(call(None)) for _ in range(200)]
+    slow = asyncio.create_task(call(True))
+    fast = [asyncio.create_task(call(False)) for _ in range(200)]
     assert await asyncio.gather(*fast) == ["fast"] * 200
     with pytest.raises(TimeoutError):
         await slow
-    assert deadlines._open == 0
+    assert len(owner.expired) == 1 and deadlines._open == 0
 
 
-async def test_another_cancel_stays_a_cancel() -> None:
+async def test_the_owner_may_keep_an_expired_future_pending() -> None:
+    """A head already in waits for its turn to wake its call: not a timeout."""
+    deadlines = Deadlines(0.01)
+    owner = Owner(answered=True)
+    head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    call = asyncio.create_task(bounded(deadlines, head, owner))
+    await owner.expiry.wait()
+    assert not call.done()
+    head.set_result(None)
+    await call
+
+
+async def test_a_cancelled_call_is_never_expired() -> None:
     deadlines = Deadlines(5.0)
-    entered = asyncio.Event()
-
-    async def call() -> None:
-        async with deadlines.scope():
-            entered.set()
-            await asyncio.get_running_loop().create_future()
-
-    task = asyncio.create_task(call())
-    await entered.wait()
-    task.cancel()
+    owner = Owner()
+    head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    call = asyncio.create_task(bounded(deadlines, head, owner))
+    await asyncio.sleep(0)
+    call.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await task
+        await call
+    deadlines._fire()  # as if the timer came now: nothing open is left to expire
+    assert not owner.expired and deadlines._open == 0
 
 
-async def test_done_scopes_behind_a_long_one_are_swept() -> None:
+async def test_done_futures_behind_a_long_one_are_swept() -> None:
     """A call that outlives thousands of others must not keep them all queued."""
     deadlines = Deadlines(60.0)
-    entered = asyncio.Event()
-    release = asyncio.get_running_loop().create_future()
-
-    async def long_call() -> None:
-        async with deadlines.scope():
-            entered.set()
-            await release
-
-    long = asyncio.create_task(long_call())
-    await entered.wait()
+    loop = asyncio.get_running_loop()
+    owner = Owner()
+    release: asyncio.Future[None] = loop.create_future()
+    long = asyncio.create_task(bounded(deadlines, release, owner))
+    await asyncio.sleep(0)
     for _ in range(5_000):
-        async with deadlines.scope():
-            pass
+        answered: asyncio.Future[None] = loop.create_future()
+        answered.set_result(None)
+        await bounded(deadlines, answered, owner)
     assert len(deadlines._queue) < 200
     release.set_result(None)
     await long
+    assert not owner.expired
