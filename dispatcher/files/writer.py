@@ -58,6 +58,16 @@ class Pieces:
         return self.size
 
 
+class Shielded(asyncio.Future[int | None]):
+    """A row's future that a cancel leaves pending (``RowWriter.submit``): the task
+    awaiting it is cancelled once it is settled, not before."""
+
+    __slots__ = ()
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        return False
+
+
 # One row's line: one JSON object and its newline.
 Line: TypeAlias = bytes | Pieces
 
@@ -133,12 +143,19 @@ class RowWriter:
         """
         return await self.submit(line)
 
-    def submit(self, line: Line) -> asyncio.Future[int | None]:
+    def submit(self, line: Line, *, shielded: bool = False) -> asyncio.Future[int | None]:
         """Queue ``line`` (``append_line`` without the wait): a future of its line number,
-        set once the line is durable. Raises ``OutputWriteError`` at once after a failure."""
+        set once the line is durable. Raises ``OutputWriteError`` at once after a failure.
+
+        ``shielded``: the future refuses a cancel, so a task that awaits it and is
+        cancelled meanwhile sees its ``CancelledError`` only once the line is
+        settled, and can still count it (``asyncio.shield`` without its extra
+        future, callbacks and turn of the loop).
+        """
         if self._error is not None:
             raise self._error
-        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = Shielded(loop=loop) if shielded else loop.create_future()
         pending = self._pending
         pending.append((line, future))
         self._pending_bytes += len(line)

@@ -15,8 +15,9 @@ whose result is a ``Landing``, which its job alone records:
 3. committing (``COMMITTING``): the ``Finalizer`` builds its line and ``write`` appends it.
    The commit is shielded: a cancel that arrives meanwhile waits for it to
    end, so a written row is always counted. A plain row is built without a
-   pause, so only its write can meet a cancel and only the write is
-   shielded: the commit runs in the flight's own task, not in one more.
+   pause, so only its write can meet a cancel, and the write's future refuses
+   it: the commit runs in the flight's own task, not in one more, and without
+   ``asyncio.shield``'s extra future and turn of the loop.
 
 A fault of our own at any step puts the rollout back (a ``Landing`` with a
 ``fault``) instead of writing a row. The flight knows its job only through
@@ -64,8 +65,8 @@ class FlightParts:
     commit_queue: CommitQueue
     finalizer: Finalizer
     # Queues an attempt's line for its file; resolves to the output's line number
-    # for a success once the line is durable.
-    write: Callable[[Outcome, Line], Awaitable[int | None]]
+    # for a success once the line is durable. The future refuses a cancel.
+    write: Callable[[Outcome, Line], asyncio.Future[int | None]]
     policy_version: Callable[[], int | None]
     # Told once, when the rollout's agent slots are freed.
     left_agent: Callable[[Rollout], None]
@@ -187,7 +188,17 @@ class Flight:
             log.error("answer_handling_failed", rollout_id=rollout.rollout_id, exc_info=exc)
             return Landing(Outcome.REQUEUED, attempt.duration_s, attempt, fault=fault)
         try:
-            seq = None if line is None else await _to_the_end(parts.write(attempt.outcome, line))
+            seq = None
+            if line is not None:
+                written = parts.write(attempt.outcome, line)
+                try:
+                    seq = await written
+                except asyncio.CancelledError:
+                    # ``written`` refuses a cancel: one that came meanwhile is seen
+                    # once the row is settled, and a written row is counted.
+                    if not written.done():
+                        raise
+                    seq = written.result()
         except OutputWriteError as exc:
             return Landing(Outcome.CANCELLED, attempt.duration_s, error=exc)
         except Exception as exc:

@@ -404,10 +404,11 @@ class Job(JobFigures):
     # ---- the parts flights use -----------------------------------------------------
 
     def _write(self, outcome: Outcome, line: Line) -> asyncio.Future[int | None]:
-        """Queue an attempt's line for its file; the output's line number for a success."""
+        """Queue an attempt's line for its file; the output's line number for a success.
+        The future refuses a cancel: the flight that awaits it counts a written row."""
         output, failures = self.writers
         writer = output if outcome is Outcome.SUCCESS else failures
-        return writer.submit(line)
+        return writer.submit(line, shielded=True)
 
     def requeue(self, rollout: Rollout, fault: LocalFault, duration_s: float) -> None:
         """Put a rollout back after our own fault: no row, no attempt spent, a smaller pool."""

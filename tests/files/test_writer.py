@@ -4,6 +4,7 @@ its window, but not while no row can join the batch (nothing at an agent)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 from dispatcher.files.writer import RowWriter
@@ -23,6 +24,61 @@ async def test_a_batch_is_written_at_once_when_no_row_is_coming(tmp_path: Path) 
         assert not first.done() and path.read_bytes() == b""
         at_agents[0] = 0
         await asyncio.wait_for(asyncio.gather(first, writer.append_line(b'{"n": 2}\n')), 30)
+        assert path.read_bytes() == b'{"n": 1}\n{"n": 2}\n'
+    finally:
+        await writer.close()
+
+
+async def test_a_full_batch_ends_the_window_without_a_wake_per_row(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    writer = RowWriter(path, "batch", interval_s=3600, max_rows=3)
+    writer.open()
+    wakes = 0
+    set_wakeup = writer._wakeup.set
+
+    def counted() -> None:
+        nonlocal wakes
+        wakes += 1
+        set_wakeup()
+
+    writer._wakeup.set = counted  # type: ignore[method-assign]
+    try:
+        rows = [writer.submit(b'{"n": %d}\n' % n) for n in range(3)]
+        # The batch's first row and the row that fills it; not the one between.
+        assert wakes == 2
+        assert await asyncio.wait_for(asyncio.gather(*rows), 30) == [None] * 3
+        assert path.read_bytes() == b'{"n": 0}\n{"n": 1}\n{"n": 2}\n'
+    finally:
+        await writer.close()
+
+
+async def test_a_shielded_row_is_counted_by_a_task_cancelled_while_it_is_written(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "rows.jsonl"
+    writer = RowWriter(path, "batch", interval_s=3600, max_rows=2)
+    writer.open()
+    try:
+        written = writer.submit(b'{"n": 1}\n', shielded=True)
+        outcome: list[str] = []
+
+        async def commit() -> None:
+            try:
+                await written
+            except asyncio.CancelledError:
+                outcome.append(f"cancelled, done={written.done()}")
+                raise
+
+        task = asyncio.create_task(commit())
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0)
+        # The cancel waits for the row: the future refused it.
+        assert not written.cancelled() and not task.done()
+        writer.submit(b'{"n": 2}\n')  # fills the batch: it is written now
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+        assert outcome == ["cancelled, done=True"] and written.result() is None
         assert path.read_bytes() == b'{"n": 1}\n{"n": 2}\n'
     finally:
         await writer.close()
