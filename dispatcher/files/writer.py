@@ -111,6 +111,7 @@ class RowWriter:
         self._on_error = on_error
         self.index = index
         self._fd: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._size = 0
         self._pending: list[tuple[Line, asyncio.Future[int | None]]] = []
         self._wakeup = asyncio.Event()
@@ -129,7 +130,10 @@ class RowWriter:
         except OSError as exc:
             raise OutputWriteError(f"{self.path}: cannot open for writing: {exc.strerror}") from exc
         self._size = os.fstat(self._fd).st_size
-        self._flusher = asyncio.create_task(self._flush_loop(), name=f"writer:{self.path.name}")
+        # Kept: ``asyncio.get_running_loop`` is a ``getpid`` system call on Python 3.11,
+        # and ``submit`` needs the loop for every row.
+        self._loop = asyncio.get_running_loop()
+        self._flusher = self._loop.create_task(self._flush_loop(), name=f"writer:{self.path.name}")
 
     async def append(self, row: Mapping[str, Any]) -> None:
         """Queue one row and wait until it is durable; raises ``OutputWriteError``."""
@@ -154,7 +158,7 @@ class RowWriter:
         """
         if self._error is not None:
             raise self._error
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         future = Shielded(loop=loop) if shielded else loop.create_future()
         pending = self._pending
         pending.append((line, future))

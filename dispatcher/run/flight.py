@@ -61,6 +61,8 @@ class CommitQueue(Protocol):
 class FlightParts:
     """What a flight uses: the job's and the daemon's parts, passed down, never called up."""
 
+    # The loop the flights run on (their job's ``create_task``).
+    loop: asyncio.AbstractEventLoop
     agents: AgentClient
     commit_queue: CommitQueue
     finalizer: Finalizer

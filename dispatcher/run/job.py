@@ -324,7 +324,8 @@ class Job(JobFigures):
         return self._pending
 
     def _launch(self, rollout: Rollout, slots: Slots) -> None:
-        flight = Flight(rollout, slots, self._flight_parts())
+        parts = self._flight_parts()
+        flight = Flight(rollout, slots, parts)
         self._at_agents += 1
         self.daemon.metrics.rollout_started(rollout.agent)
         self.flights.add(flight)
@@ -335,13 +336,16 @@ class Job(JobFigures):
         if self._context is None:
             self._context = contextvars.copy_context()
         name = f"rollout:{rollout.rollout_id}"
-        flight.task = task = asyncio.create_task(flight.fly(), name=name, context=self._context)
+        # The loop's own ``create_task``: ``asyncio.create_task`` asks for the running
+        # loop each time (a ``getpid`` system call on Python 3.11).
+        flight.task = task = parts.loop.create_task(flight.fly(), name=name, context=self._context)
         task.add_done_callback(flight.land, context=self._context)
 
     def _flight_parts(self) -> FlightParts:
         if self._parts is None:
             daemon = self.daemon
             self._parts = FlightParts(
+                loop=asyncio.get_running_loop(),
                 agents=daemon.agents,
                 commit_queue=daemon.commit_queue,
                 finalizer=self.finalizer,
