@@ -234,7 +234,9 @@ class AgentClient:
         last: Replica | None = None
         retry = 0
         while True:
-            replica, deadline_at = await self._ready_replica(replicas, last, deadline_at)
+            replica = self._ready_now(replicas, last)
+            if replica is None:
+                replica, deadline_at = await self._ready_replica(replicas, last, deadline_at)
             if replica is None:
                 return self._deadline_attempt(replicas, last, retry)
             progress.sending = True
@@ -259,6 +261,13 @@ class AgentClient:
             else:
                 await self._sleep(agent, delay_s)
             last, retry = replica, retry + 1
+
+    def _ready_now(self, replicas: ReplicaSet, last: Replica | None) -> Replica | None:
+        """The replica to send to at once, when no wait may come first (else None:
+        ``_ready_replica`` decides), without a coroutine for the common case."""
+        if self._starts is not None or replicas.all_no_run():
+            return None
+        return replicas.pick(avoid=last)
 
     async def _ready_replica(
         self, replicas: ReplicaSet, last: Replica | None, deadline_at: float

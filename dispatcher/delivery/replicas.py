@@ -274,6 +274,8 @@ class ReplicaSet:
         return [r for r in self.replicas if r.breaker.state is not BreakerState.CLOSED]
 
     def all_no_run(self) -> bool:
+        if len(self.replicas) == 1:  # most agents: no generator for each rollout
+            return self.replicas[0].no_run
         return all(r.no_run for r in self.replicas)
 
     def urls(self) -> list[str]:
