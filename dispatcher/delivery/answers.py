@@ -58,9 +58,11 @@ class Failure:
         return keys
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Attempt:
-    """What one rollout's delivery to an agent came to."""
+    """What one rollout's delivery to an agent came to. Never changed once made
+    (``dataclasses.replace`` makes another); not ``frozen``, whose ``__init__``
+    sets each field through ``object.__setattr__``: twice its cost per rollout."""
 
     outcome: Outcome
     replica: str
