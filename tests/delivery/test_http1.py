@@ -966,3 +966,46 @@ async def test_an_answer_without_a_valid_status_line_was_not_delivered(
     assert (await exchange(pool, url))[1:] == (None, None)
     status, missed, _ = await exchange(pool, url)
     assert missed is not None and missed.reason == "no_answer" and status == 0
+
+
+async def test_a_head_whose_call_waits_for_its_turn_outlives_the_first_byte_deadline(
+    pool: Http1Pool, scripted: Scripted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The status line is in; its call waits to be woken (``Http1Pool.answered``)
+    # when the deadline passes: delivered, not a first-byte timeout.
+    held = asyncio.Event()
+    heads: list[asyncio.Future[None]] = []
+
+    def hold(self: Http1Pool, head: asyncio.Future[None]) -> None:
+        heads.append(head)
+        held.set()
+
+    monkeypatch.setattr(Http1Pool, "answered", hold)
+    url = await scripted(answer_then_wait(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"))
+    limits = ExchangeLimits.of(None, 60.0, ResponseLimits(max_bytes=MAX))
+    deadlines = limits.first_byte
+    assert deadlines is not None
+    call = asyncio.create_task(post_run(pool, url, Target.of(url), b"{}", limits))
+    await held.wait()
+    # The deadline passes now (as its timer would, 60 s on).
+    _, head, owner = deadlines._queue[0]
+    deadlines._queue[0] = (0.0, head, owner)
+    deadlines._fire()
+    assert head is heads[0] and not head.done() and not call.done()
+    head.set_result(None)
+    status, body, missed, failure = await call
+    assert (status, bytes(body), missed, failure) == (200, b"ok", None, None)
+
+
+async def test_a_call_without_its_status_line_at_the_first_byte_deadline_was_not_delivered(
+    pool: Http1Pool, scripted: Scripted
+) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    url = await scripted(silent)
+    limits = ExchangeLimits.of(None, 0.01, ResponseLimits(max_bytes=MAX))
+    status, _, missed, failure = await post_run(pool, url, Target.of(url), b"{}", limits)
+    assert status == 0 and failure is None and missed is not None
+    assert missed.reason == "first_byte_timeout"
