@@ -4,15 +4,23 @@
 starts one on loopback, on a free port, its agents those of the Gym head
 server that ``run_examples`` was given, its state in ``DISPATCHER_STATE`` or a
 temporary directory (removed when the daemon stops). It runs as
-``python -m dispatcher.client.embedded ARGS``: ``dispatcher serve ARGS``
-plus a watch on its stdin, a pipe only the parent holds, so the daemon stops
+``python -m dispatcher.client.embedded``: ``dispatcher serve ARGS`` plus a
+watch on its stdin, a pipe only the parent holds, so the daemon stops
 (SIGTERM, as at a terminal) when the parent dies whatever kills it. The
 parent stops it on ``close()`` and at exit.
+
+Its start is in two steps because most of it is Python importing the daemon
+(seconds on a busy machine, where the rest takes tenths): ``spawn`` starts
+the child at the helper's construction, where it imports everything
+``serve`` runs on and waits; ``configure`` sends it its ``serve`` flags (one
+JSON line on its stdin) once ``run_examples`` names the head server, and
+waits until it listens.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import shutil
 import signal
@@ -23,6 +31,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dispatcher import jsonx
 from dispatcher.client.wire import ClientError
 
 # How long the child may take to say it listens (it reads the head server's
@@ -31,6 +40,19 @@ START_TIMEOUT_S = 120.0
 # How long a SIGTERM'd daemon has to stop before it is killed.
 STOP_TIMEOUT_S = 30.0
 _LISTENING = "dispatcher serve listening on "
+# What ``serve`` and its first job import, imported while the child waits for
+# its flags (``cli.main`` imports the command's own module lazily).
+_WARM_MODULES = (
+    "dispatcher.cli",
+    "dispatcher.serve.command",
+    "dispatcher.serve.api",
+    "dispatcher.serve.jobs",
+    "dispatcher.run.daemon",
+    "dispatcher.run.job",
+    "dispatcher.settings.flags",
+    "dispatcher.settings.serve",
+    "uvloop",
+)
 
 
 class EmbeddedDaemon:
@@ -43,6 +65,7 @@ class EmbeddedDaemon:
         self._listening = threading.Event()
         self._url: str | None = None
         self._lock = threading.Lock()
+        self._configured = False
         atexit.register(self.stop)
         self._reader = threading.Thread(
             target=self._read_stdout, name="dispatcher-embedded", daemon=True
@@ -50,24 +73,42 @@ class EmbeddedDaemon:
         self._reader.start()
 
     @classmethod
-    def start(cls, head_server_url: str, *flags: str) -> EmbeddedDaemon:
-        """Start the child (blocking until it listens); ``ClientError`` when it exits first."""
+    def spawn(cls) -> EmbeddedDaemon:
+        """Start the child, which imports the daemon and waits for ``configure`` (not blocking)."""
         given = os.environ.get("DISPATCHER_STATE")
         state_dir = given or tempfile.mkdtemp(prefix="dispatcher-state-")
-        args = ["--listen", "127.0.0.1:0", "--state-dir", state_dir,
-                "--gym-head-server", head_server_url, *flags]  # fmt: skip
         process = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher.client.embedded", *args],
+            [sys.executable, "-m", "dispatcher.client.embedded"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        daemon = cls(process, state_dir, owned=given is None)
-        try:
-            daemon.wait_listening(START_TIMEOUT_S)
-        except BaseException:
-            daemon.stop()
-            raise
+        return cls(process, state_dir, owned=given is None)
+
+    @classmethod
+    def start(cls, head_server_url: str, *flags: str) -> EmbeddedDaemon:
+        """``spawn`` then ``configure``: blocking until it listens."""
+        daemon = cls.spawn()
+        daemon.configure(head_server_url, *flags)
         return daemon
+
+    @property
+    def configured(self) -> bool:
+        return self._configured
+
+    def configure(self, head_server_url: str, *flags: str) -> str:
+        """Send the child its flags and wait until it listens (blocking; once); its URL.
+        ``ClientError`` when it exits first, and then it is stopped."""
+        args = ["--listen", "127.0.0.1:0", "--state-dir", self.state_dir,
+                "--gym-head-server", head_server_url, *flags]  # fmt: skip
+        self._configured = True
+        try:
+            assert self.process.stdin is not None
+            self.process.stdin.write(jsonx.dumps(args) + b"\n")
+            self.process.stdin.flush()
+            return self.wait_listening(START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
@@ -144,10 +185,26 @@ def head_server_url(config: Any) -> str:
     return f"http://{host}:{port}"
 
 
+def _read_flags() -> list[str] | None:
+    """The one JSON line of flags the parent sends on stdin; None if it ends first."""
+    # The raw descriptor, a byte at a time: nothing after the line is consumed
+    # (the parent-watch reads on), and a buffered read holds a lock the
+    # interpreter's exit needs.
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte:
+            return None
+        line += byte
+    flags = jsonx.loads(bytes(line))
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        raise SystemExit(f"dispatcher.client.embedded: stdin: not a JSON list of flags: {flags!r}")
+    return flags
+
+
 def _watch_parent() -> None:
     """SIGTERM this process once stdin ends: the parent that held its pipe is gone;
     SIGKILL if it has not stopped ``STOP_TIMEOUT_S`` later."""
-    # The raw descriptor: a buffered read holds a lock the interpreter's exit needs.
     while os.read(0, 1 << 16):
         pass
     os.kill(os.getpid(), signal.SIGTERM)
@@ -157,11 +214,20 @@ def _watch_parent() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``dispatcher serve ARGS`` that stops when its parent does."""
+    """``dispatcher serve ARGS`` that stops when its parent does; without ARGS, the
+    daemon imported first, then its flags read from stdin (``configure``)."""
+    for module in _WARM_MODULES:
+        importlib.import_module(module)
     from dispatcher.cli import main as cli_main
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        flags = _read_flags()
+        if flags is None:
+            return 0  # the parent went away before it needed a daemon
+        args = flags
     threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return cli_main(["serve", *args])
 
 
 if __name__ == "__main__":

@@ -401,8 +401,9 @@ class RolloutCollectionHelper:
     """Gym's ``RolloutCollectionHelper`` on ``dispatcher serve`` (see the module).
 
     ``url``: the daemon's; default ``DISPATCHER_URL``; without either, a daemon of
-    the helper's own is started on loopback at the first ``run_examples``
-    (``client/embedded.py``), stopped by ``close()`` or at exit.
+    the helper's own is started on loopback (``client/embedded.py``): its
+    process here, importing, its service at the first ``run_examples``, which
+    names the head server; stopped by ``close()`` or at exit.
     ``token``: the daemon's API token (default ``DISPATCHER_API_TOKEN``);
     ``max_attempts``: each job's attempt cap (contracts §12), 1 by default as
     Gym's helper never retries (the trainer's own retry budgets apply); None
@@ -424,9 +425,11 @@ class RolloutCollectionHelper:
         self._token = token
         self._max_attempts = max_attempts
         self._client_options = client_options
-        self._daemon: EmbeddedDaemon | None = None
         self._head_server: str | None = None
         self._starting = threading.Lock()
+        # Its own daemon starts now, importing while the trainer sets up: the
+        # imports are most of its start (client/embedded.py).
+        self._daemon = EmbeddedDaemon.spawn() if self.url is None else None
 
     @property
     def daemon(self) -> EmbeddedDaemon | None:
@@ -483,12 +486,14 @@ class RolloutCollectionHelper:
         return Completions(Collection(locate, examples, options), len(examples))
 
     def _own_daemon(self, head_server_config: Any) -> str:
-        """The URL of the helper's own daemon, started for ``head_server_config``'s agents
-        on the first call (blocking)."""
+        """The URL of the helper's own daemon, its service started for
+        ``head_server_config``'s agents on the first call (blocking)."""
         with self._starting:
             head = head_server_url(head_server_config)
             if self._daemon is None or self._daemon.process.poll() is not None:
-                self._daemon = EmbeddedDaemon.start(head)
+                self._daemon = EmbeddedDaemon.spawn()  # stopped by close(): a new one
+            if not self._daemon.configured:
+                self._daemon.configure(head)
                 self._head_server = head
             elif head != self._head_server:
                 raise ValueError(

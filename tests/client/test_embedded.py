@@ -179,3 +179,37 @@ async def test_the_nemo_rl_guide_runs_as_written(
     assert proc.returncode == 0, (err.decode()[-2000:], (tmp_path / "serve.log").read_text())
     assert out.decode().splitlines()[-1] == "4 rewards, failed with statuses []"
     assert len(list((tmp_path / "rd-state" / "jobs").iterdir())) == 1
+
+
+async def test_the_daemon_process_starts_with_the_helper_and_serves_at_the_first_call(
+    head_server: HeadFactory, sim_agent: SimAgentFactory, no_dispatcher_url: Path
+) -> None:
+    """Its imports (most of its start) run while the trainer sets up, not in its
+    first call: the process is there before ``run_examples``, and serves it."""
+    head = await start_head(head_server, sim_agent)
+    helper = RolloutCollectionHelper()
+    try:
+        daemon = helper.daemon
+        assert daemon is not None and daemon.process.poll() is None
+        assert not daemon.configured
+        pairs = [await f for f in helper.run_examples(rows(2), head_server_config=head)]
+        assert len(pairs) == 2 and helper.daemon is daemon and daemon.configured
+    finally:
+        await asyncio.to_thread(helper.close)
+    assert daemon.process.returncode == 0
+
+
+def test_a_helper_with_a_url_starts_no_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DISPATCHER_URL", raising=False)
+    assert RolloutCollectionHelper("http://rollouts:8080").daemon is None
+
+
+async def test_a_daemon_whose_parent_never_configures_it_exits_quietly() -> None:
+    """The child waits for its flags on stdin; a parent that ends first ends it."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dispatcher.client.embedded",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert child.stdin is not None
+    child.stdin.close()
+    assert await asyncio.wait_for(child.wait(), 120) == 0
