@@ -41,7 +41,8 @@ from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.jobs import BadJob, Conflict, FoundJob, Service
 from dispatcher.serve.results import stream
 from dispatcher.serve.sending import Sender, StreamIdle
-from dispatcher.serve.spec import AdmissionChange, PolicyChange, TooBig
+from dispatcher.serve.served import ServedJob
+from dispatcher.serve.spec import AdmissionChange, AdmitChange, PolicyChange, TooBig
 from dispatcher.telemetry.server import Routes, json_response
 
 log = structlog.get_logger("dispatcher.serve")
@@ -79,6 +80,7 @@ def routes(service: Service) -> Routes:
         app.router.add_get("/v1/jobs/{job_id}", handlers.get_job)
         app.router.add_delete("/v1/jobs/{job_id}", handlers.cancel)
         app.router.add_get("/v1/jobs/{job_id}/results", handlers.results)
+        app.router.add_post("/v1/jobs/{job_id}/admit", handlers.admit)
         app.router.add_post("/v1/policy", handlers.set_policy)
         app.router.add_get("/v1/policy", handlers.get_policy)
         app.router.add_post("/v1/admission", handlers.set_admission)
@@ -220,6 +222,18 @@ class _Handlers:
         if status is None:
             return _unknown(request)
         return json_response(status)
+
+    async def admit(self, request: web.Request) -> web.Response:
+        """Raise a job's ``admit`` (``window.py``); a final job's is kept as it was."""
+        try:
+            change = AdmitChange.parse(body_of(request))
+        except BadBody as exc:
+            return error(400, str(exc))
+        job = await self.service.find(request.match_info["job_id"])
+        if job is None:
+            return _unknown(request)
+        admitted = job.window.admit(change.admit) if isinstance(job, ServedJob) else None
+        return json_response({"job_id": job.job_id, "admit": admitted})
 
     async def results(self, request: web.Request) -> web.StreamResponse:
         job = await self.service.find(request.match_info["job_id"])

@@ -6,7 +6,8 @@ exit rules of ``dispatcher run``) in a task of its own, and its ``Groups``.
 A free slot of the daemon's pool goes to the job of highest priority, then the
 earliest submitted. A job whose ``policy_version`` p is more than K ahead of
 the trainer's V starts nothing until V ≥ p − K, nothing in flight cancelled
-for staleness (contracts §12); one with ``max_in_flight`` W, at most W at once.
+for staleness (contracts §12); its start window (``window.py``:
+``max_in_flight``, ``admit``) bounds what it starts.
 
 A job's step-control policy (``policy.py``: its target, group filter and
 ordering, from its body) is applied by its ``StepControl`` (``step.py``): its
@@ -55,6 +56,7 @@ from dispatcher.serve.policy import Room, policy_of
 from dispatcher.serve.registry import JobRecord, Registry
 from dispatcher.serve.results import Source
 from dispatcher.serve.step import HeldAside, StepControl
+from dispatcher.serve.window import StartWindow
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.materialize import Rollout
 
@@ -104,6 +106,7 @@ class ServedJob:
         self.step.when_satisfied(self._satisfied)
         self.step.on_room = self._room_for
         self._held = HeldAside()
+        self.window = StartWindow(spec.max_in_flight, spec.admit, service.daemon.left_agent)
         self.groups: Groups | None = Groups(
             self.groups_path,
             on_error=self._groups_failed,
@@ -356,7 +359,7 @@ class ServedJob:
     async def _gate(self, rollout: Rollout) -> bool | None:
         """Before each rollout starts: pacing, its window, then step control (``Job``'s gate)."""
         await self._pace()
-        await self._window()
+        await self.window.wait(lambda: self.job)
         while True:
             room = self.step.admits(rollout.task_index, rollout.agent)
             if room is None or room is Room.START:
@@ -387,12 +390,6 @@ class ServedJob:
         finally:
             for task in waits:
                 await cancel_and_wait(task)
-
-    async def _window(self) -> None:
-        """Until fewer than ``max_in_flight`` of the job's rollouts are at agents."""
-        cap, job = self.record.spec.max_in_flight, self.job
-        while cap is not None and job is not None and job.at_agents() >= cap:
-            await self.service.daemon.left_agent.wait(HOP_PAUSE_CAP_S)
 
     async def _pace(self) -> None:
         """Admission pacing: wait while this job's policy version is more than K ahead."""

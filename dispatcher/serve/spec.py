@@ -98,6 +98,9 @@ class JobSpec(BaseModel):
     # At most this many of the job's rollouts at agents at once: a freed one starts
     # the job's next (a trainer's window of resident tasks, as one job).
     max_in_flight: int | None = Field(default=None, ge=1, le=MAX_JOB_IN_FLIGHT)
+    # At most this many of the job's rollouts started until the caller admits more
+    # (``POST /v1/jobs/<id>/admit``, ``window.py``): a window freed as results are taken.
+    admit: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _rows_or_input(self, info: ValidationInfo) -> JobSpec:
@@ -230,6 +233,19 @@ class AdmissionChange(BaseModel):
     def parse(cls, body: bytes) -> AdmissionChange:
         """The change a request body asks for; ``BadBody`` naming the field when it is not one."""
         return _parse_body(cls, body, "POST /v1/admission")
+
+
+class AdmitChange(BaseModel):
+    """A body of ``POST /v1/jobs/<id>/admit`` (contracts §12): the rollouts the job may
+    have started in all, a running total (``window.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    admit: int = Field(ge=0, le=2**63 - 1)
+
+    @classmethod
+    def parse(cls, body: bytes) -> AdmitChange:
+        return _parse_body(cls, body, "POST /v1/jobs/<id>/admit")
 
 
 # A policy version is a step counter: 64 bits, as the files and the metric hold it.
