@@ -202,6 +202,7 @@ class AsyncClient:
         target_groups_by_agent: Mapping[str, int] | None = None,
         target_tokens: int | None = None,
         max_in_flight: int | None = None,
+        admit: int | None = None,
     ) -> JobStatus:
         """Submit a job: ``rows``, or ``input``, a task file's path on the daemon's host.
 
@@ -215,7 +216,8 @@ class AsyncClient:
         ``target_tokens`` (N generated tokens in kept groups) are the other targets.
         ``max_attempts`` replaces the daemon's ``--max-attempts`` for this job's
         rollouts (1 when the caller retries itself); ``max_in_flight`` bounds its
-        rollouts at agents at once.
+        rollouts at agents at once; ``admit``, its rollouts started until
+        ``admit(job_id, n)`` raises it.
         """
         body = submit_body(
             rows, input, job_id=job_id, num_repeats=num_repeats, default_agent=default_agent,
@@ -226,7 +228,7 @@ class AsyncClient:
             ),
             target_groups=target_groups, overprovision=overprovision, on_target=on_target,
             group_filter=group_filter, max_attempts=max_attempts, target_tokens=target_tokens,
-            max_in_flight=max_in_flight,
+            max_in_flight=max_in_flight, admit=admit,
             target_groups_by_agent=(
                 dict(target_groups_by_agent) if target_groups_by_agent is not None else None
             ),
@@ -248,6 +250,13 @@ class AsyncClient:
     async def cancel(self, job_id: str) -> JobStatus:
         """Cancel a job: its in-flight rollouts are cancelled and write nothing."""
         return JobStatus.from_json(await self._call("DELETE", job_path(job_id)))
+
+    async def admit(self, job_id: str, count: int) -> int | None:
+        """Let a job with ``admit`` have started ``count`` of its rollouts in all (never
+        lowered); the bound now, None once the job is final."""
+        answer = await self._call("POST", job_path(job_id, "/admit"), {"admit": count})
+        admitted = answer.get("admit") if isinstance(answer, dict) else None
+        return admitted if isinstance(admitted, int) else None
 
     async def wait(self, job_id: str, *, poll_s: float = 1.0) -> JobStatus:
         """The job's status once it is final (polls ``status``)."""

@@ -150,6 +150,7 @@ class Client:
         target_groups_by_agent: Mapping[str, int] | None = None,
         target_tokens: int | None = None,
         max_in_flight: int | None = None,
+        admit: int | None = None,
     ) -> JobStatus:
         """See ``AsyncClient.submit``."""
         return self._run(
@@ -161,7 +162,7 @@ class Client:
                 overprovision=overprovision, on_target=on_target, group_filter=group_filter,
                 max_attempts=max_attempts,
                 target_groups_by_agent=target_groups_by_agent, target_tokens=target_tokens,
-                max_in_flight=max_in_flight,
+                max_in_flight=max_in_flight, admit=admit,
             )
         )  # fmt: skip
 
@@ -173,6 +174,10 @@ class Client:
 
     def cancel(self, job_id: str) -> JobStatus:
         return self._run(self._async.cancel(job_id))
+
+    def admit(self, job_id: str, count: int) -> int | None:
+        """See ``AsyncClient.admit``."""
+        return self._run(self._async.admit(job_id, count))
 
     def wait(self, job_id: str, *, poll_s: float = 1.0) -> JobStatus:
         return self._run(self._async.wait(job_id, poll_s=poll_s))

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from dispatcher import jsonx
 from dispatcher.client.aio import AsyncClient
 from dispatcher.client.wire import DATA_STATUS, INFRASTRUCTURE_STATUS, ClientError, JobStatus
 from dispatcher.latency.quantile import quantile
@@ -165,6 +166,48 @@ def plan_job(examples: Sequence[Mapping[str, Any]], positions: Sequence[int]) ->
             plan.by_key[(task, next_rollout[task])] = position
             next_rollout[task] += 1
     return plan
+
+
+def cut(
+    examples: Sequence[Mapping[str, Any]], positions: list[int], bound: int | None
+) -> list[list[int]]:
+    """``positions`` in pieces whose rows take at most ``bound`` bytes of a submit's
+    body (a row bigger alone is a piece), last piece first."""
+    if bound is None:
+        return [positions]
+    pieces: list[list[int]] = [[]]
+    size = 0
+    for position in positions:
+        row_bytes = bytes_of(examples, [position])
+        if pieces[-1] and size + row_bytes > bound:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(position)
+        size += row_bytes
+    return pieces[::-1]
+
+
+def bytes_of(examples: Sequence[Mapping[str, Any]], positions: list[int]) -> int:
+    """About what the rows at ``positions`` take in a submit's body."""
+    return sum(len(jsonx.dumps(examples[p])) + 1 for p in positions)
+
+
+@dataclass
+class Admits:
+    """Which examples may start, in order: Gym's resident tasks. ``window`` at first,
+    then one more for each result the trainer took; none once ``drained``."""
+
+    total: int
+    window: int
+    granted: int = 0
+    drained: bool = False
+
+    def due(self, taken: int) -> int:
+        return min(self.total, self.window + taken)
+
+    def of(self, positions: Sequence[int]) -> int:
+        """How many of a job's examples (``positions``, consecutive) are admitted."""
+        return max(0, min(self.granted - positions[0], len(positions)))
 
 
 class Durations:

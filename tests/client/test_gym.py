@@ -198,6 +198,98 @@ async def test_max_resident_tasks_bounds_what_is_at_the_agents(start_stack: Any)
     assert len(await stack.jobs()) == 1
 
 
+async def test_a_resident_task_is_freed_when_the_trainer_takes_its_result(
+    start_stack: Any,
+) -> None:
+    """As Gym counts ``max_resident_tasks``: a result not yet taken holds its slot, so a
+    trainer that stops taking stops the starts (the slot was freed as the rollout
+    left its agent, and the next one started while the trainer took nothing)."""
+    stack = await start_stack(HeldAgent())
+    futures = iter(
+        RolloutCollectionHelper(stack.url).run_examples(examples(4), max_resident_tasks=2)
+    )
+    first = asyncio.ensure_future(next(futures))
+    await wait_until(lambda: stack.agent.waiting() == {"q0", "q1"}, timeout_s=30)
+    stack.agent.release("q0")
+    stack.agent.release("q1")
+    await first  # one result taken: one more starts; the other waits to be taken
+    await wait_until(lambda: stack.agent.waiting() == {"q2"}, timeout_s=30)
+
+    async def both_durable() -> bool:
+        (job,) = await stack.jobs()
+        return job.rows_durable == 2
+
+    await wait_until(both_durable, timeout_s=30)
+    (job,) = await stack.jobs()
+    assert job.in_flight == 1 and set(stack.agent.bodies) == {"q0", "q1", "q2"}
+    await next(futures)  # taken: its slot starts q3
+    await wait_until(lambda: stack.agent.waiting() == {"q2", "q3"}, timeout_s=30)
+    stack.agent.release("q2")
+    stack.agent.release("q3")
+    assert len([await f for f in futures]) == 2 and len(await stack.jobs()) == 1
+
+
+async def test_a_window_with_a_budget_is_one_job(start_stack: Any) -> None:
+    """Each example is checked against the budget as it is admitted, in one job (it
+    was a job per freed slot)."""
+    stack = await start_stack(HeldAgent(held=False))
+    futures = RolloutCollectionHelper(stack.url).run_examples(
+        examples(5), max_resident_tasks=2, dispatch_budget_s=3600
+    )
+    pairs = [await f for f in futures]
+    assert all(result["reward"] == 1.0 for _, result in pairs)
+    assert len(await stack.jobs()) == 1 and stack.agent.max_in_flight <= 2
+
+
+class Clock:
+    """``time`` for the collection's module: its monotonic seconds are the test's."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_a_budget_spent_mid_window_drains_the_rest_and_lets_the_started_finish(
+    start_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gym's drain: what started runs to its end, what is not admitted resolves to the
+    drained result, and the job (its rows never admitted) is cancelled after."""
+    from dispatcher.client import gym_collection
+
+    clock = Clock()
+    monkeypatch.setattr(gym_collection, "time", clock)
+    stack = await start_stack(HeldAgent())
+    tracker = Tracker()
+    futures = iter(
+        RolloutCollectionHelper(stack.url).run_examples(
+            examples(4), max_resident_tasks=2, dispatch_budget_s=100, latency_tracker=tracker
+        )
+    )
+    first = asyncio.ensure_future(next(futures))
+    await wait_until(lambda: stack.agent.waiting() == {"q0", "q1"}, timeout_s=30)
+    clock.now += 200  # the budget is spent
+    stack.agent.release("q0")
+    row, result = await first
+    assert row["responses_create_params"]["input"] == "q0" and result["reward"] == 1.0
+    drained = [await next(futures), await next(futures)]
+    assert all(r["_ng_dispatch_drained"] is True for _, r in drained) and tracker.drained == 2
+    assert stack.agent.waiting() == {"q1"}  # still running: not cancelled
+    stack.agent.release("q1")
+    row, result = await next(futures)
+    assert row["responses_create_params"]["input"] == "q1" and result["reward"] == 1.0
+    assert set(stack.agent.bodies) == {"q0", "q1"}
+
+    async def cancelled() -> bool:
+        (job,) = await stack.jobs()
+        return job.state is JobState.CANCELLED
+
+    await wait_until(cancelled, timeout_s=30)  # cancelled, not left waiting for admits
+    (job,) = await stack.jobs()
+    assert job.rows_durable == 2
+
+
 async def test_a_window_bigger_than_the_daemons_body_bound_is_split_and_succeeds(
     start_stack: Any,
 ) -> None:
