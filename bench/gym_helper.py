@@ -2,13 +2,18 @@
 
 A trainer's call (NeMo RL's shape): ``for f in helper.run_examples(examples,
 max_resident_tasks=W): await f``, EXAMPLES examples, timed from the call to the
-last result (the window), each in a process of its own (whole-process wall and
-CPU from ``wait4``, start-up included). Gym's helper runs in the Gym venv of
-``tests/gym/gym_env.py``, finding the agent through a head-server stub
-(``_gym_collector.head_stub``); the drop-in runs on ``dispatcher serve``
-(started beforehand, its CPU counted apart) and, in a third column, with a
-daemon of its own (no URL: started inside the window). The agent is one
-``dispatcher sim-agent`` with heavy-tailed latency, seeded.
+last result (the window), twice in a row (the second call: what every later
+call of a training run costs), each trainer in a process of its own
+(whole-process wall and CPU from ``wait4``, start-up included). Gym's helper
+runs in the Gym venv of ``tests/gym/gym_env.py``, finding the agent through a
+head-server stub (``_gym_collector.head_stub``); the drop-in runs on
+``dispatcher serve`` (started beforehand, its CPU counted apart) and, in a
+third column, with a daemon of its own (no URL: its process started at the
+helper's construction, its service in the first call's window). The agent
+is one ``dispatcher sim-agent``; each example names its own latency
+(``sim_latency_s``), drawn once from the seeded ``--latency`` distribution,
+so every trainer waits on the same rollouts; the trainers' order rotates
+from round to round.
 
     .venv/bin/python bench/gym_helper.py --examples 200 --window 16 --rounds 3
 
@@ -19,7 +24,9 @@ over Gym's (goal: at most 1.05).
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -37,26 +44,45 @@ TRAINER = """
 import asyncio, json, sys, time
 {import_line}
 
-async def main():
-    examples = [
+LATENCIES = {latencies}
+
+def examples():
+    return [
         # As Gym's preprocess_examples leaves them: with their identity keys.
         {{"agent_ref": {{"name": "sim"}}, "responses_create_params": {{"input": f"q{{i}}"}},
-          "_ng_task_index": i, "_ng_rollout_index": 0}}
-        for i in range({examples})
+          "_ng_task_index": i, "_ng_rollout_index": 0, "sim_latency_s": latency}}
+        for i, latency in enumerate(LATENCIES)
     ]
+
+async def main():
     helper = RolloutCollectionHelper({helper_args})
-    started = time.perf_counter()
-    done = 0
-    for future in helper.run_examples(examples, {head}max_resident_tasks={window}):
-        row, result = await future
-        done += 1
-    window = time.perf_counter() - started
+    windows = []
+    for _ in range(2):
+        started = time.perf_counter()
+        done = 0
+        for future in helper.run_examples(examples(), {head}max_resident_tasks={window}):
+            row, result = await future
+            done += 1
+        windows.append(time.perf_counter() - started)
     if hasattr(helper, "close"):
         helper.close()
-    print(json.dumps({{"window_s": window, "done": done}}))
+    print(json.dumps({{"window_s": windows[0], "next_s": windows[1], "done": done}}))
 
 asyncio.run(main())
 """
+
+
+def latencies(spec: str, count: int) -> list[float]:
+    """``count`` latencies drawn from ``fixed:S`` or ``lognormal:MEDIAN_S,SIGMA``, seeded."""
+    kind, _, values = spec.partition(":")
+    numbers = [float(v) for v in values.split(",")]
+    if kind == "fixed" and len(numbers) == 1:
+        return [numbers[0]] * count
+    if kind == "lognormal" and len(numbers) == 2:
+        rng = random.Random(1)
+        return [round(rng.lognormvariate(math.log(numbers[0]), numbers[1]), 6)
+                for _ in range(count)]  # fmt: skip
+    raise SystemExit(f"--latency {spec!r}: expected fixed:S or lognormal:MEDIAN_S,SIGMA")
 
 
 def trainer(python: Path, script: str, env: dict[str, str], cwd: Path) -> dict[str, float]:
@@ -78,7 +104,8 @@ def trainer(python: Path, script: str, env: dict[str, str], cwd: Path) -> dict[s
         raise SystemExit(f"a trainer failed: exit {os.waitstatus_to_exitcode(status)}\n{tail}")
     report = orjson.loads(out.strip().splitlines()[-1])
     cpu = usage.ru_utime + usage.ru_stime
-    return {"window_s": report["window_s"], "wall_s": wall, "cpu_s": cpu, "done": report["done"]}
+    return {"window_s": report["window_s"], "next_s": report["next_s"], "wall_s": wall,
+            "cpu_s": cpu, "done": report["done"]}  # fmt: skip
 
 
 def main() -> int:
@@ -97,9 +124,10 @@ def main() -> int:
         return 0
     env = {k: v for k, v in os.environ.items() if k != "DISPATCHER_URL"}
     env["PYTHONPATH"] = str(ROOT)
-    fill = {"examples": args.examples, "window": args.window}
+    fill = {"latencies": repr(latencies(args.latency, args.examples)), "window": args.window}
     runs: dict[str, list[dict[str, float]]] = {"gym": [], "dropin": [], "own daemon": []}
-    agent_flags = ("sim-agent", "--latency-dist", args.latency, "--seed", "1")
+    # Each example names its latency (sim_latency_s): the agent's own is a floor of 0.
+    agent_flags = ("sim-agent", "--latency-dist", "fixed:0", "--seed", "1")
     with tempfile.TemporaryDirectory() as tmp, dispatcher_server(*agent_flags) as agent:
         work = Path(tmp)
         with head_stub(agent) as head:
@@ -126,15 +154,19 @@ def main() -> int:
                     **fill,
                 )
                 own_env = {**env, "DISPATCHER_STATE": str(work / f"own-{i}")}
-                this = {
-                    "gym": trainer(venv / "bin" / "python", gym_script, env, work),
-                    "dropin": trainer(Path(sys.executable), url_script, env, work),
-                    "own daemon": trainer(Path(sys.executable), own_script, own_env, work),
+                trainers = {
+                    "gym": (venv / "bin" / "python", gym_script, env),
+                    "dropin": (Path(sys.executable), url_script, env),
+                    "own daemon": (Path(sys.executable), own_script, own_env),
                 }
+                names = list(trainers)
+                order = names[i % 3 :] + names[: i % 3]
+                figures = {name: trainer(*trainers[name], work) for name in order}
                 serve.stop()
-                for name, figures in this.items():
-                    runs[name].append(figures)
-                report(f"round {i + 1}", this)
+                this = {name: figures[name] for name in names}
+                for name, one in this.items():
+                    runs[name].append(one)
+                report(f"round {i + 1} (in the order {', '.join(order)})", this)
     medians = {name: {k: median([r[k] for r in rs]) for k in rs[0]} for name, rs in runs.items()}
     report(f"median of {args.rounds}", medians)
     return 0
@@ -146,8 +178,9 @@ def report(title: str, figures: dict[str, dict[str, float]]) -> None:
     for name, fig in figures.items():
         print(
             f"  {name:10} window {fig['window_s']:6.2f} s ({fig['window_s'] / gym['window_s']:.3f}x"
-            f" Gym)  whole process {fig['wall_s']:6.2f} s, CPU {fig['cpu_s']:5.2f} s"
-            f"  ({int(fig['done'])} results)"
+            f" Gym), next call {fig['next_s']:6.2f} s ({fig['next_s'] / gym['next_s']:.3f}x Gym)"
+            f"  whole process {fig['wall_s']:6.2f} s, CPU {fig['cpu_s']:5.2f} s"
+            f"  ({int(fig['done'])} results a call)"
         )
 
 
