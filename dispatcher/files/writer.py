@@ -79,8 +79,9 @@ class RowWriter:
     ``always`` fsyncs each batch as soon as the previous one is done,
     ``batch`` gathers rows for up to ``interval_s``, ``max_rows`` or ``max_bytes`` first,
     or only until ``quiet()`` says no row is coming soon (its job has nothing at
-    an agent: waiting would only delay the rows in hand), ``never`` writes without
-    fsync. Writes and fsyncs run in a thread.
+    an agent: waiting would only delay the rows in hand) or ``hurry`` says a
+    caller waits on them, ``never`` writes without fsync. Writes and fsyncs run
+    in a thread.
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class RowWriter:
         self._size = 0
         self._pending: list[tuple[Line, asyncio.Future[int | None]]] = []
         self._wakeup = asyncio.Event()
+        self._hurried = False
         self._flusher: asyncio.Task[None] | None = None
         self._error: OutputWriteError | None = None
         self._closing = False
@@ -177,7 +179,16 @@ class RowWriter:
             or len(self._pending) >= self._max_rows
             or self._pending_bytes >= self._max_bytes
             or (self._quiet is not None and self._quiet())
+            or self._hurried
         )
+
+    def hurry(self, hurried: bool) -> None:
+        """While hurried, each batch is written at once, gathering nothing more (what
+        comes meanwhile waits for the write before it, as with ``always``): a row
+        someone waits on is not held for a batch."""
+        self._hurried = hurried
+        if hurried and self._pending:
+            self._wakeup.set()  # a batch gathering now stops there
 
     async def close(self) -> None:
         """Write what is queued, then close."""

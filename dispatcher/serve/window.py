@@ -65,7 +65,12 @@ class StartWindow:
             if self.max_in_flight is not None and hop.at_agents() >= self.max_in_flight:
                 await self._left_agent.wait(RECHECK_S)
             elif self._admit is not None and self._started(hop) >= (self.admitted or 0):
-                await self._admitted_more.wait(RECHECK_S)
+                # Its caller admits more as it takes rows: none may wait for a batch.
+                _hurry(hop, True)
+                try:
+                    await self._admitted_more.wait(RECHECK_S)
+                finally:
+                    _hurry(hop, False)
             else:
                 return
 
@@ -75,3 +80,8 @@ class StartWindow:
         if self._final_at_start is None:
             self._final_at_start = final
         return final + len(hop.flights)
+
+
+def _hurry(hop: Job, hurried: bool) -> None:
+    for writer in hop.writers:
+        writer.hurry(hurried)

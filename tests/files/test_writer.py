@@ -82,3 +82,30 @@ async def test_a_shielded_row_is_counted_by_a_task_cancelled_while_it_is_written
         assert path.read_bytes() == b'{"n": 1}\n{"n": 2}\n'
     finally:
         await writer.close()
+
+
+async def test_a_hurried_writer_writes_what_it_holds_and_each_row_after_at_once(
+    tmp_path: Path,
+) -> None:
+    """A caller waits on the rows (a job whose next start waits for its caller to take
+    them): the batch gathering stops, and rows that come meanwhile are not held."""
+    path = tmp_path / "rows.jsonl"
+    writer = RowWriter(path, "batch", interval_s=3600, quiet=lambda: False)
+    writer.open()
+    try:
+        first = asyncio.ensure_future(writer.append_line(b'{"n": 1}\n'))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not first.done() and path.read_bytes() == b""
+        writer.hurry(True)
+        await asyncio.wait_for(first, 30)
+        await asyncio.wait_for(writer.append_line(b'{"n": 2}\n'), 30)
+        assert path.read_bytes() == b'{"n": 1}\n{"n": 2}\n'
+        writer.hurry(False)  # gathers again
+        third = asyncio.ensure_future(writer.append_line(b'{"n": 3}\n'))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not third.done()
+        third.cancel()
+    finally:
+        await writer.close()

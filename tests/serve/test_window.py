@@ -74,3 +74,29 @@ async def test_admit_refuses_what_is_no_count_and_names_an_unknown_job(
         assert (await serve.results("w", wait=True))[-1] == {"end": "done"}
     finally:
         await serve.stop()
+
+
+async def test_rows_a_full_window_waits_on_are_not_held_for_a_batch(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    """``--fsync batch`` gathers a job's rows while more are at agents; a job whose
+    next start waits for its caller to take rows writes each at once (its row
+    waited the whole batch window, an hour here, while its caller waited on it)."""
+    import os
+
+    env = {**os.environ, "DISPATCHER_FSYNC_BATCH_INTERVAL_S": "3600"}
+    serve = await Serve.spawn(
+        "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+        "--agent", f"sim={gated_agent.url}", "--fsync", "batch", env=env,
+    )  # fmt: skip
+    try:
+        await serve.submit(job_id="w", rows=rows(3), admit=2)
+        await wait_until(lambda: gated_agent.holding == 2)
+        gated_agent.release_next()  # the other stays at its agent
+        await wait_until(lambda: durable(serve, "w", 1), timeout_s=30)
+        await admit(serve, "w", 3)
+        await wait_until(lambda: gated_agent.holding == 2)
+        gated_agent.open()
+        assert (await serve.results("w", wait=True))[-1] == {"end": "done"}
+    finally:
+        await serve.stop()
