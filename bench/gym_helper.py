@@ -7,9 +7,13 @@ call of a training run costs), each trainer in a process of its own
 (whole-process wall and CPU from ``wait4``, start-up included). Gym's helper
 runs in the Gym venv of ``tests/gym/gym_env.py``, finding the agent through a
 head-server stub (``_gym_collector.head_stub``); the drop-in runs on
-``dispatcher serve`` (started beforehand, its CPU counted apart) and, in a
-third column, with a daemon of its own (no URL: its process started at the
-helper's construction, its service in the first call's window). The agent
+``dispatcher serve`` (started beforehand, with ``--fsync never`` (Gym keeps
+nothing), its CPU counted apart) and with a daemon of its own (no URL: its
+process started at the helper's construction, its service in the first
+call's window, the daemon's default ``--fsync batch``): "own daemon" calls
+right after the construction, so the child's imports are in its first
+window; "own, warm" first waits for them (``wait_imported``), as a trainer
+whose set-up outlasts them (NeMo RL loads its model in between). The agent
 is one ``dispatcher sim-agent``; each example names its own latency
 (``sim_latency_s``), drawn once from the seeded ``--latency`` distribution,
 so every trainer waits on the same rollouts; the trainers' order rotates
@@ -24,6 +28,7 @@ over Gym's (goal: at most 1.05).
 from __future__ import annotations
 
 import argparse
+import heapq
 import math
 import os
 import random
@@ -56,6 +61,7 @@ def examples():
 
 async def main():
     helper = RolloutCollectionHelper({helper_args})
+    {setup}
     windows = []
     for _ in range(2):
         started = time.perf_counter()
@@ -70,6 +76,17 @@ async def main():
 
 asyncio.run(main())
 """
+
+
+NAMES = ("gym", "dropin", "own daemon", "own, warm")
+
+
+def ideal_s(drawn: list[float], window: int) -> float:
+    """The window with no overhead at all: each example starts as a slot frees."""
+    slots = [0.0] * window
+    for latency in drawn:
+        heapq.heappush(slots, heapq.heappop(slots) + latency)
+    return max(slots)
 
 
 def latencies(spec: str, count: int) -> list[float]:
@@ -124,8 +141,11 @@ def main() -> int:
         return 0
     env = {k: v for k, v in os.environ.items() if k != "DISPATCHER_URL"}
     env["PYTHONPATH"] = str(ROOT)
-    fill = {"latencies": repr(latencies(args.latency, args.examples)), "window": args.window}
-    runs: dict[str, list[dict[str, float]]] = {"gym": [], "dropin": [], "own daemon": []}
+    drawn = latencies(args.latency, args.examples)
+    fill = {"latencies": repr(drawn), "window": args.window}
+    print(f"ideal window {ideal_s(drawn, args.window):.3f} s (the agent's latencies alone, "
+          f"{args.window} slots, each refilled at once)")  # fmt: skip
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in NAMES}
     # Each example names its latency (sim_latency_s): the agent's own is a floor of 0.
     agent_flags = ("sim-agent", "--latency-dist", "fixed:0", "--seed", "1")
     with tempfile.TemporaryDirectory() as tmp, dispatcher_server(*agent_flags) as agent:
@@ -136,13 +156,17 @@ def main() -> int:
             gym_script = TRAINER.format(
                 import_line="from nemo_gym.rollout_collection import RolloutCollectionHelper\n"
                 "from nemo_gym.config_types import BaseServerConfig",
-                helper_args="", head=head_arg, **fill,
+                helper_args="", head=head_arg, setup="", **fill,
             )  # fmt: skip
-            own_script = TRAINER.format(
-                import_line="from dispatcher.client.gym import RolloutCollectionHelper\n"
+            own = {
+                "import_line": "from dispatcher.client.gym import RolloutCollectionHelper\n"
                 "from types import SimpleNamespace as BaseServerConfig",
-                helper_args="", head=head_arg, **fill,
-            )  # fmt: skip
+                "helper_args": "", "head": head_arg, **fill,
+            }  # fmt: skip
+            own_script = TRAINER.format(setup="", **own)
+            # A trainer whose set-up outlasts the daemon's imports (NeMo RL's: its
+            # model loads between the helper's construction and its first call).
+            warm_script = TRAINER.format(setup="helper.daemon.wait_imported(120)", **own)
             for i in range(args.rounds):
                 (work / f"serve-{i}").mkdir()
                 serve = ServeProcess(work / f"serve-{i}", "--agent", f"sim={agent}",
@@ -151,16 +175,19 @@ def main() -> int:
                     import_line="from dispatcher.client.gym import RolloutCollectionHelper",
                     helper_args=repr(serve.url),
                     head="",
+                    setup="",
                     **fill,
                 )
                 own_env = {**env, "DISPATCHER_STATE": str(work / f"own-{i}")}
+                warm_env = {**env, "DISPATCHER_STATE": str(work / f"warm-{i}")}
                 trainers = {
                     "gym": (venv / "bin" / "python", gym_script, env),
                     "dropin": (Path(sys.executable), url_script, env),
                     "own daemon": (Path(sys.executable), own_script, own_env),
+                    "own, warm": (Path(sys.executable), warm_script, warm_env),
                 }
                 names = list(trainers)
-                order = names[i % 3 :] + names[: i % 3]
+                order = names[i % len(names) :] + names[: i % len(names)]
                 figures = {name: trainer(*trainers[name], work) for name in order}
                 serve.stop()
                 this = {name: figures[name] for name in names}

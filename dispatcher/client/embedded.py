@@ -40,6 +40,8 @@ START_TIMEOUT_S = 120.0
 # How long a SIGTERM'd daemon has to stop before it is killed.
 STOP_TIMEOUT_S = 30.0
 _LISTENING = "dispatcher serve listening on "
+# What the child prints once it has imported the daemon and waits for its flags.
+_IMPORTED = "dispatcher embedded imported\n"
 # What ``serve`` and its first job import, imported while the child waits for
 # its flags (``cli.main`` imports the command's own module lazily).
 _WARM_MODULES = (
@@ -63,6 +65,7 @@ class EmbeddedDaemon:
         self.state_dir = state_dir
         self._owned = owned  # a temporary directory of ours, removed at the end
         self._listening = threading.Event()
+        self._imported = threading.Event()
         self._url: str | None = None
         self._lock = threading.Lock()
         self._configured = False
@@ -115,6 +118,12 @@ class EmbeddedDaemon:
         assert self._url is not None
         return self._url
 
+    def wait_imported(self, timeout_s: float) -> bool:
+        """Until the child has imported the daemon (most of its start), or exited;
+        False if ``timeout_s`` passed first. A trainer whose set-up outlasts the
+        imports never waits for them; one with nothing else to do may wait here."""
+        return self._imported.wait(timeout_s) and self.process.poll() is None
+
     def wait_listening(self, timeout_s: float) -> str:
         if not self._listening.wait(timeout_s):
             message = f"the embedded dispatcher serve did not listen in {timeout_s:g} s"
@@ -132,12 +141,15 @@ class EmbeddedDaemon:
         assert self.process.stdout is not None
         for raw in self.process.stdout:
             line = raw.decode("utf-8", "replace")
-            if self._url is None and line.startswith(_LISTENING):
+            if line == _IMPORTED and not self._imported.is_set():
+                self._imported.set()
+            elif self._url is None and line.startswith(_LISTENING):
                 self._url = line[len(_LISTENING) :].strip()
                 self._listening.set()
             else:
                 sys.stdout.write(line)
-        self._listening.set()  # exited: whoever waits learns it
+        self._imported.set()  # exited: whoever waits learns it
+        self._listening.set()
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``; its exit code. Idempotent."""
@@ -222,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
+        sys.stdout.write(_IMPORTED)
+        sys.stdout.flush()
         flags = _read_flags()
         if flags is None:
             return 0  # the parent went away before it needed a daemon

@@ -192,6 +192,7 @@ async def test_the_daemon_process_starts_with_the_helper_and_serves_at_the_first
         daemon = helper.daemon
         assert daemon is not None and daemon.process.poll() is None
         assert not daemon.configured
+        assert await asyncio.to_thread(daemon.wait_imported, 120)
         pairs = [await f for f in helper.run_examples(rows(2), head_server_config=head)]
         assert len(pairs) == 2 and helper.daemon is daemon and daemon.configured
     finally:
