@@ -128,7 +128,6 @@ class RolloutCollectionHelper:
         self._token = token
         self._max_attempts = max_attempts
         self._client_options = client_options
-        self._head_server: str | None = None
         self._starting = threading.Lock()
         # Its own daemon starts now, importing while the trainer sets up: the
         # imports are most of its start (client/embedded.py).
@@ -197,10 +196,9 @@ class RolloutCollectionHelper:
                 self._daemon = EmbeddedDaemon.spawn()  # stopped by close(): a new one
             if not self._daemon.configured:
                 self._daemon.configure(head)
-                self._head_server = head
-            elif head != self._head_server:
+            elif head != self._daemon.head_server:
                 raise ValueError(
                     f"head_server_config: {head} is not the head server this helper's "
-                    f"daemon serves ({self._head_server}); use one helper per Gym stack"
+                    f"daemon serves ({self._daemon.head_server}); use one helper per Gym stack"
                 )
             return self._daemon.url

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import pytest
 
-from dispatcher.client.embedded import head_server_url
+from dispatcher.client.embedded import EmbeddedDaemon, head_server_url
 from dispatcher.client.gym import RolloutCollectionHelper
 from tests.conftest import SimAgentFactory
 from tests.helpers import wait_until
@@ -214,3 +214,26 @@ async def test_a_daemon_whose_parent_never_configures_it_exits_quietly() -> None
     assert child.stdin is not None
     child.stdin.close()
     assert await asyncio.wait_for(child.wait(), 120) == 0
+
+
+def test_a_daemon_whose_state_is_temporary_does_not_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its state is removed when it stops and never resumed after a power cut: an
+    fsync per row would protect nothing (and each refill of a trainer's window
+    waited for one). ``DISPATCHER_STATE`` or ``DISPATCHER_FSYNC`` keep the default."""
+    monkeypatch.delenv("DISPATCHER_STATE", raising=False)
+    monkeypatch.delenv("DISPATCHER_FSYNC", raising=False)
+    daemon = EmbeddedDaemon.spawn()
+    try:
+        assert daemon._durability() == ("--fsync", "never")
+        monkeypatch.setenv("DISPATCHER_FSYNC", "always")
+        assert daemon._durability() == ()
+    finally:
+        daemon.stop()
+    assert not Path(daemon.state_dir).exists()
+    monkeypatch.delenv("DISPATCHER_FSYNC")
+    monkeypatch.setenv("DISPATCHER_STATE", "/nonexistent/state")
+    kept = EmbeddedDaemon.spawn()
+    try:
+        assert kept._durability() == ()
+    finally:
+        kept.stop()

@@ -100,3 +100,29 @@ async def test_rows_a_full_window_waits_on_are_not_held_for_a_batch(
         assert (await serve.results("w", wait=True))[-1] == {"end": "done"}
     finally:
         await serve.stop()
+
+
+async def test_after_a_restart_a_job_admits_its_admit_beyond_what_is_final(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    """Admissions are not on disk: a restarted daemon counts the job's final
+    rollouts as taken, so it goes on without its caller's next request."""
+    import signal
+
+    serve = await Serve.start(tmp_path / "state", gated_agent.url)
+    await serve.submit(job_id="w", rows=rows(3), admit=1)
+    await wait_until(lambda: gated_agent.holding == 1)
+    gated_agent.release_next()
+    await wait_until(lambda: durable(serve, "w", 1))
+    assert await serve.stop(signal.SIGKILL) != 0
+    serve = await Serve.start(tmp_path / "state", gated_agent.url)
+    try:
+        await wait_until(lambda: gated_agent.holding == 1)  # 1 final + admit 1
+        assert gated_agent.seen == 2
+        await admit(serve, "w", 3)
+        await wait_until(lambda: gated_agent.holding == 2)
+        gated_agent.open()
+        stream = await serve.results("w", wait=True)
+        assert stream[-1] == {"end": "done"} and len(stream) == 4
+    finally:
+        await serve.stop()
