@@ -10,9 +10,9 @@ head-server stub (``_gym_collector.head_stub``); the drop-in runs on
 ``dispatcher serve`` (started beforehand, with ``--fsync never`` (Gym keeps
 nothing), its CPU counted apart) and with a daemon of its own (no URL: its
 process started at the helper's construction, its service in the first
-call's window, the daemon's default ``--fsync batch``): "own daemon" calls
-right after the construction, so the child's imports are in its first
-window; "own, warm" first waits for them (``wait_imported``), as a trainer
+call's window, its state in a temporary directory, so ``--fsync never``):
+"own daemon" calls right after the construction, so the child's imports are
+in its first window; "own, warm" first waits for them (``wait_imported``), as a trainer
 whose set-up outlasts them (NeMo RL loads its model in between). The agent
 is one ``dispatcher sim-agent``; each example names its own latency
 (``sim_latency_s``), drawn once from the seeded ``--latency`` distribution,
@@ -178,8 +178,8 @@ def main() -> int:
                     setup="",
                     **fill,
                 )
-                own_env = {**env, "DISPATCHER_STATE": str(work / f"own-{i}")}
-                warm_env = {**env, "DISPATCHER_STATE": str(work / f"warm-{i}")}
+                # No DISPATCHER_STATE: a temporary directory, as a trainer leaves it.
+                own_env = warm_env = {k: v for k, v in env.items() if k != "DISPATCHER_STATE"}
                 trainers = {
                     "gym": (venv / "bin" / "python", gym_script, env),
                     "dropin": (Path(sys.executable), url_script, env),
