@@ -2,8 +2,9 @@
 
 A trainer's call (NeMo RL's shape): ``for f in helper.run_examples(examples,
 max_resident_tasks=W): await f``, EXAMPLES examples, timed from the call to the
-last result (the window), twice in a row (the second call: what every later
-call of a training run costs), each trainer in a process of its own
+last result (the window), CALLS times in a row ("next call": the median of
+the later calls, what every later call of a training run costs; the first
+call's window is "window"), each trainer in a process of its own
 (whole-process wall and CPU from ``wait4``, start-up included). Gym's helper
 runs in the Gym venv of ``tests/gym/gym_env.py``, finding the agent through a
 head-server stub (``_gym_collector.head_stub``); the drop-in runs on
@@ -19,7 +20,7 @@ is one ``dispatcher sim-agent``; each example names its own latency
 so every trainer waits on the same rollouts; the trainers' order rotates
 from round to round.
 
-    .venv/bin/python bench/gym_helper.py --examples 200 --window 16 --rounds 3
+    .venv/bin/python bench/gym_helper.py --examples 200 --window 16 --rounds 3 --calls 2
 
 Prints each round's figures and the medians; the ratio is the drop-in's window
 over Gym's (goal: at most 1.05).
@@ -63,7 +64,7 @@ async def main():
     helper = RolloutCollectionHelper({helper_args})
     {setup}
     windows = []
-    for _ in range(2):
+    for _ in range({calls}):
         started = time.perf_counter()
         done = 0
         for future in helper.run_examples(examples(), {head}max_resident_tasks={window}):
@@ -72,7 +73,8 @@ async def main():
         windows.append(time.perf_counter() - started)
     if hasattr(helper, "close"):
         helper.close()
-    print(json.dumps({{"window_s": windows[0], "next_s": windows[1], "done": done}}))
+    later = sorted(windows[1:])
+    print(json.dumps({{"window_s": windows[0], "next_s": later[len(later) // 2], "done": done}}))
 
 asyncio.run(main())
 """
@@ -131,7 +133,10 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--latency", default="lognormal:0.05,0.5")
+    parser.add_argument("--calls", type=int, default=2, help="calls a trainer makes (>= 2)")
     args = parser.parse_args()
+    if args.calls < 2:
+        parser.error("--calls: at least 2 (the first call, then later ones)")
     sys.path.insert(0, str(ROOT))
     from tests.gym import gym_env
 
@@ -142,7 +147,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k != "DISPATCHER_URL"}
     env["PYTHONPATH"] = str(ROOT)
     drawn = latencies(args.latency, args.examples)
-    fill = {"latencies": repr(drawn), "window": args.window}
+    fill = {"latencies": repr(drawn), "window": args.window, "calls": args.calls}
     print(f"ideal window {ideal_s(drawn, args.window):.3f} s (the agent's latencies alone, "
           f"{args.window} slots, each refilled at once)")  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in NAMES}
