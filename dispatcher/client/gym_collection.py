@@ -13,7 +13,6 @@ from typing import Any
 
 import structlog
 
-from dispatcher.aio import cancel_and_wait
 from dispatcher.client.aio import AsyncClient
 from dispatcher.client.gym_plan import (
     Admits,
@@ -138,15 +137,17 @@ class Collection:
         if self._deadline is not None or (window is not None and window < total):
             self._admits = Admits(total, min(window or total, total))
             self._admit()
-        async with contextlib.AsyncExitStack() as stack:
-            if self._admits is not None:
-                sender = asyncio.get_running_loop().create_task(self._send_admits())
-                stack.push_async_callback(cancel_and_wait, sender)
+        # The sender is the collection's: if it fails, the collection fails with it
+        # (a job whose admissions stopped would wait for them for ever).
+        async with asyncio.TaskGroup() as tasks:
+            sender = tasks.create_task(self._send_admits()) if self._admits else None
             async for job_id, plan in self._hand_over(range(total)):
                 self._current = (job_id, plan)
                 await self._follow(job_id, plan)
                 if self._admits is not None and self._admits.drained:
                     await cancel_jobs(self._api, [job_id])  # its rows never admitted
+            if sender is not None:
+                sender.cancel()
 
     def _admit(self) -> None:
         """Admit examples up to the window above what the trainer took, each checked
