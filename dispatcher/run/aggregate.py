@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import tempfile
 from collections.abc import (
     AsyncGenerator,
@@ -66,7 +65,6 @@ def aggregate_metrics_path(output: Path) -> Path:
 # A kept value bigger than this (a per-token list, say) is left out: metrics
 # are computed from scalars, and a run of megabyte rows must not be held whole.
 MAX_VALUE_BYTES = 64 * 1024
-_RESPONSE_KEEP = ("usage", "incomplete_details")
 
 
 # A spooled body is sent in chunks of this size.
@@ -116,11 +114,21 @@ def spool_by_agent(
     large the run.
     """
     agents: dict[str, AgentRows] = {}
+    # The agent of each ``agent_ref`` as written: a run's rows repeat a few of them.
+    names: dict[bytes, str | None] = {}
     with output.open("rb") as lines:
         for line in lines:
             row = split_row(line)
-            name = _agent_name(row) if row is not None else None
-            if row is None or name is None:
+            ref = row.get("agent_ref") if row is not None else None
+            if row is None or ref is None:
+                continue
+            written = bytes(ref)
+            name = names.get(written, _UNSEEN)
+            if name is _UNSEEN:
+                name = _agent_name(ref)
+                if len(names) < _MAX_MEMBERS:
+                    names[written] = name
+            if name is None:
                 continue
             if name not in agents:
                 spool = tempfile.TemporaryFile(dir=output.parent)  # noqa: SIM115 (spools closes it)
@@ -135,8 +143,11 @@ async def _streamed(chunks: Iterator[bytes]) -> AsyncGenerator[bytes, None]:
         yield chunk
 
 
-def _agent_name(row: Mapping[str, msgspec.Raw]) -> str | None:
-    agent = _small_object(row.get("agent_ref"))
+_UNSEEN: Any = object()
+
+
+def _agent_name(ref: msgspec.Raw) -> str | None:
+    agent = _small_object(ref)
     name = agent.get("name") if agent else None
     return name if isinstance(name, str) else None
 
@@ -177,31 +188,61 @@ def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
     and without outsized values, serialized."""
     # Every row of a run has the same keys: each one's JSON is encoded once. A
     # kept value is joined from the row's own bytes, without a copy first.
+    known = _MEMBERS.get
     parts = [
-        _member(key) + raw
+        (known(key) or _member(key)) + raw
         for key, raw in row.items()
         if key not in _HEAVY_KEYS and len(raw) <= MAX_VALUE_BYTES
     ]
     response = _response_kept(row.get("response"))
     if response:
-        parts.append(b'"response":' + orjson.dumps(response))
+        parts.append(response)
     return b"{" + b",".join(parts) + b"}"
 
 
-@functools.lru_cache(maxsize=1024)
+# The members' JSON, by key: a run's rows share their keys. Bounded, as rows are
+# other people's data and could each bring keys of their own.
+_MEMBERS: dict[str, bytes] = {}
+_MAX_MEMBERS = 1024
+
+
 def _member(key: str) -> bytes:
     """``"key":``, as JSON."""
-    return orjson.dumps(key) + b":"
+    member = _MEMBERS.get(key)
+    if member is None:
+        member = orjson.dumps(key) + b":"
+        if len(_MEMBERS) < _MAX_MEMBERS:
+            _MEMBERS[key] = member
+    return member
 
 
-def _response_kept(raw: msgspec.Raw | None) -> dict[str, Any] | None:
+class _ResponseKept(msgspec.Struct):
+    """The response's keys an aggregate row keeps, each as its bytes (empty: absent)."""
+
+    usage: msgspec.Raw = msgspec.Raw()
+    incomplete_details: msgspec.Raw = msgspec.Raw()
+
+
+# Decodes those two keys and skips the rest of the response (its output, the
+# bulk of it) without building it.
+_RESPONSE_KEPT = msgspec.json.Decoder(_ResponseKept)
+
+
+def _response_kept(raw: msgspec.Raw | None) -> bytes | None:
+    """``"response":{...}`` with the response's kept keys, their values the row's own
+    bytes; None when it keeps none (or is no object)."""
     if raw is None:
         return None
-    response = split_row(raw)
-    if response is None:
+    try:
+        kept = _RESPONSE_KEPT.decode(raw)
+    except msgspec.DecodeError:
         return None  # not an object
-    kept = {k: orjson.loads(bytes(response[k])) for k in _RESPONSE_KEEP if k in response}
-    return kept or None
+    members = [
+        _member(key) + value
+        for key, value in (("usage", kept.usage), ("incomplete_details", kept.incomplete_details))
+        if value
+    ]
+    return b'"response":{' + b",".join(members) + b"}" if members else None
 
 
 async def write_aggregate_metrics(

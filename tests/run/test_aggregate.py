@@ -240,3 +240,29 @@ def test_aggregate_spool_skips_the_last_replica_of_a_single_replica_agent(tmp_pa
     assert grouped["one"].last_replica is None  # one replica: nothing to order
     assert grouped["two"].last_replica == "http://two"
     assert sent == [rows[0]]
+
+
+def test_aggregate_rows_keep_the_responses_usage_as_written(tmp_path: Path) -> None:
+    # An integer past 64 bits in the usage was read as a float and sent rounded; the
+    # kept keys of the response travel as the row holds them, the rest of it left out.
+    output = tmp_path / "x.jsonl"
+    usage = b'{"input_tokens": 3, "seed": 1180591620717411303425}'
+    rows = [
+        b'{"reward":1.0,"agent_ref":{"name":"sim"},"response":{"output":["long"],"usage":'
+        + usage
+        + b',"incomplete_details":null}}',
+        b'{"reward":0.0,"agent_ref":{"name":"sim"},"response":{"output":[]}}',
+        b'{"reward":0.5,"agent_ref":{"name":"sim"},"response":"not an object"}',
+    ]
+    output.write_bytes(b"\n".join(rows) + b"\n")
+    with contextlib.ExitStack() as spools:
+        grouped = spool_by_agent(output, spools)
+        body = b"".join(grouped["sim"].body_chunks())
+    sent = json.loads(body)["verify_responses"]
+    assert sent[0]["response"] == {
+        "usage": {"input_tokens": 3, "seed": 2**70 + 1},
+        "incomplete_details": None,
+    }
+    assert usage in body
+    assert [row.get("response") for row in sent[1:]] == [None, None]
+    assert [row["reward"] for row in sent] == [1.0, 0.0, 0.5]
