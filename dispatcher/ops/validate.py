@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,13 +30,7 @@ from dispatcher.ops.runfiles import lock_status, read_manifest
 from dispatcher.ops.table import format_table
 from dispatcher.run.prepare import task_settings
 from dispatcher.settings.config import RunSettings
-from dispatcher.tasks.keys import AGENT_REF
-from dispatcher.tasks.materialize import (
-    Materializer,
-    MaterializeResult,
-    _encoded_batches,
-    spec_rows,
-)
+from dispatcher.tasks.materialize import MaterializeResult, materialize
 from dispatcher.urls import redact_url, replica_names
 
 ShardFilter = Callable[[int], bool] | None
@@ -67,28 +60,8 @@ class Report:
 
 def count_rollouts(settings: RunSettings, shard_filter: ShardFilter) -> MaterializeResult:
     """What materializing would give, digests included, without writing anything (blocking)."""
-    spec = settings.materialize_spec(shard_filter)
-    materializer = Materializer(spec)
-    input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
-    input_rows = rollouts = 0
-    by_agent: dict[str, int] = {}
-    rows = spec_rows(spec, input_hash)
-    for where, raw, row in rows:
-        input_rows += 1
-        # The same encoding as `materialize`, so the digest is the one a run records.
-        for data, count in _encoded_batches(materializer.expand(raw, row, where)):
-            output_hash.update(data)
-            rollouts += count
-            agent = row[AGENT_REF]["name"]
-            by_agent[agent] = by_agent.get(agent, 0) + count
-    return MaterializeResult(
-        input_rows=input_rows,
-        tasks=materializer.tasks,
-        rollouts=rollouts,
-        rollouts_by_agent=by_agent,
-        input_digest=input_hash.hexdigest(),
-        materialized_digest=output_hash.hexdigest(),
-    )
+    # Materialized into nothing: the same encoding, so the digest is the one a run records.
+    return materialize(settings.materialize_spec(shard_filter), None)
 
 
 def describe_tasks(

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import os
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,7 +241,8 @@ class Materializer:
 
         Validation happens before this returns; the rows are lazy so that a
         task with many repeats never sits in memory whole. Empty when the
-        task is in another shard.
+        task is in another shard. A task of one rollout is ``row`` itself, its
+        indices set.
         """
         if self._spec.require_params and RESPONSES_CREATE_PARAMS not in row:
             raise ConfigError(f"{where}: the row has no {RESPONSES_CREATE_PARAMS}")
@@ -262,6 +262,11 @@ class Materializer:
                 f"{where}: task {task_index} would get more than {MAX_ROLLOUT_INDEX + 1:,} "
                 "rollouts (identical rows share one task, and their repeats add up)"
             )
+        if repeats == 1:
+            # Most tasks: the row itself is its one rollout, not a copy of it.
+            row[TASK_INDEX] = task_index
+            row[ROLLOUT_INDEX] = first
+            return iter((row,))
         return _repeats(row, task_index, first, repeats)
 
     def _check_unique_id(self, rollout_id: str, where: str) -> None:
@@ -391,17 +396,18 @@ def materialize(
     by_agent: dict[str, int] = {}
     rows = spec_rows(spec, input_hash)
     with destination.open("wb") if destination is not None else _Discard() as out:
+        batch = _Batch(out, output_hash)
         for where, raw, row in rows:
             input_rows += 1
-            written = 0
-            for data, count in _encoded_batches(materializer.expand(raw, row, where)):
-                output_hash.update(data)
-                out.write(data)
-                written += count
+            written = batch.rows
+            for materialized in materializer.expand(raw, row, where):
+                batch.add(jsonx.dumps(materialized, option=orjson.OPT_APPEND_NEWLINE))
+            written = batch.rows - written
             if written:
                 rollouts += written
                 agent = row[AGENT_REF]["name"]
                 by_agent[agent] = by_agent.get(agent, 0) + written
+        batch.flush()
         out.flush()
         if durable and not isinstance(out, _Discard):
             os.fsync(out.fileno())
@@ -415,14 +421,35 @@ def materialize(
     )
 
 
+# Materialized lines are hashed and written this many rows, or bytes, at a time.
 _WRITE_BATCH_ROWS = 1024
+_WRITE_BATCH_BYTES = 1 << 20
 
 
-def _encoded_batches(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[bytes, int]]:
-    """Lines of up to ``_WRITE_BATCH_ROWS`` rows at a time, with their count."""
-    it = iter(rows)
-    while batch := list(itertools.islice(it, _WRITE_BATCH_ROWS)):
-        yield b"".join(jsonx.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in batch), len(batch)
+class _Batch:
+    """Materialized lines gathered across rows (most tasks have one rollout), then
+    hashed and written at once."""
+
+    def __init__(self, out: Any, hasher: Any) -> None:
+        self._out, self._hasher = out, hasher
+        self._lines: list[bytes] = []
+        self._bytes = 0
+        self.rows = 0  # lines added, in all
+
+    def add(self, line: bytes) -> None:
+        self._lines.append(line)
+        self._bytes += len(line)
+        self.rows += 1
+        if len(self._lines) >= _WRITE_BATCH_ROWS or self._bytes >= _WRITE_BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._lines:
+            data = b"".join(self._lines)
+            self._hasher.update(data)
+            self._out.write(data)
+            self._lines.clear()
+            self._bytes = 0
 
 
 class _Discard(contextlib.AbstractContextManager["_Discard"]):
