@@ -44,6 +44,7 @@ def iter_input_rows(
     taken = 0
     # The newline does not count: a line of exactly the bound is fine.
     longest = min(max_line_bytes + 1, READ_BLOCK_BYTES)
+    name = str(path)
     with _open_input(path) as f:
         lines = iter(functools.partial(f.readline, READ_BLOCK_BYTES), b"")
         for line_no, read in enumerate(lines, 1):
@@ -58,7 +59,7 @@ def iter_input_rows(
                 raw = _stripped(line)
             if not raw:
                 continue
-            where = f"{path}:{line_no}"
+            where = f"{name}:{line_no}"
             row = _parse_row(raw, where, skip_invalid)
             if row is None:
                 continue

@@ -164,10 +164,14 @@ class _DigestTable:
 
     def get_or_add(self, digest: int, value: int) -> int:
         digest = digest or 1  # 0 marks an empty slot
-        slot = self._find(digest)
-        if self._keys[slot] == digest:
-            return self._values[slot]
-        self._keys[slot] = digest
+        # ``_find``, inlined: once per task row.
+        capacity, keys = self._capacity, self._keys
+        slot = digest % capacity
+        while (found := keys[slot]) != 0:
+            if found == digest:
+                return self._values[slot]
+            slot = slot + 1 if slot + 1 < capacity else 0
+        keys[slot] = digest
         self._values[slot] = value
         self._size += 1
         if self._size > self._MAX_LOAD * self._capacity:
@@ -343,6 +347,8 @@ def _repeats(
 
 
 def _check_reserved_keys(row: dict[str, Any], where: str) -> None:
+    if RESERVED_INPUT_KEYS.isdisjoint(row):
+        return
     reserved = RESERVED_INPUT_KEYS.intersection(row)
     if reserved:
         raise ConfigError(
