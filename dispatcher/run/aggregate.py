@@ -10,13 +10,19 @@ endpoint simply has no entry; the file is written only when some agent answered.
 The rows are read once from the output file, after every row is durable;
 each agent's stripped rows are spooled to a temporary file beside it and
 streamed from there as the body is sent, so memory does not grow with the run.
+The pass goes on only as far as the bodies being sent need: an agent that
+answers before reading its body (a 404 from one that does not aggregate)
+spares the rest of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import tempfile
+import threading
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -69,6 +75,8 @@ MAX_VALUE_BYTES = 64 * 1024
 
 # A spooled body is sent in chunks of this size.
 CHUNK_BYTES = 1 << 20
+# The pass over the output file goes on this many lines at a time.
+PASS_LINES = 1024
 
 
 @dataclass
@@ -93,49 +101,124 @@ class AgentRows:
         if self.environment_server is None and ENVIRONMENT_SERVER in row:
             self.environment_server = _small_string(row[ENVIRONMENT_SERVER])
 
-    def body_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-        """The request body, a chunk at a time (blocking reads of the spool)."""
+    def body_chunks(
+        self, rows: RowSpools | None = None, chunk_bytes: int = CHUNK_BYTES
+    ) -> Iterator[bytes]:
+        """The request body, a chunk at a time (blocking): the spool, and, while the
+        pass of ``rows`` is not over, the rows it spools as it goes on."""
         yield b'{"verify_responses":['
-        self.spool.seek(0)
-        while chunk := self.spool.read(chunk_bytes):
-            yield chunk
+        offset = 0
+        while True:
+            if rows is None:
+                chunk, over = os.pread(self.spool.fileno(), chunk_bytes, offset), True
+            else:
+                chunk, over = rows.read(self, offset, chunk_bytes)
+            if chunk:
+                offset += len(chunk)
+                yield chunk
+            elif over:
+                break
+            else:
+                assert rows is not None
+                rows.advance()
         yield b"]}"
+
+
+class RowSpools:
+    """The output file's rows, stripped and spooled by agent in one pass that goes
+    only as far as the bodies being sent need (blocking: call it in a thread).
+
+    An agent that answers before it has read its body (a 404 from one that does
+    not aggregate) spares the rest of the pass. Only the rows of ``wanted``
+    agents (default: all) are spooled; the agents named in ``single_replica``
+    get no ``last_replica``. Rows are split at their top level without decoding
+    the values, and only the kept, small values are copied, so memory stays flat
+    however large the run. The spools are files beside ``output`` that
+    ``spools`` closes.
+    """
+
+    def __init__(
+        self,
+        output: Path,
+        spools: contextlib.ExitStack,
+        single_replica: Container[str] = (),
+        wanted: Container[str] | None = None,
+    ) -> None:
+        self._dir = output.parent
+        self._spools = spools
+        self._single = single_replica
+        self._wanted = wanted
+        self._lines = spools.enter_context(output.open("rb"))
+        # The agent of each ``agent_ref`` as written: a run's rows repeat a few of them.
+        self._names: dict[bytes, str | None] = {}
+        # A body's generator may be left running in its thread when its request
+        # ends early, while the next body goes on with the pass.
+        self._lock = threading.Lock()
+        self.agents: dict[str, AgentRows] = {}
+        self.over = False
+
+    def advance(self, lines: int = PASS_LINES) -> None:
+        """Spool the next ``lines`` rows of the file."""
+        with self._lock:
+            read = 0
+            if not self.over:
+                for line in itertools.islice(self._lines, lines):
+                    read += 1
+                    self._add(line)
+                self.over = read < lines
+            for agent in self.agents.values():
+                agent.spool.flush()
+
+    def finish(self) -> None:
+        """The pass, to the end of the file."""
+        while not self.over:
+            self.advance()
+
+    def rows_of(self, name: str) -> AgentRows | None:
+        """The agent's rows once the pass has found its first one; None if it has none."""
+        while name not in self.agents and not self.over:
+            self.advance()
+        return self.agents.get(name)
+
+    def read(self, agent: AgentRows, offset: int, size: int) -> tuple[bytes, bool]:
+        """Up to ``size`` bytes of the agent's spool from ``offset``, and whether the
+        pass is over (so that no bytes then means the end of its body)."""
+        with self._lock:
+            return os.pread(agent.spool.fileno(), size, offset), self.over
+
+    def close(self) -> None:
+        """End the pass: once a body left running in its thread has spooled its lines."""
+        with self._lock:
+            self.over = True
+
+    def _add(self, line: bytes) -> None:
+        row = split_row(line)
+        ref = row.get("agent_ref") if row is not None else None
+        if row is None or ref is None:
+            return
+        written = bytes(ref)
+        name = self._names.get(written, _UNSEEN)
+        if name is _UNSEEN:
+            name = _agent_name(ref)
+            if len(self._names) < _MAX_MEMBERS:
+                self._names[written] = name
+        if name is None or (self._wanted is not None and name not in self._wanted):
+            return
+        agent = self.agents.get(name)
+        if agent is None:
+            spool = tempfile.TemporaryFile(dir=self._dir)  # noqa: SIM115 (spools closes it)
+            self._spools.enter_context(spool)
+            agent = self.agents[name] = AgentRows(spool, track_replica=name not in self._single)
+        agent.add(row)
 
 
 def spool_by_agent(
     output: Path, spools: contextlib.ExitStack, single_replica: Container[str] = ()
 ) -> dict[str, AgentRows]:
-    """Each agent's success rows, stripped, spooled beside ``output`` to files
-    that ``spools`` closes (blocking: run it in a thread). The agents named in
-    ``single_replica`` get no ``last_replica``.
-
-    One pass: rows are split at their top level without decoding the values,
-    and only the kept, small values are copied, so memory stays flat however
-    large the run.
-    """
-    agents: dict[str, AgentRows] = {}
-    # The agent of each ``agent_ref`` as written: a run's rows repeat a few of them.
-    names: dict[bytes, str | None] = {}
-    with output.open("rb") as lines:
-        for line in lines:
-            row = split_row(line)
-            ref = row.get("agent_ref") if row is not None else None
-            if row is None or ref is None:
-                continue
-            written = bytes(ref)
-            name = names.get(written, _UNSEEN)
-            if name is _UNSEEN:
-                name = _agent_name(ref)
-                if len(names) < _MAX_MEMBERS:
-                    names[written] = name
-            if name is None:
-                continue
-            if name not in agents:
-                spool = tempfile.TemporaryFile(dir=output.parent)  # noqa: SIM115 (spools closes it)
-                spools.enter_context(spool)
-                agents[name] = AgentRows(spool, track_replica=name not in single_replica)
-            agents[name].add(row)
-    return agents
+    """Each agent's rows, stripped and spooled to the end of the file (blocking)."""
+    rows = RowSpools(output, spools, single_replica)
+    rows.finish()
+    return rows.agents
 
 
 async def _streamed(chunks: Iterator[bytes]) -> AsyncGenerator[bytes, None]:
@@ -257,13 +340,22 @@ async def write_aggregate_metrics(
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
     with contextlib.ExitStack() as spools:
         single = {name for name, urls in agents.items() if len(urls) <= 1}
-        grouped = await asyncio.to_thread(spool_by_agent, output, spools, single)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            for name, found in sorted(grouped.items()):
-                urls = _replicas_to_ask(agents.get(name) or (), found.last_replica)
-                entry = await _first_answer(session, name, urls, found)
-                if entry is not None:
-                    entries.append(entry)
+        rows = await asyncio.to_thread(RowSpools, output, spools, single, agents)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                for name in sorted(agents):
+                    found = await asyncio.to_thread(rows.rows_of, name)
+                    if found is None:
+                        continue
+                    if found.track_replica:
+                        # The replica that answered last is asked first: known at the end.
+                        await asyncio.to_thread(rows.finish)
+                    urls = _replicas_to_ask(agents[name], found.last_replica)
+                    entry = await _first_answer(session, name, urls, found, rows)
+                    if entry is not None:
+                        entries.append(entry)
+        finally:
+            await asyncio.to_thread(rows.close)
     if not entries:
         return None
     path = aggregate_metrics_path(output)
@@ -277,19 +369,25 @@ async def write_aggregate_metrics(
 
 
 async def _first_answer(
-    session: aiohttp.ClientSession, name: str, urls: Sequence[str], found: AgentRows
+    session: aiohttp.ClientSession,
+    name: str,
+    urls: Sequence[str],
+    found: AgentRows,
+    rows: RowSpools,
 ) -> JsonObject | None:
     """The agent's metrics from the first replica that answers at all; an HTTP answer
     that is not metrics (404 from an agent that does not aggregate) ends the search."""
     for url in urls:
         try:
-            async with contextlib.aclosing(_streamed(found.body_chunks())) as body:
+            async with contextlib.aclosing(_streamed(found.body_chunks(rows))) as body:
                 status, answer = await _post(session, f"{url}/aggregate_metrics", body)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("aggregate_metrics_unavailable", agent=name, replica=url, error=repr(exc))
             continue
         metrics = _parsed(answer) if status < 300 else None
         if metrics is not None:
+            # An answer before the whole body was read: its rows may still name the server.
+            await asyncio.to_thread(rows.finish)
             return _entry(name, metrics, found.environment_server)
         # 404/405: an agent that does not aggregate (not a Gym agent); nothing is wrong.
         level = log.info if status in (404, 405) else log.warning

@@ -20,7 +20,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.run.aggregate import spool_by_agent
+from dispatcher.run.aggregate import (
+    PASS_LINES,
+    RowSpools,
+    spool_by_agent,
+    write_aggregate_metrics,
+)
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
 
@@ -266,3 +271,48 @@ def test_aggregate_rows_keep_the_responses_usage_as_written(tmp_path: Path) -> N
     assert usage in body
     assert [row.get("response") for row in sent[1:]] == [None, None]
     assert [row["reward"] for row in sent] == [1.0, 0.0, 0.5]
+
+
+def test_the_pass_goes_only_as_far_as_the_bodies_read(tmp_path: Path) -> None:
+    # An agent that answers before reading its body (a 404) spares the rest of the
+    # pass: the rows are spooled as the bodies need them, each agent's in order.
+    output = tmp_path / "x.jsonl"
+    rows = [{"i": i, "agent_ref": {"name": "ab"[i % 2]}} for i in range(2 * PASS_LINES + 5)]
+    output.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    with contextlib.ExitStack() as spools:
+        spooled = RowSpools(output, spools, single_replica={"a", "b"}, wanted={"a", "b"})
+        a = spooled.rows_of("a")
+        assert a is not None and (a.rows, spooled.over) == (PASS_LINES // 2, False)
+        body = a.body_chunks(spooled, chunk_bytes=100)
+        [next(body) for _ in range(3)]  # the first chunks; the request ends there
+        assert (a.rows, spooled.over) == (PASS_LINES // 2, False)
+        b = spooled.rows_of("b")
+        assert b is not None
+        sent_b = json.loads(b"".join(b.body_chunks(spooled)))["verify_responses"]
+        assert spooled.over
+        sent_a = json.loads(b"".join(a.body_chunks(spooled)))["verify_responses"]
+    assert sent_a == rows[0::2] and sent_b == rows[1::2]
+
+
+async def test_an_answer_before_the_body_is_read_still_names_the_environment_server(
+    tmp_path: Path,
+) -> None:
+    # The agent answers without reading its body; only the last row names its server.
+    async def aggregate(request: web.Request) -> web.Response:
+        return web.json_response(METRICS)
+
+    app = web.Application()
+    app.router.add_post("/aggregate_metrics", aggregate)
+    runner, url = await serve(app)
+    output = tmp_path / "x.jsonl"
+    rows = [{"i": i, "agent_ref": {"name": "sim"}} for i in range(3 * PASS_LINES)]
+    rows[-1]["_ng_environment_server"] = "math_env"
+    output.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    try:
+        path = await write_aggregate_metrics(output, {"sim": [url], "other": [url]})
+    finally:
+        await runner.cleanup()
+    assert path is not None
+    [entry] = orjson.loads(path.read_bytes())
+    assert entry["agent_ref"] == {"name": "sim"}
+    assert entry["_ng_environment_server"] == "math_env"
