@@ -26,7 +26,7 @@ from dispatcher.outcome import Outcome
 from dispatcher.run.daemon import Daemon
 from dispatcher.run.gym_files import OmittedRows, ProgressFiles
 from dispatcher.run.prepare import PreparedRun
-from dispatcher.run.reporting import log_rollout_finished
+from dispatcher.run.reporting import RolloutFinishedLog
 from dispatcher.run.views import LatencyView
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.keys import AGENT_REF, rollout_key
@@ -59,6 +59,7 @@ class Recorder:
     ) -> None:
         self.settings = settings
         self.daemon = daemon
+        self._metrics = daemon.metrics
         self.outcomes: Counter[str] = Counter()
         self.final_this_run = 0
         # Failures this hop that spent an attempt (the failure limit's count).
@@ -66,6 +67,7 @@ class Recorder:
         self._views = views
         self._on_final = on_final
         self.log = log
+        self._log_finished = RolloutFinishedLog(log)
         # Attached once the run's files are open.
         self.state: RunState | None = None
         self.omitted: OmittedRows | None = None
@@ -102,17 +104,19 @@ class Recorder:
         capture: dict[str, Any] | None = None,
         seq: int | None = None,
     ) -> None:
-        self.outcomes[outcome.value] += 1
+        # Once per rollout: ``Outcome.value`` is a property, ``_value_`` the attribute.
+        value = outcome._value_
+        self.outcomes[value] += 1
         self._record_latency(outcome, duration_s)
-        final = self._is_final(rollout, outcome, row)
+        final = outcome is Outcome.SUCCESS or self._is_final(rollout, outcome, row)
         if final:
             self.final_this_run += 1
             if self._on_final is not None:
                 self._on_final(rollout, outcome, seq, row)
         self._keep_state(rollout, outcome, row, duration_s)
-        self.daemon.metrics.rollout_finished(rollout.agent, outcome.value, duration_s)
+        self._metrics.rollout_finished(rollout.agent, value, duration_s)
         self.daemon.release_session(rollout)
-        log_rollout_finished(self.log, rollout, outcome, final, duration_s, attempt, row, capture)
+        self._log_finished(rollout, outcome, final, duration_s, attempt, row, capture)
 
     def not_started(self, rollout: Rollout, outcome: Outcome) -> None:
         """A rollout this hop did not start (the budget drained it, its agent is down)."""
@@ -125,10 +129,11 @@ class Recorder:
                 self.omitted.note(rollout, outcome, None)
 
     def _record_latency(self, outcome: Outcome, duration_s: float) -> None:
-        for view in self._views:
-            if outcome is Outcome.SUCCESS:
+        if outcome is Outcome.SUCCESS:
+            for view in self._views:
                 view.record(duration_s)
-            elif outcome.writes_failure_row:
+        elif outcome.writes_failure_row:
+            for view in self._views:
                 view.record_failure(duration_s)
 
     def _is_final(self, rollout: Rollout, outcome: Outcome, row: dict[str, Any] | None) -> bool:
@@ -158,7 +163,9 @@ class Recorder:
             return
         key = rollout_key(rollout.task_index, rollout.rollout_index)
         if outcome is Outcome.SUCCESS:
-            reward, mask = _plain(row.get("reward")), _plain(row.get("mask_sample"))
+            reward, mask = row.get("reward"), row.get("mask_sample")
+            if type(reward) is msgspec.Raw or type(mask) is msgspec.Raw:
+                reward, mask = _plain(reward), _plain(mask)
             state.add_success(key, rollout.agent, reward, mask)
         else:
             state.add_failure(key, {**row, AGENT_REF: {"name": rollout.agent}})

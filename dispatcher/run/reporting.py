@@ -1,7 +1,7 @@
 """What a job tells: a ``rollout_finished`` event per attempt, and per hop its
 ``run_summary`` and the manifest's ``last_run``.
 
-Functions of the figures a ``Job`` hands over; ``Job.record`` logs the first,
+Functions of the figures a ``Job`` hands over; ``Recorder.record`` logs the first,
 ``Job.close`` logs the summary and writes ``last_run`` (``dispatcher status``
 reads it to say why rollouts wrote no row).
 """
@@ -23,43 +23,49 @@ from dispatcher.outcome import Outcome
 from dispatcher.run.daemon import Daemon, peak_rss_mb
 from dispatcher.run.prepare import PreparedRun
 from dispatcher.tasks.materialize import Rollout
-from dispatcher.telemetry.logs import log_at
+from dispatcher.telemetry.logs import EventLog
 
 SUMMARY_QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
 
-def log_rollout_finished(
-    log: Any,
-    rollout: Rollout,
-    outcome: Outcome,
-    final: bool,
-    duration_s: float,
-    attempt: Attempt | None,
-    row: dict[str, Any] | None,
-    capture: dict[str, Any] | None,
-) -> None:
-    """One event per attempt: failures at warning, terminal ones at error, others at info."""
-    failure = attempt.failure if attempt is not None else None
-    fields = {
-        "rollout_id": rollout.rollout_id,
-        "task_index": rollout.task_index,
-        "rollout_index": rollout.rollout_index,
-        "attempt": rollout.attempt_index,
-        "agent": rollout.agent,
-        "replica": attempt.replica if attempt else None,
-        "outcome": outcome.value,
-        "final": final,
-        "duration_s": round(duration_s, 4),
-        "retries": attempt.retries if attempt else 0,
-        "http_status": failure.http_status if failure else None,
-        "failure_message": failure.message if failure else None,
-        "capture": capture or None,
-    }
-    log_at(log, _level(outcome, row), "rollout_finished", fields)
+class RolloutFinishedLog:
+    """The ``rollout_finished`` event of each attempt, on one bound logger: failures at
+    warning, terminal ones at error, others at info."""
+
+    def __init__(self, log: Any) -> None:
+        self._event = EventLog(log, "rollout_finished")
+
+    def __call__(
+        self,
+        rollout: Rollout,
+        outcome: Outcome,
+        final: bool,
+        duration_s: float,
+        attempt: Attempt | None,
+        row: dict[str, Any] | None,
+        capture: dict[str, Any] | None,
+    ) -> None:
+        failure = attempt.failure if attempt is not None else None
+        fields = {
+            "rollout_id": rollout.rollout_id,
+            "task_index": rollout.task_index,
+            "rollout_index": rollout.rollout_index,
+            "attempt": rollout.attempt_index,
+            "agent": rollout.agent,
+            "replica": attempt.replica if attempt else None,
+            "outcome": outcome._value_,
+            "final": final,
+            "duration_s": round(duration_s, 4),
+            "retries": attempt.retries if attempt else 0,
+            "http_status": failure.http_status if failure else None,
+            "failure_message": failure.message if failure else None,
+            "capture": capture or None,
+        }
+        self._event(_level(outcome, row), fields)
 
 
 def _level(outcome: Outcome, row: dict[str, Any] | None) -> int:
-    if not outcome.writes_failure_row:
+    if outcome is Outcome.SUCCESS or not outcome.writes_failure_row:
         return logging.INFO
     return logging.ERROR if row is not None and is_terminal(row) else logging.WARNING
 
