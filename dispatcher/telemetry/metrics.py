@@ -33,7 +33,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dispatcher import __version__
 from dispatcher.outcome import NOT_STARTED, Outcome
-from dispatcher.telemetry.hot_series import RolloutSeries
+from dispatcher.telemetry.hot_series import PlainHistogram, RolloutSeries
 from dispatcher.urls import replica_names
 
 # Agent runs last seconds to hours; the top bucket is the two-hour ceiling the
@@ -296,13 +296,13 @@ class Metrics:
         )
         for code in CAPTURE_GAP_CODES:
             self._capture_gaps.labels(code)
-        self._start_order_error = Histogram(
+        self._start_order_error = PlainHistogram(
             "dispatcher_start_order_estimate_error",
             "How far a rollout's latency was from the start order's estimate: "
             "|ln(actual / expected)| (0.1 is about 10% off).",
-            buckets=START_ORDER_ERROR_BUCKETS,
-            registry=registry,
+            START_ORDER_ERROR_BUCKETS,
         )
+        registry.register(self._start_order_error)
         self.loop_lag = Histogram(
             "dispatcher_event_loop_lag_seconds",
             "How late the event loop woke a sleeping sampler task.",
