@@ -25,6 +25,7 @@ starts those first).
 from __future__ import annotations
 
 import collections
+import math
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -354,9 +355,13 @@ class RunState:
 
 def is_numeric(value: Any) -> bool:
     """A reward that scores: a finite JSON number (a bool is not one)."""
-    if type(value) is bool or not isinstance(value, int | float):
+    # Once per row: a tuple, not a union made on each call, and no float parsed.
+    if type(value) is bool or not isinstance(value, (int, float)):
         return False
-    return value == value and value not in (float("inf"), float("-inf"))
+    return value == value and value not in _INFINITIES
+
+
+_INFINITIES = (math.inf, -math.inf)
 
 
 def _agent_of(row: dict[str, Any]) -> str:
