@@ -13,6 +13,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import msgspec
+
 from dispatcher.delivery.client import Attempt
 from dispatcher.files import delivery_history as delivery
 from dispatcher.files.atomic import write_manifest
@@ -23,14 +25,40 @@ from dispatcher.outcome import Outcome
 from dispatcher.run.daemon import Daemon, peak_rss_mb
 from dispatcher.run.prepare import PreparedRun
 from dispatcher.tasks.materialize import Rollout
-from dispatcher.telemetry.logs import EventLog
+from dispatcher.telemetry.event_log import EventLog
 
 SUMMARY_QUANTILES = (0.5, 0.75, 0.95, 0.99)
 
 
+class _Finished(msgspec.Struct, gc=False):
+    """A ``rollout_finished`` event's fields, in the order the line shows them."""
+
+    rollout_id: str
+    task_index: int
+    rollout_index: int
+    attempt: int
+    agent: str
+    replica: str | None
+    outcome: str
+    final: bool
+    duration_s: float
+    retries: int
+    http_status: int | None
+    failure_message: str | None
+    capture: dict[str, Any] | None
+
+
+_FINISHED_KEYS = frozenset(_Finished.__struct_fields__)
+# msgspec renders a float of 1e16 or more as 1e16, orjson (the log's renderer) as
+# 1e+16: such a line, or one with a capture's figures, is left to orjson.
+_ALIKE_BELOW = 1e16
+_encode = msgspec.json.Encoder().encode
+
+
 class RolloutFinishedLog:
     """The ``rollout_finished`` event of each attempt, on one bound logger: failures at
-    warning, terminal ones at error, others at info."""
+    warning, terminal ones at error, others at info. Its fields are a struct that
+    msgspec renders (twice as fast as a dict through orjson), to the same text."""
 
     def __init__(self, log: Any) -> None:
         self._event = EventLog(log, "rollout_finished")
@@ -46,22 +74,29 @@ class RolloutFinishedLog:
         capture: dict[str, Any] | None,
     ) -> None:
         failure = attempt.failure if attempt is not None else None
-        fields = {
-            "rollout_id": rollout.rollout_id,
-            "task_index": rollout.task_index,
-            "rollout_index": rollout.rollout_index,
-            "attempt": rollout.attempt_index,
-            "agent": rollout.agent,
-            "replica": attempt.replica if attempt else None,
-            "outcome": outcome._value_,
-            "final": final,
-            "duration_s": round(duration_s, 4),
-            "retries": attempt.retries if attempt else 0,
-            "http_status": failure.http_status if failure else None,
-            "failure_message": failure.message if failure else None,
-            "capture": capture or None,
-        }
-        self._event(_level(outcome, row), fields)
+        fields = _Finished(
+            rollout.rollout_id,
+            rollout.task_index,
+            rollout.rollout_index,
+            rollout.attempt_index,
+            rollout.agent,
+            attempt.replica if attempt else None,
+            outcome._value_,
+            final,
+            round(duration_s, 4),
+            attempt.retries if attempt else 0,
+            failure.http_status if failure else None,
+            failure.message if failure else None,
+            capture or None,
+        )
+        level = _level(outcome, row)
+        event = self._event
+        if (
+            fields.capture is not None
+            or not -_ALIKE_BELOW < fields.duration_s < _ALIKE_BELOW
+            or not event.write_json(level, _encode(fields), _FINISHED_KEYS)
+        ):
+            event(level, msgspec.structs.asdict(fields))
 
 
 def _level(outcome: Outcome, row: dict[str, Any] | None) -> int:

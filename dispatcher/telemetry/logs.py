@@ -98,7 +98,7 @@ def configure_logging(
     out = cast(TextIO, _Unfailing(out))
     # JSON lines take one step that does what ``shared`` and ``renderer`` do:
     # the same line, without a call per processor (it runs once per rollout).
-    chain = [_json_line] if resolved == "json" else [*shared, *renderer]
+    chain = [json_line] if resolved == "json" else [*shared, *renderer]
     folding = _console_folding(resolved, level_no, stream, out)
     structlog.configure(
         processors=[*_event_filters(resolved, level_no, folding), *chain],
@@ -276,7 +276,7 @@ def _json_renderer() -> Processor:
     return structlog.processors.JSONRenderer(serializer=dumps)
 
 
-class _NamedWriteLogger(structlog.WriteLogger):
+class NamedWriteLogger(structlog.WriteLogger):
     """A WriteLogger that remembers the name given to `structlog.get_logger(name)`."""
 
     def __init__(self, file: TextIO, name: str) -> None:
@@ -290,9 +290,9 @@ class _NamedWriteLoggerFactory:
     def __init__(self, file: TextIO) -> None:
         self._file = file
 
-    def __call__(self, *args: Any) -> _NamedWriteLogger:
+    def __call__(self, *args: Any) -> NamedWriteLogger:
         name = args[0] if args and isinstance(args[0], str) else DEFAULT_LOGGER
-        return _NamedWriteLogger(self._file, name)
+        return NamedWriteLogger(self._file, name)
 
 
 def _add_logger_name(logger: WrappedLogger, _: str, event_dict: EventDict) -> EventDict:
@@ -310,7 +310,7 @@ class _TimestampCache:
 _DIGITS3 = tuple(f"{n:03d}" for n in range(1000))
 
 
-def _now_iso() -> str:
+def now_iso() -> str:
     """Now in ISO 8601 UTC with microseconds, like TimeStamper(fmt="iso", utc=True),
     4x cheaper: the date part is formatted once a second, not on every event."""
     now = time.time()
@@ -323,24 +323,24 @@ def _now_iso() -> str:
 
 
 def _utc_timestamp(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
-    """The event's ``timestamp`` (``_now_iso``); it runs once per event."""
-    event_dict["timestamp"] = _now_iso()
+    """The event's ``timestamp`` (``now_iso``); it runs once per event."""
+    event_dict["timestamp"] = now_iso()
     return event_dict
 
 
 # structlog's ``add_log_level`` names these two methods by their level.
 _LEVEL_OF_METHOD = {"warn": "warning", "exception": "error"}
-_CONTEXT_PREFIX = "structlog_"
-_CONTEXT_PREFIX_CHARS = len(_CONTEXT_PREFIX)
+CONTEXT_PREFIX = "structlog_"
+CONTEXT_PREFIX_CHARS = len(CONTEXT_PREFIX)
 
 
-def _json_line(logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
+def json_line(logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
     """The JSON chain in one step: ``merge_contextvars``, ``add_log_level``,
     ``_utc_timestamp``, ``_add_logger_name``, ``_TRACEBACKS``, ``_first_keys``
     and the orjson renderer give this same line."""
     for var, value in contextvars.copy_context().items():
-        if value is not Ellipsis and var.name.startswith(_CONTEXT_PREFIX):
-            event_dict.setdefault(var.name[_CONTEXT_PREFIX_CHARS:], value)
+        if value is not Ellipsis and var.name.startswith(CONTEXT_PREFIX):
+            event_dict.setdefault(var.name[CONTEXT_PREFIX_CHARS:], value)
     event_dict["level"] = _LEVEL_OF_METHOD.get(method, method)
     _utc_timestamp(logger, method, event_dict)
     if "logger" not in event_dict:
@@ -353,92 +353,6 @@ def _json_line(logger: WrappedLogger, method: str, event_dict: EventDict) -> str
     line["logger"] = event_dict["logger"]
     line.update(event_dict)
     return orjson.dumps(line, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
-
-
-_METHOD_OF_LEVEL = {
-    logging.DEBUG: "debug",
-    logging.INFO: "info",
-    logging.WARNING: "warning",
-    logging.ERROR: "error",
-    logging.CRITICAL: "critical",
-}
-# The keys ``_json_line`` sets or acts on itself: an event carrying one takes structlog's path.
-_OWN_KEYS = frozenset({"event", "level", "timestamp", "logger", "exc_info"})
-_LINE_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
-
-
-class EventLog:
-    """``log.log(level, event, **fields)`` for one event of one bound logger, without
-    structlog's steps where they add nothing. When the chain is ``_json_line`` alone
-    and the logger binds nothing, the line is rendered and written at once: its first
-    keys from text made once, the rest by one ``orjson.dumps`` of ``fields`` (which it
-    takes over). The line is ``_json_line``'s; it runs once per rollout. Any other
-    chain (console, a filter, a test capturing events) takes structlog's path.
-
-    A bound logger keeps its processors, context and sink, so they are looked at
-    once; the processors are still read on each call, as a test capturing events
-    swaps them in place.
-    """
-
-    __slots__ = ("_event", "_heads", "_log", "_logger", "_out", "_processors")
-
-    def __init__(self, log: Any, event: str) -> None:
-        self._log, self._event = log, event
-        processors = getattr(log, "_processors", None)
-        sink = getattr(log, "_logger", None)
-        self._processors: list[Processor] = processors if isinstance(processors, list) else []
-        self._out: TextIO | None = None
-        name = DEFAULT_LOGGER
-        if isinstance(sink, _NamedWriteLogger):
-            name = sink.name
-            if not getattr(log, "_context", None):
-                self._out = sink.out
-        # The line up to its timestamp, by level; from the timestamp to the fields.
-        self._heads = {
-            level: orjson.dumps({"event": event, "level": method}).decode()[:-1] + ',"timestamp":"'
-            for level, method in _METHOD_OF_LEVEL.items()
-        }
-        self._logger = '","logger":' + orjson.dumps(name).decode() + ","
-
-    def __call__(self, level: int, fields: dict[str, Any]) -> None:
-        processors, out = self._processors, self._out
-        if (
-            out is None
-            or not fields
-            or len(processors) != 1
-            or processors[0] is not _json_line
-            or not fields.keys().isdisjoint(_OWN_KEYS)
-        ):
-            self._log.log(level, self._event, **fields)
-            return
-        keys = _CONTEXT_KEYS
-        for var, value in contextvars.copy_context().items():
-            key = keys[var] if var in keys else _context_key(var)
-            if key is not None and value is not Ellipsis:
-                if key in _OWN_KEYS:
-                    self._log.log(level, self._event, **fields)
-                    return
-                fields.setdefault(key, value)
-        body = orjson.dumps(fields, default=str, option=_LINE_OPTIONS).decode()
-        out.write(f"{self._heads[level]}{_now_iso()}{self._logger}{body[1:]}")
-        out.flush()
-
-
-# The field each context variable is bound to (None: not structlog's); there are few.
-_CONTEXT_KEYS: dict[contextvars.ContextVar[Any], str | None] = {}
-
-
-def _context_key(var: contextvars.ContextVar[Any]) -> str | None:
-    name = var.name
-    key = name[_CONTEXT_PREFIX_CHARS:] if name.startswith(_CONTEXT_PREFIX) else None
-    _CONTEXT_KEYS[var] = key
-    return key
-
-
-def log_at(log: Any, level: int, event: str, fields: dict[str, Any]) -> None:
-    """``log.log(level, event, **fields)`` by ``EventLog``'s path (for one-off events,
-    a bound ``EventLog`` settles its checks once)."""
-    EventLog(log, event)(level, fields)
 
 
 def _first_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:

@@ -16,11 +16,11 @@ import pytest
 import structlog
 
 from dispatcher.outcome import Outcome
+from dispatcher.telemetry.event_log import log_at
 from dispatcher.telemetry.logs import (
     LogFormat,
     configure_logging,
     get_logger,
-    log_at,
     reset_logging,
     resolve_log_format,
 )
