@@ -394,7 +394,8 @@ class Job(JobFigures):
                 landing.capture,
                 landing.seq,
             )
-            limit = self.recorder.failure_limit()
+            # A success counts no failure: the limit is where the last failure left it.
+            limit = None if landing.outcome is Outcome.SUCCESS else self.recorder.failure_limit()
             if limit is not None and self.fatal is None:
                 self.fail(limit)
 

@@ -89,7 +89,7 @@ class RolloutFinishedLog:
             failure.message if failure else None,
             capture or None,
         )
-        level = _level(outcome, row)
+        level = logging.INFO if outcome is Outcome.SUCCESS else _level(outcome, row)
         event = self._event
         if (
             fields.capture is not None
@@ -100,7 +100,7 @@ class RolloutFinishedLog:
 
 
 def _level(outcome: Outcome, row: dict[str, Any] | None) -> int:
-    if outcome is Outcome.SUCCESS or not outcome.writes_failure_row:
+    if not outcome.writes_failure_row:
         return logging.INFO
     return logging.ERROR if row is not None and is_terminal(row) else logging.WARNING
 

@@ -81,6 +81,8 @@ class RateWindow:
         self._buckets: deque[list[int]] = deque()  # [second, count], oldest first
         self._total = 0
         self._since: float | None = None
+        # The newest bucket and its second: where most adds go.
+        self._second, self._newest = -1, [-1, 0]
 
     def start(self) -> None:
         """Start measuring now (dispatch began), even before the first event."""
@@ -89,14 +91,14 @@ class RateWindow:
 
     def add(self) -> None:
         now = self._clock()
-        if self._since is None:
-            self._since = now
         second = int(now)
-        buckets = self._buckets
-        if buckets and buckets[-1][0] == second:
-            buckets[-1][1] += 1
+        if second == self._second:
+            self._newest[1] += 1
         else:
-            buckets.append([second, 1])
+            if self._since is None:
+                self._since = now
+            self._second, self._newest = second, [second, 1]
+            self._buckets.append(self._newest)
             self._evict(second)
         self._total += 1
 
