@@ -27,10 +27,11 @@ import asyncio
 import hashlib
 import itertools
 import math
+import operator
 import threading
 from array import array
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,31 +58,55 @@ _BLAKE2B = hashlib.blake2b(digest_size=16)  # copied: cheaper than made anew eac
 def task_digest(row: dict[str, Any]) -> str:
     """The stable name of a task: a digest of its row's canonical JSON (sorted keys),
     the same for every repeat and every job that sends the row."""
+    digest: str = _digest(row).hexdigest()
+    return digest
+
+
+def line_key(line: bytes) -> int:
+    """``task_key`` of ``task_digest`` of a materialized line, without the hex between."""
+    row = jsonx.loads(line)
+    # Its own parse: the two keys every materialized row has go without a copy.
+    row.pop(TASK_INDEX, None)
+    row.pop(ROLLOUT_INDEX, None)
+    return int.from_bytes(_digest(row).digest())
+
+
+def _digest(row: dict[str, Any]) -> Any:
     task = (
         row if _OWN_KEYS.isdisjoint(row) else {k: v for k, v in row.items() if k not in _OWN_KEYS}
     )
     digest = _BLAKE2B.copy()
     digest.update(jsonx.dumps(task, orjson.OPT_SORT_KEYS))
-    return digest.hexdigest()
+    return digest
 
 
-def line_digest(line: bytes) -> str:
-    """``task_digest`` of a materialized line."""
-    row = jsonx.loads(line)
-    # Its own parse: the two keys every materialized row has go without a copy.
-    row.pop(TASK_INDEX, None)
-    row.pop(ROLLOUT_INDEX, None)
-    return task_digest(row)
+def task_key(digest: str | int) -> int:
+    """A task's digest as the number the history keys it by (a number is one already):
+    ``task_digest``'s 32 hex digits as an integer; any other name is digested into one."""
+    if type(digest) is int:
+        return digest
+    assert isinstance(digest, str)
+    try:
+        data = bytes.fromhex(digest)
+    except ValueError:
+        data = b""
+    if len(data) != 16:
+        data = hashlib.blake2b(digest.encode(), digest_size=16).digest()
+    return int.from_bytes(data)
 
 
 class TaskHistory:
-    """A bounded map of task digest -> moving average of its latency, kept in a file."""
+    """A bounded map of task digest -> moving average of its latency, kept in a file.
+
+    A task is named by its digest or by its ``task_key`` (the number; what a caller
+    that looks a task up more than once keeps). ``find`` tells where a task is, a
+    hint that lets ``observe`` update it without searching again."""
 
     def __init__(self, path: Path | None, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
         self.path = path
         self.max_tasks = max_tasks
         self._tasks = _Tasks()
-        self._unwritten: list[tuple[str, float]] = []
+        self._unwritten: list[tuple[int, float]] = []
         self._lines_on_disk = 0
         # Jobs of one service share the history; their flushes take turns.
         self._file_lock = threading.Lock()
@@ -99,24 +124,31 @@ class TaskHistory:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def estimate(self, digest: str) -> float | None:
+    def estimate(self, digest: str | int) -> float | None:
         """The task's expected latency in seconds; None for a task never seen."""
-        return self._tasks.get(_key(digest))
+        return self._tasks.get(task_key(digest))
 
-    def observe(self, digest: str, latency_s: float) -> None:
-        """One finished rollout of the task: move its average, buffer the update."""
-        if not math.isfinite(latency_s) or latency_s < 0:
+    def find(self, key: int) -> tuple[float | None, int]:
+        """``estimate`` of the task ``key`` names, and a hint where it is for ``observe``."""
+        return self._tasks.find(key)
+
+    def observe(self, digest: str | int, latency_s: float, hint: int = -1) -> None:
+        """One finished rollout of the task: move its average, buffer the update.
+        ``hint``: where ``find`` saw the task (searched for again if it has moved)."""
+        if not 0.0 <= latency_s < math.inf:  # NaN too
             return
-        key = _key(digest)
-        old = self._tasks.get(key)
-        average = latency_s if old is None else old + ALPHA * (latency_s - old)
+        key = task_key(digest)
+        tasks = self._tasks
         with self._tasks_lock:
-            self._tasks.set(key, average)
-            if len(self._tasks) > self.max_tasks:
-                extra = len(self._tasks) - self.max_tasks + self.max_tasks // 16
-                self._tasks.forget_oldest(extra)
+            average = tasks.move_at(hint, key, latency_s)
+            if average is None:
+                old = tasks.get(key)
+                average = latency_s if old is None else old + ALPHA * (latency_s - old)
+                tasks.set(key, average)
+                if len(tasks) > self.max_tasks:
+                    tasks.forget_oldest(len(tasks) - self.max_tasks + self.max_tasks // 16)
         if self.path is not None:
-            self._unwritten.append((_hex(key), average))
+            self._unwritten.append((key, average))
 
     def due(self) -> bool:
         return len(self._unwritten) >= FLUSH_EVERY
@@ -133,7 +165,7 @@ class TaskHistory:
         lines, self._unwritten = self._unwritten, []
         self._write(lines)
 
-    def _write(self, lines: list[tuple[str, float]]) -> None:
+    def _write(self, lines: list[tuple[int, float]]) -> None:
         """Append ``lines``, or replace the file when it has grown past its bound."""
         if self.path is None or not lines:
             return
@@ -147,10 +179,10 @@ class TaskHistory:
                 # A hint lost, never a row: the run goes on in its order so far.
                 log.warning("task_history_not_written", path=str(self.path), error=str(exc))
 
-    def _append(self, lines: list[tuple[str, float]]) -> None:
+    def _append(self, lines: list[tuple[int, float]]) -> None:
         assert self.path is not None
         with self.path.open("ab") as f:
-            f.write(b"".join(_line(d, s) for d, s in lines))
+            f.write(b"".join(map(_line, lines)))
         self._lines_on_disk += len(lines)
 
     def _compact(self) -> None:
@@ -158,7 +190,7 @@ class TaskHistory:
         with self._tasks_lock:
             tasks = self._tasks.copy()
         snapshot = list(tasks.oldest_first())
-        write_atomic(self.path, (_line(_hex(k), s) for k, s in snapshot))
+        write_atomic(self.path, map(_line, snapshot))
         self._lines_on_disk = len(snapshot)
 
     def _replay(self, path: Path) -> None:
@@ -169,20 +201,16 @@ class TaskHistory:
         except OSError as exc:
             log.warning("task_history_not_read", path=str(path), error=str(exc))
             return
-        lines = data.split(b"\n")
-        if not lines[-1]:
-            lines.pop()
-        self._lines_on_disk = len(lines)
-        # The last update of each task wins, and the ``max_tasks`` updated last stay:
-        # read backwards, each task's first update is its last.
-        latest: dict[int, float] = {}
-        for digest, average in reversed(_parse_all(lines)):
-            key = _key(digest)
-            if key not in latest:
-                latest[key] = average
-                if len(latest) >= self.max_tasks:
-                    break
-        self._tasks = _Tasks.of(reversed(latest.items()))
+        self._lines_on_disk = data.count(b"\n") + (not data.endswith(b"\n"))
+        digests, averages = _parse_all(data)
+        # The last update of each task wins, and the ``max_tasks`` updated last stay,
+        # oldest first. A digest's last line (a dict keeps the last value it is given),
+        # in C: a history is read before every run.
+        last = sorted(dict(zip(digests, itertools.count())).values())[-self.max_tasks :]
+        self._tasks = _Tasks.of(
+            _task_keys(list(map(digests.__getitem__, last))),
+            list(map(averages.__getitem__, last)),
+        )
 
 
 class _Tasks:
@@ -201,19 +229,23 @@ class _Tasks:
         self._clock = 0
 
     @classmethod
-    def of(cls, items: Iterable[tuple[int, float]]) -> _Tasks:
-        """The tasks of ``(digest, average)`` pairs, oldest update first."""
+    def of(cls, keys: list[int], averages: list[float]) -> _Tasks:
+        """The tasks of ``keys`` and their ``averages``, the one updated longest ago
+        first (a key given twice: its last average, in its last place)."""
+        last = dict(zip(keys, itertools.count()))
+        if len(last) < len(keys):
+            ticks = sorted(last.values())
+            keys, averages = [keys[t] for t in ticks], [averages[t] for t in ticks]
+        # Each task's place in age order is its tick: sorting the places by key sorts all.
+        ordered = sorted(range(len(keys)), key=keys.__getitem__)
+        by_key = list(map(keys.__getitem__, ordered))
         tasks = cls()
-        tasks._fill(sorted((key, tick, average) for tick, (key, average) in enumerate(items)))
-        tasks._clock = len(tasks.hi)
+        tasks.hi = array("Q", map(operator.rshift, by_key, itertools.repeat(64)))
+        tasks.lo = array("Q", map(operator.and_, by_key, itertools.repeat(_LOW)))
+        tasks.average = array("d", map(averages.__getitem__, ordered))
+        tasks.tick = array("Q", ordered)
+        tasks._clock = len(keys)
         return tasks
-
-    def _fill(self, ordered: list[tuple[int, int, float]]) -> None:
-        """The arrays from ``(digest, tick, average)`` sorted by digest."""
-        self.hi = array("Q", (key >> 64 for key, _, _ in ordered))
-        self.lo = array("Q", (key & _LOW for key, _, _ in ordered))
-        self.average = array("d", (average for _, _, average in ordered))
-        self.tick = array("Q", (tick for _, tick, _ in ordered))
 
     def __len__(self) -> int:
         return len(self.hi) + len(self._new)
@@ -240,6 +272,25 @@ class _Tasks:
             return new[0]
         at, found = self._find(key)
         return self.average[at] if found else None
+
+    def find(self, key: int) -> tuple[float | None, int]:
+        """The task's average, and where it is in the arrays (-1: not there)."""
+        new = self._new.get(key)
+        if new is not None:
+            return new[0], -1
+        at, found = self._find(key)
+        return (self.average[at], at) if found else (None, -1)
+
+    def move_at(self, at: int, key: int, latency_s: float) -> float | None:
+        """Move the average of the task at ``at`` in the arrays by ``latency_s``, if
+        that is ``key``'s place still; its new average, else None (nothing done)."""
+        if not 0 <= at < len(self.lo) or self.lo[at] != key & _LOW or self.hi[at] != key >> 64:
+            return None
+        old = self.average[at]
+        self.average[at] = average = old + ALPHA * (latency_s - old)
+        self.tick[at] = self._clock
+        self._clock += 1
+        return average
 
     def set(self, key: int, average: float) -> None:
         at, found = (0, False) if key in self._new else self._find(key)
@@ -289,8 +340,9 @@ class _Tasks:
     def oldest_first(self) -> Iterator[tuple[int, float]]:
         """Every ``(digest, average)``, the one updated longest ago first."""
         self._merge()
-        for at in sorted(range(len(self.hi)), key=self.tick.__getitem__):
-            yield self.hi[at] << 64 | self.lo[at], self.average[at]
+        hi, lo, average = self.hi, self.lo, self.average
+        for at in sorted(range(len(hi)), key=self.tick.__getitem__):
+            yield hi[at] << 64 | lo[at], average[at]
 
 
 # New tasks wait in a dict until there are this many (~180 KB of it at most).
@@ -299,24 +351,9 @@ _MERGE_AT = 1024
 _LOW = (1 << 64) - 1
 
 
-def _key(digest: str) -> int:
-    """A task digest (``task_digest``: 32 hex digits) as a number; another name is
-    digested into one."""
-    try:
-        data = bytes.fromhex(digest)
-    except ValueError:
-        data = b""
-    if len(data) != 16:
-        data = hashlib.blake2b(digest.encode(), digest_size=16).digest()
-    return int.from_bytes(data)
-
-
-def _hex(key: int) -> str:
-    return f"{key:032x}"
-
-
-def _line(digest: str, average: float) -> bytes:
-    return orjson.dumps({"t": digest, "s": average}) + b"\n"
+def _line(update: tuple[int, float]) -> bytes:
+    key, average = update
+    return orjson.dumps({"t": f"{key:032x}", "s": average}) + b"\n"
 
 
 class _Update(msgspec.Struct):
@@ -325,27 +362,42 @@ class _Update(msgspec.Struct):
 
 
 _UPDATE = msgspec.json.Decoder(_Update)
-_UPDATES = msgspec.json.Decoder(list[_Update])
 
 
-def _parse_all(lines: list[bytes]) -> list[tuple[str, float]]:
-    """The updates of ``lines`` in order: all at once, or a line at a time when one
-    is torn or foreign (skipped)."""
+def _parse_all(data: bytes) -> tuple[list[str], list[float]]:
+    """The digests and averages of the update lines of ``data``, in order: all at
+    once, or a line at a time when one is torn or foreign (skipped)."""
     try:
-        updates = _UPDATES.decode(b"[" + b",".join(lines) + b"]")
+        updates = _UPDATE.decode_lines(data)
     except msgspec.DecodeError:
-        updates = None
-    if updates is None or len(updates) != len(lines):
-        return [u for u in map(_parse, lines) if u is not None]
-    return [(u.t, u.s) for u in updates if math.isfinite(u.s) and u.s >= 0]
+        updates = [u for u in map(_parse, data.split(b"\n")) if u is not None]
+    averages = list(map(_AVERAGE, updates))
+    # Each is a non-negative number (the sum is NaN or infinite otherwise): checked in C.
+    if not (min(averages, default=0.0) >= 0.0 and sum(averages) < math.inf):
+        updates = [u for u in updates if 0.0 <= u.s < math.inf]
+        averages = list(map(_AVERAGE, updates))
+    return list(map(_DIGEST, updates)), averages
 
 
-def _parse(line: bytes) -> tuple[str, float] | None:
+_DIGEST = operator.attrgetter("t")
+_AVERAGE = operator.attrgetter("s")
+
+
+def _task_keys(digests: list[str]) -> list[int]:
+    """``task_key`` of each digest (at C speed when all are ``task_digest``'s)."""
+    try:
+        data = list(map(bytes.fromhex, digests))
+    except ValueError:
+        data = []
+    if len(data) == len(digests) and all(map((16).__eq__, map(len, data))):
+        return list(map(int.from_bytes, data))
+    return list(map(task_key, digests))
+
+
+def _parse(line: bytes) -> _Update | None:
     """One update line; None for a torn or foreign one (skipped)."""
     try:
         update = _UPDATE.decode(line)
     except msgspec.DecodeError:
         return None
-    if not math.isfinite(update.s) or update.s < 0:
-        return None
-    return update.t, update.s
+    return update

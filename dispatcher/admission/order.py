@@ -36,7 +36,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from dispatcher.admission.history import HISTORY_FILE, TaskHistory
+from dispatcher.admission.history import HISTORY_FILE, TaskHistory, task_key
 from dispatcher.latency.quantile import quantile
 from dispatcher.settings.config import RunSettings
 
@@ -73,33 +73,37 @@ _POSITION_MASK = (1 << POSITION_BITS) - 1
 _EXPECTED = (int(Tier.EXPECTED) << 64 | ((1 << 64) - 1)) << POSITION_BITS
 _PROBING = int(Tier.PROBING) << 64 << POSITION_BITS
 _DOUBLE = struct.Struct("<d")
+_BITS = struct.Struct("<Q")
 
 
 def _rank(estimate_s: float | None, probed: bool) -> int | None:
     """A task's part of its heap entries; None in tier 1 (unseen)."""
     if estimate_s is not None:
-        bits = int.from_bytes(_DOUBLE.pack(estimate_s if estimate_s > 0.0 else 0.0), "little")
+        bits: int = _BITS.unpack(_DOUBLE.pack(estimate_s if estimate_s > 0.0 else 0.0))[0]
         return _EXPECTED ^ (bits << POSITION_BITS)
     return _PROBING if probed else None
 
 
 @dataclass(slots=True)
 class Waiting:
-    """One waiting rollout: where its line is and which task it runs."""
+    """One waiting rollout: where its line is and which task it runs (``digest``: the
+    task's digest, or its number, ``history.task_key``)."""
 
     position: int
     offset: int
     key: int
     task_index: int
-    digest: str
+    digest: str | int
 
 
 class _Task:
     """A task with rollouts waiting or started: what the order knows of it."""
 
-    __slots__ = ("estimate_s", "learned", "probed", "rank", "waiting")
+    __slots__ = ("at", "estimate_s", "key", "learned", "probed", "rank", "waiting")
 
-    def __init__(self, estimate_s: float | None, position: int) -> None:
+    def __init__(self, key: int, at: int, estimate_s: float | None, position: int) -> None:
+        self.key = key  # its history's name for it
+        self.at = at  # where the history has it (a hint)
         self.waiting = {position}
         self.probed = False
         self.estimate_s = estimate_s
@@ -133,8 +137,9 @@ class StartOrder:
         self._heap: list[int] = []  # rank | position
         self._oldest: deque[int] = deque()  # the positions added, in input order
         self._next_position = 0
-        # Started, not finished: what each was expected to take (None: unseen).
-        self._started: dict[int, tuple[str, float | None]] = {}
+        # Started, not finished: its task's history key and hint, and what it was
+        # expected to take (None: unseen).
+        self._started: dict[int, tuple[int, int, float | None]] = {}
         self.errors: deque[float] = deque(maxlen=ERRORS_KEPT)
         self.estimated = 0
         self.unseen = 0
@@ -165,9 +170,9 @@ class StartOrder:
         self._oldest.append(position)
         task = self._tasks.get(rollout.task_index)
         if task is None:
-            history = self.history
-            estimate = history.estimate(rollout.digest) if history is not None else None
-            task = self._tasks[rollout.task_index] = _Task(estimate, position)
+            history, key = self.history, task_key(rollout.digest)
+            estimate, at = history.find(key) if history is not None else (None, -1)
+            task = self._tasks[rollout.task_index] = _Task(key, at, estimate, position)
         else:
             task.waiting.add(position)
         self._push(position, task)
@@ -198,7 +203,7 @@ class StartOrder:
                 continue
             del waiting[position]
             task.waiting.discard(position)
-            self._started[rollout.key] = (rollout.digest, task.estimate_s)
+            self._started[rollout.key] = (task.key, task.at, task.estimate_s)
             if task.estimate_s is None:
                 self.unseen += 1
                 if not task.probed and not self.whole_groups:
@@ -219,13 +224,13 @@ class StartOrder:
         started = self._started.pop(key, None)
         if started is None:
             return None
-        digest, expected_s = started
+        key, at, expected_s = started
         error = None
         if expected_s is not None and expected_s > 0 and latency_s > 0:
             error = abs(math.log(latency_s / expected_s))
             self.errors.append(error)
         if self.history is not None:
-            self.history.observe(digest, latency_s)
+            self.history.observe(key, latency_s, at)
         self._learn(task_index, latency_s)
         return error
 

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import BinaryIO
 
 from dispatcher import jsonx
-from dispatcher.admission.history import line_digest
+from dispatcher.admission.history import line_key
 from dispatcher.admission.order import StartOrder, Waiting
 from dispatcher.files.reservations import Reservations
 from dispatcher.files.resume import RunState
@@ -230,7 +230,7 @@ class _Feed:
         self.position = 0  # the next line's input position
         self._offset = 0
         self.ended = False
-        self._last = (-1, "")  # the last row's task index and digest
+        self._last = (-1, 0)  # the last row's task index and history key
 
     def due(self, until: int) -> bool:
         """Whether to read on: lines are left and the window (up to position ``until``)
@@ -258,7 +258,7 @@ class _Feed:
                 continue
             task = task_of(key)
             if task != last_task:
-                last_task, digest = task, line_digest(line)
+                last_task, digest = task, line_key(line)
             found.append(Waiting(position - 1, at, key, task, digest))
         self.position, self._offset, self._last = position, offset, (last_task, digest)
         if found:

@@ -316,7 +316,9 @@ class Metrics:
         )
 
     def start_order_error(self, error: float) -> None:
-        self._start_order_error.observe(error)
+        # A NaN (or a negative) would spoil the ``_sum`` for good: it is no error to count.
+        if error >= 0:
+            self._start_order_error.observe(error)
 
     def declare_agents(self, agents: Iterable[str]) -> None:
         """Create each agent's series at zero so the first increment shows in `rate()`."""
