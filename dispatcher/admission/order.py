@@ -30,7 +30,7 @@ import heapq
 import math
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -162,20 +162,30 @@ class StartOrder:
 
     def add(self, rollout: Waiting) -> None:
         """One more waiting rollout, after every one added before in input order."""
-        position = rollout.position
-        if not self._next_position <= position <= _POSITION_MASK:
-            raise ValueError(f"position {position} added after {self._next_position - 1}")
-        self._waiting[position] = rollout
-        self._next_position = position + 1
-        self._oldest.append(position)
-        task = self._tasks.get(rollout.task_index)
-        if task is None:
-            history, key = self.history, task_key(rollout.digest)
-            estimate, at = history.find(key) if history is not None else (None, -1)
-            task = self._tasks[rollout.task_index] = _Task(key, at, estimate, position)
-        else:
-            task.waiting.add(position)
-        self._push(position, task)
+        self.add_all((rollout,))
+
+    def add_all(self, rollouts: Iterable[Waiting]) -> None:
+        """``add`` each of ``rollouts``, in their order (one call for a batch read)."""
+        waiting, oldest, tasks, history = self._waiting, self._oldest, self._tasks, self.history
+        unseen, heap, push = self._unseen, self._heap, heapq.heappush
+        for rollout in rollouts:
+            position = rollout.position
+            if not self._next_position <= position <= _POSITION_MASK:
+                raise ValueError(f"position {position} added after {self._next_position - 1}")
+            waiting[position] = rollout
+            self._next_position = position + 1
+            oldest.append(position)
+            task = tasks.get(rollout.task_index)
+            if task is None:
+                key = task_key(rollout.digest)
+                estimate, at = history.find(key) if history is not None else (None, -1)
+                task = tasks[rollout.task_index] = _Task(key, at, estimate, position)
+            else:
+                task.waiting.add(position)
+            if task.rank is None:
+                unseen.append(position)
+            else:
+                push(heap, task.rank | position)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -184,17 +194,24 @@ class StartOrder:
 
     def take(self) -> Waiting | None:
         """The rollout to start next (it counts as started); None when none waits."""
+        taken = self.take_many(1)
+        return taken[0] if taken else None
+
+    def take_many(self, count: int) -> list[Waiting]:
+        """The next ``count`` rollouts to start, in order (fewer when fewer wait)."""
         unseen, heap, waiting, tasks = self._unseen, self._heap, self._waiting, self._tasks
-        while True:
+        started, pop = self._started, heapq.heappop
+        taken: list[Waiting] = []
+        while len(taken) < count:
             if unseen:
                 position = unseen.popleft()
                 rank = None
             elif heap:
-                entry = heapq.heappop(heap)
+                entry = pop(heap)
                 position = entry & _POSITION_MASK
                 rank = entry ^ position
             else:
-                return None
+                break
             rollout = waiting.get(position)
             if rollout is None:
                 continue
@@ -203,7 +220,7 @@ class StartOrder:
                 continue
             del waiting[position]
             task.waiting.discard(position)
-            self._started[rollout.key] = (task.key, task.at, task.estimate_s)
+            started[rollout.key] = (task.key, task.at, task.estimate_s)
             if task.estimate_s is None:
                 self.unseen += 1
                 if not task.probed and not self.whole_groups:
@@ -214,7 +231,8 @@ class StartOrder:
                 self.estimated += 1
             if not task.waiting and task.learned:
                 del tasks[rollout.task_index]
-            return rollout
+            taken.append(rollout)
+        return taken
 
     # ---- learning -----------------------------------------------------------------
 

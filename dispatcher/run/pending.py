@@ -146,10 +146,9 @@ class Pending:
                     found = await asyncio.to_thread(
                         feed.read, order.admits_until(), self._unreserved
                     )
-                    for waiting in found:
-                        order.add(waiting)
+                    order.add_all(found)
                     order.skip_to(feed.position)
-                picks = _take(order, ORDERED_BATCH)
+                picks = order.take_many(ORDERED_BATCH)
                 if not picks:
                     if feed.ended:
                         return
@@ -204,16 +203,6 @@ class _Source:
         attempt = max(self.state.attempt_index(key), self.reserved.earlier(offset))
         row = jsonx.loads(line)
         return Rollout.from_materialized(row, attempt, self.capture_token, line)
-
-
-def _take(order: StartOrder, count: int) -> list[Waiting]:
-    picks: list[Waiting] = []
-    while len(picks) < count:
-        waiting = order.take()
-        if waiting is None:
-            break
-        picks.append(waiting)
-    return picks
 
 
 class _Feed:

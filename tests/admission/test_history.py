@@ -5,7 +5,9 @@ from __future__ import annotations
 import tracemalloc
 from pathlib import Path
 
-from dispatcher.admission.history import ALPHA, TaskHistory, task_digest
+import orjson
+
+from dispatcher.admission.history import ALPHA, TaskHistory, line_key, task_digest, task_key
 
 
 def test_the_digest_ignores_the_dispatchers_keys_and_key_order() -> None:
@@ -102,3 +104,33 @@ def test_the_history_forgets_the_least_recently_updated_in_a_batch(tmp_path: Pat
     again = TaskHistory.load(path, max_tasks=32)
     kept = {t: history.estimate(t) for t in tasks if history.estimate(t) is not None}
     assert {t: again.estimate(t) for t in kept} == kept and len(again) == 32
+
+
+def test_a_materialized_line_and_its_row_name_one_task() -> None:
+    row = {"agent_ref": {"name": "a"}, "responses_create_params": {"input": "q"}}
+    line = orjson.dumps({**row, "_ng_task_index": 3, "_ng_rollout_index": 1}) + b"\n"
+    assert line_key(line) == task_key(task_digest(row)) == task_key(task_key(task_digest(row)))
+    history = TaskHistory(None)
+    history.observe(task_digest(row), 2.0)
+    assert history.find(line_key(line))[0] == history.estimate(task_digest(row)) == 2.0
+
+
+def test_an_update_at_a_place_since_moved_finds_its_task_again() -> None:
+    history = TaskHistory(None)
+    keys = [task_key(task_digest({"input": n})) for n in range(4000)]
+    for key in keys[:2000]:
+        history.observe(key, 1.0)
+    estimate, at = history.find(keys[700])
+    assert estimate == 1.0 and at >= 0
+    # More tasks join the arrays: every place after the first new digest moves.
+    for key in keys[2000:]:
+        history.observe(key, 2.0)
+    assert history.find(keys[700])[1] != at
+    history.observe(keys[700], 3.0, at)
+    assert history.estimate(keys[700]) == 1.0 + ALPHA * (3.0 - 1.0)
+    assert [history.estimate(k) for k in keys[:700] + keys[701:2000]] == [1.0] * 1999
+    assert [history.estimate(k) for k in keys[2000:]] == [2.0] * 2000
+    # At its place still: updated there.
+    estimate, at = history.find(keys[1])
+    history.observe(keys[1], 2.0, at)
+    assert history.find(keys[1]) == (1.0 + ALPHA * (2.0 - 1.0), at)

@@ -164,6 +164,21 @@ def test_drained_and_capture() -> None:
     )
 
 
+def test_start_order_errors_fill_cumulative_buckets_and_a_sum() -> None:
+    metrics = Metrics(process_metrics=False)
+    for error in (0.0, 0.1, 0.3, 5.0, math.nan):
+        metrics.start_order_error(error)
+    name = "dispatcher_start_order_estimate_error"
+    # A bucket counts the errors up to its bound, that bound included; NaN is left out.
+    assert value(metrics, f"{name}_bucket", le="0.05") == 1
+    assert value(metrics, f"{name}_bucket", le="0.1") == 2
+    assert value(metrics, f"{name}_bucket", le="0.35") == 3
+    assert value(metrics, f"{name}_bucket", le="3.0") == 3
+    assert value(metrics, f"{name}_bucket", le="+Inf") == 4
+    assert value(metrics, f"{name}_count") == 4
+    assert value(metrics, f"{name}_sum") == pytest.approx(5.4)
+
+
 def test_update_exports_known_figures_and_leaves_unknown_ones_out() -> None:
     metrics = Metrics(process_metrics=False)
     metrics.update(
