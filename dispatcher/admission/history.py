@@ -137,7 +137,7 @@ class TaskHistory:
         ``hint``: where ``find`` saw the task (searched for again if it has moved)."""
         if not 0.0 <= latency_s < math.inf:  # NaN too
             return
-        key = task_key(digest)
+        key = digest if type(digest) is int else task_key(digest)
         tasks = self._tasks
         with self._tasks_lock:
             average = tasks.move_at(hint, key, latency_s)

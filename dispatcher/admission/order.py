@@ -177,7 +177,7 @@ class StartOrder:
             oldest.append(position)
             task = tasks.get(rollout.task_index)
             if task is None:
-                key = task_key(rollout.digest)
+                key = rollout.digest if type(rollout.digest) is int else task_key(rollout.digest)
                 estimate, at = history.find(key) if history is not None else (None, -1)
                 task = tasks[rollout.task_index] = _Task(key, at, estimate, position)
             else:
@@ -249,13 +249,12 @@ class StartOrder:
             self.errors.append(error)
         if self.history is not None:
             self.history.observe(key, latency_s, at)
-        self._learn(task_index, latency_s)
+        task = self._tasks.get(task_index)
+        if task is not None and not task.learned and not self.whole_groups:
+            self._learn(task_index, task, latency_s)
         return error
 
-    def _learn(self, task_index: int, latency_s: float) -> None:
-        task = self._tasks.get(task_index)
-        if task is None or task.learned or self.whole_groups:
-            return
+    def _learn(self, task_index: int, task: _Task, latency_s: float) -> None:
         if not task.waiting:
             del self._tasks[task_index]  # nothing left to order by it
             return

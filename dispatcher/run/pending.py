@@ -16,7 +16,7 @@ their rows.
 With a ``StartOrder`` (``admission/order.py``, contracts §13, start order) every other
 rollout starts in its order instead, longest expected first: the file is read
 ahead only as far as its window, a batch of lines once the window has room for
-it, each line held as its offset and task digest; a row is sliced from the
+it, each line held as its offset and its task's digest (as a number); a row is sliced from the
 file mapped into memory when it starts (no read call, no thread hop a row).
 The lines read ahead are reserved as one span a read (§5).
 """
