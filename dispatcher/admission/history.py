@@ -201,7 +201,7 @@ class TaskHistory:
         except OSError as exc:
             log.warning("task_history_not_read", path=str(path), error=str(exc))
             return
-        self._lines_on_disk = data.count(b"\n") + (not data.endswith(b"\n"))
+        self._lines_on_disk = data.count(b"\n") + (bool(data) and not data.endswith(b"\n"))
         digests, averages = _parse_all(data)
         # The last update of each task wins, and the ``max_tasks`` updated last stay,
         # oldest first. A digest's last line (a dict keeps the last value it is given),
