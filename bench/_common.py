@@ -115,6 +115,12 @@ class ServeProcess:
     def rss_mb(self) -> float:
         return rss_mb(self.proc.pid)
 
+    def cpu_s(self) -> float:
+        """The daemon's CPU time so far (user + system, every thread), seconds."""
+        with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self, timeout_s: float = 60) -> int:
         self.proc.terminate()
         code = self.proc.wait(timeout_s)

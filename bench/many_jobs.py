@@ -173,7 +173,9 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     daemon = await asyncio.to_thread(start_daemon, work, agent, args)
     trainer = Trainer(daemon.url, args, daemon.rss_mb)
     rss: dict[str, float] = {}
+    cpu_before = daemon.cpu_s()
     seconds = await trainer.run(lambda: rss.setdefault("first", daemon.rss_mb()))
+    cpu_ms = (daemon.cpu_s() - cpu_before) / args.jobs * 1000
     # A fold runs once a window is full: the last one may still be writing.
     await folds_done(daemon.url, args.jobs // args.retain * args.retain)
     rss["last"] = daemon.rss_mb()
@@ -193,6 +195,7 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     restart_rss = daemon.rss_mb()
     await asyncio.to_thread(daemon.stop)
     report(args, seconds, rss, counts, (p50, p99), restart_s, restart_rss, code)
+    print(f"daemon CPU (user + system, every thread) per job: {cpu_ms:.1f} ms")
     print(f"an archived job: {answer_before}")
     print(f"  after the restart: {answer_after}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import tempfile
@@ -334,15 +335,21 @@ async def write_aggregate_metrics(
     *,
     timeout_s: float = 30.0,
     connect_timeout_s: float = 2.0,
+    session: aiohttp.ClientSession | None = None,
+    durable: bool = True,
 ) -> Path | None:
-    """Ask each agent for its metrics and write the file; None when no agent answered."""
+    """Ask each agent for its metrics and write the file; None when no agent answered.
+    ``session``: the caller's (its connections kept between calls), else one of its
+    own; ``durable=False``: the file is written without fsync (``write_atomic``)."""
     entries: list[JsonObject] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
     with contextlib.ExitStack() as spools:
         single = {name for name, urls in agents.items() if len(urls) <= 1}
         rows = await asyncio.to_thread(RowSpools, output, spools, single, agents)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with contextlib.AsyncExitStack() as own:
+                if session is None:
+                    session = await own.enter_async_context(aiohttp.ClientSession())
                 for name in sorted(agents):
                     found = await asyncio.to_thread(rows.rows_of, name)
                     if found is None:
@@ -351,7 +358,7 @@ async def write_aggregate_metrics(
                         # The replica that answered last is asked first: known at the end.
                         await asyncio.to_thread(rows.finish)
                     urls = _replicas_to_ask(agents[name], found.last_replica)
-                    entry = await _first_answer(session, name, urls, found, rows)
+                    entry = await _first_answer(session, name, urls, found, rows, timeout)
                     if entry is not None:
                         entries.append(entry)
         finally:
@@ -359,7 +366,8 @@ async def write_aggregate_metrics(
     if not entries:
         return None
     path = aggregate_metrics_path(output)
-    await asyncio.to_thread(write_atomic, path, [orjson.dumps(entries, option=orjson.OPT_INDENT_2)])
+    text = orjson.dumps(entries, option=orjson.OPT_INDENT_2)
+    await asyncio.to_thread(functools.partial(write_atomic, durable=durable), path, [text])
     log.info(
         "aggregate_metrics_written",
         path=str(path),
@@ -374,13 +382,14 @@ async def _first_answer(
     urls: Sequence[str],
     found: AgentRows,
     rows: RowSpools,
+    deadlines: aiohttp.ClientTimeout,
 ) -> JsonObject | None:
     """The agent's metrics from the first replica that answers at all; an HTTP answer
     that is not metrics (404 from an agent that does not aggregate) ends the search."""
     for url in urls:
         try:
             async with contextlib.aclosing(_streamed(found.body_chunks(rows))) as body:
-                status, answer = await _post(session, f"{url}/aggregate_metrics", body)
+                status, answer = await _post(session, f"{url}/aggregate_metrics", body, deadlines)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("aggregate_metrics_unavailable", agent=name, replica=url, error=repr(exc))
             continue
@@ -397,10 +406,13 @@ async def _first_answer(
 
 
 async def _post(
-    session: aiohttp.ClientSession, url: str, body: AsyncIterator[bytes]
+    session: aiohttp.ClientSession,
+    url: str,
+    body: AsyncIterator[bytes],
+    deadlines: aiohttp.ClientTimeout,
 ) -> tuple[int, bytes]:
     headers = {"Content-Type": "application/json"}
-    async with session.post(url, data=body, headers=headers) as response:
+    async with session.post(url, data=body, headers=headers, timeout=deadlines) as response:
         return response.status, await response.read()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -123,13 +124,16 @@ class ProgressFiles:
         self._expected_by_agent = dict(expected_by_agent)
         self._throttle = throttle or StatusThrottle()
         self._writing: asyncio.Task[None] | None = None
+        # False: written without fsync; the job's owner makes them durable before it
+        # records the job final (a served job: ``Registry.save_final``).
+        self.durable = True
 
     def row_written(self) -> None:
         """A row became durable: refresh the status file when it is due."""
         if self._writing is not None or not self._throttle.due():
             return
         body = self._status({})
-        self._writing = asyncio.ensure_future(self._write(self._paths.status, body))
+        self._writing = asyncio.ensure_future(self._write((self._paths.status, body)))
         self._writing.add_done_callback(self._refreshed)
 
     def _refreshed(self, task: asyncio.Task[None]) -> None:
@@ -148,12 +152,17 @@ class ProgressFiles:
             await asyncio.gather(self._writing, return_exceptions=True)
         status = self._status(aggregation)
         covered = coverage.coverage(self._state, expected, omitted)
-        await self._write(self._paths.status, status)
-        await self._write(self._paths.coverage, covered)
+        await self._write((self._paths.status, status), (self._paths.coverage, covered))
 
     def _status(self, aggregation: Mapping[str, str]) -> dict[str, Any]:
         return coverage.status(self._state, self._run_id, self._expected_by_agent, aggregation)
 
-    @staticmethod
-    async def _write(path: Any, body: dict[str, Any]) -> None:
-        await asyncio.to_thread(write_json_atomic, path, body)
+    async def _write(self, *files: tuple[Path, dict[str, Any]]) -> None:
+        """Each file in turn, in one thread hop."""
+        durable = self.durable
+
+        def write() -> None:
+            for path, body in files:
+                write_json_atomic(path, body, durable=durable)
+
+        await asyncio.to_thread(write)

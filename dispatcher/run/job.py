@@ -48,6 +48,7 @@ from dispatcher.rows.finalize import Finalizer
 from dispatcher.run import grace
 from dispatcher.run.daemon import Daemon
 from dispatcher.run.flight import Flight, FlightParts, Landing
+from dispatcher.run.job_figures import HopEnd as HopEnd
 from dispatcher.run.job_figures import JobFigures
 from dispatcher.run.pending import Pending
 from dispatcher.run.prepare import PreparedRun, prepare_run, publish_metrics_endpoint
@@ -88,6 +89,7 @@ class Job(JobFigures):
         history: TaskHistory | None = None,
         order_for: OrderFor = start_order_for,
         durable_start: bool = True,
+        end: HopEnd | None = None,
     ) -> None:
         self.daemon = daemon
         self.settings = settings
@@ -111,6 +113,7 @@ class Job(JobFigures):
         # its first rollouts, before its first row (a served job: ``prepare_run``).
         self._durable_start = durable_start
         self._synced: asyncio.Task[None] | None = None
+        self.end = end or HopEnd()
         # Which rollout starts next (contracts §13, start order); None: input order.
         self._history = history
         self._order_for = order_for
@@ -169,6 +172,8 @@ class Job(JobFigures):
             self.writers = (output, failures)
             # Every row carries the run's id (contracts §15).
             self.finalizer.run_id = self.recorder.attach(prepared, failures)
+            if self.recorder.files is not None:
+                self.recorder.files.durable = self.end.durable
             self._resources = stack.pop_all()
         # A gated job (the service's) keeps each group's repeats together, and so does
         # one whose model calls a capture proxy routes: the repeats of a task share a

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import aiohttp
 
 from dispatcher.admission.order import StartOrder
 from dispatcher.errors import DispatcherError, ExitCode
+from dispatcher.files.resume import OutputPaths
 from dispatcher.lifecycle import JobState
-from dispatcher.run.aggregate import aggregation_states, write_aggregate_metrics
+from dispatcher.run.aggregate import (
+    aggregate_metrics_path,
+    aggregation_states,
+    write_aggregate_metrics,
+)
 from dispatcher.run.recorder import FailureLimitExceeded, Recorder
 from dispatcher.run.reporting import hop_summary, write_last_run
 from dispatcher.telemetry.progress import estimate_eta_s
@@ -24,6 +33,17 @@ if TYPE_CHECKING:
     from dispatcher.run.flight import Flight
     from dispatcher.run.prepare import PreparedRun
     from dispatcher.settings.config import RunSettings
+
+
+@dataclass(frozen=True)
+class HopEnd:
+    """How a job records the end of a hop. ``durable=False``: its ``end_files`` are
+    written without fsync, and the job's owner makes them durable before it records
+    the job final (a served job, ``Registry.save_final``). ``session``: the owner's
+    HTTP session for Gym's aggregate call, its connections kept between jobs."""
+
+    durable: bool = True
+    session: aiohttp.ClientSession | None = None
 
 
 class JobFigures:
@@ -42,6 +62,7 @@ class JobFigures:
     _dispatch_started: float | None
     _dispatch_ended: float | None
     order: StartOrder | None
+    end: HopEnd
 
     # ---- the end of the hop -------------------------------------------------------------
 
@@ -58,7 +79,12 @@ class JobFigures:
         aggregation status for the status file."""
         if self.fatal is not None or self.prepared is None or self.remaining() > 0:
             return {}
-        path = await write_aggregate_metrics(self.prepared.paths.output, self.settings.agents)
+        path = await write_aggregate_metrics(
+            self.prepared.paths.output,
+            self.settings.agents,
+            session=self.end.session,
+            durable=self.end.durable,
+        )
         return await asyncio.to_thread(aggregation_states, path, self.settings.agents)
 
     def exit_code(self) -> ExitCode:
@@ -146,4 +172,13 @@ class JobFigures:
         error = self.fatal or self.daemon.fatal
         exit_code = int(error.exit_code if error else self._final_exit_code())
         figures = self.daemon.delivery_figures()
-        write_last_run(self.prepared, summary, self.outcomes, exit_code, figures)
+        write_last_run(
+            self.prepared, summary, self.outcomes, exit_code, figures, durable=self.end.durable
+        )
+
+
+def end_files(output: Path) -> list[Path]:
+    """What the end of a hop writes beside its rows ``output``: its manifest, status,
+    coverage and aggregate files (some may be absent)."""
+    paths = OutputPaths.for_output(output)
+    return [paths.manifest, paths.status, paths.coverage, aggregate_metrics_path(output)]

@@ -140,8 +140,11 @@ def write_last_run(
     outcomes: Counter[str],
     exit_code: int,
     delivery_figures: dict[str, Any],
+    *,
+    durable: bool = True,
 ) -> None:
-    """Record the hop in the manifest (blocking: call it in a thread)."""
+    """Record the hop in the manifest (blocking: call it in a thread); ``durable=False``:
+    without fsync (``write_atomic``)."""
     finished_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     last_run = LastRun(
         finished_at=finished_at,
@@ -154,4 +157,4 @@ def write_last_run(
     )
     entry = delivery.history_entry(delivery_figures, finished_at)
     paths: OutputPaths = prepared.paths
-    write_manifest(paths.manifest, prepared.record.ended_hop(last_run, entry))
+    write_manifest(paths.manifest, prepared.record.ended_hop(last_run, entry), durable=durable)

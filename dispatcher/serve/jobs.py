@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import structlog
 
 from dispatcher.admission.history import HISTORY_FILE, TaskHistory
@@ -35,24 +36,24 @@ from dispatcher.heap import HeapTrimmer
 from dispatcher.latency.quantile import quantile
 from dispatcher.run.daemon import Daemon
 from dispatcher.run.job import Job
+from dispatcher.run.job_figures import HopEnd
 from dispatcher.serve.archive import Archive, ArchivedJob, Compaction
 from dispatcher.serve.bodies import BodyBudget
 from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
-from dispatcher.serve.journal import Journal, Refused
+from dispatcher.serve.journal import Journal
 from dispatcher.serve.metrics import StepTotals, declare_service_metrics, service_status
 from dispatcher.serve.registry import (
-    ROWS_FILE,
     SETTLED_STATES,
     JobRecord,
     Registry,
     Unreadable,
     in_submission_order,
-    now_iso,
 )
 from dispatcher.serve.sending import Slots
 from dispatcher.serve.served import ServedJob
-from dispatcher.serve.spec import STORED, BadJob, JobSpec, check_tasks
+from dispatcher.serve.spec import BadJob
+from dispatcher.serve.submission import Conflict, Submissions
 from dispatcher.settings.config import RunSettings
 from dispatcher.settings.serve import ServeLimits
 
@@ -65,11 +66,7 @@ AnyJob = ServedJob | FinalJob | BrokenJob
 FoundJob = AnyJob | ArchivedJob
 
 
-class Conflict(Exception):
-    """A submission that contradicts an existing job: a 409 with this message."""
-
-
-class Service:
+class Service(Submissions):
     """Owns the jobs of one state directory on one daemon."""
 
     def __init__(
@@ -125,10 +122,14 @@ class Service:
         # The same for the admission pause's file.
         self._setting_admission = asyncio.Lock()
         self.history: TaskHistory | None = None
+        # Its jobs' hop ends: files made durable with their final record
+        # (``Registry.save_final``), one HTTP session (opened in ``resume``).
+        self.hop_end = HopEnd(durable=False)
 
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done, cancelled or
         satisfied). A fold a kill cut is undone first (archive.py)."""
+        self.hop_end = HopEnd(durable=False, session=aiohttp.ClientSession())
         archive = await asyncio.to_thread(self._open_archive)
         self.compaction = Compaction(archive, self.limits.retain_settled_jobs, self.jobs,
                                      self.write)  # fmt: skip
@@ -187,85 +188,6 @@ class Service:
         )
         return in_submission_order(settled)
 
-    async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
-        """Accept a job: (201, status) new, (200, status) the same again; raises
-        ``BadJob`` (400), ``TooBig`` (413) or ``Conflict`` (409). Answered once the
-        job is durable (``journal.py``: submissions commit in groups)."""
-        loop = asyncio.get_running_loop()
-        spec, digest = await loop.run_in_executor(self._bodies_thread, self._parse, body)
-        del body
-        archived = self._archived()
-        if (answer := await self._known(spec, digest)) is not None:
-            return answer
-        # Checked outside the lock: one job's check never waits for another's commit.
-        settings = self._settings_for(spec)
-        await self.write(
-            check_tasks, spec, settings, self.registry.scratch, self.limits, on_bodies=True
-        )
-        answer, record = await self._reserve(spec, digest, archived)
-        if answer is not None:
-            return answer
-        assert record is not None
-        done = self.journal.submit(record, spec.rows, self._accepted)
-        del spec
-        self._accepting[record.job_id] = done
-        done.add_done_callback(lambda _: self._accepting.pop(record.job_id, None))
-        try:
-            await asyncio.shield(done)
-        except Refused as exc:
-            raise Conflict(str(exc)) from None
-        except OSError as exc:
-            self.disk_fault(exc)
-            raise
-        return 201, await self.status_of(self.jobs[record.job_id])
-
-    async def _known(
-        self, spec: JobSpec, digest: str, *, archived: bool = True
-    ) -> tuple[int, dict[str, Any]] | None:
-        """The answer for a body whose job exists (200, or a ``Conflict``); None for a
-        new one. A job of the same id being committed is waited for; ``archived``:
-        the archive is looked in too (only the service's settled jobs go there)."""
-        if spec.job_id is None:
-            return None
-        while (committing := self._accepting.get(spec.job_id)) is not None:
-            await asyncio.wait([committing])
-        existing = await self.find(spec.job_id) if archived else self.jobs.get(spec.job_id)
-        if isinstance(existing, BrokenJob):
-            self._still_broken(existing)
-            existing = None
-        if existing is None:
-            return None
-        if existing.digest != digest:
-            raise Conflict(f"job_id: {spec.job_id!r} exists with a different body")
-        return 200, await self.status_of(existing)
-
-    def _archived(self) -> int:
-        return self.compaction.committed if self.compaction is not None else 0
-
-    async def _reserve(
-        self, spec: JobSpec, digest: str, archived: int
-    ) -> tuple[tuple[int, dict[str, Any]] | None, JobRecord | None]:
-        """The job's id and submission order, taken for it alone: (None, its record);
-        or (the answer, None) when a body of its id came first. The archive is looked
-        in again only if a fold ended since ``archived`` (what it held then)."""
-        async with self._submitting:
-            folded = self._archived() != archived
-            if (answer := await self._known(spec, digest, archived=folded)) is not None:
-                return answer, None
-            spec = spec.with_id()
-            assert spec.job_id is not None
-            if spec.job_id in self._accepting:  # an id made up twice: 48 random bits
-                raise Conflict(f"job_id: {spec.job_id!r} is being submitted")
-            # The rows go to the job's own file; its record keeps none of them.
-            rows_file = ROWS_FILE if spec.rows is not None else None
-            stored = spec.model_copy(update={"rows": None})
-            fields = {"spec": stored, "digest": digest, "submitted_seq": self._next_seq,
-                      "submitted_at": now_iso(), "rows_file": rows_file}  # fmt: skip
-            # Validated as read back: its rows are in its folder.
-            record = JobRecord.model_validate(fields, context=STORED)
-            self._next_seq += 1
-            return None, record
-
     def _accepted(self, record: JobRecord) -> None:
         """The job is durable: it runs (called by the journal, on the loop)."""
         served = ServedJob(self, record)
@@ -274,11 +196,6 @@ class Service:
         spec = record.spec
         log.info("job_submitted", job_id=record.job_id, priority=spec.priority,
                  policy_version=spec.policy_version)  # fmt: skip
-
-    def _parse(self, body: bytes) -> tuple[JobSpec, str]:
-        """The body's spec, rooted, and its digest (blocking: a big body takes a while)."""
-        spec = JobSpec.parse(body, self.base.agents).rooted(self.input_root, self.registry.root)
-        return spec, spec.digest()
 
     def finished(self, served: ServedJob) -> None:
         """A job is final: keep what its status needs, the rest is in its files (and
@@ -306,15 +223,6 @@ class Service:
         saved = dict(zip((job.job_id for job in finals), read, strict=True))
         return [saved[job.job_id] if isinstance(job, FinalJob) else job.status() for job in jobs]
 
-    def _still_broken(self, broken: BrokenJob) -> None:
-        """A broken job's id is a 409 while its folder is there; gone, it is free."""
-        if broken.folder.exists():
-            raise Conflict(
-                f"job_id: {broken.job_id!r} is a failed job whose record cannot be read "
-                f"({broken.broken.reason}); move {broken.folder} aside to submit it again"
-            )
-        del self.jobs[broken.job_id]
-
     async def write(self, write: Callable[..., Any], *args: Any, on_bodies: bool = False) -> Any:
         """Run a blocking write to the state directory in a thread (``on_bodies``: the
         bodies' one thread), and keep its health: a write that fails faults it
@@ -335,10 +243,6 @@ class Service:
         """Note ``exc`` against the state directory when it is a write the disk refused."""
         if is_disk_fault(exc):
             self.health.failed(one_line(exc) if isinstance(exc, OSError) else str(exc))
-
-    def _settings_for(self, spec: JobSpec) -> Callable[[Path], RunSettings]:
-        """The job's settings for a task file, with its output in the scratch folder."""
-        return lambda tasks: spec.settings(self.base, tasks, self.registry.scratch / "x.jsonl")
 
     async def save_final(self, record: JobRecord) -> None:
         """A job's final record, durably; its journal line is needed no more."""
@@ -449,6 +353,8 @@ class Service:
         if tasks:
             await asyncio.wait(tasks)
         await self.heap.close()
+        if self.hop_end.session is not None:
+            await self.hop_end.session.close()
         await self.journal.close()
         if self.compaction is not None:
             await self.compaction.close()

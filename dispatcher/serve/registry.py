@@ -50,6 +50,7 @@ from dispatcher.files.atomic import (
     write_json_atomic,
 )
 from dispatcher.lifecycle import JobState
+from dispatcher.run.job_figures import end_files
 from dispatcher.serve.spec import STORED, JobSpec
 
 log = structlog.get_logger("dispatcher.serve")
@@ -133,6 +134,8 @@ _KINDS = {
 
 # The task file of a job submitted with rows, in its folder; older daemons named it so.
 ROWS_FILE = "input.jsonl"
+# A job's output, its rows (its sidecars are named after it).
+OUTPUT_FILE = "rollouts.jsonl"
 LEGACY_ROWS_FILE = "rows.jsonl"
 
 
@@ -256,11 +259,17 @@ class Registry:
         write_atomic(self.job_dir(record.job_id) / "job.json", [record.to_json()])
 
     def save_final(self, record: JobRecord) -> None:
-        """A final record, durably, its rows file fsynced first: from here on the
-        job needs nothing of the journal of submissions (``journal.py``)."""
+        """A final record, durably, its rows file and the files the end of its last
+        hop wrote without fsync (``HopEnd``) fsynced first: from here on the job
+        needs nothing of the journal of submissions (``journal.py``), and a final
+        record read after a crash has every file of its job whole."""
+        files = end_files(self.job_dir(record.job_id) / OUTPUT_FILE)
         if record.rows_file is not None:
+            files.append(self.job_dir(record.job_id) / record.rows_file)
+        for path in files:
             with contextlib.suppress(FileNotFoundError):
-                fsync_file(self.job_dir(record.job_id) / record.rows_file)
+                fsync_file(path)
+        # Its folder's fsync (``write_atomic``) makes their names durable too.
         self.save(record)
 
     def all(self) -> list[JobRecord | Unreadable]:

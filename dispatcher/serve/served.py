@@ -49,11 +49,11 @@ from dispatcher.files.resume import OutputPaths, file_outcomes
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.run.daemon import Daemon
-from dispatcher.run.job import Job
+from dispatcher.run.job import HopEnd, Job
 from dispatcher.serve.faults import log_crash, one_line
 from dispatcher.serve.groups import Groups
 from dispatcher.serve.policy import Room, policy_of
-from dispatcher.serve.registry import JobRecord, Registry
+from dispatcher.serve.registry import OUTPUT_FILE, JobRecord, Registry
 from dispatcher.serve.results import Source
 from dispatcher.serve.step import HeldAside, StepControl
 from dispatcher.serve.window import StartWindow
@@ -75,6 +75,7 @@ class Host(Protocol):
     registry: Registry
     max_off_policy_steps: int | None
     history: TaskHistory | None
+    hop_end: HopEnd
 
     async def write(self, write: Callable[..., Any], *args: Any) -> Any: ...
 
@@ -93,7 +94,7 @@ class ServedJob:
         self.record = record
         folder = service.registry.job_dir(record.job_id)
         spec = record.spec
-        self.output = folder / "rollouts.jsonl"
+        self.output = folder / OUTPUT_FILE
         self.groups_path = folder / "groups.jsonl"
         # Its rows are in its folder (submitted inline) or in the file it named.
         tasks = folder / record.rows_file if record.rows_file else Path(str(spec.input))
@@ -146,6 +147,7 @@ class ServedJob:
             # Its input is durable (the journal, or the file it named): its files
             # are made durable beside its first rollouts, not before them.
             durable_start=False,
+            end=self.service.hop_end,
         )
 
     @property

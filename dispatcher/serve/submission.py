@@ -1,0 +1,211 @@
+"""The submission of a job to ``dispatcher serve``, mixed into ``Service`` (``jobs.py``).
+
+A body takes one thread hop (``Submissions._check``, on the bodies' thread):
+parsed, its job_id looked up in the archive, its rows checked as ``run``
+checks them. Then, on the loop: the same body again is the same job (200),
+another body of an existing id a ``Conflict``; a new job takes its id and
+submission order under a lock (``_reserve``) and is committed by the journal
+of submissions (``journal.py``, a thread of its own), which starts it once its
+line is durable. The submit never waits for the default executor, where the
+jobs' starts and ends do their file work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from dispatcher.serve.archive import ArchivedJob, Compaction
+from dispatcher.serve.faults import StateDirHealth
+from dispatcher.serve.final import BrokenJob
+from dispatcher.serve.journal import Journal, Refused
+from dispatcher.serve.registry import ROWS_FILE, JobRecord, Registry, now_iso
+from dispatcher.serve.spec import STORED, BadJob, JobSpec, check_tasks
+from dispatcher.settings.config import RunSettings
+from dispatcher.settings.serve import ServeLimits
+
+if TYPE_CHECKING:
+    from dispatcher.serve.jobs import AnyJob, FoundJob
+
+log = structlog.get_logger("dispatcher.serve")
+
+
+class Conflict(Exception):
+    """A submission that contradicts an existing job: a 409 with this message."""
+
+
+class NotLooked:
+    """The archive was not looked in for a job (``Service._known``)."""
+
+
+NOT_LOOKED = NotLooked()
+
+
+@dataclass
+class Checked:
+    """A body as its one thread hop left it (``Service._check``)."""
+
+    spec: JobSpec
+    digest: str
+    # What the archive held of its job_id (before the hop's end).
+    archived: ArchivedJob | None
+    # Why its rows are refused (raised only for a new job).
+    refused: BadJob | None
+
+
+class Submissions:
+    """``Service.submit`` and what it needs; see the module docstring."""
+
+    base: RunSettings
+    registry: Registry
+    input_root: Path
+    limits: ServeLimits
+    jobs: dict[str, AnyJob]
+    health: StateDirHealth
+    compaction: Compaction | None
+    journal: Journal
+    _next_seq: int
+    _bodies_thread: ThreadPoolExecutor
+    _submitting: asyncio.Lock
+    _accepting: dict[str, asyncio.Future[None]]
+
+    if TYPE_CHECKING:
+        # The service's own (``jobs.py``).
+        async def find(self, job_id: str) -> FoundJob | None: ...
+
+        async def status_of(self, job: FoundJob) -> dict[str, Any]: ...
+
+        def disk_fault(self, exc: BaseException) -> None: ...
+
+        def _accepted(self, record: JobRecord) -> None: ...
+
+    async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        """Accept a job: (201, status) new, (200, status) the same again; raises
+        ``BadJob`` (400), ``TooBig`` (413) or ``Conflict`` (409). Answered once the
+        job is durable (``journal.py``: submissions commit in groups)."""
+        # What the archive held before the body's lookup in it (``_reserve``).
+        archived = self._archived()
+        loop = asyncio.get_running_loop()
+        try:
+            checked = await loop.run_in_executor(self._bodies_thread, self._check, body)
+        except OSError as exc:
+            self.disk_fault(exc)
+            raise
+        del body
+        spec, digest = checked.spec, checked.digest
+        if (answer := await self._known(spec, digest, looked_up=checked.archived)) is not None:
+            return answer
+        if checked.refused is not None:
+            raise checked.refused
+        self.health.wrote()
+        answer, record = await self._reserve(spec, digest, archived)
+        if answer is not None:
+            return answer
+        assert record is not None
+        done = self.journal.submit(record, spec.rows, self._accepted)
+        del spec
+        self._accepting[record.job_id] = done
+        done.add_done_callback(lambda _: self._accepting.pop(record.job_id, None))
+        try:
+            await asyncio.shield(done)
+        except Refused as exc:
+            raise Conflict(str(exc)) from None
+        except OSError as exc:
+            self.disk_fault(exc)
+            raise
+        return 201, await self.status_of(self.jobs[record.job_id])
+
+    async def _known(
+        self,
+        spec: JobSpec,
+        digest: str,
+        *,
+        archived: bool = True,
+        looked_up: ArchivedJob | NotLooked | None = NOT_LOOKED,
+    ) -> tuple[int, dict[str, Any]] | None:
+        """The answer for a body whose job exists (200, or a ``Conflict``); None for a
+        new one. A job of the same id being committed is waited for; ``archived``:
+        the archive is looked in too (only the service's settled jobs go there), or
+        what ``looked_up`` found in it is taken."""
+        if spec.job_id is None:
+            return None
+        while (committing := self._accepting.get(spec.job_id)) is not None:
+            await asyncio.wait([committing])
+        existing: FoundJob | None = self.jobs.get(spec.job_id)
+        if existing is None and archived:
+            if isinstance(looked_up, NotLooked):
+                existing = await self.find(spec.job_id)
+            else:
+                existing = looked_up
+        if isinstance(existing, BrokenJob):
+            self._still_broken(existing)
+            existing = None
+        if existing is None:
+            return None
+        if existing.digest != digest:
+            raise Conflict(f"job_id: {spec.job_id!r} exists with a different body")
+        return 200, await self.status_of(existing)
+
+    def _archived(self) -> int:
+        return self.compaction.committed if self.compaction is not None else 0
+
+    async def _reserve(
+        self, spec: JobSpec, digest: str, archived: int
+    ) -> tuple[tuple[int, dict[str, Any]] | None, JobRecord | None]:
+        """The job's id and submission order, taken for it alone: (None, its record);
+        or (the answer, None) when a body of its id came first. The archive is looked
+        in again only if a fold ended since ``archived`` (what it held then)."""
+        async with self._submitting:
+            folded = self._archived() != archived
+            if (answer := await self._known(spec, digest, archived=folded)) is not None:
+                return answer, None
+            spec = spec.with_id()
+            assert spec.job_id is not None
+            if spec.job_id in self._accepting:  # an id made up twice: 48 random bits
+                raise Conflict(f"job_id: {spec.job_id!r} is being submitted")
+            # The rows go to the job's own file; its record keeps none of them.
+            rows_file = ROWS_FILE if spec.rows is not None else None
+            stored = spec.model_copy(update={"rows": None})
+            fields = {"spec": stored, "digest": digest, "submitted_seq": self._next_seq,
+                      "submitted_at": now_iso(), "rows_file": rows_file}  # fmt: skip
+            # Validated as read back: its rows are in its folder.
+            record = JobRecord.model_validate(fields, context=STORED)
+            self._next_seq += 1
+            return None, record
+
+    def _check(self, body: bytes) -> Checked:
+        """The body parsed, its job looked up in the archive and its rows checked, in
+        one thread hop (blocking). A body that cannot be parsed raises ``BadJob``; a
+        refusal of its rows is kept for after the lookup: the same body again is the
+        same job, whatever its rows."""
+        spec = JobSpec.parse(body, self.base.agents).rooted(self.input_root, self.registry.root)
+        digest = spec.digest()
+        archived = None
+        if spec.job_id is not None and self.compaction is not None:
+            archived = self.compaction.archive.find(spec.job_id)
+        refused = None
+        try:
+            # Checked outside the lock: one job's check never waits for another's commit.
+            check_tasks(spec, self._settings_for(spec), self.registry.scratch, self.limits)
+        except BadJob as exc:
+            refused = exc
+        return Checked(spec, digest, archived, refused)
+
+    def _still_broken(self, broken: BrokenJob) -> None:
+        """A broken job's id is a 409 while its folder is there; gone, it is free."""
+        if broken.folder.exists():
+            raise Conflict(
+                f"job_id: {broken.job_id!r} is a failed job whose record cannot be read "
+                f"({broken.broken.reason}); move {broken.folder} aside to submit it again"
+            )
+        del self.jobs[broken.job_id]
+
+    def _settings_for(self, spec: JobSpec) -> Callable[[Path], RunSettings]:
+        """The job's settings for a task file, with its output in the scratch folder."""
+        return lambda tasks: spec.settings(self.base, tasks, self.registry.scratch / "x.jsonl")
