@@ -72,6 +72,14 @@ class Shielded(asyncio.Future[int | None]):
 Line: TypeAlias = bytes | Pieces
 
 
+def open_for_append(path: Path) -> int:
+    """A row file's descriptor for appending, created if absent (blocking)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OutputWriteError(f"{path}: cannot open for writing: {exc.strerror}") from exc
+
+
 class RowWriter:
     """Appends JSON rows to one file with group commit.
 
@@ -126,11 +134,10 @@ class RowWriter:
     def error(self) -> OutputWriteError | None:
         return self._error
 
-    def open(self) -> None:
-        try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise OutputWriteError(f"{self.path}: cannot open for writing: {exc.strerror}") from exc
+    def open(self, fd: int | None = None) -> None:
+        """Start writing: to ``fd`` when given (``open_for_append`` of its path, in a
+        thread), else to the file opened here."""
+        self._fd = open_for_append(self.path) if fd is None else fd
         self._size = os.fstat(self._fd).st_size
         # Kept: ``asyncio.get_running_loop`` is a ``getpid`` system call on Python 3.11,
         # and ``submit`` needs the loop for every row.

@@ -51,7 +51,7 @@ from dispatcher.run.flight import Flight, FlightParts, Landing
 from dispatcher.run.job_figures import HopEnd as HopEnd
 from dispatcher.run.job_figures import JobFigures
 from dispatcher.run.pending import Pending
-from dispatcher.run.prepare import PreparedRun, prepare_run, publish_metrics_endpoint
+from dispatcher.run.prepare import PreparedRun, prepare_and_open, publish_metrics_endpoint
 from dispatcher.run.recorder import (
     FinalHook,
     NothingSucceeded,
@@ -142,47 +142,48 @@ class Job(JobFigures):
 
     # ---- open --------------------------------------------------------------------
 
-    async def open(self) -> None:
-        """Take the lock, prepare the files and open the writers (or release all)."""
+    async def open(self, then: Callable[[PreparedRun], None] | None = None) -> None:
+        """Take the lock, prepare the files and open the writers (or release all): the
+        files' work in one thread hop (``prepare_and_open``), with ``then``'s."""
         self._opened_at = self.daemon.clock()
         async with contextlib.AsyncExitStack() as stack:
-            self.prepared = prepared = await asyncio.to_thread(
-                partial(prepare_run, durable=self._durable_start),
-                self.settings,
-                self._shard_filter,
-            )
+            indexes = (self.output_index, self.failures_index)
+            opened = partial(self._choose_order, then)
+            self.prepared, fds = prepared, fds = await asyncio.to_thread(
+                prepare_and_open, self.settings, self._shard_filter, self._durable_start,
+                indexes, opened,
+            )  # fmt: skip
             stack.callback(prepared.lock.release)
             if prepared.sync is not None:
                 self._synced = asyncio.create_task(asyncio.to_thread(prepared.sync))
                 # Awaited by the writers' first batch, and by close whatever happens.
                 stack.push_async_callback(self._sync_ended)
+            paths = (prepared.paths.output, prepared.paths.failures)
+            self.writers = tuple(map(self._writer, paths, indexes))
+            for writer, fd in zip(self.writers, fds, strict=True):
+                writer.open(fd)
+                stack.push_async_callback(writer.close)
             endpoint = self.daemon.metrics_endpoint
             if self._publish_endpoint and endpoint is not None:
                 await asyncio.to_thread(publish_metrics_endpoint, prepared, endpoint, self.settings)
-            if self.output_index is not None and not len(self.output_index):
-                # Once per process: a later hop's index already holds every line.
-                await asyncio.to_thread(self.output_index.load, prepared.paths.output)
-            if self.failures_index is not None and not len(self.failures_index):
-                await asyncio.to_thread(self.failures_index.load, prepared.paths.failures)
-            output = self._writer(prepared.paths.output, self.output_index)
-            failures = self._writer(prepared.paths.failures, self.failures_index)
-            for writer in (output, failures):
-                writer.open()
-                stack.push_async_callback(writer.close)
-            self.writers = (output, failures)
             # Every row carries the run's id (contracts §15).
-            self.finalizer.run_id = self.recorder.attach(prepared, failures)
+            self.finalizer.run_id = self.recorder.attach(prepared, self.writers[1])
             if self.recorder.files is not None:
                 self.recorder.files.durable = self.end.durable
             self._resources = stack.pop_all()
-        # A gated job (the service's) keeps each group's repeats together, and so does
-        # one whose model calls a capture proxy routes: the repeats of a task share a
-        # replica's prefix cache only while they run together.
-        whole_groups = self._gate is not None or self.settings.capture_proxy_url is not None
-        self.order = await asyncio.to_thread(
-            self._order_for, self.settings, self._history, whole_groups
-        )
         self.daemon.jobs.add(self)
+
+    def _choose_order(
+        self, then: Callable[[PreparedRun], None] | None, prepared: PreparedRun
+    ) -> None:
+        """The start order, and ``then`` (blocking: in ``open``'s thread hop). A gated job
+        (the service's) keeps each group's repeats together, and so does one whose model
+        calls a capture proxy routes: the repeats of a task share a replica's prefix
+        cache only while they run together."""
+        whole_groups = self._gate is not None or self.settings.capture_proxy_url is not None
+        self.order = self._order_for(self.settings, self._history, whole_groups)
+        if then is not None:
+            then(prepared)
 
     async def _sync_ended(self) -> None:
         """The deferred fsync of the hop's files, ended: a failure of it fails the job."""

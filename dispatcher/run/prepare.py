@@ -45,6 +45,7 @@ from dispatcher.files.resume import (
     load_run_state,
     repair_torn_tail,
 )
+from dispatcher.files.writer import LineIndex, open_for_append
 from dispatcher.settings.config import RunSettings
 from dispatcher.tasks.lines import file_digest
 from dispatcher.tasks.materialize import (
@@ -92,6 +93,35 @@ def task_settings(settings: RunSettings) -> dict[str, Any]:
 
 def _digest(data: Any) -> str:
     return hashlib.sha256(jsonx.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def prepare_and_open(
+    settings: RunSettings,
+    shard_filter: Callable[[int], bool] | None,
+    durable: bool,
+    indexes: tuple[LineIndex | None, LineIndex | None],
+    then: Callable[[PreparedRun], None],
+) -> tuple[PreparedRun, tuple[int, int]]:
+    """A hop's files in one thread hop (blocking): ``prepare_run``; the output's and
+    failures' ``indexes`` loaded when still empty (once per process: a later hop's
+    already holds every line); their files opened for appending (the descriptors
+    returned); then ``then``. A failure releases what was taken."""
+    prepared = prepare_run(settings, shard_filter, durable=durable)
+    fds: list[int] = []
+    try:
+        for index, path in zip(
+            indexes, (prepared.paths.output, prepared.paths.failures), strict=True
+        ):
+            if index is not None and not len(index):
+                index.load(path)
+            fds.append(open_for_append(path))
+        then(prepared)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        prepared.lock.release()
+        raise
+    return prepared, (fds[0], fds[1])
 
 
 def prepare_run(

@@ -50,6 +50,7 @@ from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.run.daemon import Daemon
 from dispatcher.run.job import HopEnd, Job
+from dispatcher.run.prepare import PreparedRun
 from dispatcher.serve.faults import log_crash, one_line
 from dispatcher.serve.groups import Groups
 from dispatcher.serve.policy import Room, policy_of
@@ -244,7 +245,7 @@ class ServedJob:
         (contracts §11), not the job's: the hop ends ``incomplete`` and the next
         one opens them again, after the pause of a hop that made no progress."""
         try:
-            await job.open()
+            await job.open(None if self._loaded else self._load_groups)
         except Exception as exc:
             fault = as_local_fault(exc)
             if fault is not None:
@@ -256,6 +257,12 @@ class ServedJob:
             self.service.disk_fault(exc)
             return JobState.FAILED, str(exc)
         return None
+
+    def _load_groups(self, prepared: PreparedRun) -> None:
+        """Its groups as its files hold them (blocking: in the opening hop's thread)."""
+        assert self.groups is not None
+        paths, state = prepared.paths, prepared.state
+        self._missing = self.groups.load(paths.materialized, paths.output, state)
 
     async def _hop(self, job: Job) -> tuple[JobState, str | None]:
         """Open, dispatch and close one hop; its final state and error."""
@@ -270,14 +277,8 @@ class ServedJob:
                 # by a fault of ours) read nothing.
                 self._loaded = True
                 self.earlier_outcomes.update(file_outcomes(prepared.state))
-                missing = await asyncio.to_thread(
-                    self.groups.load,
-                    prepared.paths.materialized,
-                    prepared.paths.output,
-                    prepared.state,
-                )
                 self.step.reopen(self.groups.reopened)
-                await self.groups.open(missing)
+                await self.groups.open(self._missing)
             log.info("job_started", job_id=self.job_id, **job.started_event())
             await job.dispatch()
         except Exception as exc:
@@ -285,9 +286,8 @@ class ServedJob:
             job.fail(DispatcherError(f"job {self.job_id} failed: {one_line(exc)}"))
         finally:
             await job.close()
-            # Its files are closed: the daemon's figures (remaining, the
-            # budget's end) are the running jobs'. A run's one job stays, so
-            # its last scrape shows what it left.
+            # Its files are closed: the daemon's figures (remaining, the budget's end)
+            # are the running jobs'. A run's one job stays: its last scrape shows it.
             job.daemon.jobs.discard(job)
         error = job.fatal or job.daemon.fatal
         if job.fatal is not None:
