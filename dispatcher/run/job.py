@@ -143,15 +143,13 @@ class Job(JobFigures):
     # ---- open --------------------------------------------------------------------
 
     async def open(self, then: Callable[[PreparedRun], None] | None = None) -> None:
-        """Take the lock, prepare the files and open the writers (or release all): the
-        files' work in one thread hop (``prepare_and_open``), with ``then``'s."""
+        """Lock, prepare and open the files in one thread hop, with ``then`` (or release all)."""
         self._opened_at = self.daemon.clock()
         async with contextlib.AsyncExitStack() as stack:
             indexes = (self.output_index, self.failures_index)
-            opened = partial(self._choose_order, then)
             self.prepared, fds = prepared, fds = await asyncio.to_thread(
                 prepare_and_open, self.settings, self._shard_filter, self._durable_start,
-                indexes, opened,
+                indexes, partial(self._choose_order, then),
             )  # fmt: skip
             stack.callback(prepared.lock.release)
             if prepared.sync is not None:
@@ -173,13 +171,9 @@ class Job(JobFigures):
             self._resources = stack.pop_all()
         self.daemon.jobs.add(self)
 
-    def _choose_order(
-        self, then: Callable[[PreparedRun], None] | None, prepared: PreparedRun
-    ) -> None:
-        """The start order, and ``then`` (blocking: in ``open``'s thread hop). A gated job
-        (the service's) keeps each group's repeats together, and so does one whose model
-        calls a capture proxy routes: the repeats of a task share a replica's prefix
-        cache only while they run together."""
+    def _choose_order(self, then: Callable[..., None] | None, prepared: PreparedRun) -> None:
+        """The start order, then ``then`` (blocking). A gated or capture-routed job keeps each
+        group's repeats together: they share a replica's prefix cache only together."""
         whole_groups = self._gate is not None or self.settings.capture_proxy_url is not None
         self.order = self._order_for(self.settings, self._history, whole_groups)
         if then is not None:
