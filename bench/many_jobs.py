@@ -15,7 +15,13 @@ grouped results stream read to its end line, then the next. Printed:
 - a restart on the same state directory (SIGTERM, then the same command): the
   seconds from the new process's start to the first row of a new job read
   back (goal ≤ 5 s), an upper bound on the time to its first dispatch;
-- the first job, long since archived, still answering its status and results.
+- the first job, long since archived, still answering its status and results;
+- the RSS curve's slope over its second half (KB a job) and the RSS it leads to
+  at job 100,000.
+
+``--stop-after-s`` bounds the run: no job is submitted after it, and the figures
+are for the jobs done; ``--restart-on N`` times the restart on N settled jobs
+whatever ran (archived copies of the first job make up the difference).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ JSON_TYPE = {"Content-Type": "application/json"}
 GOAL_RSS_RATIO = 1.2
 GOAL_SUBMIT_P99_S = 0.020
 GOAL_RESTART_S = 5.0
+GOAL_JOBS = 100_000
 
 
 def start_daemon(work: Path, agent: str, args: argparse.Namespace) -> ServeProcess:
@@ -72,6 +79,10 @@ class Trainer:
         self.done = 0
         self.submit_s: list[float] = []
         self.at_first: asyncio.Event = asyncio.Event()
+        # (jobs done, the daemon's RSS in MB) at every ``--every`` jobs: the curve.
+        self.curve: list[tuple[int, float]] = []
+        # No job is submitted after this instant (``--stop-after-s``).
+        self.stop_at = self.started + (args.stop_after_s or float("inf"))
 
     async def run(self, on_first: Any) -> float:
         """Every job, at ``clients`` × ``per_client`` at once; seconds it took."""
@@ -92,7 +103,7 @@ class Trainer:
             await asyncio.gather(*(self._groups(http) for _ in range(self.args.per_client)))
 
     async def _groups(self, http: aiohttp.ClientSession) -> None:
-        while (n := next(self.numbers)) < self.args.jobs:
+        while time.perf_counter() < self.stop_at and (n := next(self.numbers)) < self.args.jobs:
             job_id = f"group-{n}"
             started = time.perf_counter()
             async with http.post(f"{self.url}/v1/jobs", data=body(job_id, self.args.repeats),
@@ -108,8 +119,9 @@ class Trainer:
                 self.at_first.set()
             if self.done % self.args.every == 0:
                 rate = self.done / (time.perf_counter() - self.started)
+                self.curve.append((self.done, self.rss()))
                 print(f"  ... {self.done:,} jobs done, {rate:,.0f} jobs/s, daemon RSS "
-                      f"{self.rss():.1f} MB", flush=True)  # fmt: skip
+                      f"{self.curve[-1][1]:.1f} MB", flush=True)  # fmt: skip
         if self.done < self.args.first:
             self.at_first.set()
 
@@ -175,6 +187,12 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     rss: dict[str, float] = {}
     cpu_before = daemon.cpu_s()
     seconds = await trainer.run(lambda: rss.setdefault("first", daemon.rss_mb()))
+    if trainer.done < args.jobs:
+        print(f"--stop-after-s {args.stop_after_s:g}: {trainer.done:,} jobs of {args.jobs:,} "
+              "done; the figures below are for them")  # fmt: skip
+        args.jobs = trainer.done
+    if args.restart_on:
+        args.add_archived = max(0, args.restart_on - args.jobs)
     cpu_ms = (daemon.cpu_s() - cpu_before) / args.jobs * 1000
     # A fold runs once a window is full: the last one may still be writing.
     await folds_done(daemon.url, args.jobs // args.retain * args.retain)
@@ -196,6 +214,7 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     await asyncio.to_thread(daemon.stop)
     report(args, seconds, rss, counts, (p50, p99), restart_s, restart_rss, code)
     print(f"daemon CPU (user + system, every thread) per job: {cpu_ms:.1f} ms")
+    print(slope(trainer.curve, rss["first"], args))
     print(f"an archived job: {answer_before}")
     print(f"  after the restart: {answer_after}")
 
@@ -220,6 +239,21 @@ def add_archived(state: Path, count: int, window: int) -> float:
         archive._index(number, folded, [where] * len(folded))
     archive.close()
     return time.perf_counter() - started
+
+
+def slope(curve: list[tuple[int, float]], first_mb: float, args: argparse.Namespace) -> str:
+    """The RSS curve's growth per job over its second half, and where it leads."""
+    half = [(n, mb) for n, mb in curve if n >= curve[-1][0] / 2] if curve else []
+    if len(half) < 2 or half[-1][0] == half[0][0]:
+        return "RSS slope: too few points (--every)"
+    (n0, mb0), (n1, mb1) = half[0], half[-1]
+    per_job_kb = (mb1 - mb0) * 1024 / (n1 - n0)
+    at_goal = mb1 + (GOAL_JOBS - n1) * per_job_kb / 1024
+    return (
+        f"RSS slope over jobs {n0:,}-{n1:,}: {per_job_kb:+.3f} KB a job; at that rate, "
+        f"{at_goal:.1f} MB after job {GOAL_JOBS:,} (ratio {at_goal / first_mb:.2f} to job "
+        f"{args.first:,})"
+    )
 
 
 def report(args: argparse.Namespace, seconds: float, rss: dict[str, float],
@@ -270,6 +304,18 @@ def main() -> None:
         type=int,
         default=0,
         help="archived jobs added (copies) before the restart is timed",
+    )
+    parser.add_argument(
+        "--stop-after-s",
+        type=float,
+        default=None,
+        help="submit no job after this many seconds; the figures are for the jobs done",
+    )
+    parser.add_argument(
+        "--restart-on",
+        type=int,
+        default=0,
+        help="settled jobs the restart is timed on: archived copies make up the difference",
     )
     parser.add_argument("--every", type=int, default=10_000, help="a progress line every N jobs")
     parser.add_argument(
