@@ -7,6 +7,13 @@ its busiest moment, for days. ``malloc_trim(0)`` hands the free pages back
 (``madvise``), in every heap. It takes milliseconds on a heap of hundreds of
 megabytes, so it runs in a thread, at most once every ``MIN_INTERVAL_S``; where the C
 library has no ``malloc_trim`` (musl, macOS) it is a no-op.
+
+A trim gives back the free pages, not the pages that a few live chunks hold. With a
+heap per thread, every thread that ever ran a job's file work (the default executor's,
+the bodies', the index's, the journal's, the streams' readers) keeps its own heap,
+each fragmented its own way: a daemon that ran 20,000 small jobs held 5 MB more in
+them, and the more jobs, the more. ``one_heap()``, called before any thread starts,
+gives every thread the main heap: what one thread frees, the next one reuses.
 """
 
 from __future__ import annotations
@@ -18,6 +25,20 @@ import time
 from collections.abc import Callable
 
 MIN_INTERVAL_S = 1.0
+# mallopt's parameter: the most heaps ("arenas") glibc makes.
+M_ARENA_MAX = -8
+
+
+def one_heap() -> bool:
+    """Every thread allocates from the main heap (glibc; elsewhere nothing is done);
+    call it before any thread starts: a thread keeps the heap it was given. False
+    where the C library has no ``mallopt`` or refused."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name is not None else None
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_ARENA_MAX, 1))
 
 
 def _malloc_trim() -> Callable[[], object] | None:

@@ -106,9 +106,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 async def serve_command(args: argparse.Namespace) -> int:
     from dispatcher.aio import tune_gc
+    from dispatcher.heap import one_heap
     from dispatcher.settings.flags import budget_seconds, run_flag_values
     from dispatcher.settings.serve import serve_limits
 
+    # Before any thread starts: a daemon's threads share one heap (heap.py).
+    one_heap()
     _take_layers(args, os.environ)
     host, _ = listen_address(args.listen)  # a bad address is named as --listen
     access = _access(args, host)
