@@ -9,7 +9,9 @@ code) -- one after the other:
   * the same bare client on the dispatcher's own HTTP/1.1 client
     (``delivery/http1.py``): the floor of what the dispatcher could reach;
   * ``dispatcher run`` end to end (materialize, dispatch, durable rows, a log
-    event per rollout, metrics, the files of record);
+    event per rollout, metrics, the files of record), with no task history;
+  * the same again, its task history holding every task (the default start
+    order then ranks each rollout by its expected latency, as in a later epoch);
   * with ``--telemetry-off``, the same without the metrics server and info logs.
 Two rates each: the dispatch window's (the dispatcher's ``dispatch_s``; the
 baseline's first request to its last answer) and the whole process's (rows over
@@ -132,13 +134,21 @@ def baseline(
 
 
 def daemon_run(
-    work: Path, tasks: Path, url: str, concurrency: int, telemetry: bool, tag: str
+    work: Path,
+    tasks: Path,
+    url: str,
+    concurrency: int,
+    telemetry: bool,
+    tag: str,
+    history: Path,
 ) -> dict[str, float]:
+    """``dispatcher run`` with ``history`` as its task history (the default start
+    order reads it: absent, every task is unseen)."""
     output = work / f"{tag}.jsonl"
     args = [
         sys.executable, "-m", "dispatcher", "run", "--input", str(tasks),
         "--output", str(output), "--agent", f"sim={url}", "--concurrency", str(concurrency),
-        "--log-format", "json", "--fresh",
+        "--log-format", "json", "--fresh", "--task-history", str(history),
         "--metrics-listen", "127.0.0.1:0" if telemetry else "off",
     ]  # fmt: skip
     if not telemetry:
@@ -252,13 +262,19 @@ def one_round(
 ) -> dict[str, dict[str, float]]:
     """The clients of one round against one agent, one after the other."""
     p = opts.concurrency
+    # The first run has no task history; the second reads the one the first left
+    # (every task seen once: the start order's full work, as in a later epoch).
+    history = work / f"history-{tag}.jsonl"
+    history.unlink(missing_ok=True)
     this = {
         BARE: baseline(work, tasks, url, p, f"b{tag}"),
         "  the same on our HTTP client": baseline(work, tasks, url, p, f"o{tag}", kind="own"),
-        "dispatcher run": daemon_run(work, tasks, url, p, True, f"on{tag}"),
+        "dispatcher run": daemon_run(work, tasks, url, p, True, f"on{tag}", history),
+        "  again, tasks in its history": daemon_run(work, tasks, url, p, True, f"h{tag}", history),
     }
     if opts.telemetry_off:
-        this["  telemetry off"] = daemon_run(work, tasks, url, p, False, f"off{tag}")
+        off = work / f"history-off-{tag}.jsonl"
+        this["  telemetry off"] = daemon_run(work, tasks, url, p, False, f"off{tag}", off)
     return this
 
 
