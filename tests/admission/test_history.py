@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import random
+import sys
 import tracemalloc
 from pathlib import Path
 
 import orjson
+import pytest
 
+import dispatcher.admission.history as history_module
 from dispatcher.admission.history import ALPHA, TaskHistory, line_key, task_digest, task_key
 
 
@@ -134,3 +139,45 @@ def test_an_update_at_a_place_since_moved_finds_its_task_again() -> None:
     estimate, at = history.find(keys[1])
     history.observe(keys[1], 2.0, at)
     assert history.find(keys[1]) == (1.0 + ALPHA * (2.0 - 1.0), at)
+
+
+def test_a_compaction_holds_a_slice_of_the_tasks_as_objects_not_all_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A list of every task's line at each compaction raised the heap's high-water
+    # mark for good: a long-running daemon's memory stepped up at each rewrite.
+    tasks = 40_000
+    history = TaskHistory(tmp_path / "h.jsonl", max_tasks=tasks)
+    rnd = random.Random(3)
+    for n in range(tasks):
+        history.observe(f"{rnd.getrandbits(128):032x}", float(n % 97))
+    history.flush()
+    gc.collect()
+    before, most = sys.getallocatedblocks(), 0
+    line = history_module._line
+
+    def counted(update: tuple[int, float]) -> bytes:
+        nonlocal most
+        most = max(most, sys.getallocatedblocks() - before)
+        return line(update)
+
+    monkeypatch.setattr(history_module, "_line", counted)
+    history._compact()
+    assert most < tasks // 4, f"{most} small objects alive at once"
+
+
+def test_a_compaction_writes_the_tasks_oldest_update_first_across_its_slices(
+    tmp_path: Path,
+) -> None:
+    tasks = 20_000
+    history = TaskHistory(tmp_path / "h.jsonl", max_tasks=tasks)
+    rnd = random.Random(7)
+    order = [f"{rnd.getrandbits(128):032x}" for _ in range(tasks)]
+    for digest in order:
+        history.observe(digest, 1.0)
+    for digest in order[:100]:  # updated again: now the newest
+        history.observe(digest, 2.0)
+    history.flush()
+    history._compact()
+    written = [orjson.loads(line)["t"] for line in (tmp_path / "h.jsonl").read_bytes().splitlines()]
+    assert written == order[100:] + order[:100]
