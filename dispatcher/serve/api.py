@@ -38,11 +38,12 @@ from aiohttp import web
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.bodies import BadBody, BodyTooBig, NoRoom, read_body
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
-from dispatcher.serve.jobs import BadJob, Conflict, FoundJob, Service
+from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
 from dispatcher.serve.sending import Sender, StreamIdle
 from dispatcher.serve.served import ServedJob
 from dispatcher.serve.spec import AdmissionChange, AdmitChange, PolicyChange, TooBig
+from dispatcher.serve.submission import FoundJob
 from dispatcher.telemetry.server import Routes, json_response
 
 log = structlog.get_logger("dispatcher.serve")

@@ -53,17 +53,13 @@ from dispatcher.serve.registry import (
 from dispatcher.serve.sending import Slots
 from dispatcher.serve.served import ServedJob
 from dispatcher.serve.spec import BadJob
-from dispatcher.serve.submission import Conflict, Submissions
+from dispatcher.serve.submission import AnyJob, Conflict, FoundJob, Submissions
 from dispatcher.settings.config import RunSettings
 from dispatcher.settings.serve import ServeLimits
 
 log = structlog.get_logger("dispatcher.serve")
 
 DELAY_WINDOW = 10_000
-
-AnyJob = ServedJob | FinalJob | BrokenJob
-# A job as a request finds it: held by the service, or read from the archive index.
-FoundJob = AnyJob | ArchivedJob
 
 
 class Service(Submissions):

@@ -23,15 +23,18 @@ import structlog
 
 from dispatcher.serve.archive import ArchivedJob, Compaction
 from dispatcher.serve.faults import StateDirHealth
-from dispatcher.serve.final import BrokenJob
+from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.journal import Journal, Refused
 from dispatcher.serve.registry import ROWS_FILE, JobRecord, Registry, now_iso
+from dispatcher.serve.served import ServedJob
 from dispatcher.serve.spec import STORED, BadJob, JobSpec, check_tasks
 from dispatcher.settings.config import RunSettings
 from dispatcher.settings.serve import ServeLimits
 
-if TYPE_CHECKING:
-    from dispatcher.serve.jobs import AnyJob, FoundJob
+# A job the service holds; and a job as a request finds it: held, or read from
+# the archive index.
+AnyJob = ServedJob | FinalJob | BrokenJob
+FoundJob = AnyJob | ArchivedJob
 
 log = structlog.get_logger("dispatcher.serve")
 
