@@ -138,13 +138,13 @@ class TaskHistory:
         ``hint``: where ``find`` saw the task (searched for again if it has moved)."""
         if not 0.0 <= latency_s < math.inf:  # NaN too
             return
-        key = digest if type(digest) is int else task_key(digest)
+        key = task_key(digest)
         tasks = self._tasks
         with self._tasks_lock:
             average = tasks.move_at(hint, key, latency_s)
             if average is None:
                 old = tasks.get(key)
-                average = latency_s if old is None else old + ALPHA * (latency_s - old)
+                average = latency_s if old is None else _moved(old, latency_s)
                 tasks.set(key, average)
                 if len(tasks) > self.max_tasks:
                     tasks.forget_oldest(len(tasks) - self.max_tasks + self.max_tasks // 16)
@@ -232,12 +232,8 @@ class _Tasks:
 
     @classmethod
     def of(cls, keys: list[int], averages: list[float]) -> _Tasks:
-        """The tasks of ``keys`` and their ``averages``, the one updated longest ago
-        first (a key given twice: its last average, in its last place)."""
-        last = dict(zip(keys, itertools.count()))
-        if len(last) < len(keys):
-            ticks = sorted(last.values())
-            keys, averages = [keys[t] for t in ticks], [averages[t] for t in ticks]
+        """The tasks of ``keys`` (each once) and their ``averages``, the one updated
+        longest ago first."""
         # Each task's place in age order is its tick: sorting the places by key sorts all.
         ordered = sorted(range(len(keys)), key=keys.__getitem__)
         by_key = list(map(keys.__getitem__, ordered))
@@ -269,11 +265,7 @@ class _Tasks:
         return at, at < len(self.hi) and self.hi[at] == hi and self.lo[at] == lo
 
     def get(self, key: int) -> float | None:
-        new = self._new.get(key)
-        if new is not None:
-            return new[0]
-        at, found = self._find(key)
-        return self.average[at] if found else None
+        return self.find(key)[0]
 
     def find(self, key: int) -> tuple[float | None, int]:
         """The task's average, and where it is in the arrays (-1: not there)."""
@@ -288,8 +280,7 @@ class _Tasks:
         that is ``key``'s place still; its new average, else None (nothing done)."""
         if not 0 <= at < len(self.lo) or self.lo[at] != key & _LOW or self.hi[at] != key >> 64:
             return None
-        old = self.average[at]
-        self.average[at] = average = old + ALPHA * (latency_s - old)
+        self.average[at] = average = _moved(self.average[at], latency_s)
         self.tick[at] = self._clock
         self._clock += 1
         return average
@@ -332,9 +323,6 @@ class _Tasks:
         if count <= 0:
             return
         self._merge()
-        if count >= len(self.tick):
-            self.hi, self.lo, self.average, self.tick = _Tasks()._columns()
-            return
         # The count-th oldest tick, holding count numbers, not every task's.
         cutoff = heapq.nsmallest(count, self.tick)[-1]
         keep = bytes(map(cutoff.__lt__, self.tick))
@@ -342,9 +330,6 @@ class _Tasks:
         self.lo = array("Q", itertools.compress(self.lo, keep))
         self.average = array("d", itertools.compress(self.average, keep))
         self.tick = array("Q", itertools.compress(self.tick, keep))
-
-    def _columns(self) -> tuple[array[int], array[int], array[float], array[int]]:
-        return self.hi, self.lo, self.average, self.tick
 
     def oldest_first(self) -> Iterator[tuple[int, float]]:
         """Every ``(digest, average)``, the one updated longest ago first.
@@ -384,6 +369,11 @@ def _age_slices(tick: array[int]) -> list[tuple[int, int]]:
 _MERGE_AT = 1024
 
 _LOW = (1 << 64) - 1
+
+
+def _moved(average: float, latency_s: float) -> float:
+    """A task's moving average after one more rollout (``ALPHA`` of the new latency)."""
+    return average + ALPHA * (latency_s - average)
 
 
 def _line(update: tuple[int, float]) -> bytes:
