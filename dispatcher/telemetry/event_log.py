@@ -9,7 +9,6 @@ same line: the first keys from text made once, the fields by one dumps.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 from typing import Any, TextIO
 
@@ -17,10 +16,9 @@ import orjson
 from structlog.typing import Processor
 
 from dispatcher.telemetry.logs import (
-    CONTEXT_PREFIX,
-    CONTEXT_PREFIX_CHARS,
     DEFAULT_LOGGER,
     NamedWriteLogger,
+    context_fields,
     json_line,
     now_iso,
 )
@@ -89,7 +87,7 @@ class EventLog:
         if out is None or not fields or not fields.keys().isdisjoint(_OWN_KEYS):
             self._log.log(level, self._event, **fields)
             return
-        for key, value in _context_fields():
+        for key, value in context_fields():
             if key in _OWN_KEYS:
                 self._log.log(level, self._event, **fields)
                 return
@@ -106,7 +104,7 @@ class EventLog:
         out = self._shortcut()
         if out is None:
             return False
-        context = _context_fields()
+        context = context_fields()
         tail = self._tail
         if tail is None or context != self._context or keys is not self._keys:
             tail = _context_tail(context, keys)
@@ -140,28 +138,6 @@ def _context_tail(context: list[tuple[str, Any]], keys: frozenset[str]) -> str |
     if not extra:
         return "}\n"
     return "," + orjson.dumps(extra, default=str, option=_LINE_OPTIONS).decode()[1:]
-
-
-def _context_fields() -> list[tuple[str, Any]]:
-    """The fields bound by ``structlog.contextvars``, in ``merge_contextvars``'s order."""
-    keys = _CONTEXT_KEYS
-    return [
-        (key, value)
-        for var, value in contextvars.copy_context().items()
-        if (key := keys[var] if var in keys else _context_key(var)) is not None
-        and value is not Ellipsis
-    ]
-
-
-# The field each context variable is bound to (None: not structlog's); there are few.
-_CONTEXT_KEYS: dict[contextvars.ContextVar[Any], str | None] = {}
-
-
-def _context_key(var: contextvars.ContextVar[Any]) -> str | None:
-    name = var.name
-    key = name[CONTEXT_PREFIX_CHARS:] if name.startswith(CONTEXT_PREFIX) else None
-    _CONTEXT_KEYS[var] = key
-    return key
 
 
 def log_at(log: Any, level: int, event: str, fields: dict[str, Any]) -> None:

@@ -330,17 +330,38 @@ def _utc_timestamp(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDic
 
 # structlog's ``add_log_level`` names these two methods by their level.
 _LEVEL_OF_METHOD = {"warn": "warning", "exception": "error"}
-CONTEXT_PREFIX = "structlog_"
-CONTEXT_PREFIX_CHARS = len(CONTEXT_PREFIX)
+_CONTEXT_PREFIX = "structlog_"
+_CONTEXT_PREFIX_CHARS = len(_CONTEXT_PREFIX)
+
+
+def context_fields() -> list[tuple[str, Any]]:
+    """The fields bound by ``structlog.contextvars``, in ``merge_contextvars``'s order."""
+    keys = _CONTEXT_KEYS
+    return [
+        (key, value)
+        for var, value in contextvars.copy_context().items()
+        if (key := keys[var] if var in keys else _context_key(var)) is not None
+        and value is not Ellipsis
+    ]
+
+
+# The field each context variable is bound to (None: not structlog's); there are few.
+_CONTEXT_KEYS: dict[contextvars.ContextVar[Any], str | None] = {}
+
+
+def _context_key(var: contextvars.ContextVar[Any]) -> str | None:
+    name = var.name
+    key = name[_CONTEXT_PREFIX_CHARS:] if name.startswith(_CONTEXT_PREFIX) else None
+    _CONTEXT_KEYS[var] = key
+    return key
 
 
 def json_line(logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
     """The JSON chain in one step: ``merge_contextvars``, ``add_log_level``,
     ``_utc_timestamp``, ``_add_logger_name``, ``_TRACEBACKS``, ``_first_keys``
     and the orjson renderer give this same line."""
-    for var, value in contextvars.copy_context().items():
-        if value is not Ellipsis and var.name.startswith(CONTEXT_PREFIX):
-            event_dict.setdefault(var.name[CONTEXT_PREFIX_CHARS:], value)
+    for key, value in context_fields():
+        event_dict.setdefault(key, value)
     event_dict["level"] = _LEVEL_OF_METHOD.get(method, method)
     _utc_timestamp(logger, method, event_dict)
     if "logger" not in event_dict:
