@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -128,6 +129,37 @@ def trainer(python: Path, script: str, env: dict[str, str], cwd: Path) -> dict[s
 
 
 def main() -> int:
+    args = parse_args()
+    sys.path.insert(0, str(ROOT))
+    from tests.gym import gym_env
+
+    venv = gym_env.ready_venv()
+    if venv is None:
+        print("NeMo Gym venv not ready (python3 tests/gym/gym_env.py): nothing to compare")
+        return 0
+    drawn = latencies(args.latency, args.examples)
+    fill = {"latencies": repr(drawn), "window": args.window, "calls": args.calls}
+    print(f"ideal window {ideal_s(drawn, args.window):.3f} s (the agent's latencies alone, "
+          f"{args.window} slots, each refilled at once)")  # fmt: skip
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in NAMES}
+    # Each example names its latency (sim_latency_s): the agent's own is a floor of 0.
+    agent_flags = ("sim-agent", "--latency-dist", "fixed:0", "--seed", "1")
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        dispatcher_server(*agent_flags) as agent,
+        head_stub(agent) as head,
+    ):
+        scripts = head_scripts(*head.address, fill)
+        for i in range(args.rounds):
+            this = one_round(i, Path(tmp), agent, venv, scripts, fill)
+            for name, one in this.items():
+                runs[name].append(one)
+    medians = {name: {k: median([r[k] for r in rs]) for k in rs[0]} for name, rs in runs.items()}
+    report(f"median of {args.rounds}", medians)
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--window", type=int, default=16)
@@ -137,71 +169,64 @@ def main() -> int:
     args = parser.parse_args()
     if args.calls < 2:
         parser.error("--calls: at least 2 (the first call, then later ones)")
-    sys.path.insert(0, str(ROOT))
-    from tests.gym import gym_env
+    return args
 
-    venv = gym_env.ready_venv()
-    if venv is None:
-        print("NeMo Gym venv not ready (python3 tests/gym/gym_env.py): nothing to compare")
-        return 0
+
+def head_scripts(host: str, port: int, fill: dict[str, Any]) -> dict[str, str]:
+    """The trainers that find their agents through Gym's head server: Gym's helper,
+    the drop-in with a daemon of its own, and the same once its imports are done."""
+    head_arg = f"head_server_config=BaseServerConfig(host={host!r}, port={port}), "
+    own = {
+        "import_line": "from dispatcher.client.gym import RolloutCollectionHelper\n"
+        "from types import SimpleNamespace as BaseServerConfig",
+        "helper_args": "", "head": head_arg, **fill,
+    }  # fmt: skip
+    gym = TRAINER.format(
+        import_line="from nemo_gym.rollout_collection import RolloutCollectionHelper\n"
+        "from nemo_gym.config_types import BaseServerConfig",
+        helper_args="", head=head_arg, setup="", **fill,
+    )  # fmt: skip
+    return {
+        "gym": gym,
+        "own daemon": TRAINER.format(setup="", **own),
+        # A trainer whose set-up outlasts the daemon's imports (NeMo RL's: its
+        # model loads between the helper's construction and its first call).
+        "own, warm": TRAINER.format(setup="helper.daemon.wait_imported(120)", **own),
+    }
+
+
+def one_round(
+    i: int, work: Path, agent: str, venv: Path, scripts: dict[str, str], fill: dict[str, Any]
+) -> dict[str, dict[str, float]]:
+    """Every trainer once, in an order that turns with ``i``, beside a fresh daemon."""
     env = {k: v for k, v in os.environ.items() if k != "DISPATCHER_URL"}
     env["PYTHONPATH"] = str(ROOT)
-    drawn = latencies(args.latency, args.examples)
-    fill = {"latencies": repr(drawn), "window": args.window, "calls": args.calls}
-    print(f"ideal window {ideal_s(drawn, args.window):.3f} s (the agent's latencies alone, "
-          f"{args.window} slots, each refilled at once)")  # fmt: skip
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in NAMES}
-    # Each example names its latency (sim_latency_s): the agent's own is a floor of 0.
-    agent_flags = ("sim-agent", "--latency-dist", "fixed:0", "--seed", "1")
-    with tempfile.TemporaryDirectory() as tmp, dispatcher_server(*agent_flags) as agent:
-        work = Path(tmp)
-        with head_stub(agent) as head:
-            host, port = head.address
-            head_arg = f"head_server_config=BaseServerConfig(host={host!r}, port={port}), "
-            gym_script = TRAINER.format(
-                import_line="from nemo_gym.rollout_collection import RolloutCollectionHelper\n"
-                "from nemo_gym.config_types import BaseServerConfig",
-                helper_args="", head=head_arg, setup="", **fill,
-            )  # fmt: skip
-            own = {
-                "import_line": "from dispatcher.client.gym import RolloutCollectionHelper\n"
-                "from types import SimpleNamespace as BaseServerConfig",
-                "helper_args": "", "head": head_arg, **fill,
-            }  # fmt: skip
-            own_script = TRAINER.format(setup="", **own)
-            # A trainer whose set-up outlasts the daemon's imports (NeMo RL's: its
-            # model loads between the helper's construction and its first call).
-            warm_script = TRAINER.format(setup="helper.daemon.wait_imported(120)", **own)
-            for i in range(args.rounds):
-                (work / f"serve-{i}").mkdir()
-                serve = ServeProcess(work / f"serve-{i}", "--agent", f"sim={agent}",
-                                     "--fsync", "never")  # fmt: skip
-                url_script = TRAINER.format(
-                    import_line="from dispatcher.client.gym import RolloutCollectionHelper",
-                    helper_args=repr(serve.url),
-                    head="",
-                    setup="",
-                    **fill,
-                )
-                # No DISPATCHER_STATE: a temporary directory, as a trainer leaves it.
-                own_env = warm_env = {k: v for k, v in env.items() if k != "DISPATCHER_STATE"}
-                trainers = {
-                    "gym": (venv / "bin" / "python", gym_script, env),
-                    "dropin": (Path(sys.executable), url_script, env),
-                    "own daemon": (Path(sys.executable), own_script, own_env),
-                    "own, warm": (Path(sys.executable), warm_script, warm_env),
-                }
-                names = list(trainers)
-                order = names[i % len(names) :] + names[: i % len(names)]
-                figures = {name: trainer(*trainers[name], work) for name in order}
-                serve.stop()
-                this = {name: figures[name] for name in names}
-                for name, one in this.items():
-                    runs[name].append(one)
-                report(f"round {i + 1} (in the order {', '.join(order)})", this)
-    medians = {name: {k: median([r[k] for r in rs]) for k in rs[0]} for name, rs in runs.items()}
-    report(f"median of {args.rounds}", medians)
-    return 0
+    (work / f"serve-{i}").mkdir()
+    serve = ServeProcess(work / f"serve-{i}", "--agent", f"sim={agent}",
+                         "--fsync", "never")  # fmt: skip
+    url_script = TRAINER.format(
+        import_line="from dispatcher.client.gym import RolloutCollectionHelper",
+        helper_args=repr(serve.url),
+        head="",
+        setup="",
+        **fill,
+    )
+    # No DISPATCHER_STATE: a temporary directory, as a trainer leaves it.
+    own_env = {k: v for k, v in env.items() if k != "DISPATCHER_STATE"}
+    python = Path(sys.executable)
+    trainers = {
+        "gym": (venv / "bin" / "python", scripts["gym"], env),
+        "dropin": (python, url_script, env),
+        "own daemon": (python, scripts["own daemon"], own_env),
+        "own, warm": (python, scripts["own, warm"], own_env),
+    }
+    names = list(trainers)
+    order = names[i % len(names) :] + names[: i % len(names)]
+    figures = {name: trainer(*trainers[name], work) for name in order}
+    serve.stop()
+    this = {name: figures[name] for name in names}
+    report(f"round {i + 1} (in the order {', '.join(order)})", this)
+    return this
 
 
 def report(title: str, figures: dict[str, dict[str, float]]) -> None:
