@@ -389,7 +389,8 @@ def _number(name: str) -> int | None:
 class Compaction:
     """Owns the folds of one service: settled jobs wait here in the order they settled,
     and every ``window`` of them go to an archive, one fold at a time. A job that a
-    results stream reads from its folder waits for the next fold."""
+    results stream reads from its folder waits for the next fold, which the end of
+    that stream starts when no job settles meanwhile."""
 
     def __init__(
         self,
@@ -411,12 +412,28 @@ class Compaction:
         # Archived jobs whose folders a stream still reads.
         self._read: list[tuple[Folded, FinalJob]] = []
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     def settled(self, job: FinalJob) -> None:
         """A job is settled (or was, before a restart): it waits for its fold."""
         self.waiting[job.job_id] = job
+        job.unread = self._unread
+        self._start()
+
+    def _start(self) -> None:
+        if self._closed:
+            return
         if len(self.waiting) >= self.window and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._folds(), name="archive-folds")
+            self._loop = self._task.get_loop()
+
+    def _unread(self) -> None:
+        """The last stream reading a waiting job ended (on whatever thread let its index
+        go): a fold that waited for it starts, whether or not another job settles."""
+        if len(self.waiting) >= self.window and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the next start folds
+                self._loop.call_soon_threadsafe(self._start)
 
     async def _folds(self) -> None:
         # A fold that fails (a full disk) is logged and tried again at the next job
@@ -463,6 +480,7 @@ class Compaction:
 
     async def close(self) -> None:
         """Let a fold under way end (it is crash-safe, but a whole one saves a redo)."""
+        self._closed = True
         if self._task is not None:
             await asyncio.wait([self._task])
         await asyncio.to_thread(self.archive.close)

@@ -47,6 +47,8 @@ class FinalJob:
     task: asyncio.Task[None] | None = None
     # The streams reading it now share one index of its files (gone with the last).
     _shared: weakref.ref[Source] | None = field(default=None, repr=False, compare=False)
+    # Called when the last stream reading it ends (its fold may have waited for that).
+    unread: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, record: JobRecord, registry: Registry) -> FinalJob:
@@ -97,7 +99,9 @@ class FinalJob:
         source = await _files_source(
             self.folder, lambda: self.state.value, lambda: self.error, lambda: self.satisfied_seq
         )
-        self._shared = weakref.ref(source)
+        # The callback holds the hook alone, not this job: no reference cycle.
+        unread = self.unread
+        self._shared = weakref.ref(source, None if unread is None else lambda _: unread())
         return source
 
 

@@ -130,6 +130,26 @@ async def test_every_n_settled_jobs_fold_into_one_archive_and_still_answer(
             assert r.status == 404
 
 
+async def test_a_fold_a_stream_held_back_runs_when_that_stream_ends(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    # The window filled while a stream read one of its jobs: the fold waited for the
+    # next job to settle, and a daemon that ran its last job kept the window for good.
+    async with daemon(tmp_path, agent, window=3) as api:
+        compaction = api.service.compaction
+        assert compaction is not None
+        await api.run(["j0", "j1"])
+        job = api.service.jobs["j0"]
+        assert isinstance(job, FinalJob)
+        source = await job.source()  # a stream reading j0's folder
+        await api.run(["j2"])
+        await wait_until(lambda: compaction._task is not None and compaction._task.done())
+        assert compaction.archived == 0
+        del source  # the stream ends; no job settles after it
+        await wait_until(lambda: compaction.archived == 3)
+        assert entries(tmp_path / "state")[0] == []
+
+
 async def settled_state(tmp_path: Path, agent: FakeAgent, count: int) -> dict[str, bytes]:
     """``count`` settled jobs in ``tmp_path/state``, none folded: their streams."""
     async with daemon(tmp_path, agent, window=1000) as api:
