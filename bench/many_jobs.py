@@ -186,7 +186,13 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     trainer = Trainer(daemon.url, args, daemon.rss_mb)
     rss: dict[str, float] = {}
     cpu_before = daemon.cpu_s()
-    seconds = await trainer.run(lambda: rss.setdefault("first", daemon.rss_mb()))
+
+    def on_first() -> None:
+        # Printed as it is taken: a run cut later still shows its baseline.
+        rss["first"] = daemon.rss_mb()
+        print(f"  ... after job {args.first:,}: daemon RSS {rss['first']:.1f} MB", flush=True)
+
+    seconds = await trainer.run(on_first)
     if trainer.done < args.jobs:
         print(f"--stop-after-s {args.stop_after_s:g}: {trainer.done:,} jobs of {args.jobs:,} "
               "done; the figures below are for them")  # fmt: skip
