@@ -68,7 +68,12 @@ class Entry:
     rows: list[dict[str, Any]] | None
     # Called on the loop once the job is durable, before its submitter hears of it.
     accepted: Callable[[JobRecord], None]
+    # Done once the commit has ended, whatever the submitter does.
     done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    # The submitter's own (its cancel cancels this one alone, never ``done``).
+    answer: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -86,7 +91,9 @@ class Journal:
         self.registry = registry
         self.root = registry.root / JOURNAL_DIR
         self._waiting: list[Entry] = []
-        self._task: asyncio.Task[None] | None = None
+        # Set while no batch is being written.
+        self._quiet = asyncio.Event()
+        self._quiet.set()
         # One thread writes the journal: its appends are in commit order.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="serve-journal")
         self._segment = 1
@@ -108,28 +115,47 @@ class Journal:
         record: JobRecord,
         rows: list[dict[str, Any]] | None,
         accepted: Callable[[JobRecord], None],
-    ) -> asyncio.Future[None]:
-        """Queue the job for the next commit. The future is done once the job is
-        durable and ``accepted`` has been called (or with ``Refused`` or the
-        ``OSError`` of the write); a submitter that stops waiting for it changes
-        nothing: the commit and ``accepted`` happen."""
+    ) -> Entry:
+        """Queue the job for the next commit. The entry's ``done`` is done once the
+        job is durable and ``accepted`` has been called (or with ``Refused`` or the
+        ``OSError`` of the write), and so is its ``answer`` unless the submitter
+        cancelled it: a submitter that stops waiting changes nothing, the commit
+        and ``accepted`` happen."""
         entry = Entry(record, rows, accepted)
         self._waiting.append(entry)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._commits(), name="journal-commits")
-        return entry.done
+        if self._quiet.is_set():
+            self._next_batch()
+        return entry
 
-    async def _commits(self) -> None:
+    def _next_batch(self) -> None:
+        """Hand what waits to the journal's thread, which calls ``_committed`` back on
+        the loop: no task between them, so a commit costs its submitters no more
+        turns of the loop than the thread's answer."""
+        batch, self._waiting = self._waiting, []
+        self._quiet.clear()
         loop = asyncio.get_running_loop()
-        while self._waiting:
-            batch, self._waiting = self._waiting, []
-            segment = self._segment
-            try:
-                results = await loop.run_in_executor(self._thread, self._write, batch, segment)
-            except Exception as exc:
-                # The journal itself could not be written: none of them is accepted.
-                results = [exc] * len(batch)
+        self._thread.submit(self._commit, loop, batch, self._segment)
+
+    def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[Entry], segment: int) -> None:
+        """The batch written (in the journal's thread), then settled on the loop."""
+        results: list[BaseException | None]
+        try:
+            results = self._write(batch, segment)
+        except Exception as exc:
+            # The journal itself could not be written: none of them is accepted.
+            results = [exc] * len(batch)
+        loop.call_soon_threadsafe(self._committed, batch, results, segment)
+
+    def _committed(
+        self, batch: list[Entry], results: list[BaseException | None], segment: int
+    ) -> None:
+        try:
             self._settle(batch, results, segment)
+        finally:
+            if self._waiting:
+                self._next_batch()
+            else:
+                self._quiet.set()
 
     def _settle(
         self, batch: list[Entry], results: list[BaseException | None], segment: int
@@ -147,11 +173,15 @@ class Journal:
         for entry, error in zip(batch, results, strict=True):
             if error is None:
                 entry.accepted(entry.record)
-                entry.done.set_result(None)
-            else:
-                entry.done.set_exception(error)
-            # A submitter gone away never reads it: no "never retrieved" warning.
-            entry.done.exception()
+            for future in (entry.done, entry.answer):
+                if future.cancelled():
+                    continue
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+                    # A submitter gone away never reads it: no "never retrieved" warning.
+                    future.exception()
 
     def _write(self, batch: list[Entry], segment: int) -> list[BaseException | None]:
         """The batch's lines, durable in one fsync, then its folders (blocking)."""
@@ -232,7 +262,8 @@ class Journal:
 
     async def close(self) -> None:
         """Let the commits and drops under way end."""
-        tasks = [t for t in (self._task, *self._drops) if t is not None and not t.done()]
+        await self._quiet.wait()
+        tasks = [t for t in self._drops if not t.done()]
         if tasks:
             await asyncio.wait(tasks)
         self._thread.shutdown(wait=False)

@@ -111,12 +111,12 @@ class Submissions:
         if answer is not None:
             return answer
         assert record is not None
-        done = self.journal.submit(record, spec.rows, self._accepted)
+        entry = self.journal.submit(record, spec.rows, self._accepted)
         del spec
-        self._accepting[record.job_id] = done
-        done.add_done_callback(lambda _: self._accepting.pop(record.job_id, None))
+        self._accepting[record.job_id] = entry.done
+        entry.done.add_done_callback(lambda _: self._accepting.pop(record.job_id, None))
         try:
-            await asyncio.shield(done)
+            await entry.answer
         except Refused as exc:
             raise Conflict(str(exc)) from None
         except OSError as exc:
