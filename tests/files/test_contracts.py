@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,12 @@ from dispatcher.files.contracts import (
     FAILURE_KEYS,
     HISTORY_HOPS,
     NOT_DELIVERED,
+    JobStatus,
     LastRun,
     RunManifest,
 )
 from dispatcher.files.delivery_history import HopDelivery, summarize
+from dispatcher.lifecycle import JobState
 from dispatcher.ops.runfiles import read_manifest as read_for_status
 from dispatcher.run.prepare import prepare_run
 from dispatcher.settings.config import load_settings
@@ -166,3 +169,25 @@ def test_a_hop_of_the_delivery_history_that_does_not_read_is_left_out_not_fatal(
     assert manifest.delivery_history is not None
     assert [hop.retries for hop in manifest.delivery_history] == [{"a": {"refused": 1}}]
     assert RunManifest.parse({**WRITTEN, "delivery_history": "garbage"}).delivery_history is None
+
+
+def test_a_job_status_as_json_is_every_field_in_order_its_dicts_copied() -> None:
+    status = JobStatus(
+        job_id="j",
+        state=JobState.RUNNING,
+        final=False,
+        outcomes={"success": 3},
+        metadata={"run": {"step": [1, 2]}},
+        start_order={"window": 8},
+        target_groups_by_agent={"sim": 2},
+    )
+    body = status.to_json()
+    # What ``dataclasses.asdict`` gave, field for field and in the same order.
+    expected = {**dataclasses.asdict(status), "state": "running"}
+    assert list(body) == list(expected)
+    assert body == expected
+    assert orjson.dumps(body) == orjson.dumps(expected)
+    # The answer is the caller's: changing it changes nothing of the status.
+    body["outcomes"]["success"] = 0
+    body["start_order"]["window"] = 0
+    assert status.outcomes == {"success": 3} and status.start_order == {"window": 8}
