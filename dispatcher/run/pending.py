@@ -63,13 +63,14 @@ class Pending:
     ) -> None:
         self.order = order
         self._materialized = materialized
-        self._reservations_path = reservations
         self._state = state
         self._capture_dir = capture_dir
         self._capture_token = capture_token
         self._requeued: deque[Rollout] = deque()
         self._wake = asyncio.Event()
-        self._reserved: Reservations | None = None
+        # Turns the file's lines into rollouts; it reads the earlier hops'
+        # reservations in the thread hop of the first read, not a hop of their own.
+        self._source = _Source(state, reservations, capture_token)
         # The materialized lines handed out since the last reservation (byte spans).
         self._unreserved: list[tuple[int, int]] = []
 
@@ -77,9 +78,9 @@ class Pending:
         """Make the attempt indices of the rollouts handed out so far durable: called
         before one of them is sent (contracts §5). Once per batch read, not per
         rollout; a hop that sends nothing (drained at once) reserves nothing."""
-        if self._unreserved and self._reserved is not None:
+        if self._unreserved:
             spans, self._unreserved = self._unreserved, []
-            await asyncio.to_thread(self._reserved.reserve, spans)
+            await asyncio.to_thread(self._source.reserved().reserve, spans)
 
     def put_back(self, rollout: Rollout) -> None:
         self._requeued.append(rollout)
@@ -111,10 +112,15 @@ class Pending:
         return rollout
 
     async def _from_file(self) -> AsyncIterator[Rollout]:
-        self._reserved = await asyncio.to_thread(Reservations.load, self._reservations_path)
-        source = _Source(self._state, self._reserved, self._capture_token)
+        """The file's rollouts. A job of a few rows takes one thread hop to read them
+        (with the reservations), and one to reserve them: a hop per file read, none
+        for what needs no reading (no earlier attempt on record, the end of the file
+        seen with its last rows)."""
+        source = self._source
         with self._materialized.open("rb") as f:
-            first = await asyncio.to_thread(longest_first, f, self._state)
+            first = []
+            if self._state.longest_s:
+                first = await asyncio.to_thread(longest_first, f, self._state)
             for start in range(0, len(first), READ_BATCH_ROWS):
                 offsets = first[start : start + READ_BATCH_ROWS]
                 batch = await asyncio.to_thread(_read_at, f, offsets, source, self._unreserved)
@@ -128,12 +134,14 @@ class Pending:
                     yield rollout
                 return
             while True:
-                rest = await asyncio.to_thread(_read_batch, f, source, self._unreserved, skip)
-                if rest is None:
-                    return
+                rest, ended = await asyncio.to_thread(
+                    _read_batch, f, source, self._unreserved, skip
+                )
                 await self._clear_captures(rest)
                 for rollout in rest:
                     yield rollout
+                if ended:
+                    return
 
     async def _ordered(
         self, order: StartOrder, f: BinaryIO, source: _Source, skip: frozenset[int]
@@ -144,7 +152,7 @@ class Pending:
             while True:
                 if feed.due(order.admits_until()):
                     found = await asyncio.to_thread(
-                        feed.read, order.admits_until(), self._unreserved
+                        _feed_read, feed, source, order.admits_until(), self._unreserved
                     )
                     order.add_all(found)
                     order.skip_to(feed.position)
@@ -194,13 +202,21 @@ class _Source:
     """What turns a materialized line into a rollout: its attempt index is the next
     one neither a failure row nor an earlier hop's reservation has used (§5)."""
 
-    def __init__(self, state: RunState, reserved: Reservations, capture_token: str | None):
+    def __init__(self, state: RunState, reservations: Path, capture_token: str | None):
         self.state = state
-        self.reserved = reserved
         self.capture_token = capture_token
+        self._path = reservations
+        self._reserved: Reservations | None = None
+
+    def reserved(self) -> Reservations:
+        """The reservations, read at the first call (blocking: every read of the
+        file calls it first, in its thread)."""
+        if self._reserved is None:
+            self._reserved = Reservations.load(self._path)
+        return self._reserved
 
     def rollout(self, line: bytes, key: int, offset: int) -> Rollout:
-        attempt = max(self.state.attempt_index(key), self.reserved.earlier(offset))
+        attempt = max(self.state.attempt_index(key), self.reserved().earlier(offset))
         row = jsonx.loads(line)
         return Rollout.from_materialized(row, attempt, self.capture_token, line)
 
@@ -282,11 +298,20 @@ class _Lines:
         return self._map[waiting.offset : len(self._map) if end < 0 else end + 1]
 
 
+def _feed_read(
+    feed: _Feed, source: _Source, until: int, spans: list[tuple[int, int]]
+) -> list[Waiting]:
+    """``feed.read`` (in a thread), the reservations read first if not yet."""
+    source.reserved()
+    return feed.read(until, spans)
+
+
 def _read_at(
     f: BinaryIO, offsets: list[int], source: _Source, spans: list[tuple[int, int]]
 ) -> list[Rollout]:
     """The rollouts of the materialized lines at ``offsets`` (in a thread); their
     byte spans are added to ``spans``, to be reserved before one is sent."""
+    source.reserved()
     batch: list[Rollout] = []
     for offset in offsets:
         f.seek(offset)
@@ -301,10 +326,12 @@ def _read_batch(
     source: _Source,
     spans: list[tuple[int, int]],
     skip: frozenset[int] = frozenset(),
-) -> list[Rollout] | None:
-    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread); None at the end.
-    The span of lines read is added to ``spans`` (to be reserved before one of them
-    is sent). Lines at the offsets in ``skip`` were started first."""
+) -> tuple[list[Rollout], bool]:
+    """Up to READ_BATCH_ROWS rollouts not yet final (in a thread), and whether the
+    file's end was read. The span of lines read is added to ``spans`` (to be
+    reserved before one of them is sent). Lines at the offsets in ``skip`` were
+    started first."""
+    source.reserved()
     batch: list[Rollout] = []
     first = offset = f.tell()
     ended = False
@@ -324,4 +351,4 @@ def _read_batch(
     if batch:
         spans.append((first, offset))
     # An empty batch of a file not read to its end: every line scanned was final.
-    return None if ended and not batch else batch
+    return batch, ended

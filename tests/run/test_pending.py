@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import web
 
+from dispatcher.admission.order import start_order_for
 from dispatcher.capture.proxy import build_proxy_app
+from dispatcher.run.pending import Pending
+from dispatcher.run.prepare import prepare_run
+from dispatcher.settings.config import load_settings
 from tests.capture.test_proxy import Servers, servers
 from tests.helpers import (
     FakeAgent,
@@ -159,3 +164,39 @@ async def test_the_ordered_feed_reads_and_reserves_a_batch_at_a_time(tmp_path: P
     audit_outputs(output, expected_keys(1000, 1), max_attempts=1)
     # Batches of half the window: 1000 / 32 reads, not one every few rollouts.
     assert count_lines(tmp_path / "x_attempt_reservations.jsonl") <= 1000 // 32 + 2
+
+
+@pytest.mark.parametrize("start_order", ["longest", "input"])
+async def test_a_small_job_takes_one_thread_hop_to_read_and_one_to_reserve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start_order: str
+) -> None:
+    # A served job of one prompt x 8 repeats: its reservations, the rollouts to
+    # start first (none on record) and its rows are read in one thread hop, the end
+    # of the file seen with them; reserving them is the second and last.
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 1)
+    cli = {"input": tasks, "output": tmp_path / "out" / "x.jsonl", "num_repeats": 8,
+           "agents": {"sim": ["http://h:1"]}, "start_order": start_order}  # fmt: skip
+    settings = load_settings(cli, env={})
+    prepared = prepare_run(settings, None)
+    try:
+        hops: list[str] = []
+        real = asyncio.to_thread
+
+        async def counted(func: Any, /, *args: Any, **kwargs: Any) -> Any:
+            hops.append(getattr(func, "__name__", repr(func)))
+            return await real(func, *args, **kwargs)
+
+        monkeypatch.setattr(asyncio, "to_thread", counted)
+        paths = prepared.paths
+        order = start_order_for(settings, None, whole_groups=True)
+        pending = Pending(paths.materialized, prepared.state, None, None, paths.reservations,
+                          order)  # fmt: skip
+        started = []
+        async for rollout in pending.each(lambda: False):
+            await pending.reserve()
+            started.append(rollout)
+        assert len(started) == 8
+        assert len(hops) == 2, hops
+        assert count_lines(paths.reservations) == 1
+    finally:
+        prepared.lock.release()
