@@ -65,6 +65,10 @@ class RunLock:
         self._fd = None
 
 
+# What ``write_atomic`` gathers of its chunks before each write.
+WRITE_BYTES = 64 * 1024
+
+
 def _read_pid(fd: int) -> str:
     try:
         pid = os.pread(fd, 32, 0).decode().strip()
@@ -125,12 +129,24 @@ def write_atomic(path: Path, chunks: Iterable[bytes], *, durable: bool = True) -
     """
     tmp, fd = _create_temp(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        try:
+            # Written in pieces of WRITE_BYTES to the descriptor itself: a file object
+            # over it asked the kernel two more things (is it a terminal, where is it)
+            # for every small file written.
+            held: list[bytes] = []
+            size = 0
             for chunk in chunks:
-                f.write(chunk)
-            f.flush()
+                held.append(chunk)
+                size += len(chunk)
+                if size >= WRITE_BYTES:
+                    write_fully(fd, b"".join(held))
+                    held, size = [], 0
+            if held:
+                write_fully(fd, b"".join(held))
             if durable:
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         _replace(tmp, path)
     except BaseException:
         # A full disk must not leave a half-written temporary file taking its space.

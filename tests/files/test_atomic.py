@@ -3,13 +3,15 @@ share a temporary file; readers see one whole version or the other."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
-from dispatcher.files.atomic import temp_path, write_atomic, write_json_atomic
+from dispatcher.files.atomic import WRITE_BYTES, temp_path, write_atomic, write_json_atomic
 from dispatcher.serve import registry
 
 
@@ -59,3 +61,31 @@ def test_a_submission_cut_in_its_atomic_writes_is_known_by_its_temporaries(
     assert not registry._holds_files(folder)
     (folder / "rollouts.jsonl").write_bytes(b"{}\n")
     assert registry._holds_files(folder)
+
+
+def test_a_small_file_is_one_write_and_a_stream_is_written_in_bounded_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A job's record and rows are a few small chunks: one write of the descriptor,
+    # no file object (whose opening asks the kernel two more things). A long
+    # stream of chunks is still written a piece at a time, never held whole.
+    writes: list[int] = []
+    real_write = os.write
+
+    def write(fd: int, data: Any) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    def fdopen(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("no file object")
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    write_atomic(tmp_path / "job.json", [b'{"a":', b"1}", b"\n"], durable=False)
+    assert writes == [8] and (tmp_path / "job.json").read_bytes() == b'{"a":1}\n'
+    writes.clear()
+    line = b"x" * 1000 + b"\n"
+    write_atomic(tmp_path / "big.jsonl", (line for _ in range(1000)))
+    assert (tmp_path / "big.jsonl").read_bytes() == line * 1000
+    assert sum(writes) == len(line) * 1000
+    assert max(writes) <= WRITE_BYTES + len(line) and len(writes) > 1
