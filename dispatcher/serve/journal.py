@@ -124,7 +124,9 @@ class Journal:
         entry = Entry(record, rows, accepted)
         self._waiting.append(entry)
         if self._quiet.is_set():
-            self._next_batch()
+            # At the loop's next turn: the submits of this turn join the batch.
+            self._quiet.clear()
+            asyncio.get_running_loop().call_soon(self._next_batch)
         return entry
 
     def _next_batch(self) -> None:

@@ -19,8 +19,9 @@ from typing import Any
 import orjson
 import pytest
 
-from dispatcher.serve.journal import APPENDED, JOURNAL_DIR
-from dispatcher.serve.registry import JobRecord, Registry
+from dispatcher.serve.journal import APPENDED, JOURNAL_DIR, Journal
+from dispatcher.serve.registry import JobRecord, Registry, now_iso
+from dispatcher.serve.spec import STORED, JobSpec
 from tests.helpers import FakeAgent, wait_until
 from tests.serve.test_archive import daemon
 from tests.serve.test_service_e2e import Serve, api_session, rows
@@ -180,3 +181,28 @@ async def test_a_journal_that_cannot_be_read_is_exit_2_naming_it(tmp_path: Path)
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-1000:]
     assert str(state / JOURNAL_DIR) in result.stderr and "Traceback" not in result.stderr
+
+
+async def test_submits_of_one_turn_of_the_loop_are_one_commit(tmp_path: Path) -> None:
+    # Bodies checked meanwhile come back to the loop together: the first of them
+    # does not go alone to disk, leaving the others to wait for a second fsync.
+    registry = Registry(tmp_path / "state")
+    registry.lock()
+    journal = Journal(registry)
+    accepted: list[str] = []
+    try:
+        entries = [journal.submit(record(f"j{n}", n + 1), None, lambda r: accepted.append(r.job_id))
+                   for n in range(5)]  # fmt: skip
+        await asyncio.gather(*(entry.answer for entry in entries))
+        assert (journal.batches, journal.largest_batch) == (1, 5)
+        assert accepted == [f"j{n}" for n in range(5)]
+    finally:
+        await journal.close()
+        registry.unlock()
+
+
+def record(job_id: str, seq: int) -> JobRecord:
+    spec = JobSpec(job_id=job_id, input="tasks.jsonl")
+    fields = {"spec": spec, "digest": job_id, "submitted_seq": seq,
+              "submitted_at": now_iso(), "rows_file": None}  # fmt: skip
+    return JobRecord.model_validate(fields, context=STORED)
