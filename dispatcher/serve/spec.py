@@ -189,10 +189,22 @@ class JobSpec(BaseModel):
         return hashlib.sha256(jsonx.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def settings(self, base: RunSettings, input_path: Path, output: Path) -> RunSettings:
-        """The job's run settings: the daemon's, with this job's files and task keys."""
-        values = base.model_dump()
-        # A job resumes its own files at every hop: never moved aside (fresh).
-        values.update(input=input_path, output=output, shard=None, fresh=False)
+        """The job's run settings: the daemon's, with this job's files and task keys.
+
+        A copy of the daemon's settings with the job's fields set: each of them is
+        validated by the body's own model (``num_repeats``, ``max_attempts``), its
+        agent checked against the daemon's, and the merged ``responses_create_params``
+        is a dict. (Validating every setting again, model_dump then model_validate,
+        took more CPU than the rest of a job's start on the loop.) A job whose agent
+        the daemon no longer has (a record read back) is validated whole, and its
+        error is the one it always was."""
+        values: dict[str, Any] = {
+            # A job resumes its own files at every hop: never moved aside (fresh).
+            "input": Path(input_path),
+            "output": Path(output),
+            "shard": None,
+            "fresh": False,
+        }
         if self.num_repeats is not None:
             values["num_repeats"] = self.num_repeats
         if self.default_agent is not None:
@@ -204,7 +216,9 @@ class JobSpec(BaseModel):
                 **base.responses_create_params,
                 **self.responses_create_params,
             }
-        return RunSettings.model_validate(values)
+        if self.default_agent is not None and self.default_agent not in base.agents:
+            return RunSettings.model_validate({**base.model_dump(), **values})
+        return base.model_copy(update=values)
 
 
 # Fields that a digest leaves out when they are not given (see ``JobSpec.digest``).
