@@ -136,7 +136,10 @@ class Journal:
         batch, self._waiting = self._waiting, []
         self._quiet.clear()
         loop = asyncio.get_running_loop()
-        self._thread.submit(self._commit, loop, batch, self._segment)
+        try:
+            self._thread.submit(self._commit, loop, batch, self._segment)
+        except RuntimeError as exc:  # the thread is shut down: the daemon is stopping
+            self._committed(batch, [exc] * len(batch), self._segment)
 
     def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[Entry], segment: int) -> None:
         """The batch written (in the journal's thread), then settled on the loop."""

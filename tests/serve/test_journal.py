@@ -206,3 +206,19 @@ def record(job_id: str, seq: int) -> JobRecord:
     fields = {"spec": spec, "digest": job_id, "submitted_seq": seq,
               "submitted_at": now_iso(), "rows_file": None}  # fmt: skip
     return JobRecord.model_validate(fields, context=STORED)
+
+
+async def test_a_submit_after_the_journals_thread_stopped_is_refused_and_close_ends(
+    tmp_path: Path,
+) -> None:
+    registry = Registry(tmp_path / "state")
+    registry.lock()
+    journal = Journal(registry)
+    try:
+        journal._thread.shutdown()
+        entry = journal.submit(record("late", 1), None, lambda r: None)
+        with pytest.raises(RuntimeError):
+            await entry.answer
+        await asyncio.wait_for(journal.close(), 10)
+    finally:
+        registry.unlock()
