@@ -19,6 +19,7 @@ Pure state and a clock: no I/O, so the rules are pinned on a fake clock.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import InitVar, dataclass, field
@@ -264,10 +265,15 @@ class ReplicaSet:
 
     def down_for_s(self) -> float | None:
         """How long every replica has been open (None while any one is closed)."""
-        opened = [r.breaker.opened_at for r in self.replicas]
-        if any(t is None for t in opened):
-            return None
-        return self._clock() - max(t for t in opened if t is not None)
+        # Asked before each rollout starts: a plain loop, no list or generator,
+        # and out at the first closed replica (the usual answer).
+        last_opened = -math.inf
+        for replica in self.replicas:
+            opened_at = replica.breaker.opened_at
+            if opened_at is None:
+                return None
+            last_opened = max(last_opened, opened_at)
+        return self._clock() - last_opened
 
     def open_replicas(self) -> list[Replica]:
         """The replicas whose breaker is not closed (the prober's to probe)."""
