@@ -50,6 +50,8 @@ log = structlog.get_logger("dispatcher.run")
 
 T = TypeVar("T")
 
+_WAITING, _AT_AGENT = Stage.WAITING, Stage.AT_AGENT
+
 
 class CommitQueue(Protocol):
     def enter_now(self, body_bytes: int) -> bool: ...
@@ -121,7 +123,13 @@ class Flight:
 
     @sending.setter
     def sending(self, value: bool) -> None:
-        self._move(Stage.AT_AGENT if value else Stage.WAITING)
+        # ``_move`` spelled out (twice a try): only these two stages trade places, so
+        # a late "not sending" (a retry's, after a cancel) never undoes a stage.
+        stage = self.stage
+        if value and stage is _WAITING:
+            self.stage = _AT_AGENT
+        elif not value and stage is _AT_AGENT:
+            self.stage = _WAITING
 
     def _move(self, to: Stage) -> None:
         # A late move (a retry's "not sending" after a cancel) never undoes a stage.
