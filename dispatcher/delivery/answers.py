@@ -100,6 +100,11 @@ Classifier = Callable[[int, Body], Awaitable[Classified]]
 
 
 async def classify_on_loop(status: int, raw: Body) -> Classified:
+    """``classify_here`` as a ``Classifier``."""
+    return classify_here(status, raw)
+
+
+def classify_here(status: int, raw: Body) -> Classified:
     """``classify_response`` in place; running out of memory there is our fault (§11)."""
     try:
         return classify_response(status, raw)
