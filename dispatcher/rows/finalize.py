@@ -33,6 +33,9 @@ from dispatcher.tasks.materialize import Rollout
 from dispatcher.tasks.schema import MASK_SAMPLE, PERF, REWARD
 from dispatcher.telemetry.metrics import Metrics
 
+# A row's line (None: nothing is written), what ``Job.record`` reads of it, the capture's figures.
+Finalized = tuple[Line | None, dict[str, Any] | None, dict[str, Any]]
+
 
 class Finalizer:
     """Builds each attempt's output line; records capture waits and gaps in the metrics."""
@@ -53,7 +56,7 @@ class Finalizer:
 
     async def finalize(
         self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None = None
-    ) -> tuple[Line | None, dict[str, Any] | None, dict[str, Any]]:
+    ) -> Finalized:
         """The line to append for this attempt (capture attached), what ``Job.record``
         reads of its row, and the capture's figures. ``extra`` keys are added
         to the row (the policy versions of service mode).
@@ -61,25 +64,45 @@ class Finalizer:
         A big row is merged and serialized in a worker and then held only as
         its line: the dict it came from is dropped here.
         """
-        environment = self.settings.gym_environments.get(rollout.agent)
-        row = build_row(rollout, attempt, self.run_id, environment)
+        if not self.pauses(attempt):
+            return self.finalize_now(rollout, attempt, extra)
+        row = self._row(rollout, attempt, extra)
         if row is None:
             return None, None, {}
-        if extra:
-            row.update(extra)
         big = self._big(attempt)
         if self.settings.capture_dir is not None:
             line, capture = await self._attach_capture(rollout, attempt, row, big)
-        elif big:
-            line, capture = await off_loop(_plain_line, rollout, attempt, row), {}
         else:
-            line, capture = _plain_line(rollout, attempt, row), {}
+            line, capture = await off_loop(_plain_line, rollout, attempt, row), {}
+        return line, self._facts(attempt, row), capture
+
+    def finalize_now(
+        self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None = None
+    ) -> Finalized:
+        """``finalize`` for an attempt it does not pause for (``pauses`` is False), in
+        place: no coroutine for the rows of most answers."""
+        row = self._row(rollout, attempt, extra)
+        if row is None:
+            return None, None, {}
+        return _plain_line(rollout, attempt, row), self._facts(attempt, row), {}
+
+    def _row(
+        self, rollout: Rollout, attempt: Attempt, extra: Mapping[str, Any] | None
+    ) -> dict[str, Any] | None:
+        environment = self.settings.gym_environments.get(rollout.agent)
+        row = build_row(rollout, attempt, self.run_id, environment)
+        if row is not None and extra:
+            row.update(extra)
+        return row
+
+    @staticmethod
+    def _facts(attempt: Attempt, row: dict[str, Any]) -> dict[str, Any]:
         if isinstance(attempt.result, WireResult):
             # Its kept values are slices of the agent's body: only the line waits
             # for the commit, and a big line's pieces are the body itself
             # (1x its size, never 2x).
             attempt.result.clear()
-        return line, row_facts(row), capture
+        return row_facts(row)
 
     async def _attach_capture(
         self, rollout: Rollout, attempt: Attempt, row: dict[str, Any], big: bool

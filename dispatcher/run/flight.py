@@ -164,8 +164,8 @@ class Flight:
         try:
             if parts.finalizer.pauses(attempt):
                 # Its row is built across awaits (capture, a worker): shield all of it.
-                return await _to_the_end(self._commit(attempt, version_start))
-            return await self._commit(attempt, version_start)
+                return await _to_the_end(self._commit(attempt, version_start, True))
+            return await self._commit(attempt, version_start, False)
         finally:
             parts.commit_queue.leave(attempt.body_bytes)
 
@@ -185,12 +185,14 @@ class Flight:
             self._slots = None
             self._parts.left_agent(self.rollout)
 
-    async def _commit(self, attempt: Attempt, version_start: int | None) -> Landing:
+    async def _commit(self, attempt: Attempt, version_start: int | None, pauses: bool) -> Landing:
         rollout, parts = self.rollout, self._parts
         try:
-            line, row, capture = await parts.finalizer.finalize(
-                rollout, attempt, _policy_keys(version_start, parts.policy_version())
-            )
+            extra = _policy_keys(version_start, parts.policy_version())
+            if pauses:
+                line, row, capture = await parts.finalizer.finalize(rollout, attempt, extra)
+            else:
+                line, row, capture = parts.finalizer.finalize_now(rollout, attempt, extra)
         except Exception as exc:
             # A bug of ours (or our memory) while handling an answer: not the
             # agent's failure, so no row; the rollout runs again.
