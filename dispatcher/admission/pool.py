@@ -59,8 +59,12 @@ class Limiter:
         self._waiters: list[tuple[tuple[int, ...], int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
 
+    def free(self) -> bool:
+        """Whether ``acquire`` would take a slot at once, without waiting."""
+        return self.in_use < self.limit and not self._waiters
+
     async def acquire(self, rank: tuple[int, ...] = ()) -> None:
-        if self.in_use < self.limit and not self._waiters:
+        if self.free():
             self.in_use += 1
             return
         waiter = asyncio.get_running_loop().create_future()
@@ -154,19 +158,36 @@ class RolloutPool:
     async def admit(self, agent: str, rank: tuple[int, ...] = ()) -> Slots | None:
         """Wait for the slots, then hand them over, or drain (None): no time is left.
         Nothing is handed over while an admission pause is on."""
-        while True:
+        slots = None if self.pause.paused else self._take_now(agent)
+        while slots is None:
             await self.pause.wait_open()
             slots = await self._take(agent, rank)
             if not self.pause.paused:
                 break
             # Won during a pause that began while it waited: give it back.
             slots.release()
+            slots = None
         # Decided after the slot is won: the wait itself may have used up the budget.
         # (Without a budget nothing drains: the margin, a quantile, is not computed.)
         if self.budget.budget_s is not None and self.budget.should_drain(self._drain_margin()):
             slots.release()
             return None
         return slots
+
+    def _take_now(self, agent: str) -> Slots | None:
+        """The slots, when every limiter has one free and nobody waits for it (the
+        rollouts that start together once answers free their slots); else None,
+        and nothing taken: ``_take`` waits."""
+        pool_slot, agent_slot = self.slots, self.agent_slots.get(agent)
+        if not (pool_slot is None or pool_slot.free()) or not (
+            agent_slot is None or agent_slot.free()
+        ):
+            return None
+        if agent_slot is not None:
+            agent_slot.in_use += 1
+        if pool_slot is not None:
+            pool_slot.in_use += 1
+        return Slots(pool_slot, agent_slot)
 
     async def _take(self, agent: str, rank: tuple[int, ...]) -> Slots:
         agent_slot = self.agent_slots.get(agent)
