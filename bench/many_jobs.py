@@ -138,6 +138,17 @@ async def folds_done(url: str, archived: int, timeout_s: float = 300) -> None:
     raise SystemExit(f"fewer than {archived} jobs archived after {timeout_s:g} s")
 
 
+async def loop_lag(url: str) -> str:
+    """The daemon's event-loop lag (``/status``): how late a task that slept woke, the
+    longest loop steps, which every submit waits behind."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/status") as r:
+        status = await r.json()
+    p99, top = status.get("event_loop_lag_p99_s"), status.get("event_loop_lag_max_s")
+    if p99 is None or top is None:
+        return "daemon event-loop lag: not measured"
+    return f"daemon event-loop lag: p99 {p99 * 1000:.1f} ms, max {top * 1000:.1f} ms"
+
+
 def entries(state: Path) -> dict[str, int]:
     """Entries of ``jobs/`` and ``archive/``, and every file under the state directory."""
     files = sum(len(names) for _, _, names in os.walk(state))
@@ -200,6 +211,7 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     if args.restart_on:
         args.add_archived = max(0, args.restart_on - args.jobs)
     cpu_ms = (daemon.cpu_s() - cpu_before) / args.jobs * 1000
+    lag = await loop_lag(daemon.url)
     # A fold runs once a window is full: the last one may still be writing.
     await folds_done(daemon.url, args.jobs // args.retain * args.retain)
     rss["last"] = daemon.rss_mb()
@@ -220,6 +232,7 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     await asyncio.to_thread(daemon.stop)
     report(args, seconds, rss, counts, (p50, p99), restart_s, restart_rss, code)
     print(f"daemon CPU (user + system, every thread) per job: {cpu_ms:.1f} ms")
+    print(lag)
     print(slope(trainer.curve, rss["first"], args))
     print(f"an archived job: {answer_before}")
     print(f"  after the restart: {answer_after}")
