@@ -40,7 +40,7 @@ from dispatcher.serve.bodies import BadBody, BodyTooBig, NoRoom, read_body
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.jobs import BadJob, Conflict, Service
 from dispatcher.serve.results import stream
-from dispatcher.serve.sending import Sender, StreamIdle
+from dispatcher.serve.sending import Sender, StreamIdle, StreamResponse
 from dispatcher.serve.served import ServedJob
 from dispatcher.serve.spec import AdmissionChange, AdmitChange, PolicyChange, TooBig
 from dispatcher.serve.submission import FoundJob
@@ -267,7 +267,7 @@ class _Handlers:
     ) -> web.StreamResponse:
         limits = self.service.limits
         source = await job.source()
-        response = web.StreamResponse(headers={"Content-Type": NDJSON})
+        response = StreamResponse(headers={"Content-Type": NDJSON})
         await response.prepare(request)
         sender = Sender(request, response, buffer_bytes=limits.stream_buffer_bytes,
                         idle_s=limits.stream_idle_timeout_s)  # fmt: skip
@@ -278,10 +278,12 @@ class _Handlers:
             # Closed here, whatever ends the stream: left to the loop's finalizer, a
             # stream whose client went away held its files until a GC pass found it.
             async with contextlib.aclosing(lines):
-                async for chunk, born in lines:
-                    await sender.write(chunk)
-                    self.service.delivered(born, group)
-            await sender.write_eof()
+                async for chunk in lines:
+                    if chunk.last:
+                        await sender.write_eof(chunk.data)
+                    else:
+                        await sender.write(chunk.data)
+                    self.service.delivered(chunk.born, group)
         except StreamIdle as exc:
             log.info("results_stream_cut", job_id=job.job_id, reason=str(exc))
         except ConnectionError:

@@ -23,6 +23,7 @@ of a job that finishes its rollouts in flight) goes on until the job is final.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import threading
@@ -32,7 +33,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from dispatcher import jsonx
 from dispatcher.files.resume import final_after_failure, spends_attempt
@@ -86,10 +87,19 @@ class Source:
     attempt_cap: int = 1
 
 
-# A chunk of the stream, and when each of its lines became durable (for the
-# stream's delay; None for lines of an earlier daemon).
-Chunk = tuple[bytes, list[float | None]]
+# Lines as they are read, and when each of them became durable.
+_Read = tuple[bytes, list[float | None]]
 _T = TypeVar("_T")
+
+
+class Chunk(NamedTuple):
+    """A piece of the stream, written to the peer at once: its bytes, when each of its
+    lines became durable (for the stream's delay; None for lines of an earlier
+    daemon), and whether it is the stream's last (its end goes with it)."""
+
+    data: bytes
+    born: list[float | None]
+    last: bool = False
 
 
 async def stream(
@@ -107,7 +117,50 @@ async def stream(
     A chunk carries at most ``chunk_bytes`` of rows, or one row bigger than that. A
     waiting stream whose client is ``gone`` ends (checked at each wake). With
     ``failures_after`` (a stream of rows), the final failure rows after that line of
-    the failures file too, as they become durable."""
+    the failures file too, as they become durable.
+
+    What is ready at once goes out as one chunk, one write to the peer: the lines
+    read in one wake, and the end line with the last of them, up to ``chunk_bytes``
+    (each write is a system call and a turn of the send path: a job of one group
+    was four). The last chunk says so (its peer's end goes with it); before the
+    stream first waits, an empty chunk (its peer has the headers then)."""
+    parts: list[bytes] = []
+    born: list[float | None] = []
+    size = 0
+    sent = False
+    lines = _lines(source, after, group, wait, filtered, chunk_bytes=chunk_bytes, gone=gone,
+                   failures_after=failures_after)  # fmt: skip
+    async with contextlib.aclosing(lines):
+        async for chunk in lines:
+            if chunk is not None and not (parts and size + len(chunk[0]) > chunk_bytes):
+                parts.append(chunk[0])
+                born.extend(chunk[1])
+                size += len(chunk[0])
+                continue
+            if parts or not sent:
+                yield Chunk(b"".join(parts), born)
+                parts, born, size, sent = [], [], 0, True
+            if chunk is not None:
+                parts, born, size = [chunk[0]], list(chunk[1]), len(chunk[0])
+    yield Chunk(b"".join(parts), born, last=True)
+
+
+# The stream is about to wait: what it holds goes out first.
+_WAITING = None
+
+
+async def _lines(
+    source: Source,
+    after: int,
+    group: bool,
+    wait: bool,
+    filtered: bool,
+    *,
+    chunk_bytes: int,
+    gone: Callable[[], bool],
+    failures_after: int | None,
+) -> AsyncGenerator[_Read | None, None]:
+    """``stream``'s lines as they are read, and ``_WAITING`` before each wait."""
     index = source.groups if group else source.rows
     next_seq = after + 1
     failed = _Failures(source, failures_after, chunk_bytes)
@@ -139,6 +192,7 @@ async def stream(
                 return
             if not wait or gone():
                 return
+            yield _WAITING
             await index.grew.wait(IDLE_CHECK_S)
 
 
@@ -160,7 +214,7 @@ async def _chunks(
     first: int,
     last: int,
     chunk_bytes: int,
-) -> AsyncGenerator[Chunk, None]:
+) -> AsyncGenerator[_Read, None]:
     """Lines ``first``..``last`` of the rows, or of the groups when there is a groups reader."""
     rows, groups = readers
     index = source.rows if groups is None else source.groups
@@ -201,7 +255,7 @@ class _Failures:
         if self._reader is not None:
             self._reader.__exit__()
 
-    async def next_chunk(self) -> Chunk | None:
+    async def next_chunk(self) -> _Read | None:
         """The next final failures of the durable lines, or None once caught up."""
         index, reader = self._index, self._reader
         while index is not None and reader is not None and self._next <= len(index):
@@ -323,7 +377,7 @@ def with_seq(line: bytes, seq: int) -> bytes:
     return head + b"," + body[1:]
 
 
-def _rows_chunk(reader: _Reader, index: LineIndex, first: int, last: int) -> Chunk:
+def _rows_chunk(reader: _Reader, index: LineIndex, first: int, last: int) -> _Read:
     start, end = index.span(first, last)
     data = reader.read(start, end)
     lines = data.splitlines()
@@ -376,7 +430,7 @@ class _GroupPlan:
 
 def _groups_chunk(
     reader: _Reader, index: LineIndex, pieces: list[Piece], born: list[float | None]
-) -> Chunk:
+) -> _Read:
     """A grouped chunk's bytes: its literal pieces and its rows, read."""
     out = [
         p if isinstance(p, bytes) else with_seq(reader.read(*index.span(p, p)), p) for p in pieces

@@ -50,6 +50,14 @@ class Slots:
         self.open -= 1
 
 
+class StreamResponse(web.StreamResponse):
+    """A results stream's response: its headers go out with its first bytes, in one
+    write (the stream sends an empty chunk before it first waits, so a waiting
+    client has them then)."""
+
+    _send_headers_immediately = False
+
+
 class Sender:
     """Writes a stream's chunks to its peer, bounded and with an idle timeout."""
 
@@ -64,7 +72,7 @@ class Sender:
             self.transport.set_write_buffer_limits(high=buffer_bytes)
 
     async def write(self, chunk: bytes) -> None:
-        if self.transport is not None and self._unsent() + len(chunk) < self.buffer_bytes:
+        if self._fits(chunk):
             # The chunk fits under the buffer's limit: the transport stays unpaused,
             # so the write cannot wait on the peer and needs no idle watch (a task
             # and a wait: two turns of the loop per chunk, each behind every
@@ -73,8 +81,15 @@ class Sender:
             return
         await self._progressing(self.response.write(chunk))
 
-    async def write_eof(self) -> None:
-        await self._progressing(self.response.write_eof())
+    async def write_eof(self, chunk: bytes = b"") -> None:
+        """The last chunk and the stream's end, in one write."""
+        if self._fits(chunk):
+            await self.response.write_eof(chunk)
+            return
+        await self._progressing(self.response.write_eof(chunk))
+
+    def _fits(self, chunk: bytes) -> bool:
+        return self.transport is not None and self._unsent() + len(chunk) < self.buffer_bytes
 
     async def _progressing(self, send: Awaitable[None]) -> None:
         """Await ``send`` while the peer takes something every ``idle_s``; else

@@ -40,7 +40,8 @@ def job_files(tmp_path: Path, rows: list[dict[str, Any]], live: bool = False) ->
 
 async def streamed(source: results.Source, group: bool) -> list[dict[str, Any]]:
     chunks = [
-        chunk async for chunk, _ in results.stream(source, 0, group, wait=True, chunk_bytes=1 << 20)
+        chunk.data
+        async for chunk in results.stream(source, 0, group, wait=True, chunk_bytes=1 << 20)
     ]
     return [orjson.loads(line) for line in b"".join(chunks).splitlines()]
 
@@ -108,8 +109,9 @@ async def test_a_waiting_stream_has_a_new_line_one_turn_of_the_loop_after_it_is_
     got: list[bytes] = []
 
     async def consume() -> None:
-        async for chunk, _ in results.stream(source, 0, group, wait=True, chunk_bytes=1 << 20):
-            got.append(chunk)
+        async for chunk in results.stream(source, 0, group, wait=True, chunk_bytes=1 << 20):
+            if chunk.data:  # not the empty one before it waits (the headers)
+                got.append(chunk.data)
 
     reader = asyncio.create_task(consume())
     try:
@@ -178,3 +180,40 @@ async def test_a_reader_gone_while_its_read_waits_for_a_thread_leaves_no_descrip
     await asyncio.to_thread(gated.shutdown, wait=True)
     assert fds_on(source.output) == 0
     assert fds_on(source.groups_path) == 0
+
+
+@pytest.mark.parametrize("group", [False, True])
+async def test_what_is_ready_at_once_is_one_chunk_with_the_end_line(
+    tmp_path: Path, group: bool
+) -> None:
+    # One write to the peer for all of it: a job of one group was four.
+    source = job_files(tmp_path, [{"reward": n} for n in range(3)])
+    chunks = [c async for c in results.stream(source, 0, group, wait=True, chunk_bytes=1 << 20)]
+    assert len(chunks) == 1 and chunks[0].last
+    lines = [orjson.loads(line) for line in chunks[0].data.splitlines()]
+    assert [line.get("_ng_seq") for line in lines] == [1, 2, 3, None]
+    assert lines[-1] == {"end": "done"}
+
+
+async def test_joined_chunks_keep_the_chunk_bound(tmp_path: Path) -> None:
+    rows = [{"text": "x" * 100, "n": n} for n in range(10, 50)]
+    source = job_files(tmp_path, rows)
+    row_bytes = len(orjson.dumps(rows[0])) + 1
+    chunks = [c async for c in results.stream(source, 0, False, wait=True, chunk_bytes=1000)]
+    # At most 1000 bytes of rows a chunk (each row is sent with its _ng_seq).
+    assert all(c.data.count(b"\n") * row_bytes <= 1000 for c in chunks[:-1])
+    assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    lines = [orjson.loads(line) for c in chunks for line in c.data.splitlines()]
+    assert [line.get("n") for line in lines] == [*range(10, 50), None]
+
+
+async def test_a_waiting_stream_sends_an_empty_chunk_before_it_first_waits(
+    tmp_path: Path,
+) -> None:
+    source = dataclasses.replace(job_files(tmp_path, [], live=True), final_state=lambda: None)
+    lines = results.stream(source, 0, True, wait=True, chunk_bytes=1 << 20)
+    try:
+        first = await anext(lines)
+        assert first == results.Chunk(b"", [])
+    finally:
+        await lines.aclose()
