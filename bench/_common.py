@@ -109,7 +109,13 @@ class ServeProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().decode()
         if "listening on " not in line:
-            raise SystemExit(f"dispatcher serve did not start; see {work / 'serve.log'}")
+            self.log.close()
+            # The log goes with a temporary work directory: its last lines are the reason.
+            last = (work / "serve.log").read_text(errors="replace").splitlines()[-5:]
+            raise SystemExit(
+                f"dispatcher serve did not start (stdout {line!r}); its log ends:\n"
+                + "\n".join(last)
+            )
         self.url = line.split()[-1]
 
     def rss_mb(self) -> float:
