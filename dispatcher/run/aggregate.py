@@ -3,16 +3,14 @@ of a run, and which ``gym eval compare`` reads.
 
 As in Gym, the numbers come from the agents themselves: each agent's
 ``POST /aggregate_metrics`` (Gym's agents forward it to their resources server,
-which knows what its rewards mean) receives that agent's rows, stripped of the
-heavy keys (and any value over 64 KiB, such as per-token lists), and its
-answer becomes one entry of the file. An agent without the
-endpoint simply has no entry; the file is written only when some agent answered.
-The rows are read once from the output file, after every row is durable;
-each agent's stripped rows are spooled to a temporary file beside it and
-streamed from there as the body is sent, so memory does not grow with the run.
-The pass goes on only as far as the bodies being sent need: an agent that
-answers before reading its body (a 404 from one that does not aggregate)
-spares the rest of it.
+which knows what its rewards mean) receives that agent's rows, stripped
+(``aggregate_rows.py``), and its answer becomes one entry of the file. An agent
+without the endpoint simply has no entry; the file is written only when some
+agent answered. A small output's bodies are sent whole, from one pass in
+memory; a big one's are streamed from spools beside the output as the body is
+sent, and the pass goes on only as far as the bodies being sent need: an
+agent that answers before reading its body (a 404 from one that does not
+aggregate) spares the rest of it.
 """
 
 from __future__ import annotations
@@ -20,13 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
-import os
-import tempfile
-import threading
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
+    Awaitable,
+    Callable,
     Container,
     Iterable,
     Iterator,
@@ -35,33 +31,21 @@ from collections.abc import (
 )
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import aiohttp
-import msgspec
 import orjson
 import structlog
 
 from dispatcher.files.atomic import write_atomic
-from dispatcher.files.contracts import DISPATCH_KEY
-from dispatcher.tasks.keys import ENVIRONMENT_SERVER, split_row
-from dispatcher.tasks.schema import AGENT_OBSERVATIONS, MODEL_CALL_CAPTURE, TRAJECTORY
+from dispatcher.run.aggregate_rows import AgentRows, RowSpools, small_bodies
+from dispatcher.tasks.keys import ENVIRONMENT_SERVER
 
 log = structlog.get_logger("dispatcher.aggregate")
 
 JsonObject = dict[str, Any]
 
 SUFFIX = "_aggregate_metrics.json"
-# What Gym's collector leaves out before sending rows to /aggregate_metrics.
-_HEAVY_KEYS = frozenset(
-    {
-        "response",
-        "responses_create_params",
-        AGENT_OBSERVATIONS,
-        MODEL_CALL_CAPTURE,
-        TRAJECTORY,
-    }
-)
 
 
 def aggregate_metrics_path(output: Path) -> Path:
@@ -69,189 +53,9 @@ def aggregate_metrics_path(output: Path) -> Path:
     return output.with_name(output.stem + SUFFIX)
 
 
-# A kept value bigger than this (a per-token list, say) is left out: metrics
-# are computed from scalars, and a run of megabyte rows must not be held whole.
-MAX_VALUE_BYTES = 64 * 1024
-
-
-# A spooled body is sent in chunks of this size.
-CHUNK_BYTES = 1 << 20
-# The pass over the output file goes on this many lines at a time.
-PASS_LINES = 1024
-
-
-@dataclass
-class AgentRows:
-    """One agent's rows as ``/aggregate_metrics`` takes them (stripped, comma
-    separated), spooled to an unnamed file, and the replica of its last row."""
-
-    spool: BinaryIO
-    rows: int = 0
-    last_replica: str | None = None
-    # Off for an agent of one replica: there is no other to ask first, and
-    # decoding every row's stamp for it was a third of the pass.
-    track_replica: bool = True
-    # The Gym environment server its rows name (contracts §15), which its entry names.
-    environment_server: str | None = None
-
-    def add(self, row: Mapping[str, msgspec.Raw]) -> None:
-        self.spool.write((b"," if self.rows else b"") + stripped(row))
-        self.rows += 1
-        if self.track_replica:
-            self.last_replica = _replica(row) or self.last_replica
-        if self.environment_server is None and ENVIRONMENT_SERVER in row:
-            self.environment_server = _small_string(row[ENVIRONMENT_SERVER])
-
-    def body_chunks(
-        self, rows: RowSpools | None = None, chunk_bytes: int = CHUNK_BYTES
-    ) -> Iterator[bytes]:
-        """The request body, a chunk at a time (blocking): the spool, and, while the
-        pass of ``rows`` is not over, the rows it spools as it goes on."""
-        yield b'{"verify_responses":['
-        offset = 0
-        while True:
-            if rows is None:
-                chunk, over = os.pread(self.spool.fileno(), chunk_bytes, offset), True
-            else:
-                chunk, over = rows.read(self, offset, chunk_bytes)
-            if chunk:
-                offset += len(chunk)
-                yield chunk
-            elif over:
-                break
-            else:
-                assert rows is not None
-                rows.advance()
-        yield b"]}"
-
-
-class RowSpools:
-    """The output file's rows, stripped and spooled by agent in one pass that goes
-    only as far as the bodies being sent need (blocking: call it in a thread).
-
-    An agent that answers before it has read its body (a 404 from one that does
-    not aggregate) spares the rest of the pass. Only the rows of ``wanted``
-    agents (default: all) are spooled; the agents named in ``single_replica``
-    get no ``last_replica``. Rows are split at their top level without decoding
-    the values, and only the kept, small values are copied, so memory stays flat
-    however large the run. The spools are files beside ``output`` that
-    ``spools`` closes.
-    """
-
-    def __init__(
-        self,
-        output: Path,
-        spools: contextlib.ExitStack,
-        single_replica: Container[str] = (),
-        wanted: Container[str] | None = None,
-    ) -> None:
-        self._dir = output.parent
-        self._spools = spools
-        self._single = single_replica
-        self._wanted = wanted
-        self._lines = spools.enter_context(output.open("rb"))
-        # The agent of each ``agent_ref`` as written: a run's rows repeat a few of them.
-        self._names: dict[bytes, str | None] = {}
-        # A body's generator may be left running in its thread when its request
-        # ends early, while the next body goes on with the pass.
-        self._lock = threading.Lock()
-        self.agents: dict[str, AgentRows] = {}
-        self.over = False
-
-    def advance(self, lines: int = PASS_LINES) -> None:
-        """Spool the next ``lines`` rows of the file."""
-        with self._lock:
-            read = 0
-            if not self.over:
-                for line in itertools.islice(self._lines, lines):
-                    read += 1
-                    self._add(line)
-                self.over = read < lines
-            for agent in self.agents.values():
-                agent.spool.flush()
-
-    def finish(self) -> None:
-        """The pass, to the end of the file."""
-        while not self.over:
-            self.advance()
-
-    def rows_of(self, name: str) -> AgentRows | None:
-        """The agent's rows once the pass has found its first one; None if it has none."""
-        while name not in self.agents and not self.over:
-            self.advance()
-        return self.agents.get(name)
-
-    def read(self, agent: AgentRows, offset: int, size: int) -> tuple[bytes, bool]:
-        """Up to ``size`` bytes of the agent's spool from ``offset``, and whether the
-        pass is over (so that no bytes then means the end of its body)."""
-        with self._lock:
-            return os.pread(agent.spool.fileno(), size, offset), self.over
-
-    def close(self) -> None:
-        """End the pass: once a body left running in its thread has spooled its lines."""
-        with self._lock:
-            self.over = True
-
-    def _add(self, line: bytes) -> None:
-        row = split_row(line)
-        ref = row.get("agent_ref") if row is not None else None
-        if row is None or ref is None:
-            return
-        written = bytes(ref)
-        name = self._names.get(written, _UNSEEN)
-        if name is _UNSEEN:
-            name = _agent_name(ref)
-            if len(self._names) < _MAX_MEMBERS:
-                self._names[written] = name
-        if name is None or (self._wanted is not None and name not in self._wanted):
-            return
-        agent = self.agents.get(name)
-        if agent is None:
-            spool = tempfile.TemporaryFile(dir=self._dir)  # noqa: SIM115 (spools closes it)
-            self._spools.enter_context(spool)
-            agent = self.agents[name] = AgentRows(spool, track_replica=name not in self._single)
-        agent.add(row)
-
-
-def spool_by_agent(
-    output: Path, spools: contextlib.ExitStack, single_replica: Container[str] = ()
-) -> dict[str, AgentRows]:
-    """Each agent's rows, stripped and spooled to the end of the file (blocking)."""
-    rows = RowSpools(output, spools, single_replica)
-    rows.finish()
-    return rows.agents
-
-
 async def _streamed(chunks: Iterator[bytes]) -> AsyncGenerator[bytes, None]:
     while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
         yield chunk
-
-
-_UNSEEN: Any = object()
-
-
-def _agent_name(ref: msgspec.Raw) -> str | None:
-    agent = _small_object(ref)
-    name = agent.get("name") if agent else None
-    return name if isinstance(name, str) else None
-
-
-def _replica(row: Mapping[str, msgspec.Raw]) -> str | None:
-    stamp = _small_object(row.get(DISPATCH_KEY))
-    replica = stamp.get("replica") if stamp else None
-    return replica if isinstance(replica, str) else None
-
-
-def _small_string(raw: msgspec.Raw) -> str | None:
-    value = orjson.loads(bytes(raw)) if len(raw) <= MAX_VALUE_BYTES else None
-    return value if isinstance(value, str) else None
-
-
-def _small_object(raw: msgspec.Raw | None) -> dict[str, Any] | None:
-    if raw is None or len(raw) > MAX_VALUE_BYTES:
-        return None
-    value = orjson.loads(bytes(raw))
-    return value if isinstance(value, dict) else None
 
 
 def _replicas_to_ask(urls: Sequence[str], last: str | None) -> list[str]:
@@ -267,66 +71,18 @@ def _parsed(answer: bytes) -> JsonObject | None:
     return value if isinstance(value, dict) else None
 
 
-def stripped(row: Mapping[str, msgspec.Raw]) -> bytes:
-    """A row without payloads (keeping the response's usage and incomplete_details)
-    and without outsized values, serialized."""
-    # Every row of a run has the same keys: each one's JSON is encoded once. A
-    # kept value is joined from the row's own bytes, without a copy first.
-    known = _MEMBERS.get
-    parts = [
-        (known(key) or _member(key)) + raw
-        for key, raw in row.items()
-        if key not in _HEAVY_KEYS and len(raw) <= MAX_VALUE_BYTES
-    ]
-    response = _response_kept(row.get("response"))
-    if response:
-        parts.append(response)
-    return b"{" + b",".join(parts) + b"}"
+@dataclass
+class Aggregated:
+    """What the agents answered: the file written (None when none did) and the agents
+    with an entry in it."""
 
+    path: Path | None
+    answered: set[str]
 
-# The members' JSON, by key: a run's rows share their keys. Bounded, as rows are
-# other people's data and could each bring keys of their own.
-_MEMBERS: dict[str, bytes] = {}
-_MAX_MEMBERS = 1024
-
-
-def _member(key: str) -> bytes:
-    """``"key":``, as JSON."""
-    member = _MEMBERS.get(key)
-    if member is None:
-        member = orjson.dumps(key) + b":"
-        if len(_MEMBERS) < _MAX_MEMBERS:
-            _MEMBERS[key] = member
-    return member
-
-
-class _ResponseKept(msgspec.Struct):
-    """The response's keys an aggregate row keeps, each as its bytes (empty: absent)."""
-
-    usage: msgspec.Raw = msgspec.Raw()
-    incomplete_details: msgspec.Raw = msgspec.Raw()
-
-
-# Decodes those two keys and skips the rest of the response (its output, the
-# bulk of it) without building it.
-_RESPONSE_KEPT = msgspec.json.Decoder(_ResponseKept)
-
-
-def _response_kept(raw: msgspec.Raw | None) -> bytes | None:
-    """``"response":{...}`` with the response's kept keys, their values the row's own
-    bytes; None when it keeps none (or is no object)."""
-    if raw is None:
-        return None
-    try:
-        kept = _RESPONSE_KEPT.decode(raw)
-    except msgspec.DecodeError:
-        return None  # not an object
-    members = [
-        _member(key) + value
-        for key, value in (("usage", kept.usage), ("incomplete_details", kept.incomplete_details))
-        if value
-    ]
-    return b'"response":{' + b",".join(members) + b"}" if members else None
+    def states(self, agents: Iterable[str]) -> dict[str, str]:
+        """Each agent's aggregation status once the run is complete (contracts §15):
+        ``complete`` when the file has its entry, else ``error``."""
+        return {agent: "complete" if agent in self.answered else "error" for agent in agents}
 
 
 async def write_aggregate_metrics(
@@ -341,63 +97,115 @@ async def write_aggregate_metrics(
     """Ask each agent for its metrics and write the file; None when no agent answered.
     ``session``: the caller's (its connections kept between calls), else one of its
     own; ``durable=False``: the file is written without fsync (``write_atomic``)."""
+    aggregated = await aggregate_metrics(
+        output, agents, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+        session=session, durable=durable,
+    )  # fmt: skip
+    return aggregated.path
+
+
+async def aggregate_metrics(
+    output: Path,
+    agents: Mapping[str, Sequence[str]],
+    *,
+    timeout_s: float = 30.0,
+    connect_timeout_s: float = 2.0,
+    session: aiohttp.ClientSession | None = None,
+    durable: bool = True,
+) -> Aggregated:
+    """``write_aggregate_metrics``, and which agents answered."""
     entries: list[JsonObject] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-    with contextlib.ExitStack() as spools:
-        single = {name for name, urls in agents.items() if len(urls) <= 1}
-        rows = await asyncio.to_thread(RowSpools, output, spools, single, agents)
-        try:
-            async with contextlib.AsyncExitStack() as own:
-                if session is None:
-                    session = await own.enter_async_context(aiohttp.ClientSession())
-                for name in sorted(agents):
-                    found = await asyncio.to_thread(rows.rows_of, name)
-                    if found is None:
-                        continue
-                    if found.track_replica:
-                        # The replica that answered last is asked first: known at the end.
-                        await asyncio.to_thread(rows.finish)
-                    urls = _replicas_to_ask(agents[name], found.last_replica)
-                    entry = await _first_answer(session, name, urls, found, rows, timeout)
-                    if entry is not None:
-                        entries.append(entry)
-        finally:
-            await asyncio.to_thread(rows.close)
+    single = {name for name, urls in agents.items() if len(urls) <= 1}
+    async with contextlib.AsyncExitStack() as own:
+        if session is None:
+            session = await own.enter_async_context(aiohttp.ClientSession())
+        small = await asyncio.to_thread(small_bodies, output, agents, single)
+        if small is None:
+            await _ask_streamed(session, output, agents, single, timeout, entries)
+        else:
+            for name, (found, body) in sorted(small.items()):
+                urls = _replicas_to_ask(agents[name], found.last_replica)
+                metrics = await _first_answer(name, urls, _posting(session, body, timeout))
+                if metrics is not None:
+                    entries.append(_entry(name, metrics, found.environment_server))
     if not entries:
-        return None
+        return Aggregated(None, set())
     path = aggregate_metrics_path(output)
     text = orjson.dumps(entries, option=orjson.OPT_INDENT_2)
     await asyncio.to_thread(functools.partial(write_atomic, durable=durable), path, [text])
-    log.info(
-        "aggregate_metrics_written",
-        path=str(path),
-        agents=[e["agent_ref"]["name"] for e in entries],
-    )
-    return path
+    names = [e["agent_ref"]["name"] for e in entries]
+    log.info("aggregate_metrics_written", path=str(path), agents=names)
+    return Aggregated(path, set(names))
 
 
-async def _first_answer(
+async def _ask_streamed(
     session: aiohttp.ClientSession,
-    name: str,
-    urls: Sequence[str],
-    found: AgentRows,
-    rows: RowSpools,
+    output: Path,
+    agents: Mapping[str, Sequence[str]],
+    single: Container[str],
     deadlines: aiohttp.ClientTimeout,
-) -> JsonObject | None:
+    entries: list[JsonObject],
+) -> None:
+    """The agents' entries of a big output: its rows spooled to files as the bodies
+    being sent need them."""
+    with contextlib.ExitStack() as spools:
+        rows = await asyncio.to_thread(RowSpools, output, spools, single, agents)
+        try:
+            for name in sorted(agents):
+                found = await asyncio.to_thread(rows.rows_of, name)
+                if found is None:
+                    continue
+                if found.track_replica:
+                    # The replica that answered last is asked first: known at the end.
+                    await asyncio.to_thread(rows.finish)
+                urls = _replicas_to_ask(agents[name], found.last_replica)
+                post = _streaming(session, found, rows, deadlines)
+                metrics = await _first_answer(name, urls, post)
+                if metrics is not None:
+                    # An answer before the whole body was read: its rows may still
+                    # name the server.
+                    await asyncio.to_thread(rows.finish)
+                    entries.append(_entry(name, metrics, found.environment_server))
+        finally:
+            await asyncio.to_thread(rows.close)
+
+
+# Posts an agent's body to one replica's URL: its HTTP status and answer.
+Post = Callable[[str], Awaitable[tuple[int, bytes]]]
+
+
+def _posting(session: aiohttp.ClientSession, body: bytes, deadlines: aiohttp.ClientTimeout) -> Post:
+    """A whole body, sent with its length."""
+    return lambda url: _post(session, f"{url}/aggregate_metrics", body, deadlines)
+
+
+def _streaming(
+    session: aiohttp.ClientSession, found: AgentRows, rows: RowSpools,
+    deadlines: aiohttp.ClientTimeout,
+) -> Post:  # fmt: skip
+    """A spooled body, streamed as the pass goes on."""
+
+    async def post(url: str) -> tuple[int, bytes]:
+        async with contextlib.aclosing(_streamed(found.body_chunks(rows))) as body:
+            return await _post(session, f"{url}/aggregate_metrics", body, deadlines)
+
+    return post
+
+
+async def _first_answer(name: str, urls: Sequence[str], post: Post) -> JsonObject | None:
     """The agent's metrics from the first replica that answers at all; an HTTP answer
-    that is not metrics (404 from an agent that does not aggregate) ends the search."""
+    that is not metrics (404 from an agent that does not aggregate) ends the search
+    (None)."""
     for url in urls:
         try:
-            async with contextlib.aclosing(_streamed(found.body_chunks(rows))) as body:
-                status, answer = await _post(session, f"{url}/aggregate_metrics", body, deadlines)
+            status, answer = await post(url)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("aggregate_metrics_unavailable", agent=name, replica=url, error=repr(exc))
             continue
         metrics = _parsed(answer) if status < 300 else None
         if metrics is not None:
-            # An answer before the whole body was read: its rows may still name the server.
-            await asyncio.to_thread(rows.finish)
-            return _entry(name, metrics, found.environment_server)
+            return metrics
         # 404/405: an agent that does not aggregate (not a Gym agent); nothing is wrong.
         level = log.info if status in (404, 405) else log.warning
         level("aggregate_metrics_unavailable", agent=name, http_status=status)
@@ -408,7 +216,7 @@ async def _first_answer(
 async def _post(
     session: aiohttp.ClientSession,
     url: str,
-    body: AsyncIterator[bytes],
+    body: bytes | AsyncIterator[bytes],
     deadlines: aiohttp.ClientTimeout,
 ) -> tuple[int, bytes]:
     headers = {"Content-Type": "application/json"}
@@ -429,13 +237,3 @@ def _entry(name: str, metrics: Mapping[str, Any], server: str | None = None) -> 
     if metrics.get("perf_summary") is not None:
         entry["perf_summary"] = metrics["perf_summary"]
     return entry
-
-
-def aggregation_states(path: Path | None, agents: Iterable[str]) -> dict[str, str]:
-    """Each agent's aggregation status once the run is complete (contracts §15):
-    ``complete`` when the file has its entry, else ``error`` (blocking)."""
-    answered: set[str] = set()
-    if path is not None:
-        entries = orjson.loads(path.read_bytes())
-        answered = {str(entry["agent_ref"]["name"]) for entry in entries}
-    return {agent: "complete" if agent in answered else "error" for agent in agents}

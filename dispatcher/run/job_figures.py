@@ -6,7 +6,6 @@ job's state and changes none of it.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +17,7 @@ from dispatcher.admission.order import StartOrder
 from dispatcher.errors import DispatcherError, ExitCode
 from dispatcher.files.resume import OutputPaths
 from dispatcher.lifecycle import JobState
-from dispatcher.run.aggregate import (
-    aggregate_metrics_path,
-    aggregation_states,
-    write_aggregate_metrics,
-)
+from dispatcher.run.aggregate import aggregate_metrics, aggregate_metrics_path
 from dispatcher.run.recorder import FailureLimitExceeded, Recorder
 from dispatcher.run.reporting import hop_summary, write_last_run
 from dispatcher.telemetry.progress import estimate_eta_s
@@ -79,13 +74,13 @@ class JobFigures:
         aggregation status for the status file."""
         if self.fatal is not None or self.prepared is None or self.remaining() > 0:
             return {}
-        path = await write_aggregate_metrics(
+        aggregated = await aggregate_metrics(
             self.prepared.paths.output,
             self.settings.agents,
             session=self.end.session,
             durable=self.end.durable,
         )
-        return await asyncio.to_thread(aggregation_states, path, self.settings.agents)
+        return aggregated.states(self.settings.agents)
 
     def exit_code(self) -> ExitCode:
         """The hop's exit code; raises the error that failed it."""

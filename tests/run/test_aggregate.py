@@ -16,16 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.run.aggregate import (
-    PASS_LINES,
-    RowSpools,
-    spool_by_agent,
-    write_aggregate_metrics,
-)
+from dispatcher.run.aggregate import write_aggregate_metrics
+from dispatcher.run.aggregate_rows import PASS_LINES, RowSpools, spool_by_agent
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
 
@@ -316,3 +313,53 @@ async def test_an_answer_before_the_body_is_read_still_names_the_environment_ser
     [entry] = orjson.loads(path.read_bytes())
     assert entry["agent_ref"] == {"name": "sim"}
     assert entry["_ng_environment_server"] == "math_env"
+
+
+async def test_an_agent_without_the_endpoint_keeps_its_connection_between_jobs(
+    tmp_path: Path,
+) -> None:
+    # A served job of a few rows asked an agent without /aggregate_metrics over a new
+    # connection each time: the 404 came before its body was streamed, so the
+    # connection could not be reused (a connect per job, on both sides).
+    peers: list[Any] = []
+
+    async def run(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    @web.middleware
+    async def seen(request: web.Request, handler: Any) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return await handler(request)
+
+    app = web.Application(middlewares=[seen])
+    app.router.add_post("/run", run)
+    runner, url = await serve(app)
+    output = tmp_path / "x.jsonl"
+    output.write_bytes(b"".join(orjson.dumps({"i": i, "agent_ref": {"name": "sim"}}) + b"\n"
+                                for i in range(8)))  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                path = await write_aggregate_metrics(output, {"sim": [url]}, session=session)
+                assert path is None
+    finally:
+        await runner.cleanup()
+    assert len(peers) == 3 and len(set(peers)) == 1
+
+
+async def test_a_small_output_is_sent_whole_and_names_its_server(
+    tmp_path: Path, gym_like_agent: tuple[str, GymLikeAgent]
+) -> None:
+    url, agent = gym_like_agent
+    output = tmp_path / "x.jsonl"
+    rows = [{"i": i, "agent_ref": {"name": "sim"}, "response": {"output": [1]}} for i in range(3)]
+    rows[-1]["_ng_environment_server"] = "math_env"
+    output.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    path = await write_aggregate_metrics(output, {"sim": [url], "other": [url]})
+    assert path is not None
+    [entry] = orjson.loads(path.read_bytes())
+    assert list(entry)[:2] == ["agent_ref", "_ng_environment_server"]
+    assert entry["_ng_environment_server"] == "math_env"
+    [sent] = agent.aggregated
+    assert sent == {"verify_responses": [{k: v for k, v in r.items() if k != "response"}
+                                         for r in rows]}  # fmt: skip
