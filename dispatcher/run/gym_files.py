@@ -146,23 +146,27 @@ class ProgressFiles:
 
     async def finish(
         self, expected: int, omitted: Omissions, aggregation: Mapping[str, str]
-    ) -> None:
-        """The hop's end: the last status and the coverage (``OSError`` if not written)."""
+    ) -> Callable[[], None]:
+        """The hop's end: the write (blocking, ``OSError`` if not written) of the last
+        status and the coverage, for the hop's own thread hop with its other files."""
         if self._writing is not None:
             await asyncio.gather(self._writing, return_exceptions=True)
         status = self._status(aggregation)
         covered = coverage.coverage(self._state, expected, omitted)
-        await self._write((self._paths.status, status), (self._paths.coverage, covered))
+        return self._writer((self._paths.status, status), (self._paths.coverage, covered))
 
     def _status(self, aggregation: Mapping[str, str]) -> dict[str, Any]:
         return coverage.status(self._state, self._run_id, self._expected_by_agent, aggregation)
 
     async def _write(self, *files: tuple[Path, dict[str, Any]]) -> None:
         """Each file in turn, in one thread hop."""
+        await asyncio.to_thread(self._writer(*files))
+
+    def _writer(self, *files: tuple[Path, dict[str, Any]]) -> Callable[[], None]:
         durable = self.durable
 
         def write() -> None:
             for path, body in files:
                 write_json_atomic(path, body, durable=durable)
 
-        await asyncio.to_thread(write)
+        return write

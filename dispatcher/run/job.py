@@ -476,8 +476,8 @@ class Job(JobFigures):
         summary = self.summary()
         try:
             aggregation = await self._write_aggregate_metrics()
-            await self.recorder.finish(aggregation)
-            await asyncio.to_thread(self._write_last_run, summary)
+            write_files = await self.recorder.finish(aggregation)
+            await asyncio.to_thread(self._write_end_files, write_files, summary)
         except OSError as exc:
             # The rows are whole (each was durable before it counted); only the
             # hop's record is missing, which the next hop writes again.

@@ -7,6 +7,7 @@ job's state and changes none of it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -162,7 +163,10 @@ class JobFigures:
             summary["failure_limit_exceeded"] = str(self.fatal)
         return summary
 
-    def _write_last_run(self, summary: dict[str, Any]) -> None:
+    def _write_end_files(self, write_files: Callable[[], None], summary: dict[str, Any]) -> None:
+        """The hop's status and coverage files (``write_files``), then its manifest's
+        ``last_run``, in one thread hop (blocking)."""
+        write_files()
         assert self.prepared is not None
         error = self.fatal or self.daemon.fatal
         exit_code = int(error.exit_code if error else self._final_exit_code())

@@ -89,10 +89,12 @@ class Recorder:
         if self.omitted is not None:
             await self.omitted.drain()
 
-    async def finish(self, aggregation: dict[str, str]) -> None:
-        """The hop's last status file and its coverage file (``OSError`` if not written)."""
+    async def finish(self, aggregation: dict[str, str]) -> Callable[[], None]:
+        """The write (blocking, ``OSError`` if not written) of the hop's last status
+        file and its coverage file."""
         if self.files is not None and self.omitted is not None:
-            await self.files.finish(self._expected, self.omitted.omissions(), aggregation)
+            return await self.files.finish(self._expected, self.omitted.omissions(), aggregation)
+        return lambda: None
 
     def record(
         self,
