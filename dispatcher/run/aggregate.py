@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -38,7 +39,7 @@ import orjson
 import structlog
 
 from dispatcher.files.atomic import write_atomic
-from dispatcher.run.aggregate_rows import AgentRows, RowSpools, small_bodies
+from dispatcher.run.aggregate_rows import ON_LOOP_BYTES, AgentRows, RowSpools, small_bodies
 from dispatcher.tasks.keys import ENVIRONMENT_SERVER
 
 log = structlog.get_logger("dispatcher.aggregate")
@@ -69,6 +70,25 @@ def _parsed(answer: bytes) -> JsonObject | None:
     except orjson.JSONDecodeError:
         return None
     return value if isinstance(value, dict) else None
+
+
+class WithoutRoute:
+    """The agents that answered 404 or 405 to ``/aggregate_metrics`` lately: a daemon's,
+    kept between its jobs, so that an agent without the route is not asked at the
+    end of every job (a request and a pass over its rows each time) but once every
+    ``ttl_s``. One entry per agent of the settings."""
+
+    def __init__(self, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._since: dict[str, float] = {}
+
+    def skips(self, agent: str) -> bool:
+        since = self._since.get(agent)
+        return since is not None and self._clock() - since < self._ttl_s
+
+    def note(self, agent: str) -> None:
+        self._since[agent] = self._clock()
 
 
 @dataclass
@@ -112,21 +132,31 @@ async def aggregate_metrics(
     connect_timeout_s: float = 2.0,
     session: aiohttp.ClientSession | None = None,
     durable: bool = True,
+    without: WithoutRoute | None = None,
 ) -> Aggregated:
-    """``write_aggregate_metrics``, and which agents answered."""
+    """``write_aggregate_metrics``, and which agents answered. The agents ``without``
+    remembers are not asked (no entry, as when asked), and those that answer 404 or
+    405 are remembered there."""
     entries: list[JsonObject] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+    without = without or WithoutRoute()
+    agents = {name: urls for name, urls in agents.items() if not without.skips(name)}
+    if not agents:
+        return Aggregated(None, set())
     single = {name for name, urls in agents.items() if len(urls) <= 1}
     async with contextlib.AsyncExitStack() as own:
         if session is None:
             session = await own.enter_async_context(aiohttp.ClientSession())
-        small = await asyncio.to_thread(small_bodies, output, agents, single)
+        small = small_bodies(output, agents, single, ON_LOOP_BYTES)
         if small is None:
-            await _ask_streamed(session, output, agents, single, timeout, entries)
+            small = await asyncio.to_thread(small_bodies, output, agents, single)
+        if small is None:
+            await _ask_streamed(session, output, agents, single, timeout, entries, without)
         else:
             for name, (found, body) in sorted(small.items()):
                 urls = _replicas_to_ask(agents[name], found.last_replica)
-                metrics = await _first_answer(name, urls, _posting(session, body, timeout))
+                post = _posting(session, body, timeout)
+                metrics = await _first_answer(name, urls, post, without)
                 if metrics is not None:
                     entries.append(_entry(name, metrics, found.environment_server))
     if not entries:
@@ -146,6 +176,7 @@ async def _ask_streamed(
     single: Container[str],
     deadlines: aiohttp.ClientTimeout,
     entries: list[JsonObject],
+    without: WithoutRoute,
 ) -> None:
     """The agents' entries of a big output: its rows spooled to files as the bodies
     being sent need them."""
@@ -161,7 +192,7 @@ async def _ask_streamed(
                     await asyncio.to_thread(rows.finish)
                 urls = _replicas_to_ask(agents[name], found.last_replica)
                 post = _streaming(session, found, rows, deadlines)
-                metrics = await _first_answer(name, urls, post)
+                metrics = await _first_answer(name, urls, post, without)
                 if metrics is not None:
                     # An answer before the whole body was read: its rows may still
                     # name the server.
@@ -193,10 +224,12 @@ def _streaming(
     return post
 
 
-async def _first_answer(name: str, urls: Sequence[str], post: Post) -> JsonObject | None:
+async def _first_answer(
+    name: str, urls: Sequence[str], post: Post, without: WithoutRoute
+) -> JsonObject | None:
     """The agent's metrics from the first replica that answers at all; an HTTP answer
-    that is not metrics (404 from an agent that does not aggregate) ends the search
-    (None)."""
+    that is not metrics (404 from an agent that does not aggregate, remembered in
+    ``without``) ends the search (None)."""
     for url in urls:
         try:
             status, answer = await post(url)
@@ -207,6 +240,8 @@ async def _first_answer(name: str, urls: Sequence[str], post: Post) -> JsonObjec
         if metrics is not None:
             return metrics
         # 404/405: an agent that does not aggregate (not a Gym agent); nothing is wrong.
+        if status in (404, 405):
+            without.note(name)
         level = log.info if status in (404, 405) else log.warning
         level("aggregate_metrics_unavailable", agent=name, http_status=status)
         return None

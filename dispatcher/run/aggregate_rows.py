@@ -51,6 +51,9 @@ CHUNK_BYTES = 1 << 20
 # each body sent whole (a job of a few rows had six hops, and a new connection
 # to each agent that answered 404 before its body was streamed).
 SMALL_OUTPUT_BYTES = 256 * 1024
+# One this small (a job of a few rows, just written: in the page cache) is passed
+# over on the loop, where a thread hop would cost more than the pass.
+ON_LOOP_BYTES = 32 * 1024
 # The pass over the output file goes on this many lines at a time.
 PASS_LINES = 1024
 
@@ -202,11 +205,14 @@ def spool_by_agent(
 
 
 def small_bodies(
-    output: Path, wanted: Container[str], single_replica: Container[str] = ()
+    output: Path,
+    wanted: Container[str],
+    single_replica: Container[str] = (),
+    limit: int = SMALL_OUTPUT_BYTES,
 ) -> dict[str, tuple[AgentRows, bytes]] | None:
-    """Each agent's rows and its whole body, for an output of at most
-    ``SMALL_OUTPUT_BYTES`` (else None), in one pass in memory (blocking)."""
-    if output.stat().st_size > SMALL_OUTPUT_BYTES:
+    """Each agent's rows and its whole body, for an output of at most ``limit`` bytes
+    (else None), in one pass in memory (blocking)."""
+    if output.stat().st_size > limit:
         return None
     with contextlib.ExitStack() as spools:
         rows = RowSpools(output, spools, single_replica, wanted, in_memory=True)

@@ -18,7 +18,7 @@ from dispatcher.admission.order import StartOrder
 from dispatcher.errors import DispatcherError, ExitCode
 from dispatcher.files.resume import OutputPaths
 from dispatcher.lifecycle import JobState
-from dispatcher.run.aggregate import aggregate_metrics, aggregate_metrics_path
+from dispatcher.run.aggregate import WithoutRoute, aggregate_metrics, aggregate_metrics_path
 from dispatcher.run.recorder import FailureLimitExceeded, Recorder
 from dispatcher.run.reporting import hop_summary, write_last_run
 from dispatcher.telemetry.progress import estimate_eta_s
@@ -36,10 +36,12 @@ class HopEnd:
     """How a job records the end of a hop. ``durable=False``: its ``end_files`` are
     written without fsync, and the job's owner makes them durable before it records
     the job final (a served job, ``Registry.save_final``). ``session``: the owner's
-    HTTP session for Gym's aggregate call, its connections kept between jobs."""
+    HTTP session for Gym's aggregate call, its connections kept between jobs;
+    ``without``: the agents without the route it remembers between jobs."""
 
     durable: bool = True
     session: aiohttp.ClientSession | None = None
+    without: WithoutRoute | None = None
 
 
 class JobFigures:
@@ -80,6 +82,7 @@ class JobFigures:
             self.settings.agents,
             session=self.end.session,
             durable=self.end.durable,
+            without=self.end.without,
         )
         return aggregated.states(self.settings.agents)
 

@@ -34,6 +34,7 @@ from dispatcher.admission.pause import MAX_TTL_S
 from dispatcher.errors import ExitCode
 from dispatcher.heap import HeapTrimmer
 from dispatcher.latency.quantile import quantile
+from dispatcher.run.aggregate import WithoutRoute
 from dispatcher.run.daemon import Daemon
 from dispatcher.run.job import Job
 from dispatcher.run.job_figures import HopEnd
@@ -125,7 +126,9 @@ class Service(Submissions):
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done, cancelled or
         satisfied). A fold a kill cut is undone first (archive.py)."""
-        self.hop_end = HopEnd(durable=False, session=aiohttp.ClientSession())
+        self.hop_end = HopEnd(
+            durable=False, session=aiohttp.ClientSession(), without=WithoutRoute()
+        )
         archive = await asyncio.to_thread(self._open_archive)
         self.compaction = Compaction(archive, self.limits.retain_settled_jobs, self.jobs,
                                      self.write)  # fmt: skip

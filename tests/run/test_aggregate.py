@@ -21,7 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.run.aggregate import write_aggregate_metrics
+from dispatcher.run.aggregate import WithoutRoute, aggregate_metrics, write_aggregate_metrics
 from dispatcher.run.aggregate_rows import PASS_LINES, RowSpools, spool_by_agent
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
@@ -363,3 +363,35 @@ async def test_a_small_output_is_sent_whole_and_names_its_server(
     [sent] = agent.aggregated
     assert sent == {"verify_responses": [{k: v for k, v in r.items() if k != "response"}
                                          for r in rows]}  # fmt: skip
+
+
+async def test_an_agent_without_the_route_is_asked_again_only_after_a_while(
+    tmp_path: Path,
+) -> None:
+    # A daemon serving a job per prompt group asked such an agent at every job's end:
+    # a request, and a pass over the job's rows, for nothing.
+    asked: list[str] = []
+
+    async def run(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    @web.middleware
+    async def seen(request: web.Request, handler: Any) -> web.StreamResponse:
+        asked.append(request.path)
+        return await handler(request)
+
+    app = web.Application(middlewares=[seen])
+    app.router.add_post("/run", run)
+    runner, url = await serve(app)
+    output = tmp_path / "x.jsonl"
+    output.write_bytes(orjson.dumps({"agent_ref": {"name": "sim"}}) + b"\n")
+    now = [0.0]
+    without = WithoutRoute(ttl_s=60.0, clock=lambda: now[0])
+    try:
+        for at in (0.0, 1.0, 59.0, 60.0, 61.0):
+            now[0] = at
+            aggregated = await aggregate_metrics(output, {"sim": [url]}, without=without)
+            assert aggregated.path is None and aggregated.states(["sim"]) == {"sim": "error"}
+    finally:
+        await runner.cleanup()
+    assert asked == ["/aggregate_metrics", "/aggregate_metrics"]  # at 0 and at 60
