@@ -35,9 +35,8 @@ import contextlib
 import os
 import shutil
 import sqlite3
-import tarfile
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from dispatcher.lifecycle import JobState
 from dispatcher.serve.final import FinalJob, saved_status, unknown_completion
 from dispatcher.serve.registry import BadRecord, JobRecord, Registry
 from dispatcher.serve.results import Source
+from dispatcher.serve.tarpack import write_tar
 
 log = structlog.get_logger("dispatcher.serve")
 
@@ -306,13 +306,13 @@ class Archive:
         """Step 1: the jobs' files in ``NNNNNN.tar``, durable; where each file is."""
         path = self.tar_path(number)
         part = path.with_name(path.name + PART)
-        where: list[dict[str, list[int]]] = []
-        with part.open("wb") as f:
-            with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for job in jobs:
-                    where.append(_add_folder(tar, self.registry.job_dir(job.job_id), job.job_id))
-            f.flush()
-            os.fsync(f.fileno())
+        out = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            folders = ((job.job_id, self.registry.job_dir(job.job_id)) for job in jobs)
+            where = write_tar(out, folders)
+            os.fsync(out)
+        finally:
+            os.close(out)
         part.rename(path)
         fsync_dir(self.root)
         return where
@@ -342,38 +342,6 @@ class Archive:
                 db.execute("ROLLBACK")
                 raise
             db.execute("COMMIT")
-
-
-def _add_folder(tar: tarfile.TarFile, folder: Path, job_id: str) -> dict[str, list[int]]:
-    """A job's files as ``<job_id>/<name>`` members; where each one's bytes are.
-
-    A member's header is made here, not by ``gettarinfo``: its ``TarInfo`` points back
-    at the tar (a reference cycle, with every member the tar lists), which the
-    daemon's rare old-generation collection (``aio.tune_gc``) left alive, ~7 KB of
-    every archived job."""
-    where: dict[str, list[int]] = {}
-    for name in _files(folder):
-        path = folder / name
-        with path.open("rb") as f:
-            found = os.fstat(f.fileno())
-            info = tarfile.TarInfo(f"{job_id}/{name}")
-            info.size, info.mtime, info.mode = found.st_size, int(found.st_mtime), 0o644
-            tar.addfile(info, f)
-        # A writing tar's list of its members (getmembers returns it): emptied, a
-        # fold's ~11 headers a job are not all held until its end.
-        tar.getmembers().clear()
-        # The member's data ends where the tar is now, padded to a block.
-        blocks = -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-        where[name] = [tar.offset - blocks, info.size]
-    return where
-
-
-def _files(folder: Path) -> Iterator[str]:
-    """The files of a job's folder, their names relative to it, sorted."""
-    for root, dirs, names in os.walk(folder):
-        dirs.sort()
-        for name in sorted(names):
-            yield str((Path(root) / name).relative_to(folder))
 
 
 def _remove(folder: Path) -> None:
