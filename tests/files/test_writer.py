@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from pathlib import Path
 
-from dispatcher.files.writer import RowWriter
+import pytest
+
+from dispatcher.files import writer as writer_module
+from dispatcher.files.atomic import write_fully
+from dispatcher.files.writer import LineIndex, RowWriter
 
 
 async def test_a_batch_is_written_at_once_when_no_row_is_coming(tmp_path: Path) -> None:
@@ -107,5 +112,51 @@ async def test_a_hurried_writer_writes_what_it_holds_and_each_row_after_at_once(
             await asyncio.sleep(0)
         assert not third.done()
         third.cancel()
+    finally:
+        await writer.close()
+
+
+async def test_without_fsync_a_small_batch_is_written_on_the_loop_and_a_big_one_in_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread hop costs a row milliseconds on a busy machine, on its way to a caller
+    waiting for it; a small write into the page cache, microseconds."""
+    path = tmp_path / "rows.jsonl"
+    threads: list[int] = []
+
+    def recorded(fd: int, data: bytes) -> None:
+        threads.append(threading.get_ident())
+        write_fully(fd, data)
+
+    monkeypatch.setattr(writer_module, "write_fully", recorded)
+    writer = RowWriter(path, "never", index=LineIndex())
+    writer.open()
+    try:
+        assert await asyncio.wait_for(writer.append_line(b'{"n": 1}\n'), 30) == 1
+        big = b'{"n": "%s"}\n' % (b"x" * writer_module.ON_LOOP_BYTES)
+        assert await asyncio.wait_for(writer.append_line(big), 30) == 2
+        assert path.read_bytes() == b'{"n": 1}\n' + big
+        loop_thread = threading.get_ident()
+        assert threads[0] == loop_thread and threads[1] != loop_thread
+    finally:
+        await writer.close()
+
+
+async def test_a_fsynced_batch_is_written_in_a_thread_however_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rows.jsonl"
+    threads: list[int] = []
+
+    def recorded(fd: int, data: bytes) -> None:
+        threads.append(threading.get_ident())
+        write_fully(fd, data)
+
+    monkeypatch.setattr(writer_module, "write_fully", recorded)
+    writer = RowWriter(path, "always")
+    writer.open()
+    try:
+        await asyncio.wait_for(writer.append_line(b'{"n": 1}\n'), 30)
+        assert threads and threads[0] != threading.get_ident()
     finally:
         await writer.close()
