@@ -15,6 +15,7 @@ from typing import Any, Self, TypeVar
 import aiohttp
 
 from dispatcher import jsonx
+from dispatcher.client.admits import AdmitChannel
 from dispatcher.client.wire import (
     Admission,
     ClientError,
@@ -257,6 +258,24 @@ class AsyncClient:
         answer = await self._call("POST", job_path(job_id, "/admit"), {"admit": count})
         admitted = answer.get("admit") if isinstance(answer, dict) else None
         return admitted if isinstance(admitted, int) else None
+
+    async def admit_channel(self, job_id: str) -> AdmitChannel:
+        """The job's admit channel, open: ``admit`` as a message on one connection,
+        for a caller that raises it as it takes each result (``client/admits.py``).
+        ``ClientError`` when it cannot open (its ``status`` the daemon's: 404 an
+        unknown job; a daemon without channels answers 405), tried once."""
+        url = self.base_url + job_path(job_id, "/admit")
+        try:
+            socket = await self._http.ws_connect(
+                url, timeout=aiohttp.ClientWSTimeout(ws_close=self.timeout_s)
+            )
+        except aiohttp.WSServerHandshakeError as exc:
+            self.reached = True
+            raise ClientError(exc.status, f"admit channel of {job_id}: {exc.message}") from None
+        except _TRANSIENT_ERRORS as exc:
+            raise ClientError(None, f"admit channel of {job_id}: {_describe(exc)}") from None
+        self.reached = True
+        return AdmitChannel(job_id, socket)
 
     async def wait(self, job_id: str, *, poll_s: float = 1.0) -> JobStatus:
         """The job's status once it is final (polls ``status``)."""

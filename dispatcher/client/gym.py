@@ -37,7 +37,8 @@ Gym's keyword arguments:
   counts them: started and not yet taken by the trainer (a result waiting
   to be taken holds its slot). All are one job, its rows on one stream,
   whose ``admit`` (contracts §12) is the window, raised by one as the trainer
-  takes each result. ``ValueError`` below 1, as Gym.
+  takes each result (a message on the job's admit channel, no answer
+  awaited; a request on a daemon without one). ``ValueError`` below 1, as Gym.
 - ``dispatch_budget_s``, ``drain_margin_s``: an example not admitted when
   less than the margin is left of the budget (counted from this call) never
   runs and resolves to Gym's drained result (``_ng_failure_class``

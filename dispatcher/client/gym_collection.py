@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from dispatcher.client.admits import AdmitChannel
 from dispatcher.client.aio import AsyncClient
 from dispatcher.client.gym_plan import (
     Admits,
@@ -143,6 +144,7 @@ class Collection:
             sender = tasks.create_task(self._send_admits()) if self._admits else None
             async for job_id, plan in self._hand_over(range(total)):
                 self._current = (job_id, plan)
+                self._admitted_more.set()  # the sender opens the job's admit channel now
                 await self._follow(job_id, plan)
                 if self._admits is not None and self._admits.drained:
                     await cancel_jobs(self._api, [job_id])  # its rows never admitted
@@ -165,22 +167,22 @@ class Collection:
         self._admitted_more.set()
 
     async def _send_admits(self) -> None:
-        """Tell the daemon what its job may start (one request at a time, the latest
-        total); once drained, cancel the job when nothing admitted is left open."""
-        sent: dict[str, int] = {}
-        while True:
-            await self._admitted_more.wait()
-            self._admitted_more.clear()
-            if self._current is None or self._admits is None:
-                continue
-            job_id, plan = self._current
-            if self._admits.drained and self._all_resolved(plan):
-                await cancel_jobs(self._api, [job_id])  # ends its stream: nothing runs
-                return
-            count = self._admits.of(plan.positions)
-            if count > sent.get(job_id, 0):
-                await self._api.admit(job_id, count)
-                sent[job_id] = count
+        """Tell the daemon what its job may start (the latest total, on the job's admit
+        channel); once drained, cancel the job when nothing admitted is left open."""
+        admits = _Admitter(self._api)
+        try:
+            while True:
+                await self._admitted_more.wait()
+                self._admitted_more.clear()
+                if self._current is None or self._admits is None:
+                    continue
+                job_id, plan = self._current
+                if self._admits.drained and self._all_resolved(plan):
+                    await cancel_jobs(self._api, [job_id])  # ends its stream: nothing runs
+                    return
+                await admits.send(job_id, self._admits.of(plan.positions))
+        finally:
+            await admits.aclose()
 
     def _drain_message(self) -> str | None:
         if self._deadline is None:
@@ -323,3 +325,47 @@ class Collection:
     def _resolve_rest(self, error: BaseException) -> None:
         for position in range(len(self._examples)):
             self._resolve(position, error)
+
+
+class _Admitter:
+    """The admissions sent for a collection's job, as they rise: on the job's admit
+    channel (a message each, no answer awaited), else, when the channel cannot open
+    or was lost, by ``POST /v1/jobs/<id>/admit``."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._job: str | None = None
+        self._channel: AdmitChannel | None = None
+        self._sent = 0
+
+    async def send(self, job_id: str, count: int) -> None:
+        """The job may start ``count`` in all; a new job's channel opens at its first send."""
+        if job_id != self._job:
+            await self.aclose()
+            self._job, self._sent = job_id, 0
+            self._channel = await self._open(job_id)
+        if count <= self._sent:
+            return
+        if self._channel is not None:
+            try:
+                await self._channel.send(count)
+                self._sent = count
+                return
+            except ClientError as exc:
+                log.info("gym_admit_channel_lost", job_id=job_id, error=str(exc))
+                await self.aclose()
+        await self._client.admit(job_id, count)
+        self._sent = count
+
+    async def _open(self, job_id: str) -> AdmitChannel | None:
+        try:
+            return await self._client.admit_channel(job_id)
+        except ClientError as exc:
+            # A daemon without channels (405), or one restarting: requests then.
+            log.info("gym_admit_channel_unavailable", job_id=job_id, error=str(exc))
+            return None
+
+    async def aclose(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.aclose()

@@ -7,6 +7,8 @@
     GET    /v1/jobs/<id>/results         NDJSON rows (?after=SEQ&group=true&wait=true
                                          &filtered=true; &failures=true&failures_after=N:
                                          final failure lines too)
+    POST   /v1/jobs/<id>/admit           {"admit": N}: a job with admit may start N in all
+    GET    /v1/jobs/<id>/admit           the same as a WebSocket, a message each (admits.py)
     POST   /v1/policy                    {"version": V}: the trainer's policy version
     GET    /v1/policy                    the current version
     POST   /v1/admission                 {"paused": true, "ttl_s"?, "reason"?} or {"paused": false}
@@ -20,8 +22,8 @@ reason while the state directory cannot be written.
 Bounded whatever clients send (``settings/serve.py``): a request body is
 counted under ``--max-body-bytes-in-flight`` as it arrives and read whole
 within ``--body-timeout-s`` before its handler runs (``bodies.py``); a
-results stream takes one of ``--max-streams`` slots (503 with
-``Retry-After`` when none is free) and is sent under backpressure, cut when
+results stream or an admit channel takes one of ``--max-streams`` slots (503
+with ``Retry-After`` when none is free) and is sent under backpressure, cut when
 its client takes nothing (``sending.py``).
 """
 
@@ -36,6 +38,7 @@ import structlog
 from aiohttp import web
 
 from dispatcher.lifecycle import JobState
+from dispatcher.serve.admits import admit_channel, upgrade_problem
 from dispatcher.serve.bodies import BadBody, BodyTooBig, NoRoom, read_body
 from dispatcher.serve.faults import is_disk_fault, log_crash, one_line
 from dispatcher.serve.jobs import BadJob, Conflict, Service
@@ -82,6 +85,7 @@ def routes(service: Service) -> Routes:
         app.router.add_delete("/v1/jobs/{job_id}", handlers.cancel)
         app.router.add_get("/v1/jobs/{job_id}/results", handlers.results)
         app.router.add_post("/v1/jobs/{job_id}/admit", handlers.admit)
+        app.router.add_get("/v1/jobs/{job_id}/admit", handlers.admit_channel)
         app.router.add_post("/v1/policy", handlers.set_policy)
         app.router.add_get("/v1/policy", handlers.get_policy)
         app.router.add_post("/v1/admission", handlers.set_admission)
@@ -235,6 +239,23 @@ class _Handlers:
             return _unknown(request)
         admitted = job.window.admit(change.admit) if isinstance(job, ServedJob) else None
         return json_response({"job_id": job.job_id, "admit": admitted})
+
+    async def admit_channel(self, request: web.Request) -> web.StreamResponse:
+        """A job's admit channel (``admits.py``): a WebSocket, a stream's slot held."""
+        problem = upgrade_problem(request)
+        if problem is not None:
+            return error(400, problem)
+        job = await self.service.find(request.match_info["job_id"])
+        if job is None:
+            return _unknown(request)
+        slots = self.service.streams
+        if not slots.take():
+            message = f"--max-streams: {slots.limit} streams are open; retry"
+            return error(503, message, {"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            return await admit_channel(request, job, self.service.limits.stream_idle_timeout_s)
+        finally:
+            slots.give_back()
 
     async def results(self, request: web.Request) -> web.StreamResponse:
         job = await self.service.find(request.match_info["job_id"])

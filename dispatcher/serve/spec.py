@@ -258,8 +258,10 @@ class AdmitChange(BaseModel):
     admit: int = Field(ge=0, le=2**63 - 1)
 
     @classmethod
-    def parse(cls, body: bytes) -> AdmitChange:
-        return _parse_body(cls, body, "POST /v1/jobs/<id>/admit")
+    def parse(cls, body: bytes, of: str = "POST /v1/jobs/<id>/admit") -> AdmitChange:
+        """A body (or an admit channel's message, ``of``), as a change; ``BadBody`` naming
+        the field when it is not one."""
+        return _parse_body(cls, body, of)
 
 
 # A policy version is a step counter: 64 bits, as the files and the metric hold it.
