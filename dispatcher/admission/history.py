@@ -7,7 +7,7 @@ history is a moving average per task (``ALPHA`` of each new latency), at most
 ``max_tasks`` of them: the task updated longest ago goes first (``max_tasks // 16``
 more with it, so forgetting is a rare batch, not a step of every new task).
 
-In memory a task costs ~40 bytes (``_Tasks``: parallel arrays sorted by digest):
+In memory a task costs ~40 bytes (``_Tasks``: parallel arrays and a table of places):
 a daemon that serves a job per prompt group sees a new task with nearly every
 job, and an ordered map of digest strings to floats took ~200 bytes a task,
 20 MB of resident memory at the default bound.
@@ -31,7 +31,6 @@ import math
 import operator
 import threading
 from array import array
-from bisect import bisect_left
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,9 +142,7 @@ class TaskHistory:
         with self._tasks_lock:
             average = tasks.move_at(hint, key, latency_s)
             if average is None:
-                old = tasks.get(key)
-                average = latency_s if old is None else _moved(old, latency_s)
-                tasks.set(key, average)
+                average = tasks.move(key, latency_s)
                 if len(tasks) > self.max_tasks:
                     tasks.forget_oldest(len(tasks) - self.max_tasks + self.max_tasks // 16)
         if self.path is not None:
@@ -216,64 +213,64 @@ class TaskHistory:
 
 
 class _Tasks:
-    """Tasks' averages in parallel arrays sorted by digest (its high and low 64 bits),
-    with the tick of each one's last update: ~40 bytes a task. A lookup is a binary
-    search. New tasks wait in a dict and join the arrays ``_MERGE_AT`` at a time: a
-    task added alone would move the arrays' tails, a memmove per new task."""
+    """Tasks' averages in parallel arrays, a place a task in the order the tasks came,
+    with the tick of each one's last update: 32 bytes a task. A table of places,
+    open addressing on the digest's bits (``_index``: a place + 1 a slot, 0 empty,
+    at most 3/4 full: 5 to 11 bytes a task), finds a task in a probe or two; a new
+    task is an append. Places change only when tasks are forgotten (the arrays
+    compressed, the table made anew)."""
 
     def __init__(self) -> None:
         self.hi = array("Q")
         self.lo = array("Q")
         self.average = array("d")
         self.tick = array("Q")
-        # Not in the arrays yet: digest -> (average, tick).
-        self._new: dict[int, tuple[float, int]] = {}
+        self._index = _places(_MIN_SLOTS)
         self._clock = 0
 
     @classmethod
     def of(cls, keys: list[int], averages: list[float]) -> _Tasks:
         """The tasks of ``keys`` (each once) and their ``averages``, the one updated
         longest ago first."""
-        # Each task's place in age order is its tick: sorting the places by key sorts all.
-        ordered = sorted(range(len(keys)), key=keys.__getitem__)
-        by_key = list(map(keys.__getitem__, ordered))
         tasks = cls()
-        tasks.hi = array("Q", map(operator.rshift, by_key, itertools.repeat(64)))
-        tasks.lo = array("Q", map(operator.and_, by_key, itertools.repeat(_LOW)))
-        tasks.average = array("d", list(map(averages.__getitem__, ordered)))  # a list is faster
-        tasks.tick = array("Q", ordered)
+        tasks.hi = array("Q", map(operator.rshift, keys, itertools.repeat(64)))
+        tasks.lo = array("Q", map(operator.and_, keys, itertools.repeat(_LOW)))
+        tasks.average = array("d", averages)
+        tasks.tick = array("Q", range(len(keys)))
         tasks._clock = len(keys)
+        tasks._reindex(_MIN_SLOTS)
         return tasks
 
     def __len__(self) -> int:
-        return len(self.hi) + len(self._new)
+        return len(self.lo)
 
     def copy(self) -> _Tasks:
-        self._merge()
         tasks = _Tasks()
         tasks.hi, tasks.lo = array("Q", self.hi), array("Q", self.lo)
         tasks.average, tasks.tick = array("d", self.average), array("Q", self.tick)
+        tasks._index = array(self._index.typecode, self._index)
         tasks._clock = self._clock
         return tasks
 
-    def _find(self, key: int) -> tuple[int, bool]:
-        """Where ``key`` is in the arrays (True), or where it would go (False)."""
+    def _slot(self, key: int) -> tuple[int, int]:
+        """``key``'s slot in the table and its place; -1: not there (the slot is free)."""
         hi, lo = key >> 64, key & _LOW
-        at = bisect_left(self.hi, hi)
-        while at < len(self.hi) and self.hi[at] == hi and self.lo[at] < lo:
-            at += 1
-        return at, at < len(self.hi) and self.hi[at] == hi and self.lo[at] == lo
+        index, column = self._index, self.lo
+        mask = len(index) - 1
+        slot = (hi ^ lo) & mask
+        while place := index[slot]:
+            if column[place - 1] == lo and self.hi[place - 1] == hi:
+                return slot, place - 1
+            slot = (slot + 1) & mask
+        return slot, -1
 
     def get(self, key: int) -> float | None:
         return self.find(key)[0]
 
     def find(self, key: int) -> tuple[float | None, int]:
-        """The task's average, and where it is in the arrays (-1: not there)."""
-        new = self._new.get(key)
-        if new is not None:
-            return new[0], -1
-        at, found = self._find(key)
-        return (self.average[at], at) if found else (None, -1)
+        """The task's average, and its place in the arrays (-1: not there)."""
+        at = self._slot(key)[1]
+        return (self.average[at], at) if at >= 0 else (None, -1)
 
     def move_at(self, at: int, key: int, latency_s: float) -> float | None:
         """Move the average of the task at ``at`` in the arrays by ``latency_s``, if
@@ -285,44 +282,42 @@ class _Tasks:
         self._clock += 1
         return average
 
-    def set(self, key: int, average: float) -> None:
-        at, found = (0, False) if key in self._new else self._find(key)
-        if found:
-            self.average[at] = average
+    def move(self, key: int, latency_s: float) -> float:
+        """Move the task's average by ``latency_s`` (a task not there joins with it);
+        its new average."""
+        slot, at = self._slot(key)
+        if at >= 0:
+            self.average[at] = average = _moved(self.average[at], latency_s)
             self.tick[at] = self._clock
         else:
-            self._new[key] = (average, self._clock)
-            if len(self._new) >= _MERGE_AT:
-                self._merge()
+            self._index[slot] = len(self.lo) + 1
+            self.hi.append(key >> 64)
+            self.lo.append(key & _LOW)
+            self.average.append(average := latency_s)
+            self.tick.append(self._clock)
+            if 4 * len(self.lo) > 3 * len(self._index):
+                self._reindex(2 * len(self._index))
         self._clock += 1
+        return average
 
-    def _merge(self) -> None:
-        """The new tasks into the arrays: each one's place found by a binary search,
-        the arrays rebuilt from slices between those places (copies, in C)."""
-        if not self._new:
-            return
-        columns: tuple[array[Any], ...] = (self.hi, self.lo, self.average, self.tick)
-        merged: tuple[array[Any], ...] = (array("Q"), array("Q"), array("d"), array("Q"))
-        start = 0
-        for key, (average, tick) in sorted(self._new.items()):
-            at, _ = self._find(key)
-            for column, out in zip(columns, merged, strict=True):
-                out.extend(column[start:at])
-            merged[0].append(key >> 64)
-            merged[1].append(key & _LOW)
-            merged[2].append(average)
-            merged[3].append(tick)
-            start = at
-        for column, out in zip(columns, merged, strict=True):
-            out.extend(column[start:])
-        self.hi, self.lo, self.average, self.tick = merged
-        self._new.clear()
+    def _reindex(self, size: int) -> None:
+        """The table of places made anew, ``size`` slots (a power of two) or as many
+        more as keep it at most 3/4 full."""
+        while 4 * len(self.lo) > 3 * size:
+            size *= 2
+        index = _places(size)
+        mask = size - 1
+        slots = map(operator.and_, map(operator.xor, self.hi, self.lo), itertools.repeat(mask))
+        for place, slot in enumerate(slots, 1):
+            while index[slot]:
+                slot = (slot + 1) & mask
+            index[slot] = place
+        self._index = index
 
     def forget_oldest(self, count: int) -> None:
         """The ``count`` tasks updated longest ago go."""
         if count <= 0:
             return
-        self._merge()
         # The count-th oldest tick, holding count numbers, not every task's.
         cutoff = heapq.nsmallest(count, self.tick)[-1]
         keep = bytes(map(cutoff.__lt__, self.tick))
@@ -330,6 +325,7 @@ class _Tasks:
         self.lo = array("Q", itertools.compress(self.lo, keep))
         self.average = array("d", itertools.compress(self.average, keep))
         self.tick = array("Q", itertools.compress(self.tick, keep))
+        self._reindex(len(self._index))
 
     def oldest_first(self) -> Iterator[tuple[int, float]]:
         """Every ``(digest, average)``, the one updated longest ago first.
@@ -338,13 +334,22 @@ class _Tasks:
         slice's tasks are objects at once, not every task's, so a compaction
         leaves the heap as it found it.
         """
-        self._merge()
         hi, lo, average, tick = self.hi, self.lo, self.average, self.tick
         for low, high in _age_slices(tick):
             places = [at for at, t in enumerate(tick) if low <= t < high]
             places.sort(key=tick.__getitem__)
             for at in places:
                 yield hi[at] << 64 | lo[at], average[at]
+
+
+# The table of places starts this small (a power of two).
+_MIN_SLOTS = 64
+
+
+def _places(size: int) -> array[int]:
+    """An empty table of ``size`` places (4 bytes a slot while places fit)."""
+    typecode = "I" if size < 1 << 32 else "Q"
+    return array(typecode, bytes(array(typecode).itemsize * size))
 
 
 # Tasks a slice of ``oldest_first`` holds, about; and at most this many slices
@@ -364,9 +369,6 @@ def _age_slices(tick: array[int]) -> list[tuple[int, int]]:
     edges = [0, *cuts, max(tick) + 1]
     return list(itertools.pairwise(edges))
 
-
-# New tasks wait in a dict until there are this many (~180 KB of it at most).
-_MERGE_AT = 1024
 
 _LOW = (1 << 64) - 1
 

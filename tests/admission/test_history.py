@@ -121,24 +121,25 @@ def test_a_materialized_line_and_its_row_name_one_task() -> None:
 
 
 def test_an_update_at_a_place_since_moved_finds_its_task_again() -> None:
-    history = TaskHistory(None)
-    keys = [task_key(task_digest({"input": n})) for n in range(4000)]
+    history = TaskHistory(None, max_tasks=2000)
+    keys = [task_key(task_digest({"input": n})) for n in range(2001)]
     for key in keys[:2000]:
         history.observe(key, 1.0)
-    estimate, at = history.find(keys[700])
+    estimate, at = history.find(keys[1500])
     assert estimate == 1.0 and at >= 0
-    # More tasks join the arrays: every place after the first new digest moves.
-    for key in keys[2000:]:
-        history.observe(key, 2.0)
-    assert history.find(keys[700])[1] != at
-    history.observe(keys[700], 3.0, at)
-    assert history.estimate(keys[700]) == 1.0 + ALPHA * (3.0 - 1.0)
-    assert [history.estimate(k) for k in keys[:700] + keys[701:2000]] == [1.0] * 1999
-    assert [history.estimate(k) for k in keys[2000:]] == [2.0] * 2000
+    # Over the bound: the oldest tasks are forgotten, and the places after them move.
+    history.observe(keys[2000], 2.0)
+    assert history.find(keys[1500])[1] != at
+    assert history.find(keys[0]) == (None, -1)
+    history.observe(keys[1500], 3.0, at)
+    assert history.estimate(keys[1500]) == 1.0 + ALPHA * (3.0 - 1.0)
+    kept = keys[2000 - len(history) + 1 : 2000]
+    assert [history.estimate(k) for k in kept if k != keys[1500]] == [1.0] * (len(kept) - 1)
+    assert history.estimate(keys[2000]) == 2.0
     # At its place still: updated there.
-    estimate, at = history.find(keys[1])
-    history.observe(keys[1], 2.0, at)
-    assert history.find(keys[1]) == (1.0 + ALPHA * (2.0 - 1.0), at)
+    estimate, at = history.find(keys[1700])
+    history.observe(keys[1700], 2.0, at)
+    assert history.find(keys[1700]) == (1.0 + ALPHA * (2.0 - 1.0), at)
 
 
 def test_a_compaction_holds_a_slice_of_the_tasks_as_objects_not_all_of_them(
@@ -181,3 +182,14 @@ def test_a_compaction_writes_the_tasks_oldest_update_first_across_its_slices(
     history._compact()
     written = [orjson.loads(line)["t"] for line in (tmp_path / "h.jsonl").read_bytes().splitlines()]
     assert written == order[100:] + order[:100]
+
+
+def test_tasks_whose_digests_share_half_their_bits_are_told_apart() -> None:
+    history = TaskHistory(None, max_tasks=10_000)
+    same_high = [(12345 << 64) | n for n in range(3000)]
+    same_low = [(n << 64) | 6789 for n in range(1, 3001)]
+    for n, key in enumerate(same_high + same_low):
+        history.observe(key, float(n))
+    assert [history.estimate(k) for k in same_high + same_low] == list(map(float, range(6000)))
+    assert history.estimate((12345 << 64) | 3000) is None
+    assert history.estimate((3001 << 64) | 6789) is None
