@@ -54,9 +54,11 @@ RESPONSES_CREATE_PARAMS = "responses_create_params"
 DEFAULT_REPEATS_KEY = "_default"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Rollout:
-    """One attempt to run: what is POSTed to the agent and how it is named.
+    """One attempt to run: what is POSTed to the agent and how it is named. Never
+    changed once made; not ``frozen``, whose ``__init__`` sets each field through
+    ``object.__setattr__`` (a rollout of every line started).
 
     ``capture_id`` scopes model-call capture to this attempt of this hop. The
     rollout id (§2) is the same on every hop, so an agent request of a killed
@@ -89,15 +91,16 @@ class Rollout:
         capture_token: str | None = None,
         line: bytes | None = None,
     ) -> Rollout:
-        """The rollout of a materialized row (``line``: the bytes it was decoded from)."""
-        body = dict(row)
-        if attempt_index > 0:
-            body[ATTEMPT_INDEX] = attempt_index
+        """The rollout of a materialized row (``line``: the bytes it was decoded from).
+        An unchanged row is the body itself, not a copy."""
         rollout_id = rollout_id_for(row, attempt_index)
         capture_id = None if capture_token is None else f"{rollout_id}.{capture_token}"
+        unchanged = attempt_index == 0 and capture_id is None
+        body = row if unchanged else dict(row)
+        if attempt_index > 0:
+            body[ATTEMPT_INDEX] = attempt_index
         if capture_id is not None:
             body[CAPTURE_ID] = capture_id
-        unchanged = line is not None and attempt_index == 0 and capture_id is None
         return cls(
             task_index=row[TASK_INDEX],
             rollout_index=row[ROLLOUT_INDEX],
