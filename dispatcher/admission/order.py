@@ -86,11 +86,13 @@ def _rank(estimate_s: float | None, probed: bool) -> int | None:
 
 @dataclass(slots=True)
 class Waiting:
-    """One waiting rollout: where its line is and which task it runs (``digest``: the
-    task's digest, or its number, ``history.task_key``)."""
+    """One waiting rollout: where its line is (``offset`` to ``end``, its newline
+    included) and which task it runs (``digest``: the task's digest, or its number,
+    ``history.task_key``)."""
 
     position: int
     offset: int
+    end: int
     key: int
     task_index: int
     digest: str | int

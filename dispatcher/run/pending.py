@@ -16,8 +16,9 @@ their rows.
 With a ``StartOrder`` (``admission/order.py``, contracts §13, start order) every other
 rollout starts in its order instead, longest expected first: the file is read
 ahead only as far as its window, a batch of lines once the window has room for
-it, each line held as its offset and its task's digest (as a number); a row is sliced from the
-file mapped into memory when it starts (no read call, no thread hop a row).
+it, each line held as where it starts and ends and its task's digest (as a
+number); a row is sliced from the file mapped into memory when it starts (no
+read call, no thread hop, no search for its end a row).
 The lines read ahead are reserved as one span a read (§5).
 """
 
@@ -230,7 +231,10 @@ class _Feed:
         # Lines read at a time once the window has room for them: one thread hop and
         # one reservation a batch, not a few lines each time the window moves on.
         self._batch = max(1, min(READ_BATCH_ROWS * 8, window // 2))
-        self._state = state
+        # A line becomes final only after its rollout starts, so only once it is
+        # read: with nothing final when the run starts, no line read is final.
+        final = state.successes or state.terminal or state.failed_attempts
+        self._is_final = state.is_final if final else None
         self._skip = skip
         self.position = 0  # the next line's input position
         self._offset = 0
@@ -248,7 +252,7 @@ class _Feed:
         found: list[Waiting] = []
         first = offset = self._offset
         position, end = self.position, min(until, self.position + READ_BATCH_ROWS * 8)
-        readline, is_final, skip = self._f.readline, self._state.is_final, self._skip
+        readline, is_final, skip = self._f.readline, self._is_final, self._skip
         # A task's repeats are consecutive lines: its row is parsed once.
         last_task, digest = self._last
         while position < end:
@@ -259,12 +263,12 @@ class _Feed:
             at, offset = offset, offset + len(line)
             position += 1
             key = materialized_key(line)
-            if is_final(key) or at in skip:
+            if (is_final is not None and is_final(key)) or at in skip:
                 continue
             task = task_of(key)
             if task != last_task:
                 last_task, digest = task, line_key(line)
-            found.append(Waiting(position - 1, at, key, task, digest))
+            found.append(Waiting(position - 1, at, offset, key, task, digest))
         self.position, self._offset, self._last = position, offset, (last_task, digest)
         if found:
             spans.append((first, offset))
@@ -294,8 +298,7 @@ class _Lines:
     def line(self, waiting: Waiting) -> bytes:
         """The line ``waiting`` names."""
         assert self._map is not None, "a waiting rollout's line is in the file"
-        end = self._map.find(b"\n", waiting.offset)
-        return self._map[waiting.offset : len(self._map) if end < 0 else end + 1]
+        return self._map[waiting.offset : waiting.end]
 
 
 def _feed_read(

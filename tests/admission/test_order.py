@@ -9,7 +9,8 @@ from dispatcher.admission.order import StartOrder, Waiting
 
 
 def waiting(position: int, task: int, repeat: int = 0) -> Waiting:
-    return Waiting(position, position * 100, (task << 8) | repeat, task, f"d{task}")
+    offset = position * 100
+    return Waiting(position, offset, offset + 100, (task << 8) | repeat, task, f"d{task}")
 
 
 def taken(order: StartOrder, count: int) -> list[int]:
@@ -121,7 +122,7 @@ def test_the_order_follows_its_rule_whatever_happens_between_takes() -> None:
         # A few repeats in a row, now and then a task seen before.
         task = position // 3 if rng.random() < 0.8 else rng.randrange(60)
         rule.add(position, task)
-        order.add(Waiting(position, position, position, task, f"d{task}"))
+        order.add(Waiting(position, position, position + 1, position, task, f"d{task}"))
         for _ in range(rng.randrange(3)):
             if rule.waits and rng.random() < 0.6:
                 pick = order.take()
