@@ -105,7 +105,7 @@ class TaskHistory:
     def __init__(self, path: Path | None, max_tasks: int = DEFAULT_MAX_TASKS) -> None:
         self.path = path
         self.max_tasks = max_tasks
-        self._tasks = _Tasks()
+        self._tasks = _Tasks(min(max_tasks, _PRESIZED))
         self._unwritten: list[tuple[int, float]] = []
         self._lines_on_disk = 0
         # Jobs of one service share the history; their flushes take turns.
@@ -220,12 +220,13 @@ class _Tasks:
     task is an append. Places change only when tasks are forgotten (the arrays
     compressed, the table made anew)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tasks: int = 0) -> None:
+        """No task yet; the table of places made for ``tasks`` of them."""
         self.hi = array("Q")
         self.lo = array("Q")
         self.average = array("d")
         self.tick = array("Q")
-        self._index = _places(_MIN_SLOTS)
+        self._index = _places(_slots_for(tasks))
         self._clock = 0
 
     @classmethod
@@ -303,8 +304,7 @@ class _Tasks:
     def _reindex(self, size: int) -> None:
         """The table of places made anew, ``size`` slots (a power of two) or as many
         more as keep it at most 3/4 full."""
-        while 4 * len(self.lo) > 3 * size:
-            size *= 2
+        size = max(size, _slots_for(len(self.lo)))
         index = _places(size)
         mask = size - 1
         slots = map(operator.and_, map(operator.xor, self.hi, self.lo), itertools.repeat(mask))
@@ -342,8 +342,19 @@ class _Tasks:
                 yield hi[at] << 64 | lo[at], average[at]
 
 
-# The table of places starts this small (a power of two).
+# The table of places starts this small (a power of two), or made for as many
+# tasks as the history may keep, up to ``_PRESIZED`` (512 KB): not grown step by
+# step as the tasks of a first run come.
 _MIN_SLOTS = 64
+_PRESIZED = 1 << 16
+
+
+def _slots_for(tasks: int) -> int:
+    """The least table (a power of two) that holds ``tasks`` places at most 3/4 full."""
+    size = _MIN_SLOTS
+    while 4 * tasks > 3 * size:
+        size *= 2
+    return size
 
 
 def _places(size: int) -> array[int]:
@@ -379,8 +390,9 @@ def _moved(average: float, latency_s: float) -> float:
 
 
 def _line(update: tuple[int, float]) -> bytes:
-    key, average = update
-    return orjson.dumps({"t": f"{key:032x}", "s": average}) + b"\n"
+    """An update's line: ``{"t":"<32 hex digits>","s":<repr of the average>}``.
+    A finite float's repr is a JSON number that reads back as the same float."""
+    return b'{"t":"%032x","s":%r}\n' % update
 
 
 class _Update(msgspec.Struct):
