@@ -105,25 +105,6 @@ class Aggregated:
         return {agent: "complete" if agent in self.answered else "error" for agent in agents}
 
 
-async def write_aggregate_metrics(
-    output: Path,
-    agents: Mapping[str, Sequence[str]],
-    *,
-    timeout_s: float = 30.0,
-    connect_timeout_s: float = 2.0,
-    session: aiohttp.ClientSession | None = None,
-    durable: bool = True,
-) -> Path | None:
-    """Ask each agent for its metrics and write the file; None when no agent answered.
-    ``session``: the caller's (its connections kept between calls), else one of its
-    own; ``durable=False``: the file is written without fsync (``write_atomic``)."""
-    aggregated = await aggregate_metrics(
-        output, agents, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-        session=session, durable=durable,
-    )  # fmt: skip
-    return aggregated.path
-
-
 async def aggregate_metrics(
     output: Path,
     agents: Mapping[str, Sequence[str]],
@@ -134,9 +115,11 @@ async def aggregate_metrics(
     durable: bool = True,
     without: WithoutRoute | None = None,
 ) -> Aggregated:
-    """``write_aggregate_metrics``, and which agents answered. The agents ``without``
-    remembers are not asked (no entry, as when asked), and those that answer 404 or
-    405 are remembered there."""
+    """Ask each agent for its metrics and write the file (its path None when no agent
+    answered), and which agents answered. ``session``: the caller's (its connections
+    kept between calls), else one of its own; ``durable=False``: the file is written
+    without fsync (``write_atomic``). The agents ``without`` remembers are not asked
+    (no entry, as when asked), and those that answer 404 or 405 are remembered there."""
     entries: list[JsonObject] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
     without = without or WithoutRoute()

@@ -21,7 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from dispatcher.run.aggregate import WithoutRoute, aggregate_metrics, write_aggregate_metrics
+from dispatcher.run.aggregate import WithoutRoute, aggregate_metrics
 from dispatcher.run.aggregate_rows import PASS_LINES, RowSpools, spool_by_agent
 from tests.conftest import SimAgentFactory
 from tests.helpers import keys_of, log_events, read_jsonl, run_args, run_cli, serve, write_tasks
@@ -306,7 +306,7 @@ async def test_an_answer_before_the_body_is_read_still_names_the_environment_ser
     rows[-1]["_ng_environment_server"] = "math_env"
     output.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
     try:
-        path = await write_aggregate_metrics(output, {"sim": [url], "other": [url]})
+        path = (await aggregate_metrics(output, {"sim": [url], "other": [url]})).path
     finally:
         await runner.cleanup()
     assert path is not None
@@ -340,7 +340,7 @@ async def test_an_agent_without_the_endpoint_keeps_its_connection_between_jobs(
     try:
         async with aiohttp.ClientSession() as session:
             for _ in range(3):
-                path = await write_aggregate_metrics(output, {"sim": [url]}, session=session)
+                path = (await aggregate_metrics(output, {"sim": [url]}, session=session)).path
                 assert path is None
     finally:
         await runner.cleanup()
@@ -355,7 +355,7 @@ async def test_a_small_output_is_sent_whole_and_names_its_server(
     rows = [{"i": i, "agent_ref": {"name": "sim"}, "response": {"output": [1]}} for i in range(3)]
     rows[-1]["_ng_environment_server"] = "math_env"
     output.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
-    path = await write_aggregate_metrics(output, {"sim": [url], "other": [url]})
+    path = (await aggregate_metrics(output, {"sim": [url], "other": [url]})).path
     assert path is not None
     [entry] = orjson.loads(path.read_bytes())
     assert list(entry)[:2] == ["agent_ref", "_ng_environment_server"]
