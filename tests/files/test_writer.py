@@ -116,12 +116,8 @@ async def test_a_hurried_writer_writes_what_it_holds_and_each_row_after_at_once(
         await writer.close()
 
 
-async def test_without_fsync_a_small_batch_is_written_on_the_loop_and_a_big_one_in_a_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A thread hop costs a row milliseconds on a busy machine, on its way to a caller
-    waiting for it; a small write into the page cache, microseconds."""
-    path = tmp_path / "rows.jsonl"
+def writing_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread of each write the row writer makes, in order (the writes still made)."""
     threads: list[int] = []
 
     def recorded(fd: int, data: bytes) -> None:
@@ -129,6 +125,16 @@ async def test_without_fsync_a_small_batch_is_written_on_the_loop_and_a_big_one_
         write_fully(fd, data)
 
     monkeypatch.setattr(writer_module, "write_fully", recorded)
+    return threads
+
+
+async def test_without_fsync_a_small_batch_is_written_on_the_loop_and_a_big_one_in_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread hop costs a row milliseconds on a busy machine, on its way to a caller
+    waiting for it; a small write into the page cache, microseconds."""
+    path = tmp_path / "rows.jsonl"
+    threads = writing_threads(monkeypatch)
     writer = RowWriter(path, "never", index=LineIndex())
     writer.open()
     try:
@@ -146,13 +152,7 @@ async def test_a_fsynced_batch_is_written_in_a_thread_however_small(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "rows.jsonl"
-    threads: list[int] = []
-
-    def recorded(fd: int, data: bytes) -> None:
-        threads.append(threading.get_ident())
-        write_fully(fd, data)
-
-    monkeypatch.setattr(writer_module, "write_fully", recorded)
+    threads = writing_threads(monkeypatch)
     writer = RowWriter(path, "always")
     writer.open()
     try:
