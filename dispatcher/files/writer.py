@@ -344,7 +344,7 @@ class RowWriter:
         size = sum(len(line) for line in lines)
         for chunk in _chunks(lines):
             if isinstance(chunk, Pieces):
-                _writev_all(self._fd, chunk.parts)
+                writev_all(self._fd, chunk.parts)
                 continue
             write_fully(self._fd, chunk)
         if self._policy != "never":
@@ -394,7 +394,7 @@ def _chunks(lines: list[Line]) -> Iterator[Line]:
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
-def _writev_all(fd: int, parts: Iterable[bytes | memoryview]) -> None:
+def writev_all(fd: int, parts: Iterable[bytes | memoryview]) -> None:
     """Write ``parts`` in order, resuming after a short write."""
     views = [memoryview(part) for part in parts]
     while views:

@@ -19,6 +19,8 @@ import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from dispatcher.files.writer import writev_all
+
 # The tar is written in pieces of about this size, each one ``writev`` of at most
 # ``WRITE_PIECES`` buffers (the system's bound is 1,024).
 WRITE_BYTES = 1 << 20
@@ -45,13 +47,13 @@ def write_tar(out: int, folders: Iterable[tuple[str, Path]]) -> list[dict[str, l
             pieces += (header, data, padding)
             pending += len(header) + len(data) + len(padding)
             if pending >= WRITE_BYTES or len(pieces) >= WRITE_PIECES:
-                _write_all(out, pieces)
+                writev_all(out, pieces)
                 written, pending, pieces = written + pending, 0, []
         where.append(members)
     # The end of the archive: two zero blocks, then zeros to a whole record.
     end = written + pending + 2 * tarfile.BLOCKSIZE
     pieces.append(_ZEROS[: 2 * tarfile.BLOCKSIZE + -end % tarfile.RECORDSIZE])
-    _write_all(out, pieces)
+    writev_all(out, pieces)
     return where
 
 
@@ -77,16 +79,3 @@ def _read(path: Path) -> tuple[bytes, float]:
         return data, found.st_mtime
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, pieces: list[bytes]) -> None:
-    """Every piece, in order, by as few ``writev`` calls as the system takes."""
-    views = [memoryview(piece) for piece in pieces if piece]
-    first = 0
-    while first < len(views):
-        done = os.writev(fd, views[first:])
-        while first < len(views) and done >= len(views[first]):
-            done -= len(views[first])
-            first += 1
-        if done:
-            views[first] = views[first][done:]

@@ -481,7 +481,7 @@ def test_pieces_are_written_whole_past_short_writes_and_the_iovec_limit(
     path = tmp_path / "x"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
     try:
-        store._writev_all(fd, parts)
+        store.writev_all(fd, parts)
     finally:
         os.close(fd)
     assert path.read_bytes() == b"abcdefghijklmnopqrstuvwxyz\n"
