@@ -134,7 +134,6 @@ class Journal:
         the loop: no task between them, so a commit costs its submitters no more
         turns of the loop than the thread's answer."""
         batch, self._waiting = self._waiting, []
-        self._quiet.clear()
         loop = asyncio.get_running_loop()
         try:
             self._thread.submit(self._commit, loop, batch, self._segment)
