@@ -25,7 +25,8 @@ test: $(STAMP)
 	$(BIN)/mypy dispatcher
 	# Compiled once: hundreds of `python -m dispatcher` subprocesses would each recompile it.
 	$(BIN)/python -m compileall -q dispatcher
-	@$(BIN)/python tests/gym/gym_env.py --plan
+	# The NeMo Gym venv, built here when a Python 3.13 is found (tests/gym/gym_env.py).
+	@$(BIN)/python tests/gym/gym_env.py --prepare
 	# -rs: every skipped test says why at the end.
 	$(BIN)/pytest -q -rs -n $(TEST_WORKERS)
 

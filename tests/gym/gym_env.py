@@ -1,7 +1,8 @@
 """A Python 3.13 virtualenv with NeMo Gym 0.7.0, cached outside the checkout.
 
-``tests/gym`` runs a real Gym stack from it; ``.ci/run`` builds it ahead of the
-tests (``python3 tests/gym/gym_env.py``) so the tests only use it. Standard
+``tests/gym`` runs a real Gym stack from it; ``make test`` builds it ahead of the
+tests (``python3 tests/gym/gym_env.py --prepare``) so the tests only use it: a build
+takes minutes, longer than a test may. Standard
 library only: it must run before anything else is installed.
 
 Gym 0.7.0 declares ``Requires-Python >=3.13.14``; it runs on any 3.13, so the
@@ -128,10 +129,32 @@ def _run(*args: str | Path) -> None:
     subprocess.run([str(arg) for arg in args], check=True)
 
 
+def prepare() -> int:
+    """``make test``'s step before pytest: say the plan, then build the venv if it
+    is to be built, so no test waits minutes for it under a per-test timeout. No
+    Python 3.13, or asked to skip: nothing to build, and tests/gym skip."""
+    sys.stdout.write(plan() + "\n")
+    sys.stdout.flush()
+    python = find_python313()
+    if skipped() or ready_venv() is not None or python is None:
+        return 0
+    try:
+        install(python)
+    except (OSError, subprocess.CalledProcessError) as error:
+        sys.stderr.write(
+            f"the NeMo Gym {GYM_VERSION} venv could not be built ({error}); "
+            f"`make test {SKIP_ENV}=1` skips the NeMo Gym tests\n"
+        )
+        return 1
+    return 0
+
+
 def main() -> int:
     if sys.argv[1:] == ["--plan"]:
         sys.stdout.write(plan() + "\n")
         return 0
+    if sys.argv[1:] == ["--prepare"]:
+        return prepare()
     python = find_python313()
     if python is None:
         sys.stderr.write(
