@@ -31,7 +31,7 @@ import math
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,8 @@ def _rank(estimate_s: float | None, probed: bool) -> int | None:
 class Waiting:
     """One waiting rollout: where its line is (``offset`` to ``end``, its newline
     included) and which task it runs (``digest``: the task's digest, or its number,
-    ``history.task_key``)."""
+    ``history.task_key``). ``task`` and ``expected_s`` are the order's: the task it
+    was added to, and what it was expected to take when it started."""
 
     position: int
     offset: int
@@ -96,21 +97,41 @@ class Waiting:
     key: int
     task_index: int
     digest: str | int
+    task: _Task | None = field(default=None, repr=False, compare=False)
+    expected_s: float | None = field(default=None, repr=False, compare=False)
 
 
 class _Task:
     """A task with rollouts waiting or started: what the order knows of it."""
 
-    __slots__ = ("at", "estimate_s", "key", "learned", "probed", "rank", "waiting")
+    __slots__ = (
+        "at",
+        "estimate_s",
+        "gone",
+        "key",
+        "learned",
+        "left",
+        "positions",
+        "probed",
+        "rank",
+    )
 
     def __init__(self, key: int, at: int, estimate_s: float | None, position: int) -> None:
         self.key = key  # its history's name for it
         self.at = at  # where the history has it (a hint)
-        self.waiting = {position}
+        # Where its rollouts were added (some may have started since: a list appended
+        # to, not a set kept exact, as only a change of rank reads it) and how many wait.
+        self.positions = [position]
+        self.left = 1
         self.probed = False
         self.estimate_s = estimate_s
         self.learned = False  # a sibling finished in this job
+        self.gone = False  # no longer the order's task of its index
         self.rank = _rank(estimate_s, False)
+
+
+# Taken slots at the front of the window dropped at once, when at least this many.
+_COMPACT_FRONT = 4096
 
 
 class StartOrder:
@@ -119,6 +140,9 @@ class StartOrder:
     Rollouts are added in input order. Tier 1 is a queue of positions in that
     order (a task is unseen only when added, so it only grows at its end); tiers
     2 and 3 are a heap. An entry whose task has another rank since is skipped.
+    The waiting rollouts are a list indexed by input position (from ``_base``), a
+    taken one None: a rollout starts out of input order, and a dict or a deque
+    beside it was a few more cache misses a rollout, each in another place.
     """
 
     def __init__(
@@ -133,15 +157,16 @@ class StartOrder:
         # A task's repeats start one after another (tiers 1 and 2 and a sibling's
         # estimate are left out): the service's step control counts open groups.
         self.whole_groups = whole_groups
-        self._waiting: dict[int, Waiting] = {}
+        self._slots: list[Waiting | None] = []  # by input position, from ``_base``
+        self._base = 0
+        self._front = 0  # the slots before it are all taken
+        self._count = 0  # rollouts waiting
         self._tasks: dict[int, _Task] = {}
         self._unseen: deque[int] = deque()
         self._heap: list[int] = []  # rank | position
-        self._oldest: deque[int] = deque()  # the positions added, in input order
         self._next_position = 0
-        # Started, not finished: its task's history key and hint, and what it was
-        # expected to take (None: unseen).
-        self._started: dict[int, tuple[int, int, float | None]] = {}
+        # Started, not finished, by rollout key.
+        self._started: dict[int, Waiting] = {}
         self.errors: deque[float] = deque(maxlen=ERRORS_KEPT)
         self.estimated = 0
         self.unseen = 0
@@ -153,10 +178,15 @@ class StartOrder:
         return self.oldest_position() + self.window
 
     def oldest_position(self) -> int:
-        oldest, waiting = self._oldest, self._waiting
-        while oldest and oldest[0] not in waiting:
-            oldest.popleft()
-        return oldest[0] if oldest else self._next_position
+        slots, front = self._slots, self._front
+        while front < len(slots) and slots[front] is None:
+            front += 1
+        if front >= _COMPACT_FRONT and 2 * front >= len(slots):
+            del slots[:front]
+            self._base += front
+            front = 0
+        self._front = front
+        return self._base + front if front < len(slots) else self._next_position
 
     def skip_to(self, position: int) -> None:
         """Lines up to ``position`` were read and need no start (final ones)."""
@@ -168,29 +198,42 @@ class StartOrder:
 
     def add_all(self, rollouts: Iterable[Waiting]) -> None:
         """``add`` each of ``rollouts``, in their order (one call for a batch read)."""
-        waiting, oldest, tasks, history = self._waiting, self._oldest, self._tasks, self.history
+        slots, tasks, history = self._slots, self._tasks, self.history
         unseen, heap, push = self._unseen, self._heap, heapq.heappush
         for rollout in rollouts:
             position = rollout.position
             if not self._next_position <= position <= _POSITION_MASK:
                 raise ValueError(f"position {position} added after {self._next_position - 1}")
-            waiting[position] = rollout
             self._next_position = position + 1
-            oldest.append(position)
+            if position - self._base != len(slots):
+                slots = self._gap_to(position)
+            slots.append(rollout)
+            self._count += 1
             task = tasks.get(rollout.task_index)
             if task is None:
                 key = rollout.digest if type(rollout.digest) is int else task_key(rollout.digest)
                 estimate, at = history.find(key) if history is not None else (None, -1)
                 task = tasks[rollout.task_index] = _Task(key, at, estimate, position)
             else:
-                task.waiting.add(position)
+                task.positions.append(position)
+                task.left += 1
+            rollout.task = task
             if task.rank is None:
                 unseen.append(position)
             else:
                 push(heap, task.rank | position)
 
+    def _gap_to(self, position: int) -> list[Waiting | None]:
+        """The slots, the next one ``position``'s: lines between were final or skipped."""
+        if not self._count:
+            # Nothing waits: the window starts anew (every entry queued is below it).
+            self._slots, self._base, self._front = [], position, 0
+        else:
+            self._slots.extend([None] * (position - self._base - len(self._slots)))
+        return self._slots
+
     def __len__(self) -> int:
-        return len(self._waiting)
+        return self._count
 
     # ---- taking -------------------------------------------------------------------
 
@@ -201,7 +244,7 @@ class StartOrder:
 
     def take_many(self, count: int) -> list[Waiting]:
         """The next ``count`` rollouts to start, in order (fewer when fewer wait)."""
-        unseen, heap, waiting, tasks = self._unseen, self._heap, self._waiting, self._tasks
+        unseen, heap, slots, base = self._unseen, self._heap, self._slots, self._base
         started, pop = self._started, heapq.heappop
         taken: list[Waiting] = []
         while len(taken) < count:
@@ -214,15 +257,19 @@ class StartOrder:
                 rank = entry ^ position
             else:
                 break
-            rollout = waiting.get(position)
+            # Below the slots: taken before the window moved on.
+            rollout = slots[position - base] if position >= base else None
             if rollout is None:
                 continue
-            task = tasks[rollout.task_index]
+            task = rollout.task
+            assert task is not None
             if rank != task.rank:
                 continue
-            del waiting[position]
-            task.waiting.discard(position)
-            started[rollout.key] = (task.key, task.at, task.estimate_s)
+            slots[position - base] = None
+            self._count -= 1
+            task.left -= 1
+            rollout.expected_s = task.estimate_s
+            started[rollout.key] = rollout
             if task.estimate_s is None:
                 self.unseen += 1
                 if not task.probed and not self.whole_groups:
@@ -231,8 +278,8 @@ class StartOrder:
                     self._reorder(task)
             else:
                 self.estimated += 1
-            if not task.waiting and task.learned:
-                del tasks[rollout.task_index]
+            if not task.left and task.learned:
+                self._forget(rollout.task_index, task)
             taken.append(rollout)
         return taken
 
@@ -241,28 +288,34 @@ class StartOrder:
     def finished(self, key: int, task_index: int, latency_s: float) -> float | None:
         """A started rollout ran to an answer in ``latency_s``: learn from it. The
         estimate's error, |ln(actual / expected)|; None for a rollout not expected."""
-        started = self._started.pop(key, None)
-        if started is None:
+        rollout = self._started.pop(key, None)
+        if rollout is None:
             return None
-        key, at, expected_s = started
+        task, expected_s = rollout.task, rollout.expected_s
+        assert task is not None
         error = None
         if expected_s is not None and expected_s > 0 and latency_s > 0:
             error = abs(math.log(latency_s / expected_s))
             self.errors.append(error)
         if self.history is not None:
-            self.history.observe(key, latency_s, at)
-        task = self._tasks.get(task_index)
+            self.history.observe(task.key, latency_s, task.at)
+        if task.gone:  # the index has another task since, or none
+            task = self._tasks.get(task_index)
         if task is not None and not task.learned and not self.whole_groups:
             self._learn(task_index, task, latency_s)
         return error
 
     def _learn(self, task_index: int, task: _Task, latency_s: float) -> None:
-        if not task.waiting:
-            del self._tasks[task_index]  # nothing left to order by it
+        if not task.left:
+            self._forget(task_index, task)  # nothing left to order by it
             return
         task.learned, task.estimate_s = True, latency_s
         task.rank = _rank(latency_s, task.probed)
         self._reorder(task)
+
+    def _forget(self, task_index: int, task: _Task) -> None:
+        del self._tasks[task_index]
+        task.gone = True
 
     def median_error(self) -> float | None:
         """The median of |ln(actual / expected)| over the latest estimated rollouts."""
@@ -279,7 +332,11 @@ class StartOrder:
         }
 
     def _reorder(self, task: _Task) -> None:
-        for position in task.waiting:
+        """Queue ``task``'s waiting rollouts at its new rank (the entries at the old
+        one are skipped when they come up)."""
+        slots, base = self._slots, self._base
+        task.positions = [p for p in task.positions if p >= base and slots[p - base] is not None]
+        for position in task.positions:
             self._push(position, task)
 
     def _push(self, position: int, task: _Task) -> None:

@@ -137,3 +137,27 @@ def test_the_order_follows_its_rule_whatever_happens_between_takes() -> None:
         pick = order.take()
         assert pick is not None and pick.position == rule.take()
     assert order.take() is None
+
+
+def test_positions_with_gaps_between_them_start_each_once() -> None:
+    # Lines that were final are never added: the positions jump, and the window
+    # is counted from the oldest waiting one.
+    history = TaskHistory(None)
+    history.observe("d1", 2.0)
+    order = StartOrder(history, window=100)
+    order.add_all([waiting(3, 0), waiting(4, 1), waiting(9, 2)])
+    assert order.oldest_position() == 3 and order.admits_until() == 103
+    assert taken(order, 3) == [3, 9, 4]
+    # Nothing waits: the oldest is the next line not read.
+    order.skip_to(5000)
+    assert len(order) == 0 and order.oldest_position() == 5000
+    # Far on, a task started long ago comes again; its first rollout's
+    # entries must not bring back anything taken.
+    order.add_all([waiting(5000 + i, i % 3) for i in range(6000)])
+    got: list[int] = []
+    while picks := order.take_many(500):
+        got += [w.position for w in picks]
+        left = set(range(5000, 11000)).difference(got)
+        assert order.oldest_position() == min(left, default=11000)
+    assert sorted(got) == list(range(5000, 11000))
+    assert order.take() is None and order.oldest_position() == 11000
