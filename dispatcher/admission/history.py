@@ -48,6 +48,7 @@ log = structlog.get_logger(__name__)
 ALPHA = 0.3
 COMPACT_FACTOR = 2
 FLUSH_EVERY = 4096
+SETTLE_EVERY = 512
 DEFAULT_MAX_TASKS = 100_000
 HISTORY_FILE = "task_history.jsonl"
 # Keys a materialized row gains from the dispatcher: not part of the task.
@@ -107,6 +108,9 @@ class TaskHistory:
         self.max_tasks = max_tasks
         self._tasks = _Tasks(min(max_tasks, _PRESIZED))
         self._unwritten: list[tuple[int, float]] = []
+        # Observations not applied yet: ``_settle`` moves their tasks in one pass
+        # (a method call, a lock and a search fewer each).
+        self._observed: list[tuple[int, float, int]] = []
         self._lines_on_disk = 0
         # Jobs of one service share the history; their flushes take turns.
         self._file_lock = threading.Lock()
@@ -122,14 +126,18 @@ class TaskHistory:
         return history
 
     def __len__(self) -> int:
+        self._settle()
         return len(self._tasks)
 
     def estimate(self, digest: str | int) -> float | None:
         """The task's expected latency in seconds; None for a task never seen."""
+        self._settle()
         return self._tasks.get(task_key(digest))
 
     def find(self, key: int) -> tuple[float | None, int]:
         """``estimate`` of the task ``key`` names, and a hint where it is for ``observe``."""
+        if self._observed:
+            self._settle()
         return self._tasks.find(key)
 
     def observe(self, digest: str | int, latency_s: float, hint: int = -1) -> None:
@@ -137,29 +145,38 @@ class TaskHistory:
         ``hint``: where ``find`` saw the task (searched for again if it has moved)."""
         if not 0.0 <= latency_s < math.inf:  # NaN too
             return
-        key = task_key(digest)
-        tasks = self._tasks
+        key = digest if type(digest) is int else task_key(digest)
+        observed = self._observed
+        observed.append((key, latency_s, hint))
+        if len(observed) >= SETTLE_EVERY:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Apply the observations made since the last time (every read of the
+        history does so first)."""
+        observed, self._observed = self._observed, []
+        if not observed:
+            return
         with self._tasks_lock:
-            average = tasks.move_at(hint, key, latency_s)
-            if average is None:
-                average = tasks.move(key, latency_s)
-                if len(tasks) > self.max_tasks:
-                    tasks.forget_oldest(len(tasks) - self.max_tasks + self.max_tasks // 16)
+            averages = self._tasks.move_all(observed, self.max_tasks)
         if self.path is not None:
-            self._unwritten.append((key, average))
+            self._unwritten.extend(zip(map(_KEY, observed), averages, strict=True))
 
     def due(self) -> bool:
+        self._settle()
         return len(self._unwritten) >= FLUSH_EVERY
 
     async def save(self) -> None:
         """Write the buffered updates in a worker thread (taken here, on the loop,
         so an update made meanwhile waits for the next save)."""
+        self._settle()
         lines, self._unwritten = self._unwritten, []
         if lines:
             await asyncio.to_thread(self._write, lines)
 
     def flush(self) -> None:
         """``save``, blocking."""
+        self._settle()
         lines, self._unwritten = self._unwritten, []
         self._write(lines)
 
@@ -180,7 +197,7 @@ class TaskHistory:
     def _append(self, lines: list[tuple[int, float]]) -> None:
         assert self.path is not None
         with self.path.open("ab") as f:
-            f.write(b"".join(map(_line, lines)))
+            f.write(_lines(lines))
         self._lines_on_disk += len(lines)
 
     def _compact(self) -> None:
@@ -273,33 +290,40 @@ class _Tasks:
         at = self._slot(key)[1]
         return (self.average[at], at) if at >= 0 else (None, -1)
 
-    def move_at(self, at: int, key: int, latency_s: float) -> float | None:
-        """Move the average of the task at ``at`` in the arrays by ``latency_s``, if
-        that is ``key``'s place still; its new average, else None (nothing done)."""
-        if not 0 <= at < len(self.lo) or self.lo[at] != key & _LOW or self.hi[at] != key >> 64:
-            return None
-        self.average[at] = average = _moved(self.average[at], latency_s)
-        self.tick[at] = self._clock
-        self._clock += 1
-        return average
+    def move_all(self, updates: list[tuple[int, float, int]], max_tasks: int) -> list[float]:
+        """Move each task's average by its latency, in order, and their new averages. An
+        update: the task's key, its latency and a hint where it is (``find``'s place,
+        searched for again if it has moved). A task not there joins; past
+        ``max_tasks`` the ones updated longest ago go (``max_tasks // 16`` more)."""
+        moved: list[float] = []
+        lo, hi, average, tick = self.lo, self.hi, self.average, self.tick
+        for key, latency_s, at in updates:
+            if not (0 <= at < len(lo) and lo[at] == key & _LOW and hi[at] == key >> 64):
+                slot, at = self._slot(key)
+                if at < 0:
+                    moved.append(self._join(slot, key, latency_s))
+                    if len(lo) > max_tasks:
+                        self.forget_oldest(len(lo) - max_tasks + max_tasks // 16)
+                        lo, hi, average, tick = self.lo, self.hi, self.average, self.tick
+                    continue
+            value = average[at]
+            average[at] = value = value + ALPHA * (latency_s - value)
+            tick[at] = self._clock
+            self._clock += 1
+            moved.append(value)
+        return moved
 
-    def move(self, key: int, latency_s: float) -> float:
-        """Move the task's average by ``latency_s`` (a task not there joins with it);
-        its new average."""
-        slot, at = self._slot(key)
-        if at >= 0:
-            self.average[at] = average = _moved(self.average[at], latency_s)
-            self.tick[at] = self._clock
-        else:
-            self._index[slot] = len(self.lo) + 1
-            self.hi.append(key >> 64)
-            self.lo.append(key & _LOW)
-            self.average.append(average := latency_s)
-            self.tick.append(self._clock)
-            if 4 * len(self.lo) > 3 * len(self._index):
-                self._reindex(2 * len(self._index))
+    def _join(self, slot: int, key: int, latency_s: float) -> float:
+        """A task not there joins at the free ``slot`` of the table, with ``latency_s``."""
+        self._index[slot] = len(self.lo) + 1
+        self.hi.append(key >> 64)
+        self.lo.append(key & _LOW)
+        self.average.append(latency_s)
+        self.tick.append(self._clock)
         self._clock += 1
-        return average
+        if 4 * len(self.lo) > 3 * len(self._index):
+            self._reindex(2 * len(self._index))
+        return latency_s
 
     def _reindex(self, size: int) -> None:
         """The table of places made anew, ``size`` slots (a power of two) or as many
@@ -384,15 +408,22 @@ def _age_slices(tick: array[int]) -> list[tuple[int, int]]:
 _LOW = (1 << 64) - 1
 
 
-def _moved(average: float, latency_s: float) -> float:
-    """A task's moving average after one more rollout (``ALPHA`` of the new latency)."""
-    return average + ALPHA * (latency_s - average)
-
-
 def _line(update: tuple[int, float]) -> bytes:
     """An update's line: ``{"t":"<32 hex digits>","s":<repr of the average>}``.
     A finite float's repr is a JSON number that reads back as the same float."""
     return b'{"t":"%032x","s":%r}\n' % update
+
+
+def _lines(updates: list[tuple[int, float]]) -> bytes:
+    """``_line`` of each update, the averages rendered in one call (orjson's shortest
+    form reads back as the same float, as a repr does): half the time of a line each."""
+    numbers = orjson.dumps(list(map(_AVERAGE_OF, updates)))[1:-1].split(b",")
+    return b"".join(map(_LINE.__mod__, zip(map(_KEY, updates), numbers, strict=True)))
+
+
+_LINE = b'{"t":"%032x","s":%s}\n'
+_KEY = operator.itemgetter(0)
+_AVERAGE_OF = operator.itemgetter(1)
 
 
 class _Update(msgspec.Struct):

@@ -72,14 +72,15 @@ POSITION_BITS = 48
 _POSITION_MASK = (1 << POSITION_BITS) - 1
 _EXPECTED = (int(Tier.EXPECTED) << 64 | ((1 << 64) - 1)) << POSITION_BITS
 _PROBING = int(Tier.PROBING) << 64 << POSITION_BITS
-_DOUBLE = struct.Struct("<d")
-_BITS = struct.Struct("<Q")
+# Bound once: a rank is made for every task a job adds.
+_PACK_DOUBLE = struct.Struct("<d").pack
+_UNPACK_BITS = struct.Struct("<Q").unpack
 
 
 def _rank(estimate_s: float | None, probed: bool) -> int | None:
     """A task's part of its heap entries; None in tier 1 (unseen)."""
     if estimate_s is not None:
-        bits: int = _BITS.unpack(_DOUBLE.pack(estimate_s if estimate_s > 0.0 else 0.0))[0]
+        bits: int = _UNPACK_BITS(_PACK_DOUBLE(estimate_s if estimate_s > 0.0 else 0.0))[0]
         return _EXPECTED ^ (bits << POSITION_BITS)
     return _PROBING if probed else None
 

@@ -205,3 +205,33 @@ def test_an_update_line_is_the_json_object_of_its_digest_and_average(tmp_path: P
     history.observe(key, 1e-9)
     history.flush()
     assert TaskHistory.load(path).estimate(key) == 1e-9
+
+
+def test_observations_applied_in_batches_move_and_forget_as_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    # Observations are applied a batch at a time (before every read, and every
+    # SETTLE_EVERY of them): the averages and the forgetting are those of one
+    # update at a time, wherever the bound is crossed in a batch.
+    rng = random.Random(5)
+    max_tasks = 48
+    history = TaskHistory.load(tmp_path / "h.jsonl", max_tasks=max_tasks)
+    model: dict[int, tuple[float, int]] = {}  # key -> average, tick
+    keys = [task_key(task_digest({"input": n})) for n in range(120)]
+    for tick in range(3 * history_module.SETTLE_EVERY):
+        key, latency_s = rng.choice(keys), rng.choice([0.5, 1.0, rng.random()])
+        history.observe(key, latency_s, rng.choice([-1, rng.randrange(max_tasks)]))
+        average = model[key][0] + ALPHA * (latency_s - model[key][0]) if key in model else latency_s
+        model[key] = (average, tick)
+        if len(model) > max_tasks:
+            oldest = sorted(model, key=lambda k: model[k][1])
+            for gone in oldest[: len(model) - max_tasks + max_tasks // 16]:
+                del model[gone]
+        if rng.random() < 0.01:
+            assert {k: history.estimate(k) for k in keys} == {
+                k: model[k][0] if k in model else None for k in keys
+            }
+    assert {k: history.estimate(k) for k in keys} == {k: model.get(k, (None,))[0] for k in keys}
+    history.flush()
+    again = TaskHistory.load(tmp_path / "h.jsonl", max_tasks=max_tasks)
+    assert {k: again.estimate(k) for k in model} == {k: v[0] for k, v in model.items()}
