@@ -29,6 +29,7 @@ import heapq
 import itertools
 import math
 import operator
+import sys
 import threading
 from array import array
 from collections.abc import Iterator
@@ -163,8 +164,8 @@ class TaskHistory:
             self._unwritten.extend(zip(map(_KEY, observed), averages, strict=True))
 
     def due(self) -> bool:
-        self._settle()
-        return len(self._unwritten) >= FLUSH_EVERY
+        """Whether enough updates wait to be written (``save``)."""
+        return len(self._unwritten) + len(self._observed) >= FLUSH_EVERY
 
     async def save(self) -> None:
         """Write the buffered updates in a worker thread (taken here, on the loop,
@@ -224,7 +225,7 @@ class TaskHistory:
         # in C: a history is read before every run.
         last = sorted(dict(zip(digests, itertools.count())).values())[-self.max_tasks :]
         self._tasks = _Tasks.of(
-            _task_keys(list(map(digests.__getitem__, last))),
+            _task_halves(list(map(digests.__getitem__, last))),
             list(map(averages.__getitem__, last)),
         )
 
@@ -247,15 +248,14 @@ class _Tasks:
         self._clock = 0
 
     @classmethod
-    def of(cls, keys: list[int], averages: list[float]) -> _Tasks:
-        """The tasks of ``keys`` (each once) and their ``averages``, the one updated
-        longest ago first."""
+    def of(cls, halves: tuple[array[int], array[int]], averages: list[float]) -> _Tasks:
+        """The tasks of ``halves`` (each once: the high and the low 64 bits of their
+        keys) and their ``averages``, the one updated longest ago first."""
         tasks = cls()
-        tasks.hi = array("Q", map(operator.rshift, keys, itertools.repeat(64)))
-        tasks.lo = array("Q", map(operator.and_, keys, itertools.repeat(_LOW)))
+        tasks.hi, tasks.lo = halves
         tasks.average = array("d", averages)
-        tasks.tick = array("Q", range(len(keys)))
-        tasks._clock = len(keys)
+        tasks.tick = array("Q", range(len(averages)))
+        tasks._clock = len(averages)
         tasks._reindex(_MIN_SLOTS)
         return tasks
 
@@ -453,15 +453,23 @@ _DIGEST = operator.attrgetter("t")
 _AVERAGE = operator.attrgetter("s")
 
 
-def _task_keys(digests: list[str]) -> list[int]:
-    """``task_key`` of each digest (at C speed when all are ``task_digest``'s)."""
+def _task_halves(digests: list[str]) -> tuple[array[int], array[int]]:
+    """The high and the low 64 bits of ``task_key`` of each digest: at C speed when all
+    are ``task_digest``'s (their bytes, read as big-endian pairs of words)."""
     try:
         data = list(map(bytes.fromhex, digests))
     except ValueError:
         data = []
     if len(data) == len(digests) and all(map((16).__eq__, map(len, data))):
-        return list(map(int.from_bytes, data))
-    return list(map(task_key, digests))
+        words = array("Q", b"".join(data))
+        if sys.byteorder == "little":
+            words.byteswap()
+        return words[0::2], words[1::2]
+    keys = list(map(task_key, digests))
+    return (
+        array("Q", map(operator.rshift, keys, itertools.repeat(64))),
+        array("Q", map(operator.and_, keys, itertools.repeat(_LOW))),
+    )
 
 
 def _parse(line: bytes) -> _Update | None:
