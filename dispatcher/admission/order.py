@@ -269,6 +269,10 @@ class StartOrder:
             slots[position - base] = None
             self._count -= 1
             task.left -= 1
+            if not task.left:
+                # All started: none to queue again (a task the service keeps for the
+                # job's life holds no position of each of its rollouts).
+                task.positions.clear()
             rollout.expected_s = task.estimate_s
             started[rollout.key] = rollout
             if task.estimate_s is None:

@@ -161,3 +161,13 @@ def test_positions_with_gaps_between_them_start_each_once() -> None:
         assert order.oldest_position() == min(left, default=11000)
     assert sorted(got) == list(range(5000, 11000))
     assert order.take() is None and order.oldest_position() == 11000
+
+
+def test_a_task_kept_for_the_jobs_life_holds_no_place_of_each_rollout_started() -> None:
+    # The service's order keeps a task for the whole job: what it holds of the
+    # task's rollouts must not grow with every rollout it ever started.
+    order = StartOrder(TaskHistory(None), whole_groups=True)
+    for batch in range(10):
+        order.add_all([waiting(batch * 100 + i, 0, i) for i in range(100)])
+        assert len(order.take_many(100)) == 100
+    assert order._tasks[0].positions == []
