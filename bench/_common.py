@@ -51,6 +51,18 @@ def server_process(command: Sequence[str], name: str, log: Path | None = None) -
         proc.wait(timeout=10)
 
 
+def compile_package() -> None:
+    """Byte-compile the ``dispatcher`` package the children import (``-m`` finds it
+    as ``-c`` does: the current directory first), as ``pip install`` and ``make test``
+    leave it. Otherwise each child compiles every module it imports (with
+    ``PYTHONDONTWRITEBYTECODE`` set, every time): CPU a child's figures must not hold."""
+    compile_it = (
+        "import compileall, os, dispatcher; "
+        "compileall.compile_dir(os.path.dirname(dispatcher.__file__), quiet=1)"
+    )
+    subprocess.run([sys.executable, "-c", compile_it], check=True)
+
+
 @dataclass
 class ChildRun:
     returncode: int

@@ -21,14 +21,13 @@ CPU ratio to the baseline.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dispatcher_server, median, run_child
+from _common import compile_package, dispatcher_server, median, run_child
 
 BASELINE_IMPORTS = "import aiohttp, pydantic, structlog, prometheus_client, uvloop"
 DEAD_AGENT = "a=http://127.0.0.1:9"  # the discard port: refused at once
@@ -69,16 +68,6 @@ def cases(work: Path, agent_url: str) -> list[Case]:
         Case("status (missing run)", [*dispatcher, "status", str(work / "missing" / "x.jsonl")], 2),
         Case("run (1 rollout, sim agent)", [*dispatcher, "run", *whole_run], 0),
     ]
-
-
-def compile_package() -> None:
-    """Byte-compile the ``dispatcher`` package the children import (``-m`` finds it
-    as ``-c`` does: the current directory first)."""
-    compile_it = (
-        "import compileall, os, dispatcher; "
-        "compileall.compile_dir(os.path.dirname(dispatcher.__file__), quiet=1)"
-    )
-    subprocess.run([sys.executable, "-c", compile_it], check=True)
 
 
 def measure(all_cases: list[Case], runs: int, work: Path) -> None:
