@@ -53,10 +53,13 @@ def identity_keys(
         ROLLOUT_INDEX: rollout.rollout_index,
         AGENT_REF: rollout.body[AGENT_REF],
     }
+    # Every row names its rollout's stable id (the task row's own, else task-rollout):
+    # a first attempt's rollout id is that id (``Rollout.from_materialized``).
     if rollout.attempt_index > 0:
         keys[ATTEMPT_INDEX] = rollout.attempt_index
-    # Every row names its rollout's stable id (the task row's own, else task-rollout).
-    keys[ROLLOUT_ID] = rollout_id_for(rollout.body)
+        keys[ROLLOUT_ID] = rollout_id_for(rollout.body)
+    else:
+        keys[ROLLOUT_ID] = rollout.rollout_id
     if run_id is not None:
         keys[RUN_ID] = run_id
     keys.update(environment_keys(rollout, environment))
