@@ -5,7 +5,10 @@ their lines (each the job's record, as ``job.json`` holds it, and its rows)
 appended to ``DIR/journal/NNNNNN.jsonl`` in one write and one fsync; then each
 job's folder written (``Registry.write_job``) without fsync; then each
 submitter answered. No timer: while one batch is on disk the next gathers, so
-a lone submit waits for one fsync and a thousand at once for a few.
+a lone submit waits for one fsync and a thousand at once for a few. The
+journal's thread takes that next batch itself as the last one ends, with no
+turn of the loop between them: a busy loop delays a submit's answer, never
+its commit.
 
 Crash-safety: a job's folder files are written only once its line is durable,
 so after a kill or a power cut every job whose folder holds anything has its
@@ -26,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,14 +95,22 @@ class Journal:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.root = registry.root / JOURNAL_DIR
+        # Submits append on the loop, the journal's thread takes what waits: both
+        # under the lock, with ``_writing`` (the thread has been handed the queue).
+        self._lock = threading.Lock()
         self._waiting: list[Entry] = []
+        self._writing = False
         # Set while no batch is being written.
         self._quiet = asyncio.Event()
         self._quiet.set()
         # One thread writes the journal: its appends are in commit order.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="serve-journal")
+        # The segment appended to and its jobs so far: the thread's own.
         self._segment = 1
         self._in_segment = 0
+        # The segment appended to as the loop knows it (``_settle``): the ones
+        # before it are closed, and go once their jobs are final.
+        self._current = 1
         # Jobs not final yet -> their segment; segment -> how many of them.
         self._pending: dict[str, int] = {}
         self._open: dict[int, int] = {}
@@ -122,47 +135,68 @@ class Journal:
         cancelled it: a submitter that stops waiting changes nothing, the commit
         and ``accepted`` happen."""
         entry = Entry(record, rows, accepted)
-        self._waiting.append(entry)
-        if self._quiet.is_set():
+        with self._lock:
+            self._waiting.append(entry)
+            idle, self._writing = not self._writing, True
+        if idle:
             # At the loop's next turn: the submits of this turn join the batch.
             self._quiet.clear()
-            asyncio.get_running_loop().call_soon(self._next_batch)
+            asyncio.get_running_loop().call_soon(self._hand_over)
         return entry
 
-    def _next_batch(self) -> None:
-        """Hand what waits to the journal's thread, which calls ``_committed`` back on
-        the loop: no task between them, so a commit costs its submitters no more
-        turns of the loop than the thread's answer."""
-        batch, self._waiting = self._waiting, []
+    def _hand_over(self) -> None:
+        """Hand the queue to the journal's thread, which commits what waits batch
+        after batch and calls ``_settle`` back on the loop for each."""
         loop = asyncio.get_running_loop()
         try:
-            self._thread.submit(self._commit, loop, batch, self._segment)
+            self._thread.submit(self._drain, loop)
         except RuntimeError as exc:  # the thread is shut down: the daemon is stopping
-            self._committed(batch, [exc] * len(batch), self._segment)
+            with self._lock:
+                batch, self._waiting, self._writing = self._waiting, [], False
+            self._settle(batch, [exc] * len(batch), self._current, closed=False)
+            self._quiet.set()
 
-    def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[Entry], segment: int) -> None:
-        """The batch written (in the journal's thread), then settled on the loop."""
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Commit what waits until nothing does (in the journal's thread): the batch
+        that gathered while the last one was on disk goes at once."""
+        while True:
+            with self._lock:
+                batch, self._waiting = self._waiting, []
+                if not batch:
+                    self._writing = False
+                    break
+            self._commit(loop, batch)
+        loop.call_soon_threadsafe(self._maybe_quiet)
+
+    def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[Entry]) -> None:
+        """The batch written, its segment closed once full, then the batch settled on
+        the loop."""
+        segment = self._segment
         results: list[BaseException | None]
         try:
             results = self._write(batch, segment)
         except Exception as exc:
             # The journal itself could not be written: none of them is accepted.
             results = [exc] * len(batch)
-        loop.call_soon_threadsafe(self._committed, batch, results, segment)
+        self._in_segment += results.count(None)
+        closed = self._in_segment >= SEGMENT_JOBS
+        if closed:
+            self._segment, self._in_segment = segment + 1, 0
+        loop.call_soon_threadsafe(partial(self._settle, batch, results, segment, closed=closed))
 
-    def _committed(
-        self, batch: list[Entry], results: list[BaseException | None], segment: int
-    ) -> None:
-        try:
-            self._settle(batch, results, segment)
-        finally:
-            if self._waiting:
-                self._next_batch()
-            else:
+    def _maybe_quiet(self) -> None:
+        # A submit may have handed the queue over again since the thread let it go.
+        with self._lock:
+            if not self._writing:
                 self._quiet.set()
 
     def _settle(
-        self, batch: list[Entry], results: list[BaseException | None], segment: int
+        self,
+        batch: list[Entry],
+        results: list[BaseException | None],
+        segment: int,
+        *,
+        closed: bool,
     ) -> None:
         accepted = [entry for entry, error in zip(batch, results, strict=True) if error is None]
         self.batches += 1
@@ -170,9 +204,8 @@ class Journal:
         for entry in accepted:
             self._pending[entry.record.job_id] = segment
         self._open[segment] = self._open.get(segment, 0) + len(accepted)
-        self._in_segment += len(accepted)
-        if self._in_segment >= SEGMENT_JOBS:
-            self._segment, self._in_segment = segment + 1, 0
+        if closed:
+            self._current = segment + 1
             self._drop_if_done(segment)
         for entry, error in zip(batch, results, strict=True):
             if error is None:
@@ -245,7 +278,7 @@ class Journal:
         self._drop_if_done(segment)
 
     def _drop_if_done(self, segment: int) -> None:
-        if segment == self._segment or self._open.get(segment, 0) > 0:
+        if segment >= self._current or self._open.get(segment, 0) > 0:
             return
         self._open.pop(segment, None)
         task = asyncio.create_task(asyncio.to_thread(self._drop, segment), name="journal-drop")
@@ -302,7 +335,7 @@ class Journal:
                 self._open[segment] = self._open.get(segment, 0) + 1
         if repaired:
             fsync_dir(self.registry.jobs_dir)
-        self._segment = max(segments, default=0) + 1
+        self._segment = self._current = max(segments, default=0) + 1
         for segment in segments:
             if self._open.get(segment, 0) == 0:
                 self._open.pop(segment, None)

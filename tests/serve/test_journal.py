@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import pytest
 
+from dispatcher.serve import journal as journal_module
 from dispatcher.serve.journal import APPENDED, JOURNAL_DIR, Journal
 from dispatcher.serve.registry import JobRecord, Registry, now_iso
 from dispatcher.serve.spec import STORED, JobSpec
@@ -221,4 +222,62 @@ async def test_a_submit_after_the_journals_thread_stopped_is_refused_and_close_e
             await entry.answer
         await asyncio.wait_for(journal.close(), 10)
     finally:
+        registry.unlock()
+
+
+async def test_a_batch_gathered_meanwhile_is_committed_while_the_loop_is_busy(
+    tmp_path: Path,
+) -> None:
+    # The journal's thread takes the next batch itself as the last one ends: a loop
+    # busy elsewhere delays the submitters' answers, never their commit.
+    registry = Registry(tmp_path / "state")
+    registry.lock()
+    journal = Journal(registry)
+    held, release, second = threading.Event(), threading.Event(), threading.Event()
+
+    def step(_: str) -> None:
+        if not held.is_set():
+            held.set()
+            release.wait(60)
+        else:
+            second.set()
+
+    journal.step = step
+    try:
+        first = journal.submit(record("first", 1), None, lambda r: None)
+        await wait_until(held.is_set)
+        later = [journal.submit(record(f"j{n}", n + 2), None, lambda r: None) for n in range(3)]
+        release.set()
+        # The loop's thread blocks here: no callback of the loop runs meanwhile.
+        assert second.wait(30)
+        await asyncio.gather(first.answer, *(entry.answer for entry in later))
+        assert (journal.batches, journal.largest_batch) == (2, 3)
+    finally:
+        await journal.close()
+        registry.unlock()
+
+
+async def test_a_full_segment_goes_once_its_jobs_are_final_the_one_appended_to_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "SEGMENT_JOBS", 2)
+    registry = Registry(tmp_path / "state")
+    registry.lock()
+    journal = Journal(registry)
+
+    def segments() -> list[str]:
+        return sorted(path.name for path in (tmp_path / "state" / JOURNAL_DIR).iterdir())
+
+    try:
+        for n in range(5):
+            await journal.submit(record(f"j{n}", n + 1), None, lambda r: None).answer
+        assert segments() == ["000001.jsonl", "000002.jsonl", "000003.jsonl"]
+        for n in (0, 1, 2):
+            journal.final_saved(f"j{n}")
+        await wait_until(lambda: segments() == ["000002.jsonl", "000003.jsonl"])
+        journal.final_saved("j4")
+        journal.final_saved("j3")
+        await wait_until(lambda: segments() == ["000003.jsonl"])
+    finally:
+        await journal.close()
         registry.unlock()
