@@ -43,7 +43,12 @@ from dispatcher.serve.bodies import BodyBudget
 from dispatcher.serve.faults import StateDirHealth, is_disk_fault, one_line
 from dispatcher.serve.final import BrokenJob, FinalJob
 from dispatcher.serve.journal import Journal
-from dispatcher.serve.metrics import StepTotals, declare_service_metrics, service_status
+from dispatcher.serve.metrics import (
+    StepTotals,
+    declare_service_metrics,
+    service_status,
+    submit_durations,
+)
 from dispatcher.serve.registry import (
     SETTLED_STATES,
     JobRecord,
@@ -103,6 +108,7 @@ class Service(Submissions):
             daemon.pause,
             self.step_totals,
         )
+        self.submit_times = submit_durations(daemon.metrics.registry)
         # Bodies are parsed, checked and written in one thread: the memory of a
         # body's objects is reused by the next, not kept in an allocator arena
         # per worker thread.

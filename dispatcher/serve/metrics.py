@@ -1,5 +1,6 @@
 """The service's own series: jobs by state, the policy version, the results stream's
-delay, the admission pause, the step targets of the jobs not final.
+delay, a submit's time to its answer, the admission pause, the step targets of the
+jobs not final.
 
 Bounded by design: one series per job state, never one per job (a job's own
 figures are at ``GET /v1/jobs/<id>``). States with no job are exported as 0,
@@ -9,7 +10,7 @@ final: one series per agent of a quota (agents are the daemon's ``--agent``s).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from dispatcher.admission.pause import AdmissionPause
+from dispatcher.latency.quantile import quantile
 from dispatcher.lifecycle import JobState
 from dispatcher.run.daemon import Daemon, peak_rss_mb
 
@@ -145,6 +147,41 @@ def declare_service_metrics(
     )
 
 
+class Durations:
+    """How long one kind of request took to answer: a histogram on ``/metrics``, the
+    last ``window`` of them for ``/status``'s quantiles."""
+
+    def __init__(self, histogram: Histogram, window: int = 10_000) -> None:
+        self.histogram = histogram
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, seconds: float) -> None:
+        self.histogram.observe(seconds)
+        self.recent.append(seconds)
+
+    def quantiles(self) -> dict[str, float | None]:
+        ordered = sorted(self.recent)
+        return {
+            "p50": quantile(ordered, 0.5),
+            "p99": quantile(ordered, 0.99),
+            "max": ordered[-1] if ordered else None,
+        }
+
+
+def submit_durations(registry: CollectorRegistry) -> Durations:
+    """A submit's seconds from its handler's start (its body read) to its answer: 201
+    once its job is journaled, 200 for the same body again. The daemon's own share
+    of what its client waits, the loop's queue before the handler aside."""
+    histogram = Histogram(
+        "dispatcher_submit_seconds",
+        "From a POST /v1/jobs handler's start (its body read) to its answer (201 once "
+        "the job is journaled, 200 for the same body again).",
+        buckets=DELAY_BUCKETS_S,
+        registry=registry,
+    )
+    return Durations(histogram)
+
+
 class ServiceView(Protocol):
     """What ``/status`` reads of the service (``jobs.Service``), named here so this
     module need not import the one that imports it."""
@@ -162,6 +199,8 @@ class ServiceView(Protocol):
     def running(self) -> Sequence[Any]: ...
     def job_counts(self) -> dict[str, int]: ...
     def delay_quantiles(self) -> dict[str, float | None]: ...
+    @property
+    def submit_times(self) -> Durations: ...
 
 
 def service_status(service: ServiceView) -> dict[str, Any]:
@@ -201,6 +240,8 @@ def service_status(service: ServiceView) -> dict[str, Any]:
         **daemon.delivery_figures(),
         "metrics_url": daemon.metrics_endpoint.url if daemon.metrics_endpoint else None,
         "results_delay_s": service.delay_quantiles(),
+        # POST /v1/jobs answered (201 or 200): the last 10,000.
+        "submit_s": service.submit_times.quantiles(),
         "event_loop_lag_p99_s": daemon.lag.p99_s(),
         "event_loop_lag_max_s": daemon.lag.max_s(),
         "peak_rss_mb": peak_rss_mb(),

@@ -1,17 +1,21 @@
 """The service's own series (serve/metrics.py) and the rollout duration buckets, as a
-scrape renders them."""
+scrape renders them; a submit's time to its answer, on ``/metrics`` and ``/status``."""
 
 from __future__ import annotations
 
 from collections import Counter
 from itertools import pairwise
+from pathlib import Path
 
+import orjson
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from dispatcher.serve.metrics import ServiceGauges
 from dispatcher.telemetry.metrics import DURATION_BUCKETS_S
+from tests.helpers import FakeAgent
+from tests.serve.test_archive import JSON, daemon
 
 
 def scrape(registry: CollectorRegistry) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
@@ -41,3 +45,19 @@ def test_duration_buckets_resolve_a_tenth_of_a_second_to_ten_seconds() -> None:
     steps = [b for b in DURATION_BUCKETS_S if 0.1 <= b <= 10.0]
     assert steps[0] == 0.1 and steps[-1] == 10.0
     assert max(high / low for low, high in pairwise(steps)) <= 1.5
+
+
+async def test_each_answered_submit_is_timed_on_metrics_and_status(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    async with daemon(tmp_path, agent, window=1000) as api:
+        assert await api.submit("a") == 201
+        assert await api.submit("a") == 200
+        # A refused body is no answer to time.
+        async with api.http.post(api.url, data=orjson.dumps({"rows": []}), headers=JSON) as r:
+            assert r.status == 400
+        status = api.service.status()["submit_s"]
+        assert 0 < status["p50"] <= status["p99"] <= status["max"]
+        counts = [value for name, _, value in scrape(api.service.daemon.metrics.registry)
+                  if name == "dispatcher_submit_seconds_count"]  # fmt: skip
+        assert counts == [2]
