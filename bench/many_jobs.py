@@ -11,7 +11,10 @@ grouped results stream read to its end line, then the next. Printed:
   all ``--jobs`` are, and their ratio (goal ≤ 1.2): settled jobs cost nothing;
 - the state directory's entries: ``jobs/``, ``archive/`` and every file under
   it, against ``--retain-settled-jobs`` (one archive per that many settled jobs);
-- submit latency p50 / p99 over every job (goal p99 ≤ 20 ms);
+- submit latency p50 / p99 over every job (goal p99 ≤ 20 ms), as the trainer
+  times it and as the daemon does (``/status``: from its handler's start to its
+  answer), and the trainer's own event-loop lag: what of a submit's time is
+  the daemon's, and what the trainer's loop, busy reading streams, adds;
 - a restart on the same state directory (SIGTERM, then the same command): the
   seconds from the new process's start to the first row of a new job read
   back (goal ≤ 5 s), an upper bound on the time to its first dispatch;
@@ -40,7 +43,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ServeProcess, consume, dispatcher_server
+from _common import LoopLag, ServeProcess, consume, dispatcher_server
 
 from dispatcher.latency.quantile import quantile
 from dispatcher.serve.archive import Archive, Folded
@@ -78,6 +81,7 @@ class Trainer:
         self.numbers = itertools.count()
         self.done = 0
         self.submit_s: list[float] = []
+        self.lag = LoopLag()
         self.at_first: asyncio.Event = asyncio.Event()
         # (jobs done, the daemon's RSS in MB) at every ``--every`` jobs: the curve.
         self.curve: list[tuple[int, float]] = []
@@ -88,7 +92,8 @@ class Trainer:
         """Every job, at ``clients`` × ``per_client`` at once; seconds it took."""
         started = time.perf_counter()
         watcher = asyncio.create_task(self._first(on_first))
-        await asyncio.gather(*(self._client() for _ in range(self.args.clients)))
+        async with self.lag:
+            await asyncio.gather(*(self._client() for _ in range(self.args.clients)))
         await watcher
         return time.perf_counter() - started
 
@@ -138,15 +143,23 @@ async def folds_done(url: str, archived: int, timeout_s: float = 300) -> None:
     raise SystemExit(f"fewer than {archived} jobs archived after {timeout_s:g} s")
 
 
-async def loop_lag(url: str) -> str:
-    """The daemon's event-loop lag (``/status``): how late a task that slept woke, the
-    longest loop steps, which every submit waits behind."""
+async def daemon_view(url: str) -> list[str]:
+    """The daemon's ``/status``: its event-loop lag (how late a task that slept woke:
+    the longest loop steps, which every submit waits behind) and its own submit
+    times (its handler's start to its answer)."""
     async with aiohttp.ClientSession() as http, http.get(f"{url}/status") as r:
         status = await r.json()
     p99, top = status.get("event_loop_lag_p99_s"), status.get("event_loop_lag_max_s")
-    if p99 is None or top is None:
-        return "daemon event-loop lag: not measured"
-    return f"daemon event-loop lag: p99 {p99 * 1000:.1f} ms, max {top * 1000:.1f} ms"
+    lines = ["daemon event-loop lag: not measured"]
+    if p99 is not None and top is not None:
+        lines = [f"daemon event-loop lag: p99 {p99 * 1000:.1f} ms, max {top * 1000:.1f} ms"]
+    submit = status.get("submit_s") or {}
+    if submit.get("p99") is not None:
+        lines.append(
+            f"submit latency, the daemon's own (handler to answer, last 10,000): p50 "
+            f"{submit['p50'] * 1000:.1f} ms, p99 {submit['p99'] * 1000:.1f} ms"
+        )
+    return lines
 
 
 def entries(state: Path) -> dict[str, int]:
@@ -211,7 +224,7 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     if args.restart_on:
         args.add_archived = max(0, args.restart_on - args.jobs)
     cpu_ms = (daemon.cpu_s() - cpu_before) / args.jobs * 1000
-    lag = await loop_lag(daemon.url)
+    view = await daemon_view(daemon.url)
     # A fold runs once a window is full: the last one may still be writing.
     await folds_done(daemon.url, args.jobs // args.retain * args.retain)
     rss["last"] = daemon.rss_mb()
@@ -232,7 +245,10 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     await asyncio.to_thread(daemon.stop)
     report(args, seconds, rss, counts, (p50, p99), restart_s, restart_rss, code)
     print(f"daemon CPU (user + system, every thread) per job: {cpu_ms:.1f} ms")
-    print(lag)
+    print("\n".join(view))
+    lag = trainer.lag
+    print(f"the trainer's own event-loop lag: p99 {lag.quantile(0.99) * 1000:.1f} ms, max "
+          f"{lag.max * 1000:.1f} ms")  # fmt: skip
     print(slope(trainer.curve, rss["first"], args))
     print(f"an archived job: {answer_before}")
     print(f"  after the restart: {answer_after}")
