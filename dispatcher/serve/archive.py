@@ -51,6 +51,7 @@ from dispatcher.files.contracts import JobStatus, RunManifest, max_attempts_for
 from dispatcher.files.resume import OutputPaths
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
+from dispatcher.serve.archived_ids import ArchivedIds, Bits, bits_of
 from dispatcher.serve.final import FinalJob, saved_status, unknown_completion
 from dispatcher.serve.registry import BadRecord, JobRecord, Registry
 from dispatcher.serve.results import Source
@@ -253,6 +254,13 @@ class Archive:
         ((n,),) = self._query("SELECT COUNT(*) FROM jobs")
         return int(n)
 
+    def ids(self) -> Bits:
+        """Every archived job's id in a filter (blocking: a walk of the index)."""
+        with self._lock:
+            ((count,),) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchall()
+            cursor = self._db.execute("SELECT job_id FROM jobs")
+            return bits_of((job_id for (job_id,) in cursor), count)
+
     # ---- lookups --------------------------------------------------------------------
 
     def find(self, job_id: str) -> ArchivedJob | None:
@@ -382,6 +390,20 @@ class Compaction:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        # The ids the archive may hold; the ones of the start come from ``load_ids``.
+        self.ids = ArchivedIds()
+        self._loading: asyncio.Task[None] | None = None
+
+    def load_ids(self) -> None:
+        """Read the ids archived so far into ``ids``, in a thread, after the start."""
+        self._loading = asyncio.create_task(self._load_ids(), name="archive-ids")
+
+    async def _load_ids(self) -> None:
+        try:
+            self.ids.load(await asyncio.to_thread(self.archive.ids))
+        except Exception as exc:
+            # Every id stays a "maybe": each submit looks in the index, as before.
+            log.warning("archive_ids_not_loaded", error=str(exc))
 
     def settled(self, job: FinalJob) -> None:
         """A job is settled (or was, before a restart): it waits for its fold."""
@@ -433,6 +455,7 @@ class Compaction:
         await self.write(self.archive.commit, folded)
         # Committed: from here on the index answers for them, before their folders go.
         for job in ready:
+            self.ids.add(job.job_id)
             del self.waiting[job.job_id]
             if self.jobs.get(job.job_id) is job:
                 del self.jobs[job.job_id]
@@ -449,6 +472,7 @@ class Compaction:
     async def close(self) -> None:
         """Let a fold under way end (it is crash-safe, but a whole one saves a redo)."""
         self._closed = True
-        if self._task is not None:
-            await asyncio.wait([self._task])
+        tasks = [task for task in (self._task, self._loading) if task is not None]
+        if tasks:
+            await asyncio.wait(tasks)
         await asyncio.to_thread(self.archive.close)
