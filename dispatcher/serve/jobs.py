@@ -139,6 +139,7 @@ class Service(Submissions):
         self.compaction = Compaction(archive, self.limits.retain_settled_jobs, self.jobs,
                                      self.write)  # fmt: skip
         self.compaction.archived = await asyncio.to_thread(archive.count)
+        self.compaction.load_ids()
         # Before the registry is read: a job a kill cut after its commit is made whole.
         await asyncio.to_thread(self.journal.replay, archive.has)
         self._next_seq = await asyncio.to_thread(archive.last_seq) + 1

@@ -1,8 +1,12 @@
 """The submission of a job to ``dispatcher serve``, mixed into ``Service`` (``jobs.py``).
 
-A body takes one thread hop (``Submissions._check``, on the bodies' thread):
-parsed, its job_id looked up in the archive, its rows checked as ``run``
-checks them. Then, on the loop: the same body again is the same job (200),
+A body is parsed, its job_id looked up in the archive, its rows checked as
+``run`` checks them (``Submissions._check``): on the loop for a small body of
+rows whose check touches no disk and whose job_id the archive cannot hold
+(``archived_ids.py``), a fraction of a millisecond; else in one thread hop, on
+the bodies' thread. A hop costs a submit two turns of the loop, and each turn
+of a busy loop is the time it takes to serve every rollout that was ready.
+Then, on the loop: the same body again is the same job (200),
 another body of an existing id a ``Conflict``; a new job takes its id and
 submission order under a lock (``_reserve``) and is committed by the journal
 of submissions (``journal.py``, a thread of its own), which starts it once its
@@ -13,6 +17,7 @@ jobs' starts and ends do their file work.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +44,13 @@ AnyJob = ServedJob | FinalJob | BrokenJob
 FoundJob = AnyJob | ArchivedJob
 
 log = structlog.get_logger("dispatcher.serve")
+
+
+# A body of rows this small is checked on the loop (``_check_here``): a job of a
+# few rows takes a fraction of a millisecond of CPU.
+INLINE_BODY_BYTES = 16 * 1024
+# Rows are checked in a file in memory (``spec.check_tasks``), not on the disk.
+IN_MEMORY_CHECK = hasattr(os, "memfd_create")
 
 
 class Conflict(Exception):
@@ -104,12 +116,14 @@ class Submissions:
     async def _submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         # What the archive held before the body's lookup in it (``_reserve``).
         archived = self._archived()
-        loop = asyncio.get_running_loop()
-        try:
-            checked = await loop.run_in_executor(self._bodies_thread, self._check, body)
-        except OSError as exc:
-            self.disk_fault(exc)
-            raise
+        checked = self._check_here(body)
+        if checked is None:
+            loop = asyncio.get_running_loop()
+            try:
+                checked = await loop.run_in_executor(self._bodies_thread, self._check, body)
+            except OSError as exc:
+                self.disk_fault(exc)
+                raise
         del body
         spec, digest = checked.spec, checked.digest
         if (answer := await self._known(spec, digest, looked_up=checked.archived)) is not None:
@@ -192,16 +206,33 @@ class Submissions:
             self._next_seq += 1
             return None, record
 
+    def _check_here(self, body: bytes) -> Checked | None:
+        """``_check`` on the loop, for a body of at most ``INLINE_BODY_BYTES`` of rows
+        (checked in memory) without quotas (checked in a file), whose job_id the
+        archive cannot hold; None for any other body (its check takes the thread)."""
+        if len(body) > INLINE_BODY_BYTES or not IN_MEMORY_CHECK:
+            return None
+        spec = JobSpec.parse(body, self.base.agents)
+        if spec.rows is None or spec.target_groups_by_agent is not None:
+            return None
+        compaction, job_id = self.compaction, spec.job_id
+        if job_id is not None and compaction is not None and compaction.ids.may_hold(job_id):
+            return None
+        return self._checked(spec.rooted(self.input_root, self.registry.root), None)
+
     def _check(self, body: bytes) -> Checked:
         """The body parsed, its job looked up in the archive and its rows checked, in
         one thread hop (blocking). A body that cannot be parsed raises ``BadJob``; a
         refusal of its rows is kept for after the lookup: the same body again is the
         same job, whatever its rows."""
         spec = JobSpec.parse(body, self.base.agents).rooted(self.input_root, self.registry.root)
-        digest = spec.digest()
         archived = None
         if spec.job_id is not None and self.compaction is not None:
             archived = self.compaction.archive.find(spec.job_id)
+        return self._checked(spec, archived)
+
+    def _checked(self, spec: JobSpec, archived: ArchivedJob | None) -> Checked:
+        digest = spec.digest()
         refused = None
         try:
             # Checked outside the lock: one job's check never waits for another's commit.
