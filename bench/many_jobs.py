@@ -1,8 +1,12 @@
 """Many small jobs, as a trainer that calls the service once per prompt group submits
 them: what 100,000 settled jobs cost the daemon.
 
-Everything runs in its own process: a simulated agent (no latency),
-``dispatcher serve`` and this script as the trainer. ``--clients`` client
+Everything runs in its own process: a simulated agent, ``dispatcher serve`` and
+this script as the trainer. The agent answers at once by default: the daemon is
+the bottleneck, busy every moment, which is what its costs are measured under.
+A real agent takes seconds (``--agent-latency lognormal:0.5,1``): the daemon is
+then not the bottleneck, as in a training run, and the submit latency is what a
+trainer sees there. ``--clients`` client
 sessions each keep ``--per-client`` prompt groups going at once: a job of one
 prompt × ``--repeats`` repeats is submitted (its submit latency timed), then its
 grouped results stream read to its end line, then the next. Printed:
@@ -298,7 +302,8 @@ def report(args: argparse.Namespace, seconds: float, rss: dict[str, float],
     print(
         f"many jobs: {args.jobs:,} jobs of 1 prompt x {args.repeats} repeats ({rows:,} rows), "
         f"{args.clients} clients x {args.per_client} groups at once, --concurrency "
-        f"{args.concurrency}, --retain-settled-jobs {args.retain}, --fsync {args.fsync}"
+        f"{args.concurrency}, --retain-settled-jobs {args.retain}, --fsync {args.fsync}, "
+        f"agent latency {args.agent_latency}"
     )
     print(f"  {seconds:.1f} s: {args.jobs / seconds:,.0f} jobs/s, {rows / seconds:,.0f} rows/s")
     ratio = rss["last"] / rss["first"]
@@ -332,6 +337,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--per-client", type=int, default=16, help="groups at once per client")
     parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument(
+        "--agent-latency",
+        default="fixed:0",
+        metavar="fixed:S|lognormal:MEDIAN_S,SIGMA",
+        help="the simulated agent's latency (default fixed:0: the daemon is the bottleneck)",
+    )
     parser.add_argument("--retain", type=int, default=1_000, help="--retain-settled-jobs")
     parser.add_argument("--fsync", default="batch", help="the daemon's --fsync (default batch)")
     parser.add_argument(
@@ -366,7 +377,7 @@ def main() -> None:
         args.add_archived, args.every = 200, 100
     with (
         tempfile.TemporaryDirectory() as folder,
-        dispatcher_server("sim-agent", "--latency-s", "0") as agent,
+        dispatcher_server("sim-agent", "--latency-dist", args.agent_latency) as agent,
     ):
         asyncio.run(measure(Path(folder), agent, args))
 
