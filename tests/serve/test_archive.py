@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import AsyncIterator
+import sys
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import pytest
 from aiohttp import web
 
 from dispatcher.errors import ConfigError
+from dispatcher.lifecycle import JobState
 from dispatcher.serve.archive import STEPS, Archive, Folded
 from dispatcher.serve.command import serving
 from dispatcher.serve.final import FinalJob
@@ -240,6 +244,75 @@ async def test_a_fold_leaves_nothing_for_the_cyclic_collector(
         gc.enable()
         archive.close()
     assert kept == []
+
+
+# Events of the audit hook that are system calls a removal makes (``open``: os.open).
+_REMOVAL_CALLS = frozenset({"os.remove", "os.rmdir", "os.scandir", "os.listdir", "open"})
+# The threads whose calls are counted now, and their counts.
+_counted: dict[int, Counter[str]] = {}
+
+
+def _count_call(event: str, _: tuple[Any, ...]) -> None:
+    if _counted and event in _REMOVAL_CALLS and (calls := _counted.get(threading.get_ident())):
+        calls[event] += 1
+
+
+_audit_hook_added = False
+
+
+def removal_calls(remove: Callable[[], None]) -> Counter[str]:
+    """The system calls (as audit events) this thread makes while ``remove`` runs."""
+    global _audit_hook_added
+    if not _audit_hook_added:
+        sys.addaudithook(_count_call)  # for the process's life: counts only when asked
+        _audit_hook_added = True
+    calls: Counter[str] = Counter({"": 0})
+    _counted[threading.get_ident()] = calls
+    try:
+        remove()
+    finally:
+        del _counted[threading.get_ident()]
+    del calls[""]
+    return calls
+
+
+def job_folders(state: Path, count: int) -> list[Folded]:
+    """``count`` settled jobs' folders of ten files and a subfolder, as a fold takes them."""
+    jobs = []
+    for n in range(count):
+        folder = state / "jobs" / f"j{n}"
+        (folder / "sub").mkdir(parents=True)
+        for name in [*(f"f{k}" for k in range(9)), "sub/g"]:
+            (folder / name).write_bytes(b"x")
+        jobs.append(Folded(f"j{n}", n + 1, "d" * 64, JobState.DONE, None, None))
+    return jobs
+
+
+def test_a_folds_folders_go_in_a_few_system_calls_not_a_few_a_file(tmp_path: Path) -> None:
+    # Each system call of the fold's thread gives the interpreter's lock to the loop and
+    # waits to take it back. shutil.rmtree's few a file (~17,000 files a fold of 1,000
+    # jobs) made the folds of bench/many_jobs.py fall behind the jobs settling: the
+    # jobs waiting for a fold, and the daemon's resident memory, grew without bound.
+    jobs = job_folders(tmp_path / "state", 20)
+    archive = Archive(Registry(tmp_path / "state"))
+    try:
+        calls = removal_calls(lambda: archive.remove(jobs))
+    finally:
+        archive.close()
+    assert sorted((tmp_path / "state/jobs").iterdir()) == []
+    # A few opens (``rm``'s /dev/null, the fsync of jobs/): not 20 x 12 and more.
+    assert sum(calls.values()) <= 5, calls
+
+
+def test_a_folds_folders_go_without_rm_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = job_folders(tmp_path / "state", 3)
+    archive = Archive(Registry(tmp_path / "state"))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-programs"))
+    try:
+        archive.remove(jobs)
+    finally:
+        archive.close()
+    assert sorted((tmp_path / "state/jobs").iterdir()) == []
 
 
 def test_the_index_holds_a_bounded_page_cache(tmp_path: Path) -> None:
