@@ -33,9 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import sqlite3
-import subprocess
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,7 +45,7 @@ import structlog
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
-from dispatcher.files.atomic import fsync_dir
+from dispatcher.files.atomic import fsync_dir, remove_folder, remove_folders
 from dispatcher.files.contracts import JobStatus, RunManifest, max_attempts_for
 from dispatcher.files.resume import OutputPaths
 from dispatcher.files.writer import LineIndex
@@ -64,8 +62,6 @@ INDEX_FILE = "index.sqlite"
 PART = ".part"
 # The index's page cache, KiB.
 CACHE_KIB = 256
-# Folders one ``rm`` removes (its arguments stay far below the system's bound).
-RM_FOLDERS = 512
 # Lines of a member indexed per read.
 READ_BYTES = 1 << 20
 
@@ -244,7 +240,7 @@ class Archive:
                 log.warning("archive_cut_removed", path=str(path))
         for folder in self.registry.jobs_dir.iterdir():
             if folder.is_dir() and self._has(folder.name):
-                _remove(folder)
+                remove_folder(folder)
                 log.warning("archived_folder_removed", path=str(folder))
         fsync_dir(self.registry.jobs_dir)
 
@@ -309,7 +305,7 @@ class Archive:
     def remove(self, jobs: list[Folded]) -> None:
         """Step 3 of a fold, once no one reads the jobs from their folders: the folders
         go (blocking)."""
-        _remove_folders([self.registry.job_dir(job.job_id) for job in jobs])
+        remove_folders([self.registry.job_dir(job.job_id) for job in jobs])
         fsync_dir(self.registry.jobs_dir)
 
     def _write_tar(self, number: int, jobs: list[Folded]) -> list[dict[str, list[int]]]:
@@ -352,41 +348,6 @@ class Archive:
                 db.execute("ROLLBACK")
                 raise
             db.execute("COMMIT")
-
-
-def _remove_folders(folders: list[Path]) -> None:
-    """The folders and everything in them, by ``rm -rf`` (``shutil.rmtree`` each where
-    there is no ``rm``; blocking).
-
-    Not ``shutil.rmtree`` in this thread: it makes a few system calls a file, and each
-    one gives the interpreter's lock to the loop and waits to take it back. 1,000
-    folders of 17 files took it 16 to 19 s beside a thread running Python (``rm``: 3 s);
-    the folds of bench/many_jobs.py fell behind the jobs settling, and the settled
-    jobs waiting for one grew without bound (16,000 after 55,000 jobs, ~400 bytes of
-    objects each, and the daemon's RSS with them). One ``rm`` removes up to
-    ``RM_FOLDERS`` folders."""
-    for first in range(0, len(folders), RM_FOLDERS):
-        chunk = folders[first : first + RM_FOLDERS]
-        try:
-            done = subprocess.run(
-                ["rm", "-rf", "--", *map(str, chunk)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                check=False,
-            )
-        except FileNotFoundError:  # no ``rm``
-            for folder in chunk:
-                _remove(folder)
-            continue
-        if done.returncode != 0:
-            why = done.stderr.decode(errors="replace").strip().splitlines()
-            raise OSError(f"rm -rf of {len(chunk)} job folders: {why[0] if why else done}")
-
-
-def _remove(folder: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(folder)
 
 
 def _number(name: str) -> int | None:
