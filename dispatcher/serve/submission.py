@@ -46,7 +46,7 @@ FoundJob = AnyJob | ArchivedJob
 log = structlog.get_logger("dispatcher.serve")
 
 
-# A body of rows this small is checked on the loop (``_check_here``): a job of a
+# A body of rows this small is checked on the loop (``_checks_here``): a job of a
 # few rows takes a fraction of a millisecond of CPU.
 INLINE_BODY_BYTES = 16 * 1024
 # Rows are checked in a file in memory (``spec.check_tasks``), not on the disk.
@@ -116,11 +116,13 @@ class Submissions:
     async def _submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         # What the archive held before the body's lookup in it (``_reserve``).
         archived = self._archived()
-        checked = self._check_here(body)
-        if checked is None:
+        parsed = self._parsed_here(body)
+        if parsed is not None and self._checks_here(parsed):
+            checked = self._checked(parsed.rooted(self.input_root, self.registry.root), None)
+        else:
             loop = asyncio.get_running_loop()
             try:
-                checked = await loop.run_in_executor(self._bodies_thread, self._check, body)
+                checked = await loop.run_in_executor(self._bodies_thread, self._check, body, parsed)
             except OSError as exc:
                 self.disk_fault(exc)
                 raise
@@ -206,26 +208,28 @@ class Submissions:
             self._next_seq += 1
             return None, record
 
-    def _check_here(self, body: bytes) -> Checked | None:
-        """``_check`` on the loop, for a body of at most ``INLINE_BODY_BYTES`` of rows
-        (checked in memory) without quotas (checked in a file), whose job_id the
-        archive cannot hold; None for any other body (its check takes the thread)."""
+    def _parsed_here(self, body: bytes) -> JobSpec | None:
+        """A body of at most ``INLINE_BODY_BYTES`` parsed on the loop (its rows are
+        checked in memory); None for a larger one, parsed in the bodies' thread."""
         if len(body) > INLINE_BODY_BYTES or not IN_MEMORY_CHECK:
             return None
-        spec = JobSpec.parse(body, self.base.agents)
-        if spec.rows is None or spec.target_groups_by_agent is not None:
-            return None
-        compaction, job_id = self.compaction, spec.job_id
-        if job_id is not None and compaction is not None and compaction.ids.may_hold(job_id):
-            return None
-        return self._checked(spec.rooted(self.input_root, self.registry.root), None)
+        return JobSpec.parse(body, self.base.agents)
 
-    def _check(self, body: bytes) -> Checked:
-        """The body parsed, its job looked up in the archive and its rows checked, in
-        one thread hop (blocking). A body that cannot be parsed raises ``BadJob``; a
-        refusal of its rows is kept for after the lookup: the same body again is the
-        same job, whatever its rows."""
-        spec = JobSpec.parse(body, self.base.agents).rooted(self.input_root, self.registry.root)
+    def _checks_here(self, spec: JobSpec) -> bool:
+        """Whether ``spec``'s check runs on the loop: rows without quotas (checked in a
+        file), whose job_id the archive cannot hold; any other takes the thread."""
+        if spec.rows is None or spec.target_groups_by_agent is not None:
+            return False
+        compaction, job_id = self.compaction, spec.job_id
+        return job_id is None or compaction is None or not compaction.ids.may_hold(job_id)
+
+    def _check(self, body: bytes, parsed: JobSpec | None = None) -> Checked:
+        """The body parsed (unless ``parsed`` already is), its job looked up in the
+        archive and its rows checked, in one thread hop (blocking). A body that cannot
+        be parsed raises ``BadJob``; a refusal of its rows is kept for after the
+        lookup: the same body again is the same job, whatever its rows."""
+        spec = parsed if parsed is not None else JobSpec.parse(body, self.base.agents)
+        spec = spec.rooted(self.input_root, self.registry.root)
         archived = None
         if spec.job_id is not None and self.compaction is not None:
             archived = self.compaction.archive.find(spec.job_id)
