@@ -33,7 +33,6 @@ from dispatcher.admission.history import HISTORY_FILE, TaskHistory
 from dispatcher.admission.pause import MAX_TTL_S
 from dispatcher.errors import ExitCode
 from dispatcher.heap import HeapTrimmer
-from dispatcher.latency.quantile import quantile
 from dispatcher.run.aggregate import WithoutRoute
 from dispatcher.run.daemon import Daemon
 from dispatcher.run.job import Job
@@ -46,6 +45,7 @@ from dispatcher.serve.journal import Journal
 from dispatcher.serve.metrics import (
     StepTotals,
     declare_service_metrics,
+    recent_quantiles,
     service_status,
     submit_durations,
 )
@@ -274,12 +274,7 @@ class Service(Submissions):
                 )
 
     def delay_quantiles(self) -> dict[str, float | None]:
-        ordered = sorted(self.delays)
-        return {
-            "p50": quantile(ordered, 0.5),
-            "p99": quantile(ordered, 0.99),
-            "max": ordered[-1] if ordered else None,
-        }
+        return recent_quantiles(self.delays)
 
     # ---- the admission pause (contracts §13) ------------------------------------------
 

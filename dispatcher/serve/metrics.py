@@ -11,7 +11,7 @@ final: one series per agent of a quota (agents are the daemon's ``--agent``s).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -160,12 +160,17 @@ class Durations:
         self.recent.append(seconds)
 
     def quantiles(self) -> dict[str, float | None]:
-        ordered = sorted(self.recent)
-        return {
-            "p50": quantile(ordered, 0.5),
-            "p99": quantile(ordered, 0.99),
-            "max": ordered[-1] if ordered else None,
-        }
+        return recent_quantiles(self.recent)
+
+
+def recent_quantiles(recent: Iterable[float]) -> dict[str, float | None]:
+    """p50, p99 and max of the figures kept, for ``/status`` (None where none is)."""
+    ordered = sorted(recent)
+    return {
+        "p50": quantile(ordered, 0.5),
+        "p99": quantile(ordered, 0.99),
+        "max": ordered[-1] if ordered else None,
+    }
 
 
 def submit_durations(registry: CollectorRegistry) -> Durations:
