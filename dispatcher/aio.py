@@ -22,6 +22,26 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None, *, reraise: bool = Tru
         raise error
 
 
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel tasks and wait for them together (one turn of the loop, not one a task),
+    re-raising the first crash one had, in the list's order."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error
+
+
+async def first_of(task: asyncio.Task[Any], stops: list[asyncio.Task[Any]]) -> None:
+    """Until ``task`` or one of ``stops`` is done; re-raises a crash of ``task``. The
+    others go on (their owner cancels them)."""
+    await asyncio.wait([task, *stops], return_when=asyncio.FIRST_COMPLETED)
+    if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+        raise error
+
+
 class Wakeup:
     """Wakes every waiter at once; firing costs nothing while nobody waits.
 

@@ -1,10 +1,13 @@
-"""Wakeup: every waiter woken at once, in the next turn of the loop, and cancellable."""
+"""Wakeup: every waiter woken at once, in the next turn of the loop, and cancellable;
+tasks cancelled together, and the first of a task and its stops."""
 
 from __future__ import annotations
 
 import asyncio
 
-from dispatcher.aio import Wakeup, cancel_and_wait
+import pytest
+
+from dispatcher.aio import Wakeup, cancel_all, cancel_and_wait, first_of
 
 
 async def test_a_fire_wakes_every_waiter_in_the_next_turn_of_the_loop() -> None:
@@ -55,3 +58,55 @@ async def test_a_cancellation_that_meets_a_fire_still_cancels_the_waiter() -> No
     task.cancel()
     done, _ = await asyncio.wait({task}, timeout=5)
     assert done and task.cancelled()
+
+
+async def test_cancel_all_cancels_every_task_before_it_waits_for_any() -> None:
+    # One turn of the loop for all of them: each task, as it handles its cancel,
+    # finds the others cancelled already.
+    seen: list[bool] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    async def sleeper() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append(all(t.cancelling() for t in tasks))
+            raise
+
+    tasks.extend(asyncio.create_task(sleeper()) for _ in range(3))
+    await asyncio.sleep(0)
+    await cancel_all(tasks)
+    assert seen == [True, True, True]
+    assert all(t.cancelled() for t in tasks)
+
+
+async def test_cancel_all_reraises_the_first_crash_once_every_task_is_done() -> None:
+    async def crash(message: str) -> None:
+        raise RuntimeError(message)
+
+    sleeper = asyncio.create_task(asyncio.Event().wait())
+    tasks = [asyncio.create_task(crash("first")), sleeper, asyncio.create_task(crash("second"))]
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="first"):
+        await cancel_all(tasks)
+    assert sleeper.cancelled()
+
+
+async def test_first_of_ends_at_a_stop_and_leaves_the_task_running() -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(asyncio.Event().wait())
+    stops = [asyncio.create_task(stop.wait())]
+    stop.set()
+    await first_of(task, stops)
+    assert not task.done()
+    await cancel_all([task, *stops])
+
+
+async def test_first_of_reraises_a_crash_of_its_task() -> None:
+    async def crash() -> None:
+        raise RuntimeError("crashed")
+
+    stops = [asyncio.create_task(asyncio.Event().wait())]
+    with pytest.raises(RuntimeError, match="crashed"):
+        await first_of(asyncio.create_task(crash()), stops)
+    await cancel_all(stops)

@@ -36,7 +36,7 @@ import structlog
 from dispatcher.admission.history import TaskHistory
 from dispatcher.admission.order import OrderFor, StartOrder, start_order_for
 from dispatcher.admission.pool import Slots
-from dispatcher.aio import cancel_and_wait
+from dispatcher.aio import cancel_all, cancel_and_wait, first_of
 from dispatcher.delivery.faults import LocalFault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.resume import nothing_succeeded
@@ -219,19 +219,23 @@ class Job(JobFigures):
         self.state.advance(JobState.RUNNING)
         self._dispatch_started = self.daemon.clock()
         producer = asyncio.create_task(self._produce(), name="producer")
+        # The stops, waited for by both steps and cancelled with the rest at the end,
+        # all at once: a task cancelled and awaited alone is a turn of the loop each.
+        stops = [asyncio.create_task(self._stop.wait()),
+                 asyncio.create_task(self.daemon.stop_requested.wait())]  # fmt: skip
         budget_end = asyncio.create_task(self._settle_at_budget_end(), name="budget-end")
+        tasks = [producer, budget_end, *stops]
         try:
-            await self._until_stopped(producer, self._starts_closed)
+            tasks.append(closed := asyncio.create_task(self._starts_closed.wait()))
+            await first_of(producer, [*stops, closed])
             if self._starts_closed.is_set():
                 # A producer waiting for a slot gives it back.
                 await cancel_and_wait(producer)
             if producer.done() and (producer.cancelled() or producer.exception() is None):
-                idle = asyncio.create_task(self._idle.wait(), name="wait-idle")
-                await self._until_stopped(idle)
-                await cancel_and_wait(idle)
+                tasks.append(idle := asyncio.create_task(self._idle.wait(), name="wait-idle"))
+                await first_of(idle, stops)
         finally:
-            await cancel_and_wait(producer)
-            await cancel_and_wait(budget_end)
+            await cancel_all(tasks)
             self._dispatch_ended = self.daemon.clock()
 
     async def _settle_at_budget_end(self) -> None:
@@ -255,20 +259,6 @@ class Job(JobFigures):
             self.fatal = error
             self.log.error("run_failed", error=str(error))
         self._stop.set()
-
-    async def _until_stopped(self, task: asyncio.Task[Any], *also: asyncio.Event) -> None:
-        stops = {
-            asyncio.create_task(self._stop.wait()),
-            asyncio.create_task(self.daemon.stop_requested.wait()),
-            *(asyncio.create_task(event.wait()) for event in also),
-        }
-        try:
-            await asyncio.wait({task, *stops}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for stop in stops:
-                await cancel_and_wait(stop)
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
 
     async def _produce(self) -> None:
         started = 0
