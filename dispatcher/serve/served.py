@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import structlog
 
 from dispatcher.admission.history import TaskHistory
-from dispatcher.aio import cancel_and_wait
+from dispatcher.aio import cancel_all
 from dispatcher.delivery.faults import as_local_fault
 from dispatcher.errors import DispatcherError, OutputWriteError
 from dispatcher.files.contracts import JobStatus
@@ -315,8 +315,7 @@ class ServedJob:
         done, pending = await asyncio.wait(
             {*stops, back}, timeout=delay_s, return_when="FIRST_COMPLETED"
         )
-        for task in pending:
-            await cancel_and_wait(task)
+        await cancel_all(list(pending))
         return bool(done & stops)
 
     async def _settle(self, state: JobState, error: str | None) -> None:
@@ -390,8 +389,7 @@ class ServedJob:
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in waits:
-                await cancel_and_wait(task)
+            await cancel_all(list(waits))
 
     async def _pace(self) -> None:
         """Admission pacing: wait while this job's policy version is more than K ahead."""
