@@ -218,8 +218,10 @@ def attach_agent_trajectory(
     """Without capture: normalize the agent's own ``ng_trajectory`` (or observations) as
     Gym's collector does, so its missing model calls read as "unobserved" (a gap), not
     as a mismatch."""
-    has_own = (TRAJECTORY, AGENT_OBSERVATIONS)
-    if agent_result is None or not any(key in agent_result for key in has_own):
+    # Two tests spelled out, once per row: a generator and ``any`` cost five times theirs.
+    if agent_result is None or (
+        TRAJECTORY not in agent_result and AGENT_OBSERVATIONS not in agent_result
+    ):
         return
     _attach_trajectory(row, task_id, rollout_id, agent_result, (None, False), [])
 

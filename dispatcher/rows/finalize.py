@@ -40,9 +40,12 @@ Finalized = tuple[Line | None, dict[str, Any] | None, dict[str, Any]]
 class Finalizer:
     """Builds each attempt's output line; records capture waits and gaps in the metrics."""
 
-    def __init__(self, settings: RunSettings, metrics: Metrics) -> None:
+    def __init__(self, settings: RunSettings, metrics: Metrics, count_tokens: bool = True) -> None:
         self.settings = settings
         self.metrics = metrics
+        # Whether a row's facts carry its generated tokens (``GENERATED_TOKENS``): only
+        # a reader of final outcomes counts them (service mode's groups).
+        self.count_tokens = count_tokens
         # The run's id, on every row (contracts §15); set once the run's files are open.
         self.run_id: str | None = None
 
@@ -95,14 +98,13 @@ class Finalizer:
             row.update(extra)
         return row
 
-    @staticmethod
-    def _facts(attempt: Attempt, row: dict[str, Any]) -> dict[str, Any]:
+    def _facts(self, attempt: Attempt, row: dict[str, Any]) -> dict[str, Any]:
         if isinstance(attempt.result, WireResult):
             # Its kept values are slices of the agent's body: only the line waits
             # for the commit, and a big line's pieces are the body itself
             # (1x its size, never 2x).
             attempt.result.clear()
-        return row_facts(row)
+        return row_facts(row, self.count_tokens)
 
     async def _attach_capture(
         self, rollout: Rollout, attempt: Attempt, row: dict[str, Any], big: bool
@@ -155,13 +157,16 @@ class Finalizer:
             )
 
 
-def row_facts(row: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``Job.record`` reads of a row, so the row itself need not be kept, and its
-    generated tokens (``GENERATED_TOKENS``), which a token target counts."""
-    facts = {key: row[key] for key in _FACT_KEYS if key in row}
-    tokens = generated_tokens(row)
-    if tokens is not None:
-        facts[GENERATED_TOKENS] = tokens
+def row_facts(row: Mapping[str, Any], count_tokens: bool = True) -> dict[str, Any]:
+    """What ``Job.record`` reads of a row, so the row itself need not be kept, and
+    (``count_tokens``) its generated tokens (``GENERATED_TOKENS``), which a token
+    target counts."""
+    # The keys a row has, found in one set operation: most rows have one (a reward).
+    facts = {key: row[key] for key in _FACT_KEYS.intersection(row)}
+    if count_tokens:
+        tokens = generated_tokens(row)
+        if tokens is not None:
+            facts[GENERATED_TOKENS] = tokens
     return facts
 
 
@@ -188,7 +193,7 @@ def generated_tokens(row: Mapping[str, Any]) -> int | None:
 # What the one finality rule (``state.final_after_failure``) reads of a failure row,
 # and the reward, which service mode's group filter reads (contracts §13); the
 # class and ``mask_sample`` for the run's coverage and status files (contracts §15).
-_FACT_KEYS = (FAILURE_TERMINAL, NOT_DELIVERED, REWARD, FAILURE_CLASS, MASK_SAMPLE)
+_FACT_KEYS = frozenset((FAILURE_TERMINAL, NOT_DELIVERED, REWARD, FAILURE_CLASS, MASK_SAMPLE))
 
 
 def _readable(result: dict[str, Any] | None) -> Mapping[str, Any] | None:

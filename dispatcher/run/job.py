@@ -97,7 +97,7 @@ class Job(JobFigures):
         self.state = Lifecycle(JobState.QUEUED)
         self.fatal: DispatcherError | None = None
         self.prepared: PreparedRun | None = None
-        self.finalizer = Finalizer(settings, daemon.metrics)
+        self.finalizer = Finalizer(settings, daemon.metrics, count_tokens=on_final is not None)
         self.flights: set[Flight] = set()
         # Rollouts at agents (admitted, not answered): the one count of them,
         # moved with the in-flight gauge in ``_launch`` and ``_left_agent``.
