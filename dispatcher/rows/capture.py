@@ -32,6 +32,7 @@ from dispatcher.capture.records import CapturedCall, parse_record, token_fields
 from dispatcher.capture.store import capture_path, clear_rollouts, has_claims, incomplete_path
 from dispatcher.capture.tokens import TokenCounts
 from dispatcher.files.contracts import FAILURE_CLASS
+from dispatcher.rows.wire import DecodedView
 from dispatcher.tasks.schema import AGENT_OBSERVATIONS, MODEL_CALL_CAPTURE, PERF, TRAJECTORY
 
 JsonObject = dict[str, Any]
@@ -240,10 +241,12 @@ def _attach_trajectory(
 
     result = agent_result or {}
     calls, include_payloads = captured
+    # A big answer's row keeps the agent's values as bytes (rows/wire.py): its task id read plain.
+    task_key = trajectory_task_id(DecodedView(row), task_id)
     try:
         observed = observed_from(result.get(AGENT_OBSERVATIONS), calls)
         row[TRAJECTORY] = build_trajectory(
-            task_id=trajectory_task_id(row, task_id),
+            task_id=task_key,
             rollout_id=rollout_id,
             calls=calls,
             agent_trajectory=result.get(TRAJECTORY),
@@ -257,7 +260,7 @@ def _attach_trajectory(
         failed = gap("trajectory_projection_failed", type(exc).__name__)
         row[TRAJECTORY] = {
             "schema_version": "1.0",
-            "task_id": trajectory_task_id(row, task_id),
+            "task_id": task_key,
             "rollout_id": rollout_id,
             "gaps": [failed],
         }

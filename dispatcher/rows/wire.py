@@ -28,10 +28,13 @@ from dispatcher.delivery.client import Classified, classify_object, classify_res
 from dispatcher.delivery.limits import Body
 from dispatcher.files.writer import Line, Pieces
 from dispatcher.tasks.keys import RESERVED_SUCCESS_KEYS, split_row
+from dispatcher.tasks.schema import MASK_SAMPLE, REWARD
 
 # Keys the dispatcher reads or overwrites are decoded (build.py compares the
-# reserved ones with its own values); everything else is bytes.
+# reserved ones with its own values, a row's facts are the agent's reward and
+# mask, rows/finalize.py); everything else is bytes.
 OWN_PREFIX = "_ng_"
+_DECODED = RESERVED_SUCCESS_KEYS | {REWARD, MASK_SAMPLE}
 # A surrogate escape is valid to the splitter but a lone one is not to orjson,
 # which reads the output on resume: such bodies take the full parse.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
@@ -52,9 +55,10 @@ class WireResult(dict[str, Any]):
 
 
 class DecodedView(Mapping[str, Any]):
-    """``WireResult`` as plain JSON values, each decoded when it is read."""
+    """A ``WireResult``, or a row made of one, as plain JSON values, each decoded
+    when it is read."""
 
-    def __init__(self, result: WireResult) -> None:
+    def __init__(self, result: Mapping[str, Any]) -> None:
         self._result = result
 
     def __getitem__(self, key: str) -> Any:
@@ -96,13 +100,15 @@ def split_body(raw: Body) -> Split | None:
     """Validate ``raw`` and find its top-level values; None when only the full parse will do."""
     if not _splittable(raw):
         return None
-    top = split_row(raw)
-    if top is None:
+    try:
+        top = split_row(raw)
+        spans = None if top is None else _spans(raw, top)
+        if top is None or spans is None:
+            return None
+        own = {key: msgspec.json.decode(value) for key, value in top.items() if _is_own(key)}
+    except RecursionError:
+        # Nested deeper than the decoder goes: the full parse names it as for any size.
         return None
-    spans = _spans(raw, top)
-    if spans is None:
-        return None
-    own = {key: msgspec.json.decode(value) for key, value in top.items() if _is_own(key)}
     return Split(spans, own)
 
 
@@ -116,7 +122,7 @@ def wire_result(raw: Body, split: Split) -> WireResult:
 
 
 def _is_own(key: str) -> bool:
-    return key.startswith(OWN_PREFIX) or key in RESERVED_SUCCESS_KEYS
+    return key.startswith(OWN_PREFIX) or key in _DECODED
 
 
 _WHITESPACE = b" \t\n\r"

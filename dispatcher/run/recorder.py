@@ -16,8 +16,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from dispatcher.delivery.answers import Attempt
 from dispatcher.errors import DispatcherError
 from dispatcher.files.resume import RunState, final_after_failure, spends_attempt
@@ -165,10 +163,7 @@ class Recorder:
             return
         key = rollout_key(rollout.task_index, rollout.rollout_index)
         if outcome is Outcome.SUCCESS:
-            reward, mask = row.get("reward"), row.get("mask_sample")
-            if type(reward) is msgspec.Raw or type(mask) is msgspec.Raw:
-                reward, mask = _plain(reward), _plain(mask)
-            state.add_success(key, rollout.agent, reward, mask)
+            state.add_success(key, rollout.agent, row.get("reward"), row.get("mask_sample"))
         else:
             state.add_failure(key, {**row, AGENT_REF: {"name": rollout.agent}})
             self.counted_failures += spends_attempt(row)
@@ -185,8 +180,3 @@ class Recorder:
             f"of {self._expected} expected rollouts this hop exceed the limit "
             f"({fraction * self._expected:g}); no rollout starts any more"
         )
-
-
-def _plain(value: Any) -> Any:
-    # A big answer keeps its values as bytes (rows/wire.py).
-    return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value

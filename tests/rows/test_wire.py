@@ -1,0 +1,62 @@
+"""A big answer split at its top level (``rows/wire.py``): what the dispatcher reads
+of it is decoded, the rest stays the agent's bytes; a body the splitter cannot
+vouch for is classed by the full parse, as a small one is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import orjson
+import pytest
+
+from dispatcher.delivery.client import classify_response
+from dispatcher.outcome import Outcome
+from dispatcher.rows.capture import attach_agent_trajectory
+from dispatcher.rows.finalize import row_facts
+from dispatcher.rows.jsonworker import answer_for
+from dispatcher.rows.wire import DecodedView, WireResult, classify_big, split_body
+from tests.rows.test_big_rows import big_body
+
+# Deeper than the decoder goes (the interpreter's recursion limit).
+DEEP = b'"deep":' + b"[" * 5000 + b"]" * 5000
+
+
+def test_a_body_nested_too_deep_is_a_protocol_violation_as_the_full_parse_says() -> None:
+    body = big_body(extra=DEEP)
+    assert split_body(body) is None
+    outcome, result, failure = classify_big(200, body)
+    assert (outcome, result) == (Outcome.PROTOCOL_VIOLATION, None)
+    assert failure == classify_response(200, body)[2]
+
+
+def test_the_worker_process_classes_a_body_nested_too_deep_not_as_our_fault() -> None:
+    kind, answer = answer_for(big_body(extra=DEEP))
+    assert kind == "classified" and answer[0] is Outcome.PROTOCOL_VIOLATION
+
+
+def test_the_reward_and_the_mask_a_row_is_counted_by_are_decoded() -> None:
+    body = big_body(extra=b'"mask_sample":true,"other":[1]')
+    _, result, _ = classify_big(200, body)
+    assert isinstance(result, WireResult)
+    assert result["reward"] == 1.0 and result["mask_sample"] is True
+    assert isinstance(result["other"], msgspec.Raw)
+    # What service mode's group filter and the run's coverage read (rows/finalize.py).
+    assert row_facts(result, count_tokens=False) == {"reward": 1.0, "mask_sample": True}
+
+
+@pytest.mark.parametrize(
+    ("kept", "task_id"),
+    [(b'"t-1"', "t-1"), (b"12", "12"), (b"null", "7")],
+)
+def test_a_trajectory_names_the_task_id_a_big_row_keeps_as_bytes(kept: bytes, task_id: str) -> None:
+    row: dict[str, Any] = {"task_id": msgspec.Raw(kept), "_ng_task_index": 7}
+    attach_agent_trajectory(row, rollout_id="7-0", task_id=7, agent_result={"ng_trajectory": {}})
+    assert row["ng_trajectory"]["task_id"] == task_id
+
+
+def test_a_decoded_view_reads_a_row_of_kept_and_plain_values() -> None:
+    row = {"kept": msgspec.Raw(b'{"a":[1,2]}'), "plain": {"b": 1}}
+    view = DecodedView(row)
+    assert dict(view) == {"kept": {"a": [1, 2]}, "plain": {"b": 1}}
+    assert orjson.loads(orjson.dumps(dict(view))) == dict(view)
