@@ -62,7 +62,9 @@ def identity_keys(
         keys[ROLLOUT_ID] = rollout.rollout_id
     if run_id is not None:
         keys[RUN_ID] = run_id
-    keys.update(environment_keys(rollout, environment))
+    # Most runs name no environment: no call, no empty dict, for their rows.
+    if environment is not None or ENVIRONMENT_SERVER in rollout.body:
+        keys.update(environment_keys(rollout, environment))
     return keys
 
 
