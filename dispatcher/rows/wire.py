@@ -65,6 +65,10 @@ class DecodedView(Mapping[str, Any]):
         value = self._result[key]
         return msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
 
+    def __contains__(self, key: object) -> bool:
+        # Not ``Mapping``'s, which decodes the value to say it is there.
+        return key in self._result
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._result)
 

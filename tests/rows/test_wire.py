@@ -60,3 +60,8 @@ def test_a_decoded_view_reads_a_row_of_kept_and_plain_values() -> None:
     view = DecodedView(row)
     assert dict(view) == {"kept": {"a": [1, 2]}, "plain": {"b": 1}}
     assert orjson.loads(orjson.dumps(dict(view))) == dict(view)
+
+
+def test_a_decoded_view_says_a_key_is_there_without_decoding_its_value() -> None:
+    view = DecodedView({"bad": msgspec.Raw(b"[1e400]")})
+    assert "bad" in view and "other" not in view
