@@ -182,3 +182,19 @@ def test_many_records_stay_exact() -> None:
     assert tracker.count == n
     assert tracker.quantile(0.5) == pytest.approx((n + 1) / 2)
     assert tracker.quantile(0.75) == pytest.approx(1 + 0.75 * (n - 1))
+
+
+@pytest.mark.parametrize("batch", [1, 300, 20_000])
+def test_records_joined_in_batches_of_any_size_stay_sorted(batch: int) -> None:
+    # Small batches join by insertion, large ones by sorting the whole again.
+    tracker = DispatchLatencyTracker()
+    values = [float((i * 7919) % 100_003 + 1) for i in range(60_000)]
+    highest = 0.0
+    for start in range(0, len(values), batch):
+        for value in values[start : start + batch]:
+            tracker.record(value)
+            highest = max(highest, value)
+        assert tracker.quantile(1.0) == highest
+    ordered = sorted(values)
+    assert list(tracker._durations) == ordered
+    assert tracker.quantile(0.5) == pytest.approx((ordered[29_999] + ordered[30_000]) / 2)
