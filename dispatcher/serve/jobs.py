@@ -195,13 +195,24 @@ class Service(Submissions):
         return in_submission_order(settled)
 
     def _accepted(self, record: JobRecord) -> None:
-        """The job is durable: it runs (called by the journal, on the loop)."""
-        served = ServedJob(self, record)
-        self.jobs[record.job_id] = served
-        served.start()
+        """The job is durable: it is the service's, queued (called by the journal,
+        on the loop); it starts once its folder is written (``_written``)."""
+        self.jobs[record.job_id] = ServedJob(self, record)
         spec = record.spec
         log.info("job_submitted", job_id=record.job_id, priority=spec.priority,
                  policy_version=spec.policy_version)  # fmt: skip
+
+    def _written(self, record: JobRecord, error: OSError | None) -> None:
+        """The job's folder is written: it runs. One whose folder could not be written
+        fails with the reason; its journal line stays, so the next start writes its
+        folder and resumes it."""
+        failed = None
+        if error is not None:
+            self.disk_fault(error)
+            failed = f"its folder could not be written: {one_line(error)}"
+        served = self.jobs.get(record.job_id)
+        if isinstance(served, ServedJob) and served.record is record:
+            served.start(failed)
 
     def finished(self, served: ServedJob) -> None:
         """A job is final: keep what its status needs, the rest is in its files (and

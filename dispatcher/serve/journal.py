@@ -1,14 +1,17 @@
 """The submissions' group commit: a job is accepted once its journal line is durable.
 
 Submissions that wait at once are committed together, in one thread hop:
-their lines (each the job's record, as ``job.json`` holds it, and its rows)
-appended to ``DIR/journal/NNNNNN.jsonl`` in one write and one fsync; then each
-job's folder written (``Registry.write_job``) without fsync; then each
-submitter answered. No timer: while one batch is on disk the next gathers, so
-a lone submit waits for one fsync and a thousand at once for a few. The
-journal's thread takes that next batch itself as the last one ends, with no
-turn of the loop between them: a busy loop delays a submit's answer, never
-its commit.
+each job's folder claimed (an empty directory), then their lines (each the
+job's record, as ``job.json`` holds it, and its rows) appended to
+``DIR/journal/NNNNNN.jsonl`` in one write and one fsync; then each submitter
+answered, while a second thread writes each job's folder
+(``Registry.write_job``, without fsync) and the job starts once it is
+written. No timer: while one batch is on disk the next gathers, so a lone
+submit waits for one fsync and a thousand at once for a few. The journal's
+thread takes that next batch itself as the last one ends, with no turn of
+the loop between them and without waiting for the folders of the last one: a
+busy loop delays a submit's answer, never its commit, and a submit waits for
+no job's files.
 
 Crash-safety: a job's folder files are written only once its line is durable,
 so after a kill or a power cut every job whose folder holds anything has its
@@ -21,7 +24,9 @@ A journal line is needed until its job's final record is saved
 (``Registry.save_final``: its rows file and ``job.json`` fsynced). A segment
 is closed after ``SEGMENT_JOBS`` jobs and removed, once none of its jobs is
 pending, after ``jobs/`` is fsynced (the folders' names are durable then).
-Jobs that run across a restart keep their segments until they end.
+Jobs that run across a restart keep their segments until they end; so does
+a job whose folder could not be written (a full disk): the next start writes
+it from its line.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class Entry:
     rows: list[dict[str, Any]] | None
     # Called on the loop once the job is durable, before its submitter hears of it.
     accepted: Callable[[JobRecord], None]
+    # Called on the loop once its folder is written, or with why it could not be.
+    written: Callable[[JobRecord, OSError | None], None] = lambda record, error: None
     # Done once the commit has ended, whatever the submitter does.
     done: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -105,6 +112,10 @@ class Journal:
         self._quiet.set()
         # One thread writes the journal: its appends are in commit order.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="serve-journal")
+        # Another writes the accepted jobs' folders, in the same order; batches
+        # handed to it and not yet called back (under the lock).
+        self._folders = ThreadPoolExecutor(1, thread_name_prefix="serve-folders")
+        self._unwritten = 0
         # The segment appended to and its jobs so far: the thread's own.
         self._segment = 1
         self._in_segment = 0
@@ -128,13 +139,17 @@ class Journal:
         record: JobRecord,
         rows: list[dict[str, Any]] | None,
         accepted: Callable[[JobRecord], None],
+        written: Callable[[JobRecord, OSError | None], None] | None = None,
     ) -> Entry:
         """Queue the job for the next commit. The entry's ``done`` is done once the
         job is durable and ``accepted`` has been called (or with ``Refused`` or the
         ``OSError`` of the write), and so is its ``answer`` unless the submitter
         cancelled it: a submitter that stops waiting changes nothing, the commit
-        and ``accepted`` happen."""
+        and ``accepted`` happen. ``written`` is called once the accepted job's
+        folder is written (or could not be), after its answer."""
         entry = Entry(record, rows, accepted)
+        if written is not None:
+            entry.written = written
         with self._lock:
             self._waiting.append(entry)
             idle, self._writing = not self._writing, True
@@ -183,11 +198,40 @@ class Journal:
         if closed:
             self._segment, self._in_segment = segment + 1, 0
         loop.call_soon_threadsafe(partial(self._settle, batch, results, segment, closed=closed))
+        accepted = [entry for entry, error in zip(batch, results, strict=True) if error is None]
+        if accepted:
+            with self._lock:
+                self._unwritten += 1
+            # Never refused: the folders thread stops only after ``close`` saw it idle.
+            self._folders.submit(self._write_folders, loop, accepted)
+
+    def _write_folders(self, loop: asyncio.AbstractEventLoop, batch: list[Entry]) -> None:
+        """The folders of a batch of accepted jobs (in the folders' thread, blocking),
+        then each job told, on the loop."""
+        errors: list[OSError | None] = []
+        for entry in batch:
+            try:
+                self.registry.write_job(entry.record, entry.rows, durable=False)
+            except OSError as exc:
+                errors.append(exc)
+            else:
+                errors.append(None)
+        loop.call_soon_threadsafe(self._written, batch, errors)
+
+    def _written(self, batch: list[Entry], errors: list[OSError | None]) -> None:
+        for entry, error in zip(batch, errors, strict=True):
+            if error is not None:
+                # Its line stays until the next start, which writes its folder.
+                self._pending.pop(entry.record.job_id, None)
+            entry.written(entry.record, error)
+        with self._lock:
+            self._unwritten -= 1
+        self._maybe_quiet()
 
     def _maybe_quiet(self) -> None:
         # A submit may have handed the queue over again since the thread let it go.
         with self._lock:
-            if not self._writing:
+            if not self._writing and not self._unwritten:
                 self._quiet.set()
 
     def _settle(
@@ -221,7 +265,7 @@ class Journal:
                     future.exception()
 
     def _write(self, batch: list[Entry], segment: int) -> list[BaseException | None]:
-        """The batch's lines, durable in one fsync, then its folders (blocking)."""
+        """The batch's folders claimed and its lines durable in one fsync (blocking)."""
         results: list[BaseException | None] = []
         for entry in batch:
             try:
@@ -241,13 +285,6 @@ class Journal:
                     self.registry.job_dir(entry.record.job_id).rmdir()
             raise
         self.step(APPENDED)
-        for i, entry in enumerate(batch):
-            if results[i] is None:
-                try:
-                    self.registry.write_job(entry.record, entry.rows, durable=False)
-                except OSError as exc:
-                    # Not answered: its line makes it whole at the next start.
-                    results[i] = exc
         return results
 
     def _append(self, segment: int, data: bytes) -> None:
@@ -304,6 +341,7 @@ class Journal:
         if tasks:
             await asyncio.wait(tasks)
         self._thread.shutdown(wait=False)
+        self._folders.shutdown(wait=False)
 
     # ---- start --------------------------------------------------------------------------
 

@@ -159,8 +159,16 @@ class ServedJob:
     def digest(self) -> str:
         return self.record.digest
 
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"job:{self.job_id}")
+    def start(self, failed: str | None = None) -> None:
+        """The job's task; ``failed``: it runs nothing and ends failed with that reason
+        (its folder could not be written)."""
+        run = self._run() if failed is None else self._unstarted(failed)
+        self.task = asyncio.create_task(run, name=f"job:{self.job_id}")
+
+    async def _unstarted(self, error: str) -> None:
+        if self.groups is not None:
+            await self.groups.close()
+        await self._settle(JobState.FAILED, error)
 
     async def _run(self) -> None:
         """The job's task: its hops, then its final state, whatever happens."""

@@ -9,9 +9,10 @@ of a busy loop is the time it takes to serve every rollout that was ready.
 Then, on the loop: the same body again is the same job (200),
 another body of an existing id a ``Conflict``; a new job takes its id and
 submission order under a lock (``_reserve``) and is committed by the journal
-of submissions (``journal.py``, a thread of its own), which starts it once its
-line is durable. The submit never waits for the default executor, where the
-jobs' starts and ends do their file work.
+of submissions (``journal.py``, a thread of its own): answered once its line
+is durable, started once its folder is written. The submit never waits for
+the default executor, where the jobs' starts and ends do their file work, nor
+for its job's folder.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class Submissions:
 
         def _accepted(self, record: JobRecord) -> None: ...
 
+        def _written(self, record: JobRecord, error: OSError | None) -> None: ...
+
     async def submit(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """Accept a job: (201, status) new, (200, status) the same again; raises
         ``BadJob`` (400), ``TooBig`` (413) or ``Conflict`` (409). Answered once the
@@ -137,7 +140,7 @@ class Submissions:
         if answer is not None:
             return answer
         assert record is not None
-        entry = self.journal.submit(record, spec.rows, self._accepted)
+        entry = self.journal.submit(record, spec.rows, self._accepted, self._written)
         del spec
         self._accepting[record.job_id] = entry.done
         entry.done.add_done_callback(lambda _: self._accepting.pop(record.job_id, None))

@@ -296,6 +296,8 @@ async def test_rows_live_in_the_jobs_file_and_a_finished_job_keeps_none_across_a
     try:
         await serve.submit(**body)
         folder = state / "jobs" / "j"
+        # Written once it is answered (its journal line is the durable copy).
+        await wait_until(lambda: (folder / "job.json").exists())
         record = (folder / "job.json").read_bytes()
         # One line, no rows: they are in the job's own task file, once.
         assert record.count(b"\n") == 1 and b"r0w-text" not in record

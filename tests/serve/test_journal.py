@@ -281,3 +281,72 @@ async def test_a_full_segment_goes_once_its_jobs_are_final_the_one_appended_to_s
     finally:
         await journal.close()
         registry.unlock()
+
+
+async def test_a_submit_is_answered_once_durable_without_waiting_for_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The folder is written after the answer, in a thread of its own: neither the
+    # submitter nor the next batch waits for it, and the job starts once it is there.
+    registry = Registry(tmp_path / "state")
+    registry.lock()
+    journal = Journal(registry)
+    held, release = threading.Event(), threading.Event()
+    real = registry.write_job
+
+    def held_write(record: JobRecord, rows: Any, *, durable: bool) -> None:
+        if record.job_id == "first":
+            held.set()
+            release.wait(60)
+        real(record, rows, durable=durable)
+
+    monkeypatch.setattr(registry, "write_job", held_write)
+    written: list[tuple[str, OSError | None]] = []
+
+    def on_written(r: JobRecord, error: OSError | None) -> None:
+        written.append((r.job_id, error))
+
+    try:
+        first = journal.submit(record("first", 1), None, lambda r: None)
+        first.written = on_written
+        await wait_until(held.is_set)
+        await wait_until(first.answer.done)
+        second = journal.submit(record("second", 2), None, lambda r: None)
+        second.written = on_written
+        await wait_until(second.answer.done)
+        assert written == [] and not (registry.job_dir("first") / "job.json").exists()
+        release.set()
+        await wait_until(lambda: len(written) == 2)
+        # In commit order, each once its files are there.
+        assert written == [("first", None), ("second", None)]
+        assert all(isinstance(registry.read(registry.job_dir(j)), JobRecord)
+                   for j in ("first", "second"))  # fmt: skip
+    finally:
+        release.set()
+        await journal.close()
+        registry.unlock()
+
+
+async def test_a_job_whose_folder_cannot_be_written_is_answered_and_whole_after_a_restart(
+    tmp_path: Path, agent: FakeAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = Registry.write_job
+
+    def full_disk(self: Registry, record: JobRecord, rows: Any, *, durable: bool) -> None:
+        if record.job_id == "x":
+            raise OSError(28, "No space left on device")
+        real(self, record, rows, durable=durable)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Registry, "write_job", full_disk)
+        async with daemon(tmp_path, agent, window=1000) as api:
+            # Durable in the journal when answered, whatever becomes of its folder.
+            assert await api.submit("x", count=3) == 201
+            end = orjson.loads((await api.results("x", wait="true")).splitlines()[-1])
+            assert end["end"] == "failed" and "No space left on device" in end["error"]
+    segments = list((tmp_path / "state" / JOURNAL_DIR).iterdir())
+    assert len(segments) == 1 and b'"x"' in segments[0].read_bytes()
+    async with daemon(tmp_path, agent, window=1000) as api:
+        stream = await api.results("x", wait="true")
+        assert len([line for line in stream.splitlines() if b"_ng_seq" in line]) == 3
+        assert (await api.status("x"))["state"] == "done"
