@@ -116,9 +116,11 @@ class Journal:
         # handed to it and not yet called back (under the lock).
         self._folders = ThreadPoolExecutor(1, thread_name_prefix="serve-folders")
         self._unwritten = 0
-        # The segment appended to and its jobs so far: the thread's own.
+        # The segment appended to and its jobs so far: the thread's own; and whether
+        # an append to it failed (it may end in part of a line).
         self._segment = 1
         self._in_segment = 0
+        self._torn = False
         # The segment appended to as the loop knows it (``_settle``): the ones
         # before it are closed, and go once their jobs are final.
         self._current = 1
@@ -194,7 +196,8 @@ class Journal:
             # The journal itself could not be written: none of them is accepted.
             results = [exc] * len(batch)
         self._in_segment += results.count(None)
-        closed = self._in_segment >= SEGMENT_JOBS
+        # After a torn line, the next would begin on its line: both unreadable.
+        closed, self._torn = self._in_segment >= SEGMENT_JOBS or self._torn, False
         if closed:
             self._segment, self._in_segment = segment + 1, 0
         loop.call_soon_threadsafe(partial(self._settle, batch, results, segment, closed=closed))
@@ -296,6 +299,10 @@ class Journal:
         try:
             write_fully(fd, data)
             os.fsync(fd)
+        except OSError:
+            # Part of the lines may be there (a full disk): the segment ends here.
+            self._torn = True
+            raise
         finally:
             os.close(fd)
         if new:

@@ -350,3 +350,36 @@ async def test_a_job_whose_folder_cannot_be_written_is_answered_and_whole_after_
         stream = await api.results("x", wait="true")
         assert len([line for line in stream.splitlines() if b"_ng_seq" in line]) == 3
         assert (await api.status("x"))["state"] == "done"
+
+
+async def test_after_a_line_the_disk_took_part_of_the_next_lines_are_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = Registry(tmp_path / "state")
+    registry.lock()
+    journal = Journal(registry)
+    real = journal_module.write_fully
+    torn: list[bytes] = []
+
+    def full_disk_once(fd: int, data: bytes) -> None:
+        if not torn:
+            torn.append(data)
+            real(fd, data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(journal_module, "write_fully", full_disk_once)
+    try:
+        with pytest.raises(OSError):
+            await journal.submit(record("refused", 1), None, lambda r: None).answer
+        await journal.submit(record("answered", 2), None, lambda r: None).answer
+        lines = [
+            r.job_id
+            for segment in journal._segments()
+            for r, _ in journal_module._entries(journal.segment_path(segment))
+        ]
+        # The torn line is skipped, never the answered one after it.
+        assert lines == ["answered"]
+    finally:
+        await journal.close()
+        registry.unlock()
