@@ -160,15 +160,9 @@ class ServedJob:
         return self.record.digest
 
     def start(self, failed: str | None = None) -> None:
-        """The job's task; ``failed``: it runs nothing and ends failed with that reason
-        (its folder could not be written)."""
-        run = self._run() if failed is None else self._unstarted(failed)
+        """Its task; ``failed``: it opens nothing and ends failed with that reason."""
+        run = self._run() if failed is None else self._settle(JobState.FAILED, failed)
         self.task = asyncio.create_task(run, name=f"job:{self.job_id}")
-
-    async def _unstarted(self, error: str) -> None:
-        if self.groups is not None:
-            await self.groups.close()
-        await self._settle(JobState.FAILED, error)
 
     async def _run(self) -> None:
         """The job's task: its hops, then its final state, whatever happens."""

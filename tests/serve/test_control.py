@@ -72,7 +72,10 @@ async def test_integers_beyond_64_bits_stay_exact_through_the_api(
         status, answer = await call(serve, "POST", "/v1/jobs", body)
         assert status == 201, answer
         assert answer["metadata"] == {"run": -BIG}
-        assert str(BIG).encode() in (state / "jobs" / "big" / "input.jsonl").read_bytes()
+        rows_file = state / "jobs" / "big" / "input.jsonl"
+        # Written just after the answer (the journal holds the job until then).
+        await wait_until(rows_file.exists)
+        assert str(BIG).encode() in rows_file.read_bytes()
         gated_agent.open()
         await wait_until(serve.in_state("big", "done"), timeout_s=60)
         status, answer = await call(serve, "GET", "/v1/jobs/big")
