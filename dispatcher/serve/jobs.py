@@ -205,13 +205,16 @@ class Service(Submissions):
     def _written(self, record: JobRecord, error: OSError | None) -> None:
         """The job's folder is written: it runs. One whose folder could not be written
         fails with the reason; its journal line stays, so the next start writes its
-        folder and resumes it."""
+        folder and resumes it. A daemon stopping starts nothing: ``close`` may have
+        taken the tasks it waits for, and the next start resumes the job."""
         failed = None
         if error is not None:
             self.disk_fault(error)
             failed = f"its folder could not be written: {one_line(error)}"
         served = self.jobs.get(record.job_id)
-        if isinstance(served, ServedJob) and served.record is record:
+        if self.daemon.stop_requested.is_set() or not isinstance(served, ServedJob):
+            return
+        if served.record is record:
             served.start(failed)
 
     def finished(self, served: ServedJob) -> None:

@@ -383,3 +383,32 @@ async def test_after_a_line_the_disk_took_part_of_the_next_lines_are_readable(
     finally:
         await journal.close()
         registry.unlock()
+
+
+async def test_a_job_whose_folder_is_written_once_the_daemon_stops_is_left_for_the_next_start(
+    tmp_path: Path, agent: FakeAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The service's close waits for the tasks of the jobs it holds: one started after
+    # it took them would be left running, never waited for.
+    held, release = threading.Event(), threading.Event()
+    real = Registry.write_job
+
+    def held_write(self: Registry, record: JobRecord, rows: Any, *, durable: bool) -> None:
+        if record.job_id == "late":
+            held.set()
+            release.wait(60)
+        real(self, record, rows, durable=durable)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Registry, "write_job", held_write)
+        async with daemon(tmp_path, agent, window=1000) as api:
+            assert await api.submit("late", count=2) == 201
+            await wait_until(held.is_set)
+            api.service.daemon.stop_requested.set()
+            release.set()
+            await api.service.journal._quiet.wait()
+            late = api.service.jobs["late"]
+            assert late.task is None
+    async with daemon(tmp_path, agent, window=1000) as api:
+        await api.results("late", wait="true")
+        assert (await api.status("late"))["state"] == "done"
