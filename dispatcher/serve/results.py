@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from dispatcher import jsonx
-from dispatcher.files.resume import final_after_failure, spends_attempt
+from dispatcher.files.resume import FAILURE_FACTS, final_after_failure, spends_attempt
 from dispatcher.files.writer import LineIndex
 from dispatcher.lifecycle import JobState
 from dispatcher.serve.lines import EndLine, encode, read_group
@@ -275,12 +274,10 @@ class _Failures:
         return None
 
     def _final(self, line: bytes) -> bool:
-        """Whether a failure row makes its rollout final (the recorder's rule), counted."""
-        try:
-            row = jsonx.loads(line)
-        except ValueError:
-            return False
-        if not isinstance(row, dict):
+        """Whether a failure row makes its rollout final (the recorder's rule), counted:
+        only the keys that rule reads are decoded."""
+        row = FAILURE_FACTS.read(line)
+        if row is None:
             return False
         key = (row.get(TASK_INDEX), row.get(ROLLOUT_INDEX))
         final = final_after_failure(row, self._counted[key], self._cap)
