@@ -262,6 +262,9 @@ def _become_cli(request: dict[str, Any], fds: list[int]) -> None:
         os.dup2(fd, target)
     for fd in fds:
         os.close(fd)
+    # Ctrl-C as at a terminal, whatever the suite was started under: a shell's
+    # background job (`make test &` in a script) ignores SIGINT, and so would this.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

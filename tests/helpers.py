@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -193,9 +194,14 @@ async def start_cli(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=full_env,
-        preexec_fn=preexec_fn,
+        preexec_fn=preexec_fn or _terminal_signals,
         cwd=cwd,
     )
+
+
+def _terminal_signals() -> None:
+    """SIGINT as at a terminal in a new interpreter (one started with it ignored keeps it so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 async def run_cli(
