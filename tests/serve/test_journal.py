@@ -10,9 +10,11 @@ many concurrent submits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -187,16 +189,23 @@ async def test_a_journal_that_cannot_be_read_is_exit_2_naming_it(tmp_path: Path)
 async def test_submits_of_one_turn_of_the_loop_are_one_commit(tmp_path: Path) -> None:
     # Bodies checked meanwhile come back to the loop together: the first of them
     # does not go alone to disk, leaving the others to wait for a second fsync.
-    registry = Registry(tmp_path / "state")
-    registry.lock()
-    journal = Journal(registry)
-    accepted: list[str] = []
-    try:
+    async with open_journal(tmp_path) as journal:
+        accepted: list[str] = []
         entries = [journal.submit(record(f"j{n}", n + 1), None, lambda r: accepted.append(r.job_id))
                    for n in range(5)]  # fmt: skip
         await asyncio.gather(*(entry.answer for entry in entries))
         assert (journal.batches, journal.largest_batch) == (1, 5)
         assert accepted == [f"j{n}" for n in range(5)]
+
+
+@contextlib.asynccontextmanager
+async def open_journal(tmp_path: Path) -> AsyncIterator[Journal]:
+    """A locked registry and its journal, closed and unlocked at the end."""
+    registry = Registry(tmp_path / "state")
+    registry.lock()
+    journal = Journal(registry)
+    try:
+        yield journal
     finally:
         await journal.close()
         registry.unlock()
@@ -230,20 +239,17 @@ async def test_a_batch_gathered_meanwhile_is_committed_while_the_loop_is_busy(
 ) -> None:
     # The journal's thread takes the next batch itself as the last one ends: a loop
     # busy elsewhere delays the submitters' answers, never their commit.
-    registry = Registry(tmp_path / "state")
-    registry.lock()
-    journal = Journal(registry)
-    held, release, second = threading.Event(), threading.Event(), threading.Event()
+    async with open_journal(tmp_path) as journal:
+        held, release, second = threading.Event(), threading.Event(), threading.Event()
 
-    def step(_: str) -> None:
-        if not held.is_set():
-            held.set()
-            release.wait(60)
-        else:
-            second.set()
+        def step(_: str) -> None:
+            if not held.is_set():
+                held.set()
+                release.wait(60)
+            else:
+                second.set()
 
-    journal.step = step
-    try:
+        journal.step = step
         first = journal.submit(record("first", 1), None, lambda r: None)
         await wait_until(held.is_set)
         later = [journal.submit(record(f"j{n}", n + 2), None, lambda r: None) for n in range(3)]
@@ -252,23 +258,17 @@ async def test_a_batch_gathered_meanwhile_is_committed_while_the_loop_is_busy(
         assert second.wait(30)
         await asyncio.gather(first.answer, *(entry.answer for entry in later))
         assert (journal.batches, journal.largest_batch) == (2, 3)
-    finally:
-        await journal.close()
-        registry.unlock()
 
 
 async def test_a_full_segment_goes_once_its_jobs_are_final_the_one_appended_to_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(journal_module, "SEGMENT_JOBS", 2)
-    registry = Registry(tmp_path / "state")
-    registry.lock()
-    journal = Journal(registry)
+    async with open_journal(tmp_path) as journal:
 
-    def segments() -> list[str]:
-        return sorted(path.name for path in (tmp_path / "state" / JOURNAL_DIR).iterdir())
+        def segments() -> list[str]:
+            return sorted(path.name for path in (tmp_path / "state" / JOURNAL_DIR).iterdir())
 
-    try:
         for n in range(5):
             await journal.submit(record(f"j{n}", n + 1), None, lambda r: None).answer
         assert segments() == ["000001.jsonl", "000002.jsonl", "000003.jsonl"]
@@ -278,9 +278,6 @@ async def test_a_full_segment_goes_once_its_jobs_are_final_the_one_appended_to_s
         journal.final_saved("j4")
         journal.final_saved("j3")
         await wait_until(lambda: segments() == ["000003.jsonl"])
-    finally:
-        await journal.close()
-        registry.unlock()
 
 
 async def test_a_submit_is_answered_once_durable_without_waiting_for_its_folder(
@@ -355,21 +352,18 @@ async def test_a_job_whose_folder_cannot_be_written_is_answered_and_whole_after_
 async def test_after_a_line_the_disk_took_part_of_the_next_lines_are_readable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    registry = Registry(tmp_path / "state")
-    registry.lock()
-    journal = Journal(registry)
-    real = journal_module.write_fully
-    torn: list[bytes] = []
+    async with open_journal(tmp_path) as journal:
+        real = journal_module.write_fully
+        torn: list[bytes] = []
 
-    def full_disk_once(fd: int, data: bytes) -> None:
-        if not torn:
-            torn.append(data)
-            real(fd, data[: len(data) // 2])
-            raise OSError(28, "No space left on device")
-        real(fd, data)
+        def full_disk_once(fd: int, data: bytes) -> None:
+            if not torn:
+                torn.append(data)
+                real(fd, data[: len(data) // 2])
+                raise OSError(28, "No space left on device")
+            real(fd, data)
 
-    monkeypatch.setattr(journal_module, "write_fully", full_disk_once)
-    try:
+        monkeypatch.setattr(journal_module, "write_fully", full_disk_once)
         with pytest.raises(OSError):
             await journal.submit(record("refused", 1), None, lambda r: None).answer
         await journal.submit(record("answered", 2), None, lambda r: None).answer
@@ -380,9 +374,6 @@ async def test_after_a_line_the_disk_took_part_of_the_next_lines_are_readable(
         ]
         # The torn line is skipped, never the answered one after it.
         assert lines == ["answered"]
-    finally:
-        await journal.close()
-        registry.unlock()
 
 
 async def test_a_job_whose_folder_is_written_once_the_daemon_stops_is_left_for_the_next_start(
