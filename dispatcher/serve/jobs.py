@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -45,7 +45,6 @@ from dispatcher.serve.journal import Journal
 from dispatcher.serve.metrics import (
     StepTotals,
     declare_service_metrics,
-    recent_quantiles,
     service_status,
     submit_durations,
 )
@@ -64,8 +63,6 @@ from dispatcher.settings.config import RunSettings
 from dispatcher.settings.serve import ServeLimits
 
 log = structlog.get_logger("dispatcher.serve")
-
-DELAY_WINDOW = 10_000
 
 
 class Service(Submissions):
@@ -99,9 +96,8 @@ class Service(Submissions):
         self.compaction: Compaction | None = None
         self._next_seq = 1
         # Seconds from a row (or a group's last row) being durable to its
-        # delivery on a results stream: the last ones, for /status.
-        self.delays: deque[float] = deque(maxlen=DELAY_WINDOW)
-        self._delay_histogram = declare_service_metrics(
+        # delivery on a results stream.
+        self.delays = declare_service_metrics(
             daemon.metrics.registry,
             self.job_counts,
             daemon.policy_version,
@@ -282,13 +278,10 @@ class Service(Submissions):
         now = time.monotonic()
         for durable_at in born:
             if durable_at is not None:
-                self.delays.append(now - durable_at)
-                self._delay_histogram.labels("groups" if group else "rows").observe(
-                    now - durable_at
-                )
+                self.delays.observe(now - durable_at, "groups" if group else "rows")
 
     def delay_quantiles(self) -> dict[str, float | None]:
-        return recent_quantiles(self.delays)
+        return self.delays.quantiles()
 
     # ---- the admission pause (contracts §13) ------------------------------------------
 

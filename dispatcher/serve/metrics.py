@@ -11,7 +11,7 @@ final: one series per agent of a quota (agents are the daemon's ``--agent``s).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -133,44 +133,42 @@ def declare_service_metrics(
     policy_version: Callable[[], int | None],
     pause: AdmissionPause,
     step_totals: Callable[[], StepTotals],
-) -> Histogram:
-    """Register the service's series; returns the results-delay histogram to observe."""
+) -> Durations:
+    """Register the service's series; returns the results' delays to observe."""
     registry.register(ServiceGauges(job_counts, policy_version))
     registry.register(AdmissionGauges(pause))
     registry.register(StepGauges(step_totals))
-    return Histogram(
+    histogram = Histogram(
         "dispatcher_results_delay_seconds",
         "From a row (or a group's last row) being durable to its delivery on a results stream.",
         ("mode",),
         buckets=DELAY_BUCKETS_S,
         registry=registry,
     )
+    return Durations(histogram)
 
 
 class Durations:
-    """How long one kind of request took to answer: a histogram on ``/metrics``, the
-    last ``window`` of them for ``/status``'s quantiles."""
+    """How long one kind of thing took (a submit's answer, a row's delivery): a
+    histogram on ``/metrics``, the last ``window`` of them for ``/status``'s quantiles."""
 
     def __init__(self, histogram: Histogram, window: int = 10_000) -> None:
         self.histogram = histogram
         self.recent: deque[float] = deque(maxlen=window)
 
-    def observe(self, seconds: float) -> None:
-        self.histogram.observe(seconds)
+    def observe(self, seconds: float, *labels: str) -> None:
+        """Record one; ``labels``: the histogram's own, where it has some."""
+        (self.histogram.labels(*labels) if labels else self.histogram).observe(seconds)
         self.recent.append(seconds)
 
     def quantiles(self) -> dict[str, float | None]:
-        return recent_quantiles(self.recent)
-
-
-def recent_quantiles(recent: Iterable[float]) -> dict[str, float | None]:
-    """p50, p99 and max of the figures kept, for ``/status`` (None where none is)."""
-    ordered = sorted(recent)
-    return {
-        "p50": quantile(ordered, 0.5),
-        "p99": quantile(ordered, 0.99),
-        "max": ordered[-1] if ordered else None,
-    }
+        """p50, p99 and max of the figures kept, for ``/status`` (None where none is)."""
+        ordered = sorted(self.recent)
+        return {
+            "p50": quantile(ordered, 0.5),
+            "p99": quantile(ordered, 0.99),
+            "max": ordered[-1] if ordered else None,
+        }
 
 
 def submit_durations(registry: CollectorRegistry) -> Durations:

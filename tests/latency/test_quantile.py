@@ -4,14 +4,13 @@ and Gym's drain margin all give the same figure for the same values."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
+from prometheus_client import CollectorRegistry
 
 from dispatcher.client.gym_plan import Durations
 from dispatcher.latency.tracker import DispatchLatencyTracker
 from dispatcher.ops.report import duration_stats
-from dispatcher.serve.jobs import Service
+from dispatcher.serve.metrics import submit_durations
 from dispatcher.telemetry.lag import LoopLagMonitor
 from dispatcher.telemetry.metrics import Metrics
 
@@ -35,7 +34,10 @@ def test_the_tracker_interpolates_between_the_closest_ranks() -> None:
 
 def test_the_report_the_stream_delays_and_the_loop_lag_agree_with_it() -> None:
     assert duration_stats(VALUES)["p99"] == pytest.approx(tracked(0.99))
-    delays = Service.delay_quantiles(SimpleNamespace(delays=VALUES))  # type: ignore[arg-type]
+    recorded = submit_durations(CollectorRegistry())
+    for value in VALUES:
+        recorded.observe(value)
+    delays = recorded.quantiles()
     assert delays["p50"] == pytest.approx(tracked(0.5))
     assert delays["p99"] == pytest.approx(tracked(0.99))
     lag = LoopLagMonitor(Metrics(process_metrics=False))
