@@ -79,7 +79,7 @@ class Entry:
     # Called on the loop once the job is durable, before its submitter hears of it.
     accepted: Callable[[JobRecord], None]
     # Called on the loop once its folder is written, or with why it could not be.
-    written: Callable[[JobRecord, OSError | None], None] = lambda record, error: None
+    written: Callable[[JobRecord, OSError | None], None]
     # Done once the commit has ended, whatever the submitter does.
     done: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -141,7 +141,7 @@ class Journal:
         record: JobRecord,
         rows: list[dict[str, Any]] | None,
         accepted: Callable[[JobRecord], None],
-        written: Callable[[JobRecord, OSError | None], None] | None = None,
+        written: Callable[[JobRecord, OSError | None], None] = lambda record, error: None,
     ) -> Entry:
         """Queue the job for the next commit. The entry's ``done`` is done once the
         job is durable and ``accepted`` has been called (or with ``Refused`` or the
@@ -149,9 +149,7 @@ class Journal:
         cancelled it: a submitter that stops waiting changes nothing, the commit
         and ``accepted`` happen. ``written`` is called once the accepted job's
         folder is written (or could not be), after its answer."""
-        entry = Entry(record, rows, accepted)
-        if written is not None:
-            entry.written = written
+        entry = Entry(record, rows, accepted, written)
         with self._lock:
             self._waiting.append(entry)
             idle, self._writing = not self._writing, True
