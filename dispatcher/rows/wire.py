@@ -101,13 +101,16 @@ def classify_big(status: int, raw: Body) -> Classified:
 
 
 def split_body(raw: Body) -> Split | None:
-    """Validate ``raw`` and find its top-level values; None when only the full parse will do."""
+    """Validate ``raw`` and find its top-level values; None when only the full parse will do.
+
+    A body it splits is one the full parse accepts (``numbers_in_range``, ``_splittable``).
+    """
     if not _splittable(raw):
         return None
     try:
         top = split_row(raw)
         spans = None if top is None else _spans(raw, top)
-        if top is None or spans is None:
+        if top is None or spans is None or not numbers_in_range(raw):
             return None
         own = {key: msgspec.json.decode(value) for key, value in top.items() if _is_own(key)}
     except RecursionError:
@@ -205,6 +208,72 @@ def _splittable(raw: Body) -> bool:
         except UnicodeDecodeError:
             return False
     return True
+
+
+# Skipping a value checks a number's grammar, not its range: 1e400 or an integer
+# of more digits than the full parse reads would be kept where that parse refuses
+# the body. Only a number with an exponent of 3 digits or more, or a run of 200
+# digits or more (a 2-digit exponent cannot lift fewer to 1.8e308), can be one of
+# them. They are looked for in the body's shape (every digit "0", a sign "+", an
+# exponent "e"): a search for a literal there runs at memchr speed, where the
+# same pattern on the body itself takes ten times as long. Most bodies hold none.
+_SHAPE = bytes.maketrans(b"0123456789+-eE", b"0000000000++ee")
+_EXPONENT = re.compile(rb"e\+?000")
+_LONG_RUN = b"0" * 200
+_NUMBER_BYTES = frozenset(b"0123456789.eE+-")
+_BEFORE_VALUE = frozenset(b":,[ \t\n\r")
+_NUMBER = re.compile(rb"[0-9.eE+-]+")
+# Past this many suspects (hex ids in strings), the full parse is cheaper.
+_SUSPECTS_PER_BYTE = 1 / 4096
+# The longest run looked back over for a suspect's first byte.
+_MAX_LOOKBACK = 64
+_DECODER = msgspec.json.Decoder()
+
+
+def numbers_in_range(raw: Body) -> bool:
+    """Whether no number in ``raw`` (a JSON object: ``split_row`` read it) is one the
+    full parse refuses; False also when the look would cost more than that parse."""
+    shape = raw.translate(_SHAPE)
+    left = 64 + int(len(raw) * _SUSPECTS_PER_BYTE)
+    for find in (_next_exponent, _next_long_run):
+        at = find(shape, 0)
+        while at != -1:
+            left -= 1
+            end = _suspect_end(raw, at) if left >= 0 else -1
+            if end < 0:
+                return False
+            at = find(shape, end)
+    return True
+
+
+def _next_exponent(shape: Body, pos: int) -> int:
+    match = _EXPONENT.search(shape, pos)
+    return -1 if match is None else match.start()
+
+
+def _next_long_run(shape: Body, pos: int) -> int:
+    return shape.find(_LONG_RUN, pos)
+
+
+def _suspect_end(raw: Body, at: int) -> int:
+    """The end of the run of number bytes around ``at``, or -1 when it is a number
+    the full parse refuses (or may be one)."""
+    start = at
+    while start > 0 and raw[start - 1] in _NUMBER_BYTES:
+        start -= 1
+        if at - start > _MAX_LOOKBACK:
+            return -1
+    match = _NUMBER.match(raw, start)
+    assert match is not None
+    # Outside strings a number follows one of these: after anything else the run
+    # is text inside a string, which no range applies to.
+    if start > 0 and raw[start - 1] not in _BEFORE_VALUE:
+        return match.end()
+    try:
+        _DECODER.decode(match[0])
+    except msgspec.DecodeError:
+        return -1
+    return match.end()
 
 
 def row_line(row: Mapping[str, Any]) -> Line:

@@ -15,8 +15,16 @@ from dispatcher.outcome import Outcome
 from dispatcher.rows.capture import attach_agent_trajectory
 from dispatcher.rows.finalize import row_facts
 from dispatcher.rows.jsonworker import answer_for
-from dispatcher.rows.wire import DecodedView, WireResult, classify_big, split_body
-from tests.rows.test_big_rows import big_body
+from dispatcher.rows.wire import (
+    DecodedView,
+    WireResult,
+    classify_big,
+    numbers_in_range,
+    row_line,
+    split_body,
+    wire_result,
+)
+from tests.rows.test_big_rows import big_body, joined
 
 # Deeper than the decoder goes (the interpreter's recursion limit).
 DEEP = b'"deep":' + b"[" * 5000 + b"]" * 5000
@@ -65,3 +73,20 @@ def test_a_decoded_view_reads_a_row_of_kept_and_plain_values() -> None:
 def test_a_decoded_view_says_a_key_is_there_without_decoding_its_value() -> None:
     view = DecodedView({"bad": msgspec.Raw(b"[1e400]")})
     assert "bad" in view and "other" not in view
+
+
+def test_numbers_in_range_and_number_like_text_in_strings_are_still_split() -> None:
+    numbers = b"[1e-400,1.7976931348623157e308,-5e-324,1E+99," + b"9" * 4300 + b"]"
+    text = b'"msg_ab12e345 x1e999 a-e400","' + b"1" * 300 + b'"'
+    body = big_body(extra=b'"n":' + numbers + b',"t":[' + text + b"]")
+    split = split_body(body)
+    assert split is not None
+    line = joined(row_line(wire_result(body, split)))
+    assert numbers in line and text in line
+
+
+def test_a_body_with_more_suspects_than_a_look_is_worth_takes_the_full_parse() -> None:
+    body = b'{"h":"' + b"ae123," * 2000 + b'"}'
+    assert not numbers_in_range(body)
+    assert split_body(body) is None
+    assert classify_big(200, body)[0] is Outcome.SUCCESS
