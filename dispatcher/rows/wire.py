@@ -35,9 +35,6 @@ from dispatcher.tasks.schema import MASK_SAMPLE, REWARD
 # mask, rows/finalize.py); everything else is bytes.
 OWN_PREFIX = "_ng_"
 _DECODED = RESERVED_SUCCESS_KEYS | {REWARD, MASK_SAMPLE}
-# A surrogate escape is valid to the splitter but a lone one is not to orjson,
-# which reads the output on resume: such bodies take the full parse.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -192,15 +189,11 @@ def _string_end(raw: Body, pos: int) -> int:
 def _splittable(raw: Body) -> bool:
     """True when splitting ``raw`` at its top level is exactly as strict as orjson.
 
-    The splitter does not check UTF-8 inside strings, nor surrogate escapes,
-    and kept values are written as they came: a newline between tokens would
-    break the JSON-lines file.
+    The splitter does not check UTF-8 inside strings (it does check escapes: a
+    lone surrogate is refused, a pair kept as written), and kept values are
+    written as they came: a newline between tokens would break the JSON-lines file.
     """
     if b"\n" in raw or b"\r" in raw:
-        return False
-    # A one-byte search runs at memchr speed; most big bodies hold no escape.
-    escape = raw.find(b"\\")
-    if escape != -1 and _SURROGATE_ESCAPE.search(raw, escape) is not None:
         return False
     if not raw.isascii():
         try:

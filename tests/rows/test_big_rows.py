@@ -106,8 +106,7 @@ def test_the_split_result_decodes_only_the_dispatchers_keys() -> None:
     [
         # Pretty-printed: its newlines must not reach the JSON-lines file.
         b'{\n  "a": [1,\n 2],\r\n  "b": "x"\n}',
-        # A surrogate pair written as escapes.
-        b'{"emoji":"\\ud83d\\ude00","n":1}',
+        b'{"a":"x",\r"b":1}',
     ],
 )
 def test_bodies_the_splitter_cannot_vouch_for_take_the_full_parse(body: bytes) -> None:
@@ -144,6 +143,9 @@ OUT_OF_RANGE = [
         b"[" + big_body() + b"]",  # an array
         big_body(extra=b'"bad":"\xff\xfe"'),  # not UTF-8
         big_body(extra=b'"lone":"\\ud800"'),  # a lone surrogate
+        big_body(extra=b'"lone":{"k":["a\\udc00b"]}'),
+        big_body(extra=b'"lone":[{"\\ud83d\\u0041":1}]'),
+        big_body(extra=b'"lone":"\\ude00\\ud83d"'),
         big_body(extra=b'"n":01'),
         b"",
         *OUT_OF_RANGE,
@@ -154,6 +156,15 @@ def test_a_big_body_is_classed_exactly_as_the_full_parse_classes_it(
     body: bytes, worker: str
 ) -> None:
     assert CLASSIFIERS[worker](200, body)[::2] == classify_response(200, body)[::2]
+
+
+def test_escaped_surrogate_pairs_are_kept_as_written() -> None:
+    body = big_body(extra=b'"emoji":["\\ud83d\\ude00","\\uD83D\\uDE00 x"]')
+    _, result, _ = classify_big(200, body)
+    assert isinstance(result, WireResult)
+    line = joined(row_line({**result, **OURS}))
+    assert b'"emoji":["\\ud83d\\ude00","\\uD83D\\uDE00 x"]' in line
+    assert orjson.loads(line)["emoji"] == ["\U0001f600", "\U0001f600 x"]
 
 
 @pytest.mark.parametrize(
