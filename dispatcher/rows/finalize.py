@@ -18,6 +18,8 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from dispatcher.capture.scope import capture_key
 from dispatcher.capture.store import capture_path, has_claims
 from dispatcher.capture.tokens import completion_tokens
@@ -187,7 +189,22 @@ def generated_tokens(row: Mapping[str, Any]) -> int | None:
     response = row.get("response")
     if type(response) is dict or isinstance(response, Mapping):
         return completion_tokens(response.get("usage"))
+    if isinstance(response, msgspec.Raw):
+        # A big row keeps its response as bytes: only its usage is decoded.
+        try:
+            return completion_tokens(_USAGE.decode(response).usage)
+        except msgspec.DecodeError:
+            return None
     return None
+
+
+class _Usage(msgspec.Struct):
+    """What ``generated_tokens`` reads of a response kept as bytes; the rest is skipped."""
+
+    usage: Any = None
+
+
+_USAGE = msgspec.json.Decoder(_Usage)
 
 
 # What the one finality rule (``state.final_after_failure``) reads of a failure row,

@@ -13,7 +13,7 @@ import pytest
 from dispatcher.delivery.client import classify_response
 from dispatcher.outcome import Outcome
 from dispatcher.rows.capture import attach_agent_trajectory
-from dispatcher.rows.finalize import row_facts
+from dispatcher.rows.finalize import GENERATED_TOKENS, row_facts
 from dispatcher.rows.jsonworker import answer_for
 from dispatcher.rows.wire import (
     DecodedView,
@@ -51,6 +51,18 @@ def test_the_reward_and_the_mask_a_row_is_counted_by_are_decoded() -> None:
     assert isinstance(result["other"], msgspec.Raw)
     # What service mode's group filter and the run's coverage read (rows/finalize.py).
     assert row_facts(result, count_tokens=False) == {"reward": 1.0, "mask_sample": True}
+
+
+def test_a_big_rows_generated_tokens_are_counted_from_its_kept_response() -> None:
+    # A token target (service mode) counts them: a big row counted none before.
+    usage = b'"response":{"output":[{"type":"message"}],"usage":{"output_tokens":12}}'
+    _, result, _ = classify_big(200, big_body(extra=usage))
+    assert isinstance(result, WireResult) and isinstance(result["response"], msgspec.Raw)
+    assert row_facts(result) == {"reward": 1.0, GENERATED_TOKENS: 12}
+    # A response of another shape counts none, as a parsed one does.
+    for odd in (b'"response":[1]', b'"response":{"usage":"x"}', b'"response":null'):
+        _, result, _ = classify_big(200, big_body(extra=odd))
+        assert row_facts(result) == {"reward": 1.0}
 
 
 @pytest.mark.parametrize(
