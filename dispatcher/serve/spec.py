@@ -14,10 +14,10 @@ import os
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -310,27 +310,6 @@ def first_error(exc: ValidationError, of: str = "a job") -> str:
     return f"{where}: {message}"
 
 
-@contextlib.contextmanager
-def _rows_file(rows: list[dict[str, Any]], folder: Path) -> Iterator[Path]:
-    """The submitted rows as a file to check: in memory where the system has
-    ``memfd_create`` (Linux), else in ``folder``."""
-    if not hasattr(os, "memfd_create"):
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "rows.jsonl"
-        write_rows(rows, path)
-        yield path
-        _keep_small(path)
-        return
-    fd = os.memfd_create("dispatcher-rows", os.MFD_CLOEXEC)
-    try:
-        with os.fdopen(fd, "wb", closefd=False) as f:
-            _dump_rows(rows, f)
-        # Read back by its name: the checks open it as a task file.
-        yield Path(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
-
-
 def _keep_small(path: Path) -> None:
     """Empty a file a check leaves, if it is bigger than ``KEPT_BYTES``."""
     with contextlib.suppress(FileNotFoundError):
@@ -338,20 +317,10 @@ def _keep_small(path: Path) -> None:
             path.write_bytes(b"")
 
 
-def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
-    """The submitted rows as a task file to check (blocking; thrown away after the
-    check, so never fsynced: a submit waits for no disk here)."""
-    with path.open("wb") as f:
-        _dump_rows(rows, f)
-
-
-def _dump_rows(rows: list[dict[str, Any]], f: BinaryIO) -> None:
-    for row in rows:
-        f.write(jsonx.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
-
-
 # What a check leaves in its scratch folder at most (a bigger file is emptied).
 KEPT_BYTES = 1 << 20
+# What the submitted rows are called in a check's errors, before ``_rows_named``.
+SUBMITTED_ROWS = "rows"
 
 
 def check_tasks(
@@ -363,16 +332,20 @@ def check_tasks(
     """Validate the job's rows or task file as ``dispatcher run`` would (blocking),
     its size against the daemon's bounds, and its ``target_groups`` against its tasks.
 
-    Submitted rows are checked in a file in memory (``memfd``, else a folder of
-    ``scratch`` of the calling thread's own): a check creates, truncates and
-    removes no file on the state directory's disk, each a wait for its journal
-    when the disk is busy. Only a check of quotas writes there, what it leaves
-    at most ``KEPT_BYTES``.
+    Submitted rows are checked as the lines of a task file in memory, read from
+    no file: a check creates, truncates and removes no file on the state
+    directory's disk, each a wait for its journal when the disk is busy, and a
+    job of a few rows is checked in a fraction of a millisecond. Only a check of
+    quotas writes there (in a folder of ``scratch`` of the calling thread's own),
+    what it leaves at most ``KEPT_BYTES``.
     """
     folder = scratch / f"check-{threading.get_ident()}"
+    lines = None
     with contextlib.ExitStack() as stack:
         if spec.rows is not None:
-            tasks = stack.enter_context(_rows_file(spec.rows, folder))
+            # The name its rows' errors are given (``_rows_named``): no file is.
+            tasks = Path(SUBMITTED_ROWS)
+            lines = [jsonx.dumps(row) for row in spec.rows]
         else:
             tasks = _readable_input(spec.input)
         # Only a check of quotas reads the materialized rows back.
@@ -384,12 +357,12 @@ def check_tasks(
             stack.callback(_keep_small, materialized)
         try:
             run_settings = settings(tasks)
-            _check_size(spec, tasks, run_settings, limits)
+            _check_size(spec, tasks, run_settings, limits, lines)
             task_spec = run_settings.materialize_spec(None)
             # A task file's every line is a task: it names its model call. A
             # file that is not one (a log, a config) is refused at its first line.
             task_spec = replace(task_spec, require_params=spec.input is not None)
-            result = materialize(task_spec, materialized, durable=False)
+            result = materialize(task_spec, materialized, durable=False, lines=lines)
         except ConfigError as exc:
             raise BadJob(_rows_named(str(exc), tasks, spec.rows is not None)) from None
         if quotas is not None:
@@ -424,9 +397,16 @@ def _tasks_by_agent(materialized: Path) -> Counter[str]:
     return Counter(seen.values())
 
 
-def _check_size(spec: JobSpec, tasks: Path, settings: RunSettings, limits: ServeLimits) -> None:
+def _check_size(
+    spec: JobSpec,
+    tasks: Path,
+    settings: RunSettings,
+    limits: ServeLimits,
+    lines: list[bytes] | None,
+) -> None:
     """Rows x repeats and the bytes the job materializes against the daemon's bounds,
-    before anything of that size is written: one request must not fill the disk."""
+    before anything of that size is written: one request must not fill the disk.
+    ``lines``: the submitted rows' (the task file is ``tasks`` without them)."""
     repeats = settings.num_repeats
     most = max(repeats.values(), default=1) if isinstance(repeats, dict) else repeats
     rows = len(spec.rows) if spec.rows is not None else _lines(tasks)
@@ -435,7 +415,8 @@ def _check_size(spec: JobSpec, tasks: Path, settings: RunSettings, limits: Serve
             f"num_repeats: {rows} rows x {most} repeats = {rows * most} rollouts, more than "
             f"the daemon's --max-job-rollouts {limits.max_job_rollouts}"
         )
-    _check_bytes(tasks.stat().st_size, rows, most, _params_bytes(settings), limits)
+    size = sum(map(len, lines)) + len(lines) if lines is not None else tasks.stat().st_size
+    _check_bytes(size, rows, most, _params_bytes(settings), limits)
 
 
 def _params_bytes(settings: RunSettings) -> int:

@@ -18,7 +18,6 @@ for its job's folder.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +49,6 @@ log = structlog.get_logger("dispatcher.serve")
 # A body of rows this small is checked on the loop (``_checks_here``): a job of a
 # few rows takes a fraction of a millisecond of CPU.
 INLINE_BODY_BYTES = 16 * 1024
-# Rows are checked in a file in memory (``spec.check_tasks``), not on the disk.
-IN_MEMORY_CHECK = hasattr(os, "memfd_create")
 
 
 class Conflict(Exception):
@@ -214,13 +211,14 @@ class Submissions:
     def _parsed_here(self, body: bytes) -> JobSpec | None:
         """A body of at most ``INLINE_BODY_BYTES`` parsed on the loop (its rows are
         checked in memory); None for a larger one, parsed in the bodies' thread."""
-        if len(body) > INLINE_BODY_BYTES or not IN_MEMORY_CHECK:
+        if len(body) > INLINE_BODY_BYTES:
             return None
         return JobSpec.parse(body, self.base.agents)
 
     def _checks_here(self, spec: JobSpec) -> bool:
-        """Whether ``spec``'s check runs on the loop: rows without quotas (checked in a
-        file), whose job_id the archive cannot hold; any other takes the thread."""
+        """Whether ``spec``'s check runs on the loop: rows without quotas (checked in
+        memory; a check of quotas writes a file), whose job_id the archive cannot
+        hold; any other takes the thread."""
         if spec.rows is None or spec.target_groups_by_agent is not None:
             return False
         compaction, job_id = self.compaction, spec.job_id

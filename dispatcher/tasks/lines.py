@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,26 @@ def iter_input_rows(
                 continue
             taken += 1
             yield where, raw, row
+
+
+def iter_rows_in_memory(
+    lines: list[bytes],
+    name: str,
+    limit: int | None,
+    hasher: Any,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Iterator[tuple[str, Buffer, dict[str, Any]]]:
+    """``iter_input_rows`` of a task file of ``lines`` (each one JSON object, without its
+    newline), read from no file; ``name`` stands for the file's in ``where``."""
+    for line_no, raw in enumerate(itertools.islice(lines, limit), 1):
+        hasher.update(raw)
+        hasher.update(b"\n")
+        where = f"{name}:{line_no}"
+        _check_length(len(raw) + 1, max_line_bytes, where)
+        # Parsed again, as from a file: materializing changes the row it is given.
+        row = _parse_row(raw, where, skip_invalid=False)
+        assert row is not None
+        yield where, raw, row
 
 
 def _long_line(f: BinaryIO, first: bytes, max_bytes: int, where: str) -> bytes | bytearray:

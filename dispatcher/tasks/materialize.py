@@ -46,6 +46,7 @@ from dispatcher.tasks.lines import (
     Buffer,
     file_digest,
     iter_input_rows,
+    iter_rows_in_memory,
 )
 
 log = structlog.get_logger(__name__)
@@ -235,9 +236,10 @@ class _RolloutCounters:
 class Materializer:
     """Validates input rows and expands each into its repeats, laid out aabbcc."""
 
-    def __init__(self, spec: MaterializeSpec) -> None:
+    def __init__(self, spec: MaterializeSpec, rows: int | None = None) -> None:
         self._spec = spec
-        self._digests = _DigestTable(estimate_rows(spec.input_path, spec.limit))
+        expected = estimate_rows(spec.input_path, spec.limit) if rows is None else rows
+        self._digests = _DigestTable(expected)
         self._counters = _RolloutCounters()
         self._own_ids: _DigestTable | None = None
         self._next_task = 0
@@ -391,19 +393,30 @@ def input_digest(spec: MaterializeSpec) -> str:
 
 
 def materialize(
-    spec: MaterializeSpec, destination: Path | None, *, durable: bool = True
+    spec: MaterializeSpec,
+    destination: Path | None,
+    *,
+    durable: bool = True,
+    lines: list[bytes] | None = None,
 ) -> MaterializeResult:
     """Stream the task file into ``destination`` (blocking: run it in a thread),
     fsynced unless ``durable=False``; None: written nowhere (a check of the rows).
+    ``lines``: the task file's lines, in memory (``iter_rows_in_memory``), not read.
 
     The caller writes to a temporary name and renames it into place, so a bad
     line leaves no materialized file behind.
     """
-    materializer = Materializer(spec)
+    materializer = Materializer(spec, None if lines is None else len(lines))
     input_hash, output_hash = hashlib.sha256(), hashlib.sha256()
     input_rows = rollouts = 0
     by_agent: dict[str, int] = {}
-    rows = spec_rows(spec, input_hash)
+    rows = (
+        spec_rows(spec, input_hash)
+        if lines is None
+        else iter_rows_in_memory(
+            lines, str(spec.input_path), spec.limit, input_hash, spec.max_line_bytes
+        )
+    )
     with destination.open("wb") if destination is not None else _Discard() as out:
         batch = _Batch(out, output_hash)
         for where, raw, row in rows:
