@@ -305,3 +305,23 @@ def test_a_big_line_is_held_once_while_it_is_read(tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 2.4 * size, f"peak {peak / size:.2f}x the line"
+
+
+@pytest.mark.parametrize("limit", [None, 2])
+def test_lines_in_memory_materialize_as_their_file_does(tmp_path: Path, limit: int | None) -> None:
+    rows = [{"agent_ref": {"name": "a"}, "x": 1}, {"agent_ref": {"name": "b"}, "x": 1},
+            {"agent_ref": {"name": "a"}, "x": 1}]  # fmt: skip
+    path = write_lines(tmp_path / "in.jsonl", rows)
+    spec = spec_for(path, num_repeats=2, limit=limit)
+    from_file = materialize(spec, tmp_path / "file.jsonl")
+    lines = [orjson.dumps(row) for row in rows]
+    in_memory = materialize(spec, tmp_path / "memory.jsonl", lines=lines)
+    assert in_memory == from_file
+    assert (tmp_path / "memory.jsonl").read_bytes() == (tmp_path / "file.jsonl").read_bytes()
+
+
+def test_a_line_in_memory_longer_than_the_bound_is_an_error_naming_it(tmp_path: Path) -> None:
+    lines = [b'{"agent_ref":{"name":"a"}}', b'{"agent_ref":{"name":"a"},"x":"' + b"y" * 64 + b'"}']
+    spec = spec_for(Path("rows"), max_line_bytes=64)
+    with pytest.raises(ConfigError, match=r"^rows:2: a task line is longer"):
+        materialize(spec, None, lines=lines)
