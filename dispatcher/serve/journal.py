@@ -4,9 +4,9 @@ Submissions that wait at once are committed together, in one thread hop:
 each job's folder claimed (an empty directory), then their lines (each the
 job's record, as ``job.json`` holds it, and its rows) appended to
 ``DIR/journal/NNNNNN.jsonl`` in one write and one fsync; then each submitter
-answered, while a second thread writes each job's folder
-(``Registry.write_job``, without fsync) and the job starts once it is
-written. No timer: while one batch is on disk the next gathers, so a lone
+answered, and only then (the GIL is the loop's while it answers) a second
+thread writes each job's folder (``Registry.write_job``, without fsync) and
+the job starts once it is written. No timer: while one batch is on disk the next gathers, so a lone
 submit waits for one fsync and a thousand at once for a few. The journal's
 thread takes that next batch itself as the last one ends, with no turn of
 the loop between them and without waiting for the folders of the last one: a
@@ -198,13 +198,17 @@ class Journal:
         closed, self._torn = self._in_segment >= SEGMENT_JOBS or self._torn, False
         if closed:
             self._segment, self._in_segment = segment + 1, 0
-        loop.call_soon_threadsafe(partial(self._settle, batch, results, segment, closed=closed))
         accepted = [entry for entry, error in zip(batch, results, strict=True) if error is None]
         if accepted:
+            # Counted here: ``_maybe_quiet`` must not see the journal idle before
+            # ``_settle`` has handed the folders over.
             with self._lock:
                 self._unwritten += 1
-            # Never refused: the folders thread stops only after ``close`` saw it idle.
-            self._folders.submit(self._write_folders, loop, accepted)
+        loop.call_soon_threadsafe(partial(self._settle, batch, results, segment, closed=closed))
+
+    def _to_folders(self, batch: list[Entry]) -> None:
+        # Never refused: the folders thread stops only after ``close`` saw it idle.
+        self._folders.submit(self._write_folders, asyncio.get_running_loop(), batch)
 
     def _write_folders(self, loop: asyncio.AbstractEventLoop, batch: list[Entry]) -> None:
         """The folders of a batch of accepted jobs (in the folders' thread, blocking),
@@ -264,6 +268,10 @@ class Journal:
                     future.set_exception(error)
                     # A submitter gone away never reads it: no "never retrieved" warning.
                     future.exception()
+        if accepted:
+            # After the submitters' answers (their tasks woke before this runs): a
+            # burst's answers do not share the GIL with its folders' writes.
+            asyncio.get_running_loop().call_soon(self._to_folders, accepted)
 
     def _write(self, batch: list[Entry], segment: int) -> list[BaseException | None]:
         """The batch's folders claimed and its lines durable in one fsync (blocking)."""

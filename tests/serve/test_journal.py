@@ -403,3 +403,36 @@ async def test_a_job_whose_folder_is_written_once_the_daemon_stops_is_left_for_t
     async with daemon(tmp_path, agent, window=1000) as api:
         await api.results("late", wait="true")
         assert (await api.status("late"))["state"] == "done"
+
+
+async def test_a_batchs_folders_are_written_after_its_submitters_are_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GIL is the loop's while it answers a burst: the folders' thread, whose
+    # writes would take it, is handed the batch only once its answers have run.
+    async with open_journal(tmp_path) as journal:
+        answered: list[str] = []
+        handed: list[list[str]] = []
+        real = journal._folders.submit
+
+        def noted(*args: Any) -> Any:
+            handed.append(list(answered))
+            return real(*args)
+
+        monkeypatch.setattr(journal._folders, "submit", noted)
+
+        async def submitter(job_id: str, seq: int) -> None:
+            await journal.submit(record(job_id, seq), None, lambda r: None).answer
+            answered.append(job_id)
+
+        ids = [f"j{n}" for n in range(3)]
+        tasks = [asyncio.create_task(submitter(job_id, n + 1)) for n, job_id in enumerate(ids)]
+        # A turn for the submits to be made, one for the batch to be handed over.
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        # The loop held until the journal's thread is done with the batch (its one
+        # thread runs this after): a hand-over from there would come before any answer.
+        journal._thread.submit(lambda: None).result(30)
+        await asyncio.gather(*tasks)
+        await wait_until(lambda: len(handed) == 1)
+        assert handed == [ids]
