@@ -1,32 +1,28 @@
 """A job of ``dispatcher serve`` while it runs: its hops, gate and live status.
 
-A ``ServedJob`` is one accepted job that is not final: its record
-(``registry.py``), a ``Job`` (``run/job.py``: the files, resume contract and
-exit rules of ``dispatcher run``) in a task of its own, and its ``Groups``.
-A free slot of the daemon's pool goes to the job of highest priority, then the
-earliest submitted. A job whose ``policy_version`` p is more than K ahead of
-the trainer's V starts nothing until V ≥ p − K, nothing in flight cancelled
-for staleness (contracts §12); its start window (``window.py``:
-``max_in_flight``, ``admit``) bounds what it starts.
+A ``ServedJob`` is one accepted job that is not final: its record (``registry.py``), a
+``Job`` (``run/job.py``: the files, resume contract and exit rules of ``dispatcher run``)
+made as it starts, in a task of its own, and its ``Groups``. A free slot of the daemon's
+pool goes to the job of highest priority, then the earliest submitted. A job whose
+``policy_version`` p is more than K ahead of the trainer's V starts nothing until
+V ≥ p − K, nothing in flight cancelled for staleness (contracts §12); its start window
+(``window.py``: ``max_in_flight``, ``admit``) bounds what it starts.
 
-A job's step-control policy (``policy.py``: its target, group filter and
-ordering, from its body) is applied by its ``StepControl`` (``step.py``): its
-gate starts a new group only while its target leaves room, and once the
-target is reached the job starts nothing more (``finish``: what is in flight
-runs to its end; ``cancel``: it is cancelled) and ends ``satisfied``. A
-rollout whose agent has no room while others may have some (per-agent
-quotas) is held aside (``step.HeldAside``) and offered again when a group
-of its agent is filtered out.
+A job's step-control policy (``policy.py``: its target, group filter and ordering, from
+its body) is applied by its ``StepControl`` (``step.py``): its gate starts a new group
+only while its target leaves room, and once the target is reached the job starts nothing
+more (``finish``: what is in flight runs to its end; ``cancel``: it is cancelled) and
+ends ``satisfied``. A rollout whose agent has no room while others may have some
+(per-agent quotas) is held aside (``step.HeldAside``) and offered again when a group of
+its agent is filtered out.
 
-Once final, the job's record (with its final status) is saved and the
-service replaces it by a ``FinalJob`` (``final.py``): nothing of its rows,
-indexes or groups stays in memory.
+Once final, the job's record (with its final status) is saved and the service replaces it
+by a ``FinalJob`` (``final.py``): nothing of its rows, indexes or groups stays in memory.
 
-Failure policy of a job's task: whatever it raises (a file it cannot write,
-a bug) makes the job ``failed`` with a one-line reason, final, and ends its
-streams with ``{"end": "failed", "error": ...}``; the daemon and the other
-jobs go on. A failed job is not settled: the same ``dispatcher serve``
-command resumes it from its files, exactly.
+Failure policy of a job's task: whatever it raises (a file it cannot write, a bug) makes
+the job ``failed`` with a one-line reason, final, and ends its streams with
+``{"end": "failed", "error": ...}``; the daemon and the other jobs go on. A failed job
+is not settled: the same ``dispatcher serve`` command resumes it from its files, exactly.
 """
 
 from __future__ import annotations
@@ -125,7 +121,8 @@ class ServedJob:
         # Outcomes of the job's earlier hops (and, after a restart, of its files):
         # its status counts every pass, not only the hop running now.
         self.earlier_outcomes: Counter[str] = Counter()
-        self.job: Job | None = self._new_job()
+        # Made as it starts (``start``): a burst's answers wait for no job's hop.
+        self.job: Job | None = None
         self._cancelled = asyncio.Event()
         # Whether a hop has loaded the job's files (its groups, earlier outcomes).
         self._loaded = False
@@ -161,6 +158,10 @@ class ServedJob:
 
     def start(self, failed: str | None = None) -> None:
         """Its task; ``failed``: it opens nothing and ends failed with that reason."""
+        if failed is None:
+            job = self.job = self._new_job()
+            if self._cancelled.is_set():
+                job.cancel("job cancelled")
         run = self._run() if failed is None else self._settle(JobState.FAILED, failed)
         self.task = asyncio.create_task(run, name=f"job:{self.job_id}")
 
@@ -443,6 +444,8 @@ class ServedJob:
             known.update(job.progress(), outcomes=dict(outcomes), eta_s=eta_s)
             if job.order is not None:
                 known["start_order"] = job.order.figures()
+        elif not self.finished:  # not started: as its first hop shows before it opens
+            known.update(remaining=0, eta_s=0.0)
         elif record.outcomes is not None:
             known["outcomes"] = record.outcomes
         if self.groups is not None:

@@ -252,3 +252,45 @@ async def test_a_served_jobs_first_rollout_is_sent_before_its_files_are_fsynced(
     manifest = next(i for i, n in enumerate(synced) if n.endswith("rollouts_manifest.json"))
     rows = next(i for i, n in enumerate(synced) if n.endswith("/first/rollouts.jsonl"))
     assert manifest < rows
+
+
+async def test_a_job_cancelled_before_it_starts_ends_cancelled_with_nothing_sent(
+    tmp_path: Path, agent: FakeAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's hop is made as it starts (its folder written), not as it is accepted: a
+    burst's answers wait for no hop. Until then its status is its first hop's before it
+    opens, and a cancel ends it cancelled, nothing of it at an agent."""
+    import threading
+
+    from dispatcher.serve.registry import JobRecord, Registry
+    from dispatcher.serve.served import ServedJob
+    from tests.serve.test_archive import daemon
+
+    held, release = threading.Event(), threading.Event()
+    real = Registry.write_job
+
+    def held_write(self: Registry, record: JobRecord, rows: Any, *, durable: bool) -> None:
+        if record.job_id == "x":
+            held.set()
+            release.wait(60)
+        real(self, record, rows, durable=durable)
+
+    monkeypatch.setattr(Registry, "write_job", held_write)
+    async with daemon(tmp_path, agent, window=1000) as api:
+        try:
+            assert await api.submit("x") == 201
+            await wait_until(held.is_set)
+            served = api.service.jobs["x"]
+            assert isinstance(served, ServedJob)
+            assert served.job is None
+            status = await api.status("x")
+            assert status["state"] == "queued" and not status["final"]
+            assert (status["expected"], status["done"], status["remaining"]) == (None, 0, 0)
+            assert (status["eta_s"], status["outcomes"]) == (0.0, {})
+            async with api.http.delete(f"{api.url}/x") as r:
+                assert r.status == 200
+        finally:
+            release.set()
+        end = orjson.loads((await api.results("x", wait="true")).splitlines()[-1])
+        assert end["end"] == "cancelled"
+        assert agent.seen == 0
