@@ -85,6 +85,8 @@ class Trainer:
         self.numbers = itertools.count()
         self.done = 0
         self.submit_s: list[float] = []
+        # The numbers of the jobs whose submit took longer than the goal.
+        self.slow: list[int] = []
         self.lag = LoopLag()
         self.at_first: asyncio.Event = asyncio.Event()
         # (jobs done, the daemon's RSS in MB) at every ``--every`` jobs: the curve.
@@ -120,6 +122,8 @@ class Trainer:
                 if r.status != 201:
                     raise SystemExit(f"submit {job_id}: {r.status} {await r.text()}")
             self.submit_s.append(time.perf_counter() - started)
+            if self.submit_s[-1] > GOAL_SUBMIT_P99_S:
+                self.slow.append(n)
             rows = (await consume(http, self.url, job_id))[1]
             if rows != self.args.repeats:
                 raise SystemExit(f"{job_id}: {rows} rows of {self.args.repeats}")
@@ -254,6 +258,10 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     print(f"the trainer's own event-loop lag: p99 {lag.quantile(0.99) * 1000:.1f} ms, max "
           f"{lag.max * 1000:.1f} ms")  # fmt: skip
     print(slope(trainer.curve, rss["first"], args))
+    burst = args.clients * args.per_client
+    first = sum(1 for n in trainer.slow if n < burst)
+    print(f"submits over {GOAL_SUBMIT_P99_S * 1000:.0f} ms: {len(trainer.slow):,} of "
+          f"{args.jobs:,}; {first} of them among the first {burst} (sent at once)")  # fmt: skip
     print(f"an archived job: {answer_before}")
     print(f"  after the restart: {answer_after}")
 
