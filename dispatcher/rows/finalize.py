@@ -16,7 +16,7 @@ import functools
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -174,6 +174,8 @@ def row_facts(row: Mapping[str, Any], count_tokens: bool = True) -> dict[str, An
 
 # The facts' key of a row's generated tokens (not a key of the row).
 GENERATED_TOKENS = "generated_tokens"
+# The agent's answer, whose ``usage`` says the tokens generated without a capture.
+RESPONSE = "response"
 
 
 def generated_tokens(row: Mapping[str, Any]) -> int | None:
@@ -186,25 +188,33 @@ def generated_tokens(row: Mapping[str, Any]) -> int | None:
         completion = perf.get("completion_tokens")
         if isinstance(completion, int) and not isinstance(completion, bool):
             return completion
-    response = row.get("response")
+    response = row.get(RESPONSE)
     if type(response) is dict or isinstance(response, Mapping):
         return completion_tokens(response.get("usage"))
     if isinstance(response, msgspec.Raw):
         # A big row keeps its response as bytes: only its usage is decoded.
         try:
-            return completion_tokens(_USAGE.decode(response).usage)
+            return completion_tokens(_USAGE.decode(response).get("usage"))
         except msgspec.DecodeError:
             return None
     return None
 
 
-class _Usage(msgspec.Struct):
-    """What ``generated_tokens`` reads of a response kept as bytes; the rest is skipped."""
-
-    usage: Any = None
+class _Counts(TypedDict, total=False):
+    completion_tokens: Any
 
 
-_USAGE = msgspec.json.Decoder(_Usage)
+class _Response(TypedDict, total=False):
+    usage: Any
+
+
+# What ``generated_tokens`` reads of a row, as ``FactsReader`` shapes: a reader of
+# written rows decodes these and skips the rest of the agent's ``response`` (its
+# output, its token ids) without building it. Any other shape of the two keys is a
+# mismatch, which the reader then decodes whole.
+TOKENS_SHAPES: Mapping[str, Any] = {PERF: _Counts | None, RESPONSE: _Response | None}
+# A big row's response kept as bytes: its usage decoded, the rest skipped.
+_USAGE = msgspec.json.Decoder(_Response)
 
 
 # What the one finality rule (``state.final_after_failure``) reads of a failure row,

@@ -30,18 +30,18 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import structlog
 
-from dispatcher import jsonx
 from dispatcher.files.resume import RunState, repair_torn_tail
 from dispatcher.files.writer import LineIndex
 from dispatcher.outcome import Outcome
-from dispatcher.rows.finalize import GENERATED_TOKENS, generated_tokens
+from dispatcher.rows.finalize import GENERATED_TOKENS, RESPONSE, TOKENS_SHAPES, generated_tokens
 from dispatcher.serve.lines import BadLine, GroupLine, encode, read_group
-from dispatcher.tasks.keys import AGENT_REF, line_key, materialized_key, task_of
+from dispatcher.tasks.keys import AGENT_REF, FactsReader, line_key, materialized_key, task_of
 from dispatcher.tasks.materialize import Rollout
+from dispatcher.tasks.schema import PERF, REWARD
 
 log = structlog.get_logger("dispatcher.serve")
 
@@ -49,6 +49,17 @@ log = structlog.get_logger("dispatcher.serve")
 GroupFilter = Callable[[Sequence[Any]], bool]
 # Told of each group line and its line number.
 OnGroup = Callable[[GroupLine, int], None]
+
+
+class _AgentRef(TypedDict, total=False):
+    name: Any
+
+
+# What a restart reads of the rows of groups not logged yet: the reward, the agent's
+# name and the generated tokens; the agent's answer is skipped, not built.
+_FACTS = FactsReader(
+    (REWARD, AGENT_REF, PERF, RESPONSE), {AGENT_REF: _AgentRef | None, **TOKENS_SHAPES}
+)
 
 
 class Groups:
@@ -118,7 +129,7 @@ class Groups:
 
     def _read_facts(self, output: Path) -> None:
         """The rewards (and with details, agents and tokens) of the rows of groups not
-        logged yet (only those rows are parsed)."""
+        logged yet: only those rows are read, and of each only what is counted."""
         wanted = {
             seq: task for task, seqs in self.rows.items() if task not in self.logged for seq in seqs
         }
@@ -128,10 +139,9 @@ class Groups:
             for seq, line in enumerate(f, start=1):
                 task = wanted.get(seq)
                 if task is not None:
-                    row = jsonx.loads(line)
-                    row = row if isinstance(row, dict) else {}
+                    row = _FACTS.read(line) or {}
                     if self._filter is not None:
-                        self.rewards[task].append(row.get("reward"))
+                        self.rewards[task].append(row.get(REWARD))
                     agent = row.get(AGENT_REF)
                     if isinstance(agent, dict) and isinstance(agent.get("name"), str):
                         self.agents[task] = agent["name"]

@@ -25,7 +25,7 @@ Adding a key is one ``declare`` here (and the code that produces its value).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -393,13 +393,16 @@ FAILURE_FLAT_KEYS = _DERIVED.failure_flat
 
 
 def facts_decoder(
-    names: Iterable[str], keys: Iterable[Key] = KEYS
+    names: Iterable[str], keys: Iterable[Key] = KEYS, shapes: Mapping[str, Any] | None = None
 ) -> msgspec.json.Decoder[dict[str, Any]]:
     """A decoder of a JSON object that keeps only ``names``, decoded as declared in
-    ``keys``; every other value is skipped without being built. A declared type that
-    does not match is a ``msgspec.ValidationError`` (a ``DecodeError``)."""
+    ``keys``, or as ``shapes`` gives (a narrower type, whose own unnamed fields are
+    skipped too; or a key of the agent's that is not declared); every other value is
+    skipped without being built. A type that does not match is a
+    ``msgspec.ValidationError`` (a ``DecodeError``)."""
     declared = {k.name: k for k in keys}
-    fields = {name: declared[name].type for name in names}
+    shapes = shapes or {}
+    fields = {name: shapes[name] if name in shapes else declared[name].type for name in names}
     shape: Any = TypedDict("Facts", fields, total=False)  # type: ignore[misc]
     return msgspec.json.Decoder(shape)
 

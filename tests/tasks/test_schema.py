@@ -81,6 +81,19 @@ def test_facts_decoder_decodes_only_the_named_keys_as_declared() -> None:
         decoder.decode(b'{"_ng_task_index": "3"}')
 
 
+def test_facts_decoder_shapes_narrow_a_declared_key_and_name_an_agents_own() -> None:
+    class Ref(typing.TypedDict, total=False):
+        name: str
+
+    decoder = schema.facts_decoder(
+        (keys.AGENT_REF, "response"), shapes={keys.AGENT_REF: Ref, "response": typing.Any}
+    )
+    line = b'{"agent_ref": {"name": "a", "big": ["\xff"]}, "response": 1, "other": 2}'
+    assert decoder.decode(line) == {"agent_ref": {"name": "a"}, "response": 1}
+    with pytest.raises(msgspec.DecodeError):
+        decoder.decode(b'{"agent_ref": "a"}')
+
+
 # Where a key's name is written as a literal on purpose: a TypedDict's keys must be
 # literals (``FailureKeys`` is checked against the declarations), and the prefix of
 # every dispatcher key is no key.
