@@ -246,6 +246,12 @@ class _Tasks:
         self.tick = array("Q")
         self._index = _places(_slots_for(tasks))
         self._clock = 0
+        self._new_places()
+
+    def _new_places(self) -> None:
+        """The tasks' places are new (the arrays made or compressed): a hint that
+        ``find`` gave before is no longer one (``_HINT_BITS``)."""
+        self._places_id = next(_PLACES_IDS) << _HINT_BITS
 
     @classmethod
     def of(cls, halves: tuple[array[int], array[int]], averages: list[float]) -> _Tasks:
@@ -257,6 +263,7 @@ class _Tasks:
         tasks.tick = array("Q", range(len(averages)))
         tasks._clock = len(averages)
         tasks._reindex(_MIN_SLOTS)
+        tasks._new_places()
         return tasks
 
     def __len__(self) -> int:
@@ -268,6 +275,7 @@ class _Tasks:
         tasks.average, tasks.tick = array("d", self.average), array("Q", self.tick)
         tasks._index = array(self._index.typecode, self._index)
         tasks._clock = self._clock
+        tasks._places_id = self._places_id
         return tasks
 
     def _slot(self, key: int) -> tuple[int, int]:
@@ -286,25 +294,34 @@ class _Tasks:
         return self.find(key)[0]
 
     def find(self, key: int) -> tuple[float | None, int]:
-        """The task's average, and its place in the arrays (-1: not there)."""
+        """The task's average, and a hint where it is (-1: not there): its place in
+        the arrays, and above ``_HINT_BITS`` which places those are."""
         at = self._slot(key)[1]
-        return (self.average[at], at) if at >= 0 else (None, -1)
+        return (self.average[at], at | self._places_id) if at >= 0 else (None, -1)
 
     def move_all(self, updates: list[tuple[int, float, int]], max_tasks: int) -> list[float]:
         """Move each task's average by its latency, in order, and their new averages. An
-        update: the task's key, its latency and a hint where it is (``find``'s place,
-        searched for again if it has moved). A task not there joins; past
+        update: the task's key, its latency and a hint where it is (``find``'s, searched
+        for again if the places have changed since). A task not there joins; past
         ``max_tasks`` the ones updated longest ago go (``max_tasks // 16`` more)."""
         moved: list[float] = []
-        lo, hi, average, tick = self.lo, self.hi, self.average, self.tick
-        for key, latency_s, at in updates:
-            if not (0 <= at < len(lo) and lo[at] == key & _LOW and hi[at] == key >> 64):
+        lo, average, tick, places = self.lo, self.average, self.tick, self._places_id
+        for key, latency_s, hint in updates:
+            # A hint of these places is its place; one of others is out of range (a
+            # place is below 2 ** _HINT_BITS): the key's own bits need not be read.
+            at = hint ^ places if hint >= 0 else -1
+            if not 0 <= at < len(lo):
                 slot, at = self._slot(key)
                 if at < 0:
                     moved.append(self._join(slot, key, latency_s))
                     if len(lo) > max_tasks:
                         self.forget_oldest(len(lo) - max_tasks + max_tasks // 16)
-                        lo, hi, average, tick = self.lo, self.hi, self.average, self.tick
+                        lo, average, tick, places = (
+                            self.lo,
+                            self.average,
+                            self.tick,
+                            self._places_id,
+                        )
                     continue
             value = average[at]
             average[at] = value = value + ALPHA * (latency_s - value)
@@ -350,6 +367,7 @@ class _Tasks:
         self.average = array("d", itertools.compress(self.average, keep))
         self.tick = array("Q", itertools.compress(self.tick, keep))
         self._reindex(len(self._index))
+        self._new_places()
 
     def oldest_first(self) -> Iterator[tuple[int, float]]:
         """Every ``(digest, average)``, the one updated longest ago first.
@@ -365,6 +383,11 @@ class _Tasks:
             for at in places:
                 yield hi[at] << 64 | lo[at], average[at]
 
+
+# A hint (``_Tasks.find``) is a place, below this bit, and above it which places those
+# are: each making or compressing of the arrays is a number of its own, of any history.
+_HINT_BITS = 40
+_PLACES_IDS = itertools.count(1)
 
 # The table of places starts this small (a power of two), or made for as many
 # tasks as the history may keep, up to ``_PRESIZED`` (512 KB): not grown step by

@@ -142,6 +142,22 @@ def test_an_update_at_a_place_since_moved_finds_its_task_again() -> None:
     assert history.find(keys[1700]) == (1.0 + ALPHA * (2.0 - 1.0), at)
 
 
+def test_a_hint_of_other_places_is_no_place() -> None:
+    """A hint names its places: one of another history (or of places since compressed)
+    finds its task again, it does not update the task at that place."""
+    first, second = TaskHistory(None), TaskHistory(None)
+    keys = [task_key(task_digest({"input": n})) for n in range(2)]
+    for key in keys:
+        first.observe(key, 1.0)
+    for key in reversed(keys):
+        second.observe(key, 5.0)
+    _, hint = first.find(keys[0])
+    assert second.find(keys[0])[1] != hint
+    second.observe(keys[0], 7.0, hint)
+    assert second.estimate(keys[0]) == 5.0 + ALPHA * (7.0 - 5.0)
+    assert second.estimate(keys[1]) == 5.0
+
+
 def test_a_compaction_holds_a_slice_of_the_tasks_as_objects_not_all_of_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
