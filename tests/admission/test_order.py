@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from dispatcher.admission import order as order_module
 from dispatcher.admission.history import TaskHistory
 from dispatcher.admission.order import StartOrder, Waiting
 
@@ -132,6 +135,43 @@ def test_the_order_follows_its_rule_whatever_happens_between_takes() -> None:
                 key, done = started.pop(rng.randrange(len(started)))
                 latency_s = rng.choice([0.1, 1.0, 3.0, rng.random()])
                 rule.finished(done, latency_s)  # before the order moves the history on
+                order.finished(key, done, latency_s)
+    while rule.waits:
+        pick = order.take()
+        assert pick is not None and pick.position == rule.take()
+    assert order.take() is None
+
+
+def test_the_order_follows_its_rule_when_rollouts_come_in_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches merged into the sorted entries, small ones and new ranks on the heap:
+    taken together in one order."""
+    monkeypatch.setattr(order_module, "_MERGED_BATCH", 4)
+    rng = random.Random(11)
+    history = TaskHistory(None)
+    for task in range(0, 300, 2):
+        history.observe(f"d{task}", rng.choice([0.5, 2.0, rng.random()]))
+    order, rule = StartOrder(history, window=1 << 20), Rule(history)
+    started: list[tuple[int, int]] = []  # key, task
+    position = 0
+    while position < 1500:
+        batch = []
+        for _ in range(rng.choice([1, 3, 8, 40, 120])):
+            task = position // 3 if rng.random() < 0.8 else rng.randrange(300)
+            rule.add(position, task)
+            batch.append(Waiting(position, position, position + 1, position, task, f"d{task}"))
+            position += 1
+        order.add_all(batch)
+        for _ in range(rng.randrange(2 * len(batch))):
+            if rule.waits and rng.random() < 0.6:
+                pick = order.take()
+                assert pick is not None and pick.position == rule.take()
+                started.append((pick.key, pick.task_index))
+            elif started:
+                key, done = started.pop(rng.randrange(len(started)))
+                latency_s = rng.choice([0.1, 1.0, 3.0, rng.random()])
+                rule.finished(done, latency_s)
                 order.finished(key, done, latency_s)
     while rule.waits:
         pick = order.take()
