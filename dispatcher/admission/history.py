@@ -249,8 +249,7 @@ class _Tasks:
         self._new_places()
 
     def _new_places(self) -> None:
-        """The tasks' places are new (the arrays made or compressed): a hint that
-        ``find`` gave before is no longer one (``_HINT_BITS``)."""
+        """The places are new (arrays made or compressed): ``find``'s hints before, void."""
         self._places_id = next(_PLACES_IDS) << _HINT_BITS
 
     @classmethod
@@ -316,12 +315,8 @@ class _Tasks:
                     moved.append(self._join(slot, key, latency_s))
                     if len(lo) > max_tasks:
                         self.forget_oldest(len(lo) - max_tasks + max_tasks // 16)
-                        lo, average, tick, places = (
-                            self.lo,
-                            self.average,
-                            self.tick,
-                            self._places_id,
-                        )
+                        lo, average, tick = self.lo, self.average, self.tick
+                        places = self._places_id
                     continue
             value = average[at]
             average[at] = value = value + ALPHA * (latency_s - value)
