@@ -274,7 +274,7 @@ class _Tasks:
         tasks.average, tasks.tick = array("d", self.average), array("Q", self.tick)
         tasks._index = array(self._index.typecode, self._index)
         tasks._clock = self._clock
-        tasks._places_id = self._places_id
+        tasks._new_places()  # a hint of these places is not one of the copy's
         return tasks
 
     def _slot(self, key: int) -> tuple[int, int]:

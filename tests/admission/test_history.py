@@ -158,6 +158,20 @@ def test_a_hint_of_other_places_is_no_place() -> None:
     assert second.estimate(keys[1]) == 5.0
 
 
+def test_a_copy_of_the_places_takes_no_hint_of_the_original() -> None:
+    """A copy (a compaction's snapshot) has places of its own: after both take a task
+    at the same place, the original's hint finds its task in the copy again."""
+    tasks = history_module._Tasks(16)
+    a, b, c = (task_key(task_digest({"input": n})) for n in range(3))
+    tasks.move_all([(a, 1.0, -1)], 100)
+    copy = tasks.copy()
+    tasks.move_all([(b, 2.0, -1)], 100)
+    copy.move_all([(c, 3.0, -1)], 100)
+    _, hint = tasks.find(b)
+    copy.move_all([(b, 4.0, hint)], 100)
+    assert copy.get(c) == 3.0 and copy.get(b) == 4.0
+
+
 def test_a_compaction_holds_a_slice_of_the_tasks_as_objects_not_all_of_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
