@@ -64,6 +64,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/service.py --smoke
 	$(BIN)/python bench/settled_jobs.py --smoke
 	$(BIN)/python bench/many_jobs.py --smoke
+	$(BIN)/python bench/burst_submits.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
 	$(BIN)/python bench/step_control.py --smoke
 	$(BIN)/python bench/ordering.py --smoke
