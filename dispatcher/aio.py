@@ -1,10 +1,17 @@
-"""Small asyncio pieces: stopping background tasks, and waking many waiters at once."""
+"""Small asyncio pieces: stopping background tasks, waking many waiters at once, and
+starting an executor's threads before they are needed."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import threading
+from concurrent.futures import Executor
 from typing import Any
+
+# How many threads the loop's default executor has at most (ThreadPoolExecutor's default).
+DEFAULT_EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None, *, reraise: bool = True) -> None:
@@ -71,6 +78,23 @@ class Wakeup:
             waiters, self._waiters = self._waiters, set()
             for waiter in waiters:
                 wake(waiter)
+
+
+async def start_threads(executor: Executor | None, count: int = 1) -> None:
+    """Start ``count`` threads of ``executor`` (None: the loop's default) now.
+
+    An executor starts a thread at a submit that finds none idle, and the submit
+    waits until the new thread runs: under load, milliseconds of the loop's time
+    each, which the first burst of submits after a start paid for every thread its
+    work needed (the journal's, the folders', the bodies', the default executor's).
+    Each of the ``count`` calls here holds its thread until all are submitted, so
+    each submit finds no thread idle.
+    """
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    held = [loop.run_in_executor(executor, release.wait) for _ in range(count)]
+    release.set()
+    await asyncio.gather(*held)
 
 
 def wake(waiter: asyncio.Future[None] | None) -> None:

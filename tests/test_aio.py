@@ -1,13 +1,16 @@
 """Wakeup: every waiter woken at once, in the next turn of the loop, and cancellable;
-tasks cancelled together, and the first of a task and its stops."""
+tasks cancelled together, the first of a task and its stops, and an executor's
+threads started before their first use."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dispatcher.aio import Wakeup, cancel_all, cancel_and_wait, first_of
+from dispatcher.aio import Wakeup, cancel_all, cancel_and_wait, first_of, start_threads
 
 
 async def test_a_fire_wakes_every_waiter_in_the_next_turn_of_the_loop() -> None:
@@ -110,3 +113,27 @@ async def test_first_of_reraises_a_crash_of_its_task() -> None:
     with pytest.raises(RuntimeError, match="crashed"):
         await first_of(asyncio.create_task(crash()), stops)
     await cancel_all(stops)
+
+
+def threads_named(prefix: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith(f"{prefix}_"))
+
+
+async def test_start_threads_starts_count_threads_of_an_executor_before_any_use() -> None:
+    executor = ThreadPoolExecutor(4, thread_name_prefix="aio-start-threads")
+    try:
+        assert threads_named("aio-start-threads") == 0
+        await start_threads(executor, 3)
+        assert threads_named("aio-start-threads") == 3
+        await start_threads(executor, 4)  # the 3 idle ones count
+        assert threads_named("aio-start-threads") == 4
+    finally:
+        executor.shutdown()
+
+
+async def test_start_threads_of_none_starts_the_loops_default_executor() -> None:
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(2, thread_name_prefix="aio-default")
+    loop.set_default_executor(executor)
+    await start_threads(None, 2)
+    assert threads_named("aio-default") == 2

@@ -315,6 +315,7 @@ async def serving(
             daemon.begin_dispatch()
             stack.push_async_callback(service.close)
             await service.resume()
+            await service.start_threads()
             await asyncio.to_thread(_publish_target, daemon, state_dir, settings)
             yield service
     finally:

@@ -31,6 +31,7 @@ import structlog
 
 from dispatcher.admission.history import HISTORY_FILE, TaskHistory
 from dispatcher.admission.pause import MAX_TTL_S
+from dispatcher.aio import DEFAULT_EXECUTOR_THREADS, start_threads
 from dispatcher.errors import ExitCode
 from dispatcher.heap import HeapTrimmer
 from dispatcher.run.aggregate import WithoutRoute
@@ -354,6 +355,14 @@ class Service(Submissions):
         log.info("policy_version_set", version=version)
         # The weight update is over: a pause around it ends here.
         await self.resume_admission("policy_version")
+
+    async def start_threads(self) -> None:
+        """Start every thread a burst of submits and its jobs' starts use, before the
+        daemon says it listens: the first burst found none (``aio.start_threads``)."""
+        await self.journal.start_threads()
+        await start_threads(self._bodies_thread)
+        await start_threads(self._index_thread)
+        await start_threads(None, DEFAULT_EXECUTOR_THREADS)
 
     async def close(self) -> None:
         """Wait for every job to stop (the daemon's stop request stops them)."""

@@ -46,6 +46,7 @@ import orjson
 import structlog
 
 from dispatcher import jsonx
+from dispatcher.aio import start_threads
 from dispatcher.errors import ConfigError
 from dispatcher.files.atomic import fsync_dir, write_fully
 from dispatcher.serve.registry import (
@@ -346,6 +347,11 @@ class Journal:
         with contextlib.suppress(FileNotFoundError):
             self.segment_path(segment).unlink()
         fsync_dir(self.root)
+
+    async def start_threads(self) -> None:
+        """Start the journal's threads (before the first submit: see ``aio.start_threads``)."""
+        await start_threads(self._thread)
+        await start_threads(self._folders)
 
     async def close(self) -> None:
         """Let the commits and drops under way end."""

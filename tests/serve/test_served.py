@@ -294,3 +294,33 @@ async def test_a_job_cancelled_before_it_starts_ends_cancelled_with_nothing_sent
         end = orjson.loads((await api.results("x", wait="true")).splitlines()[-1])
         assert end["end"] == "cancelled"
         assert agent.seen == 0
+
+
+async def test_the_threads_a_burst_of_submits_uses_run_before_the_daemon_listens(
+    tmp_path: Path,
+) -> None:
+    """The journal's, the folders', the bodies', the index's and the loop's default
+    executor's threads all run once ``serving`` yields: the first burst after a start
+    waited for each thread it started (aio.start_threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dispatcher.aio import DEFAULT_EXECUTOR_THREADS
+
+    def threads(executor: ThreadPoolExecutor) -> int:
+        return len(executor._threads)
+
+    loop = asyncio.get_running_loop()
+    default = ThreadPoolExecutor(DEFAULT_EXECUTOR_THREADS)
+    loop.set_default_executor(default)  # this test's own, not one earlier tests used
+    agent = FakeAgent()
+    await agent.start()
+    try:
+        settings, state, access = serve_arguments(tmp_path, agent.url)
+        async with serve_module.serving(settings, state, None, None, access, ServeLimits()) as s:
+            journal = s.journal
+            assert [threads(journal._thread), threads(journal._folders)] == [1, 1]
+            assert [threads(s._bodies_thread), threads(s._index_thread)] == [1, 1]
+            assert threads(default) == DEFAULT_EXECUTOR_THREADS
+            s.daemon.stop_requested.set()
+    finally:
+        await agent.close()
