@@ -300,8 +300,9 @@ class Journal:
     def _append(self, segment: int, data: bytes) -> None:
         path = self.segment_path(segment)
         new = not path.exists()
-        if new:
-            self.root.mkdir(exist_ok=True)
+        made = new and not self.root.exists()
+        if made:
+            self.root.mkdir()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             write_fully(fd, data)
@@ -314,6 +315,9 @@ class Journal:
             os.close(fd)
         if new:
             fsync_dir(self.root)
+        if made:
+            # The folder's own entry: a power cut must not take the segment with it.
+            fsync_dir(self.root.parent)
 
     def segment_path(self, segment: int) -> Path:
         return self.root / f"{segment:06d}.jsonl"

@@ -81,10 +81,11 @@ async def test_submits_waiting_at_once_share_one_fsync_and_answer_once_durable(
         assert len(lines.splitlines()) == 21
         for n in range(20):
             assert (await api.status(f"j{n}"))["job_id"] == f"j{n}"
-    # 21 submits, two commits: the journal's fsync each and its folder's once; none
-    # by the bodies' thread (the check of a body writes nothing durable).
+    # 21 submits, two commits: the journal's fsync each, its folder's and the state
+    # directory's once (the folder is new); none by the bodies' thread (the check of
+    # a body writes nothing durable).
     submit_fsyncs = {k: v for k, v in fsyncs.items() if k.startswith("serve-")}
-    assert submit_fsyncs == {"serve-journal": 3}, fsyncs
+    assert submit_fsyncs == {"serve-journal": 4}, fsyncs
 
 
 class Cut(Exception):
@@ -436,3 +437,17 @@ async def test_a_batchs_folders_are_written_after_its_submitters_are_answered(
         await asyncio.gather(*tasks)
         await wait_until(lambda: len(handed) == 1)
         assert handed == [ids]
+
+
+async def test_the_journals_folder_made_at_the_first_commit_is_durable_in_the_state_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A power cut after the first answer must not lose the folder the journal's
+    # first segment is in: its entry in the state directory is synced too.
+    synced: list[Path] = []
+    monkeypatch.setattr(journal_module, "fsync_dir", lambda path: synced.append(Path(path)))
+    async with open_journal(tmp_path) as journal:
+        assert not journal.root.exists()
+        await journal.submit(record("first", 1), None, lambda r: None).answer
+        assert journal.root.parent in synced
+        assert synced.index(journal.root) < synced.index(journal.root.parent)
