@@ -10,6 +10,7 @@ fsynced: a reader sees the old file or the new one, never a part.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import secrets
@@ -182,6 +183,24 @@ def fsync_file(path: Path) -> None:
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (names created, renamed, removed) durable."""
     fsync_file(path)
+
+
+def make_dirs(folder: Path) -> None:
+    """``folder`` and its missing parents made, each new one's name made durable in its
+    parent (blocking): a power cut must not take a folder, and the files synced in
+    it, away with a name never synced. One made meanwhile by another is theirs."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    if not missing and not folder.is_dir():
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(folder))
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:
+            continue
+        fsync_dir(new.parent)
 
 
 def read_manifest(path: Path) -> RunManifest | None:

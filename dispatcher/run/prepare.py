@@ -32,6 +32,7 @@ from dispatcher.files.atomic import (
     RunLock,
     fsync_dir,
     fsync_file,
+    make_dirs,
     move_aside,
     read_manifest,
     temp_path,
@@ -213,7 +214,7 @@ def _kind(mode: int) -> str:
 
 def _ensure_output_dir(folder: Path) -> None:
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(folder)
     except OSError as exc:
         raise ConfigError(f"{folder}: cannot create the output directory: {exc.strerror}") from None
     if not os.access(folder, os.W_OK | os.X_OK):

@@ -45,7 +45,7 @@ import structlog
 
 from dispatcher import jsonx
 from dispatcher.errors import ConfigError
-from dispatcher.files.atomic import fsync_dir, remove_folder, remove_folders
+from dispatcher.files.atomic import fsync_dir, make_dirs, remove_folder, remove_folders
 from dispatcher.files.contracts import JobStatus, RunManifest, max_attempts_for
 from dispatcher.files.resume import OutputPaths
 from dispatcher.files.writer import LineIndex
@@ -202,7 +202,7 @@ class Archive:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.root = registry.root / "archive"
-        self.root.mkdir(exist_ok=True)
+        make_dirs(self.root)
         path = self.root / INDEX_FILE
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:

@@ -48,7 +48,7 @@ import structlog
 from dispatcher import jsonx
 from dispatcher.aio import start_threads
 from dispatcher.errors import ConfigError
-from dispatcher.files.atomic import fsync_dir, write_fully
+from dispatcher.files.atomic import fsync_dir, make_dirs, write_fully
 from dispatcher.serve.registry import (
     SETTLED_STATES,
     BadRecord,
@@ -300,9 +300,8 @@ class Journal:
     def _append(self, segment: int, data: bytes) -> None:
         path = self.segment_path(segment)
         new = not path.exists()
-        made = new and not self.root.exists()
-        if made:
-            self.root.mkdir()
+        if new:
+            make_dirs(self.root)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             write_fully(fd, data)
@@ -315,9 +314,6 @@ class Journal:
             os.close(fd)
         if new:
             fsync_dir(self.root)
-        if made:
-            # The folder's own entry: a power cut must not take the segment with it.
-            fsync_dir(self.root.parent)
 
     def segment_path(self, segment: int) -> Path:
         return self.root / f"{segment:06d}.jsonl"

@@ -46,6 +46,7 @@ from dispatcher.files.atomic import (
     RunLock,
     fsync_file,
     is_temp_of,
+    make_dirs,
     write_atomic,
     write_json_atomic,
 )
@@ -169,7 +170,7 @@ class Registry:
     def lock(self) -> None:
         """Take the state directory; another daemon on it is a ``ConfigError`` (exit 2)."""
         try:
-            self.jobs_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.jobs_dir)
         except OSError as exc:
             raise ConfigError(
                 f"--state-dir {self.root}: cannot create it: {exc.strerror}"

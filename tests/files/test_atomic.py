@@ -11,8 +11,10 @@ from typing import Any
 import orjson
 import pytest
 
+from dispatcher.files import atomic
 from dispatcher.files.atomic import WRITE_BYTES, temp_path, write_atomic, write_json_atomic
 from dispatcher.serve import registry
+from dispatcher.serve.registry import Registry
 
 
 def test_two_writers_of_one_file_each_write_whole_through_their_own_temporary(
@@ -89,3 +91,18 @@ def test_a_small_file_is_one_write_and_a_stream_is_written_in_bounded_pieces(
     assert (tmp_path / "big.jsonl").read_bytes() == line * 1000
     assert sum(writes) == len(line) * 1000
     assert max(writes) <= WRITE_BYTES + len(line) and len(writes) > 1
+
+
+def test_folders_made_have_their_names_synced_in_their_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A name never synced in its parent may be gone after a power cut, with every
+    # file synced inside it: the state directory, the journal's and the archive's
+    # folders, a run's output directory.
+    synced: list[Path] = []
+    monkeypatch.setattr(atomic, "fsync_dir", synced.append)
+    Registry(tmp_path / "new" / "state").lock()
+    assert synced == [tmp_path, tmp_path / "new", tmp_path / "new" / "state"]
+    synced.clear()
+    atomic.make_dirs(tmp_path / "new")
+    assert synced == []
