@@ -12,7 +12,7 @@ a daemon that serves a job per prompt group sees a new task with nearly every
 job, and an ordered map of digest strings to floats took ~200 bytes a task,
 20 MB of resident memory at the default bound.
 
-On disk, one JSON line per update, ``{"t": digest, "s": average}``, appended
+On disk, one JSON line per update, ``{"t": digest, "s": average}`` (``history_file.py``), appended
 (the last line of a task wins, so replaying the file in order rebuilds the
 map and its age order). Once the file holds ``COMPACT_FACTOR`` times more
 lines than tasks kept, it is replaced whole (a temporary file renamed over
@@ -36,11 +36,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import orjson
 import structlog
 
 from dispatcher import jsonx
+from dispatcher.admission.history_file import parse_updates, update_line, update_lines
 from dispatcher.files.atomic import write_atomic
 from dispatcher.tasks.keys import ATTEMPT_INDEX, CAPTURE_ID, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX
 
@@ -198,7 +198,7 @@ class TaskHistory:
     def _append(self, lines: list[tuple[int, float]]) -> None:
         assert self.path is not None
         with self.path.open("ab") as f:
-            f.write(_lines(lines))
+            f.write(update_lines(lines))
         self._lines_on_disk += len(lines)
 
     def _compact(self) -> None:
@@ -207,7 +207,7 @@ class TaskHistory:
             tasks = self._tasks.copy()
         # Streamed to the file: a list of every task's line (~130 bytes of objects
         # a task) raised the heap's high-water mark at each compaction for good.
-        write_atomic(self.path, map(_line, tasks.oldest_first()))
+        write_atomic(self.path, map(update_line, tasks.oldest_first()))
         self._lines_on_disk = len(tasks)
 
     def _replay(self, path: Path) -> None:
@@ -219,7 +219,7 @@ class TaskHistory:
             log.warning("task_history_not_read", path=str(path), error=str(exc))
             return
         self._lines_on_disk = data.count(b"\n") + (bool(data) and not data.endswith(b"\n"))
-        digests, averages = _parse_all(data)
+        digests, averages = parse_updates(data)
         # The last update of each task wins, and the ``max_tasks`` updated last stay,
         # oldest first. A digest's last line (a dict keeps the last value it is given),
         # in C: a history is read before every run.
@@ -424,51 +424,7 @@ def _age_slices(tick: array[int]) -> list[tuple[int, int]]:
 
 
 _LOW = (1 << 64) - 1
-
-
-def _line(update: tuple[int, float]) -> bytes:
-    """An update's line: ``{"t":"<32 hex digits>","s":<repr of the average>}``.
-    A finite float's repr is a JSON number that reads back as the same float."""
-    return b'{"t":"%032x","s":%r}\n' % update
-
-
-def _lines(updates: list[tuple[int, float]]) -> bytes:
-    """``_line`` of each update, the averages rendered in one call (orjson's shortest
-    form reads back as the same float, as a repr does): half the time of a line each."""
-    numbers = orjson.dumps(list(map(_AVERAGE_OF, updates)))[1:-1].split(b",")
-    return b"".join(map(_LINE.__mod__, zip(map(_KEY, updates), numbers, strict=True)))
-
-
-_LINE = b'{"t":"%032x","s":%s}\n'
 _KEY = operator.itemgetter(0)
-_AVERAGE_OF = operator.itemgetter(1)
-
-
-class _Update(msgspec.Struct):
-    t: str
-    s: float
-
-
-_UPDATE = msgspec.json.Decoder(_Update)
-
-
-def _parse_all(data: bytes) -> tuple[list[str], list[float]]:
-    """The digests and averages of the update lines of ``data``, in order: all at
-    once, or a line at a time when one is torn or foreign (skipped)."""
-    try:
-        updates = _UPDATE.decode_lines(data)
-    except msgspec.DecodeError:
-        updates = [u for u in map(_parse, data.split(b"\n")) if u is not None]
-    averages = list(map(_AVERAGE, updates))
-    # Each is a non-negative number (the sum is NaN or infinite otherwise): checked in C.
-    if not (min(averages, default=0.0) >= 0.0 and sum(averages) < math.inf):
-        updates = [u for u in updates if 0.0 <= u.s < math.inf]
-        averages = list(map(_AVERAGE, updates))
-    return list(map(_DIGEST, updates)), averages
-
-
-_DIGEST = operator.attrgetter("t")
-_AVERAGE = operator.attrgetter("s")
 
 
 def _task_halves(digests: list[str]) -> tuple[array[int], array[int]]:
@@ -488,12 +444,3 @@ def _task_halves(digests: list[str]) -> tuple[array[int], array[int]]:
         array("Q", map(operator.rshift, keys, itertools.repeat(64))),
         array("Q", map(operator.and_, keys, itertools.repeat(_LOW))),
     )
-
-
-def _parse(line: bytes) -> _Update | None:
-    """One update line; None for a torn or foreign one (skipped)."""
-    try:
-        update = _UPDATE.decode(line)
-    except msgspec.DecodeError:
-        return None
-    return update

