@@ -219,15 +219,8 @@ class TaskHistory:
             log.warning("task_history_not_read", path=str(path), error=str(exc))
             return
         self._lines_on_disk = data.count(b"\n") + (bool(data) and not data.endswith(b"\n"))
-        digests, averages = parse_updates(data)
-        # The last update of each task wins, and the ``max_tasks`` updated last stay,
-        # oldest first. A digest's last line (a dict keeps the last value it is given),
-        # in C: a history is read before every run.
-        last = sorted(dict(zip(digests, itertools.count())).values())[-self.max_tasks :]
-        self._tasks = _Tasks.of(
-            _task_halves(list(map(digests.__getitem__, last))),
-            list(map(averages.__getitem__, last)),
-        )
+        digests, averages = _last_updates(*parse_updates(data), self.max_tasks)
+        self._tasks = _Tasks.of(_task_halves(digests), averages)
 
 
 class _Tasks:
@@ -427,18 +420,34 @@ _LOW = (1 << 64) - 1
 _KEY = operator.itemgetter(0)
 
 
+def _last_updates(
+    digests: list[str], averages: list[float], max_tasks: int
+) -> tuple[list[str], list[float]]:
+    """Each task's last update, of the ``max_tasks`` tasks updated last, oldest first.
+    In C: a history is read before every run."""
+    # A digest's last line (a dict keeps the last value it is given).
+    places = dict(zip(digests, itertools.count()))
+    if len(places) < len(digests):
+        last = sorted(places.values())
+        digests = list(map(digests.__getitem__, last))
+        averages = list(map(averages.__getitem__, last))
+    # Else each task once (a compacted file, a first run's): no sort, no copy.
+    return digests[-max_tasks:], averages[-max_tasks:]
+
+
 def _task_halves(digests: list[str]) -> tuple[array[int], array[int]]:
     """The high and the low 64 bits of ``task_key`` of each digest: at C speed when all
     are ``task_digest``'s (their bytes, read as big-endian pairs of words)."""
-    try:
-        data = list(map(bytes.fromhex, digests))
-    except ValueError:
-        data = []
-    if len(data) == len(digests) and all(map((16).__eq__, map(len, data))):
-        words = array("Q", b"".join(data))
-        if sys.byteorder == "little":
-            words.byteswap()
-        return words[0::2], words[1::2]
+    if set(map(len, digests)) <= {32}:
+        # Every digest 32 characters and their whole 16 bytes each: hex digits all.
+        try:
+            words = array("Q", bytes.fromhex("".join(digests)))
+        except ValueError:
+            words = array("Q")
+        if len(words) == 2 * len(digests):
+            if sys.byteorder == "little":
+                words.byteswap()
+            return words[0::2], words[1::2]
     keys = list(map(task_key, digests))
     return (
         array("Q", map(operator.rshift, keys, itertools.repeat(64))),
