@@ -20,3 +20,20 @@ def test_an_update_line_is_the_json_object_of_its_digest_and_average(tmp_path: P
     history.observe(key, 1e-9)
     history.flush()
     assert TaskHistory.load(path).estimate(key) == 1e-9
+
+
+def test_names_that_are_not_digests_load_as_the_names_they_are(tmp_path: Path) -> None:
+    # A load reads the digests' bytes all at once: names of other lengths, or of 32
+    # characters that are not all hex digits, are each digested as ``task_key`` does.
+    for names in (
+        ["a" * 31, "b" * 33, "0" * 32],
+        [" " + "c" * 31, "d" * 32],
+        [" " + "c" * 31, "e" * 31 + " ", "f" * 32],
+        ["A" * 32, "g" * 32],
+    ):
+        path = tmp_path / "h.jsonl"
+        path.write_bytes(
+            b"".join(orjson.dumps({"t": n, "s": float(i)}) + b"\n" for i, n in enumerate(names))
+        )
+        history = TaskHistory.load(path)
+        assert [history.estimate(n) for n in names] == list(map(float, range(len(names))))
