@@ -108,7 +108,8 @@ class TaskHistory:
         self.path = path
         self.max_tasks = max_tasks
         self._tasks = _Tasks(min(max_tasks, _PRESIZED))
-        self._unwritten: list[tuple[int, float]] = []
+        # Updates not written yet: each task's key and its new average.
+        self._unwritten: tuple[list[int], list[float]] = ([], [])
         # Observations not applied yet: ``_settle`` moves their tasks in one pass
         # (a method call, a lock and a search fewer each).
         self._observed: list[tuple[int, float, int]] = []
@@ -161,45 +162,48 @@ class TaskHistory:
         with self._tasks_lock:
             averages = self._tasks.move_all(observed, self.max_tasks)
         if self.path is not None:
-            self._unwritten.extend(zip(map(_KEY, observed), averages, strict=True))
+            keys, written = self._unwritten
+            keys += map(_KEY, observed)
+            written += averages
 
     def due(self) -> bool:
         """Whether enough updates wait to be written (``save``)."""
-        return len(self._unwritten) + len(self._observed) >= FLUSH_EVERY
+        return len(self._unwritten[0]) + len(self._observed) >= FLUSH_EVERY
 
     async def save(self) -> None:
         """Write the buffered updates in a worker thread (taken here, on the loop,
         so an update made meanwhile waits for the next save)."""
         self._settle()
-        lines, self._unwritten = self._unwritten, []
-        if lines:
-            await asyncio.to_thread(self._write, lines)
+        lines, self._unwritten = self._unwritten, ([], [])
+        if lines[0]:
+            await asyncio.to_thread(self._write, *lines)
 
     def flush(self) -> None:
         """``save``, blocking."""
         self._settle()
-        lines, self._unwritten = self._unwritten, []
-        self._write(lines)
+        lines, self._unwritten = self._unwritten, ([], [])
+        self._write(*lines)
 
-    def _write(self, lines: list[tuple[int, float]]) -> None:
-        """Append ``lines``, or replace the file when it has grown past its bound."""
-        if self.path is None or not lines:
+    def _write(self, keys: list[int], averages: list[float]) -> None:
+        """Append the updates of ``keys`` to ``averages``, or replace the file when it
+        has grown past its bound."""
+        if self.path is None or not keys:
             return
         with self._file_lock:
             try:
-                if self._lines_on_disk + len(lines) > COMPACT_FACTOR * max(self.max_tasks, 1):
+                if self._lines_on_disk + len(keys) > COMPACT_FACTOR * max(self.max_tasks, 1):
                     self._compact()
                 else:
-                    self._append(lines)
+                    self._append(keys, averages)
             except OSError as exc:
                 # A hint lost, never a row: the run goes on in its order so far.
                 log.warning("task_history_not_written", path=str(self.path), error=str(exc))
 
-    def _append(self, lines: list[tuple[int, float]]) -> None:
+    def _append(self, keys: list[int], averages: list[float]) -> None:
         assert self.path is not None
         with self.path.open("ab") as f:
-            f.write(update_lines(lines))
-        self._lines_on_disk += len(lines)
+            f.write(update_lines(keys, averages))
+        self._lines_on_disk += len(keys)
 
     def _compact(self) -> None:
         assert self.path is not None

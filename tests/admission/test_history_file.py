@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 
 from dispatcher.admission.history import TaskHistory, task_digest, task_key
-from dispatcher.admission.history_file import update_line
+from dispatcher.admission.history_file import parse_updates, update_line, update_lines
 
 
 def test_an_update_line_is_the_json_object_of_its_digest_and_average(tmp_path: Path) -> None:
@@ -37,3 +37,15 @@ def test_names_that_are_not_digests_load_as_the_names_they_are(tmp_path: Path) -
         )
         history = TaskHistory.load(path)
         assert [history.estimate(n) for n in names] == list(map(float, range(len(names))))
+
+
+def test_a_batch_of_update_lines_reads_back_as_its_digests_and_averages() -> None:
+    keys = [0, 1, (1 << 64) - 1, 1 << 64, (1 << 128) - 1, task_key(task_digest({"input": 1}))]
+    averages = [0.0, 0.1, 2.5, 1e16, 1.5e-7, 5e-324]
+    keys, averages = keys + keys[::-1], averages + [123456.789, 1.7976931348623157e308] * 3
+    data = update_lines(keys, averages)
+    assert [orjson.loads(line) for line in data.splitlines(keepends=True)] == [
+        {"t": f"{key:032x}", "s": average} for key, average in zip(keys, averages, strict=True)
+    ]
+    assert data.endswith(b"\n") and update_lines([], []) == b""
+    assert parse_updates(data) == ([f"{key:032x}" for key in keys], averages)
