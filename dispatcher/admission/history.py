@@ -235,6 +235,8 @@ class _Tasks:
     task is an append. Places change only when tasks are forgotten (the arrays
     compressed, the table made anew)."""
 
+    __slots__ = ("_clock", "_index", "_places_id", "average", "hi", "lo", "tick")
+
     def __init__(self, tasks: int = 0) -> None:
         """No task yet; the table of places made for ``tasks`` of them."""
         self.hi = array("Q")
@@ -292,8 +294,17 @@ class _Tasks:
     def find(self, key: int) -> tuple[float | None, int]:
         """The task's average, and a hint where it is (-1: not there): its place in
         the arrays, and above ``_HINT_BITS`` which places those are."""
-        at = self._slot(key)[1]
-        return (self.average[at], at | self._places_id) if at >= 0 else (None, -1)
+        # ``_slot``'s search, inlined: a find for each task a job starts.
+        hi, lo = key >> 64, key & _LOW
+        index, column = self._index, self.lo
+        mask = len(index) - 1
+        slot = (hi ^ lo) & mask
+        while place := index[slot]:
+            at = place - 1
+            if column[at] == lo and self.hi[at] == hi:
+                return self.average[at], at | self._places_id
+            slot = (slot + 1) & mask
+        return None, -1
 
     def move_all(self, updates: list[tuple[int, float, int]], max_tasks: int) -> list[float]:
         """Move each task's average by its latency, in order, and their new averages. An
