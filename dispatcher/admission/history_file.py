@@ -6,18 +6,20 @@ whole when a history loads.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
-from typing import Literal
+import sys
+from typing import Annotated, Literal
 
 import msgspec
 
 
-class Update(msgspec.Struct):
-    """An update line: the task's digest and its new average (seconds)."""
+class Update(msgspec.Struct, gc=False):
+    """An update line: the task's digest and its new average (seconds), a finite
+    non-negative number (a line of any other is foreign: skipped). Never in a cycle:
+    not tracked by the garbage collector."""
 
     t: str
-    s: float
+    s: Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]
 
 
 _DECODER = msgspec.json.Decoder(Update)
@@ -52,12 +54,7 @@ def parse_updates(data: bytes) -> tuple[list[str], list[float]]:
         updates = _DECODER.decode_lines(data)
     except msgspec.DecodeError:
         updates = [u for u in map(_parse, data.split(b"\n")) if u is not None]
-    averages = list(map(_AVERAGE, updates))
-    # Each is a non-negative number (the sum is NaN or infinite otherwise): checked in C.
-    if not (min(averages, default=0.0) >= 0.0 and sum(averages) < math.inf):
-        updates = [u for u in updates if 0.0 <= u.s < math.inf]
-        averages = list(map(_AVERAGE, updates))
-    return list(map(_DIGEST, updates)), averages
+    return list(map(_DIGEST, updates)), list(map(_AVERAGE, updates))
 
 
 _DIGEST = operator.attrgetter("t")

@@ -49,3 +49,12 @@ def test_a_batch_of_update_lines_reads_back_as_its_digests_and_averages() -> Non
     ]
     assert data.endswith(b"\n") and update_lines([], []) == b""
     assert parse_updates(data) == ([f"{key:032x}" for key in keys], averages)
+
+
+def test_an_update_of_no_finite_non_negative_average_is_foreign() -> None:
+    data = b"".join(
+        b'{"t":"%d","s":%s}\n' % (n, number)
+        for n, number in enumerate([b"1e999", b"-1e-9", b'"1"', b"null", b"-0.0", b"2.5", b"0"])
+    )
+    assert parse_updates(data) == (["4", "5", "6"], [-0.0, 2.5, 0.0])
+    assert parse_updates(data[data.index(b'{"t":"4"') :]) == (["4", "5", "6"], [-0.0, 2.5, 0.0])
