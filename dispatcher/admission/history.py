@@ -12,13 +12,14 @@ a daemon that serves a job per prompt group sees a new task with nearly every
 job, and an ordered map of digest strings to floats took ~200 bytes a task,
 20 MB of resident memory at the default bound.
 
-On disk, one JSON line per update, ``{"t": digest, "s": average}`` (``history_file.py``), appended
-(the last line of a task wins, so replaying the file in order rebuilds the
-map and its age order). Once the file holds ``COMPACT_FACTOR`` times more
-lines than tasks kept, it is replaced whole (a temporary file renamed over
-it). Crash-safe without fsync: a torn last line is skipped, and a history is
-a hint (losing its last updates reorders rollouts, never changes a row).
-Updates are buffered and appended in a worker thread (``save``).
+On disk, one JSON line per update, ``{"t": digest, "s": average}``
+(``history_file.py``), appended (the last line of a task wins, so replaying the
+file in order rebuilds the map and its age order). Once the file holds
+``COMPACT_FACTOR`` times more lines than tasks kept, it is replaced whole (a
+temporary file renamed over it). Crash-safe without fsync: a torn last line is
+skipped, and a history is a hint (losing its last updates reorders rollouts,
+never changes a row). Updates are buffered and appended in a worker thread
+(``save``).
 """
 
 from __future__ import annotations
