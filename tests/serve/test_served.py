@@ -324,3 +324,67 @@ async def test_the_threads_a_burst_of_submits_uses_run_before_the_daemon_listens
             s.daemon.stop_requested.set()
     finally:
         await agent.close()
+
+
+async def test_a_served_job_fsyncs_each_of_its_files_once_and_its_manifest_and_folder_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a served job makes durable, by file, beyond its journal line and its rows'
+    group commits. None of them is covered by another: at its start (beside its first
+    rollouts, before its first row) the materialized rows, the manifest and the folder
+    (the names of both and of the rows files: a durable row needs them, and its run's
+    identity), and one reservation line (before a rollout is sent); at its end the
+    files its hop wrote without fsync (manifest again, with ``last_run``; status;
+    coverage), its rows file (its journal line goes after) and its final record
+    (temporary file, then the folder: the renames of all four)."""
+    import os
+    import threading
+    from collections import Counter
+
+    from tests.serve.test_archive import Client
+
+    synced: Counter[str] = Counter()
+    real = os.fsync
+    lock = threading.Lock()
+    folder = str(tmp_path / "state" / "jobs" / "j")
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name == folder or name.startswith(folder + "/"):
+            # A temporary file of an atomic write, by the file it replaces.
+            base = os.path.basename(name)
+            if base.startswith("."):
+                base = base[1:].rsplit(".", 2)[0]
+            with lock:
+                synced[base] += 1
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    agent = FakeAgent(respond=echo_result)
+    await agent.start()
+    try:
+        settings, state, access = serve_arguments(tmp_path, agent.url)
+        settings = settings.model_copy(update={"fsync": "batch"})
+        async with (
+            serve_module.serving(settings, state, None, None, access, ServeLimits()) as service,
+            aiohttp.ClientSession() as http,
+        ):
+            api = Client(service, http)
+            assert await api.submit("j", count=2) == 201
+            await api.results("j", wait="true")
+            assert (await api.status("j"))["state"] == "done"
+            service.daemon.stop_requested.set()
+    finally:
+        await agent.close()
+    # Its rows' group commits: one at least, each a batch of new rows.
+    assert synced.pop("rollouts.jsonl") >= 1
+    assert synced == {
+        "rollouts_materialized_inputs.jsonl": 1,
+        "rollouts_attempt_reservations.jsonl": 1,
+        "rollouts_manifest.json": 2,
+        "j": 2,
+        "rollouts_status.json": 1,
+        "rollouts_coverage.json": 1,
+        "input.jsonl": 1,
+        "job.json": 1,
+    }, synced
