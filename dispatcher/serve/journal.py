@@ -222,6 +222,12 @@ class Journal:
                 errors.append(exc)
             else:
                 errors.append(None)
+        try:
+            # The folders' names, claimed in the journal's thread, durable before a job
+            # makes a row durable in one: a power cut must not take its rows away.
+            fsync_dir(self.registry.jobs_dir)
+        except OSError as exc:
+            errors = [exc] * len(batch)
         loop.call_soon_threadsafe(self._written, batch, errors)
 
     def _written(self, batch: list[Entry], errors: list[OSError | None]) -> None:

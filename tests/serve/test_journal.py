@@ -83,10 +83,11 @@ async def test_submits_waiting_at_once_share_one_fsync_and_answer_once_durable(
         for n in range(20):
             assert (await api.status(f"j{n}"))["job_id"] == f"j{n}"
     # 21 submits, two commits: the journal's fsync each, its folder's and the state
-    # directory's once (the folder is new); none by the bodies' thread (the check of
-    # a body writes nothing durable).
+    # directory's once (the folder is new); jobs/ once a commit, after its answers, by
+    # the folders' thread; none by the bodies' thread (the check of a body writes
+    # nothing durable).
     submit_fsyncs = {k: v for k, v in fsyncs.items() if k.startswith("serve-")}
-    assert submit_fsyncs == {"serve-journal": 4}, fsyncs
+    assert submit_fsyncs == {"serve-journal": 4, "serve-folders": 2}, fsyncs
 
 
 class Cut(Exception):
@@ -453,3 +454,22 @@ async def test_the_journals_folder_made_at_the_first_commit_is_durable_in_the_st
         synced.clear()
         await journal.submit(record("first", 1), None, lambda r: None).answer
         assert synced[:2] == [journal.root.parent, journal.root]
+
+
+async def test_a_jobs_folder_name_is_durable_before_the_job_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A folder claimed in jobs/ and never synced there may be gone after a power
+    # cut with the rows its job made durable in it: the next start would make it
+    # anew from the journal and run them again.
+    synced: list[Path] = []
+    monkeypatch.setattr(journal_module, "fsync_dir", synced.append)
+    async with open_journal(tmp_path) as journal:
+        written: list[tuple[str, bool]] = []
+
+        def noted(record: JobRecord, error: OSError | None) -> None:
+            written.append((record.job_id, journal.registry.jobs_dir in synced))
+
+        await journal.submit(record("first", 1), None, lambda r: None, noted).answer
+        await wait_until(lambda: len(written) == 1)
+        assert written == [("first", True)]
