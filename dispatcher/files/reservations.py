@@ -13,7 +13,8 @@ One line per batch read (up to 512 rollouts), not per rollout: a hop may
 reserve a line it never sends (drained or stopped part way through a batch),
 which leaves a gap in the indices, never a repeat. A hop that sends nothing
 reserves nothing. A torn last line was never fsynced, so nothing it
-named was sent: it is dropped.
+named was sent: it is dropped. The hop that creates the file fsyncs its folder
+too, before its first rollout is sent: the file's name is durable with its line.
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ from pathlib import Path
 
 import orjson
 
+from dispatcher.files.atomic import fsync_dir
 from dispatcher.files.resume import repair_torn_tail
 
 
 class Reservations:
     """The reservations of earlier hops (read once) and this hop's own (appended)."""
 
-    def __init__(self, path: Path, earlier: dict[str, list[tuple[int, int]]]) -> None:
+    def __init__(
+        self, path: Path, earlier: dict[str, list[tuple[int, int]]], *, named: bool = False
+    ) -> None:
         self.path = path
         self.hop = os.urandom(4).hex()
         self._starts, self._counts = _coverage(earlier)
+        # Whether the file's name is durable in its folder (an earlier hop's file).
+        self._named = named
 
     @classmethod
     def load(cls, path: Path) -> Reservations:
@@ -43,14 +49,14 @@ class Reservations:
         repair_torn_tail(path)
         earlier: dict[str, list[tuple[int, int]]] = defaultdict(list)
         try:
-            data = path.read_bytes()
+            data, named = path.read_bytes(), True
         except FileNotFoundError:
-            data = b""
+            data, named = b"", False
         for line in data.splitlines():
             if line.strip():
                 entry = orjson.loads(line)
                 earlier[str(entry["hop"])].extend((int(a), int(b)) for a, b in entry["lines"])
-        return cls(path, earlier)
+        return cls(path, earlier, named=named)
 
     def earlier(self, offset: int) -> int:
         """How many earlier hops reserved the materialized line at ``offset``."""
@@ -69,6 +75,9 @@ class Reservations:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if not self._named:
+            fsync_dir(self.path.parent)
+            self._named = True
 
 
 def _coverage(hops: dict[str, list[tuple[int, int]]]) -> tuple[list[int], list[int]]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
+from dispatcher.files import reservations
 from dispatcher.files.reservations import Reservations
 from tests.helpers import (
     FakeAgent,
@@ -73,3 +75,19 @@ async def test_sigkill_while_an_agent_holds_the_rollout_then_resume_sends_a_fres
         assert row["_ng_dispatch"]["rollout_id"] == "0-0-a2"
     finally:
         await agent.close()
+
+
+def test_the_hop_that_creates_the_file_makes_its_name_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reservation fsynced in a file whose name a power cut takes away reserved
+    # nothing: the next hop would send the same attempt index again.
+    synced: list[Path] = []
+    monkeypatch.setattr(reservations, "fsync_dir", synced.append)
+    path = tmp_path / "out_attempt_reservations.jsonl"
+    first = Reservations.load(path)
+    first.reserve([(0, 10)])
+    first.reserve([(10, 20)])
+    assert synced == [tmp_path]
+    Reservations.load(path).reserve([(0, 10)])
+    assert synced == [tmp_path]

@@ -326,14 +326,15 @@ async def test_the_threads_a_burst_of_submits_uses_run_before_the_daemon_listens
         await agent.close()
 
 
-async def test_a_served_job_fsyncs_each_of_its_files_once_and_its_manifest_and_folder_twice(
+async def test_a_served_job_fsyncs_each_of_its_files_once_its_manifest_twice_its_folder_thrice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a served job makes durable, by file, beyond its journal line and its rows'
     group commits. None of them is covered by another: at its start (beside its first
     rollouts, before its first row) the materialized rows, the manifest and the folder
     (the names of both and of the rows files: a durable row needs them, and its run's
-    identity), and one reservation line (before a rollout is sent); at its end the
+    identity), and one reservation line and its file's name (before a rollout is
+    sent; the folder's fsync at the start may come after it); at its end the
     files its hop wrote without fsync (manifest again, with ``last_run``; status;
     coverage), its rows file (its journal line goes after) and its final record
     (temporary file, then the folder: the renames of all four)."""
@@ -382,7 +383,7 @@ async def test_a_served_job_fsyncs_each_of_its_files_once_and_its_manifest_and_f
         "rollouts_materialized_inputs.jsonl": 1,
         "rollouts_attempt_reservations.jsonl": 1,
         "rollouts_manifest.json": 2,
-        "j": 2,
+        "j": 3,
         "rollouts_status.json": 1,
         "rollouts_coverage.json": 1,
         "input.jsonl": 1,
