@@ -252,8 +252,12 @@ async def test_jobs_with_corrupt_files_are_failed_with_one_line_while_the_others
     for job_id in VICTIMS:
         await serve.submit(job_id=job_id, rows=rows(1))
     await wait_until(lambda: gated_agent.holding == 1)
-    # Their folders are written after their answers: the damage is to written files.
-    await wait_until(lambda: all((job_dir(state, j) / "job.json").exists() for j in VICTIMS))
+    # Their folders are written after their answers, and their jobs make their run
+    # files as they start: the damage is to written files. A folder of a job not
+    # started yet holds only its rows, which without job.json is a submission a
+    # kill cut (its id free), not a broken job.
+    manifests = [job_dir(state, j) / "rollouts_manifest.json" for j in VICTIMS]
+    await wait_until(lambda: all(m.exists() for m in manifests))
     assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL
     _damage(state)
     gated_agent.open()
