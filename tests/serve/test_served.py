@@ -5,8 +5,10 @@ process on 127.0.0.1 (the jobs API over HTTP) with a clock the test moves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +207,21 @@ async def test_max_in_flight_refills_the_jobs_window_as_each_rollout_leaves_its_
         await serve.stop()
 
 
+@contextlib.asynccontextmanager
+async def serving_batch(tmp_path: Path, agent: FakeAgent) -> AsyncIterator[tuple[Any, Any]]:
+    """``serve`` in this process with ``--fsync batch`` on ``agent``: its service and a
+    client of its API."""
+    from tests.serve.test_archive import Client
+
+    settings, state, access = serve_arguments(tmp_path, agent.url)
+    settings = settings.model_copy(update={"fsync": "batch"})
+    async with (
+        serve_module.serving(settings, state, None, None, access, ServeLimits()) as service,
+        aiohttp.ClientSession() as http,
+    ):
+        yield service, Client(service, http)
+
+
 async def test_a_served_jobs_first_rollout_is_sent_before_its_files_are_fsynced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,8 +229,6 @@ async def test_a_served_jobs_first_rollout_is_sent_before_its_files_are_fsynced(
     rollout, and before its first row (they were fsynced before it was sent)."""
     import os
     import threading
-
-    from tests.serve.test_archive import Client
 
     synced: list[str] = []
     held, release = threading.Event(), threading.Event()
@@ -231,13 +246,7 @@ async def test_a_served_jobs_first_rollout_is_sent_before_its_files_are_fsynced(
     agent = FakeAgent(gated=True)
     await agent.start()
     try:
-        settings, state, access = serve_arguments(tmp_path, agent.url)
-        settings = settings.model_copy(update={"fsync": "batch"})
-        async with (
-            serve_module.serving(settings, state, None, None, access, ServeLimits()) as service,
-            aiohttp.ClientSession() as http,
-        ):
-            api = Client(service, http)
+        async with serving_batch(tmp_path, agent) as (service, api):
             assert await api.submit("first", count=1) == 201
             # Sent while the manifest's fsync is held.
             await wait_until(lambda: agent.holding == 1 and held.is_set())
@@ -342,8 +351,6 @@ async def test_a_served_job_fsyncs_each_of_its_files_once_its_manifest_twice_its
     import threading
     from collections import Counter
 
-    from tests.serve.test_archive import Client
-
     synced: Counter[str] = Counter()
     real = os.fsync
     lock = threading.Lock()
@@ -364,13 +371,7 @@ async def test_a_served_job_fsyncs_each_of_its_files_once_its_manifest_twice_its
     agent = FakeAgent(respond=echo_result)
     await agent.start()
     try:
-        settings, state, access = serve_arguments(tmp_path, agent.url)
-        settings = settings.model_copy(update={"fsync": "batch"})
-        async with (
-            serve_module.serving(settings, state, None, None, access, ServeLimits()) as service,
-            aiohttp.ClientSession() as http,
-        ):
-            api = Client(service, http)
+        async with serving_batch(tmp_path, agent) as (service, api):
             assert await api.submit("j", count=2) == 201
             await api.results("j", wait="true")
             assert (await api.status("j"))["state"] == "done"
