@@ -127,19 +127,27 @@ def test_the_order_follows_its_rule_whatever_happens_between_takes() -> None:
         rule.add(position, task)
         order.add(Waiting(position, position, position + 1, position, task, f"d{task}"))
         for _ in range(rng.randrange(3)):
-            if rule.waits and rng.random() < 0.6:
-                pick = order.take()
-                assert pick is not None and pick.position == rule.take()
-                started.append((pick.key, pick.task_index))
-            elif started:
-                key, done = started.pop(rng.randrange(len(started)))
-                latency_s = rng.choice([0.1, 1.0, 3.0, rng.random()])
-                rule.finished(done, latency_s)  # before the order moves the history on
-                order.finished(key, done, latency_s)
+            take_or_finish(order, rule, started, rng)
     while rule.waits:
         pick = order.take()
         assert pick is not None and pick.position == rule.take()
     assert order.take() is None
+
+
+def take_or_finish(
+    order: StartOrder, rule: Rule, started: list[tuple[int, int]], rng: random.Random
+) -> None:
+    """One step of a random run: start the next rollout (the order's pick is the
+    rule's), or finish one started (``started``: key, task), with a random latency."""
+    if rule.waits and rng.random() < 0.6:
+        pick = order.take()
+        assert pick is not None and pick.position == rule.take()
+        started.append((pick.key, pick.task_index))
+    elif started:
+        key, done = started.pop(rng.randrange(len(started)))
+        latency_s = rng.choice([0.1, 1.0, 3.0, rng.random()])
+        rule.finished(done, latency_s)  # before the order moves the history on
+        order.finished(key, done, latency_s)
 
 
 def test_the_order_follows_its_rule_when_rollouts_come_in_batches(
@@ -164,15 +172,7 @@ def test_the_order_follows_its_rule_when_rollouts_come_in_batches(
             position += 1
         order.add_all(batch)
         for _ in range(rng.randrange(2 * len(batch))):
-            if rule.waits and rng.random() < 0.6:
-                pick = order.take()
-                assert pick is not None and pick.position == rule.take()
-                started.append((pick.key, pick.task_index))
-            elif started:
-                key, done = started.pop(rng.randrange(len(started)))
-                latency_s = rng.choice([0.1, 1.0, 3.0, rng.random()])
-                rule.finished(done, latency_s)
-                order.finished(key, done, latency_s)
+            take_or_finish(order, rule, started, rng)
     while rule.waits:
         pick = order.take()
         assert pick is not None and pick.position == rule.take()
