@@ -94,17 +94,7 @@ class Job(JobFigures):
         self.daemon = daemon
         self.settings = settings
         self.tracker = tracker or DispatchLatencyTracker()
-        self.state = Lifecycle(JobState.QUEUED)
-        self.fatal: DispatcherError | None = None
-        self.prepared: PreparedRun | None = None
-        self.finalizer = Finalizer(settings, daemon.metrics, count_tokens=on_final is not None)
-        self.flights: set[Flight] = set()
-        # Rollouts at agents (admitted, not answered): the one count of them,
-        # moved with the in-flight gauge in ``_launch`` and ``_left_agent``.
-        self._at_agents = 0
-        self._parts: FlightParts | None = None
-        self._context: contextvars.Context | None = None
-        self.writers: tuple[RowWriter, ...] = ()
+        self.end = end or HopEnd()
         self._shard_filter = shard_filter
         self._rank = rank
         self._publish_endpoint = publish_endpoint
@@ -112,15 +102,32 @@ class Job(JobFigures):
         # False: the hop's files are prepared without fsync and made durable beside
         # its first rollouts, before its first row (a served job: ``prepare_run``).
         self._durable_start = durable_start
-        self._synced: asyncio.Task[None] | None = None
-        self.end = end or HopEnd()
         # Which rollout starts next (contracts §13, start order); None: input order.
         self._history = history
         self._order_for = order_for
-        self.order: StartOrder | None = None
         # Service mode reads rows back by line number (the results stream).
         self.output_index = output_index
         self.failures_index = failures_index
+        self._init_unopened()
+        self.finalizer = Finalizer(settings, daemon.metrics, count_tokens=on_final is not None)
+        # Bound once: the module-level proxy would rebuild a logger per call.
+        self.log = log.bind()
+        self.recorder = Recorder(settings, daemon, self._latency_views(), on_final, self.log)
+
+    def _init_unopened(self) -> None:
+        """The state of a job not yet opened: no files, no flights, no stop, idle."""
+        self.state = Lifecycle(JobState.QUEUED)
+        self.fatal: DispatcherError | None = None
+        self.prepared: PreparedRun | None = None
+        self.order: StartOrder | None = None
+        self.flights: set[Flight] = set()
+        # Rollouts at agents (admitted, not answered): the one count of them,
+        # moved with the in-flight gauge in ``_launch`` and ``_left_agent``.
+        self._at_agents = 0
+        self._parts: FlightParts | None = None
+        self._context: contextvars.Context | None = None
+        self.writers: tuple[RowWriter, ...] = ()
+        self._synced: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         # Set by ``close_starts``: nothing more starts, what is in flight goes on.
         self._starts_closed = asyncio.Event()
@@ -135,10 +142,7 @@ class Job(JobFigures):
         self._dispatch_started: float | None = None
         self._dispatch_ended: float | None = None
         # One per hop: scopes each attempt's model-call capture (capture/scope.py).
-        self._capture_token = new_capture_token() if settings.capture_dir is not None else None
-        # Bound once: the module-level proxy would rebuild a logger per call.
-        self.log = log.bind()
-        self.recorder = Recorder(settings, daemon, self._latency_views(), on_final, self.log)
+        self._capture_token = new_capture_token() if self.settings.capture_dir is not None else None
 
     # ---- open --------------------------------------------------------------------
 
