@@ -106,6 +106,15 @@ class Service(Submissions):
             self.step_totals,
         )
         self.submit_times = submit_durations(daemon.metrics.registry)
+        self.journal = Journal(registry)
+        self._init_one_at_a_time()
+        self.history: TaskHistory | None = None
+        # Its jobs' hop ends: files made durable with their final record
+        # (``Registry.save_final``), one HTTP session (opened in ``resume``).
+        self.hop_end = HopEnd(durable=False)
+
+    def _init_one_at_a_time(self) -> None:
+        """The one-thread pools and locks: bodies, index reads, ids, policy one at a time."""
         # Bodies are parsed, checked and written in one thread: the memory of a
         # body's objects is reused by the next, not kept in an allocator arena
         # per worker thread.
@@ -114,17 +123,12 @@ class Service(Submissions):
         # Ids and submission orders are taken one body at a time: two racing bodies
         # for one job_id must not both create it.
         self._submitting = asyncio.Lock()
-        self.journal = Journal(registry)
         # Jobs being committed, by id: a body of the same id waits for the commit.
         self._accepting: dict[str, asyncio.Future[None]] = {}
         # One policy update at a time: the versions are saved in the order set.
         self._setting_policy = asyncio.Lock()
         # The same for the admission pause's file.
         self._setting_admission = asyncio.Lock()
-        self.history: TaskHistory | None = None
-        # Its jobs' hop ends: files made durable with their final record
-        # (``Registry.save_final``), one HTTP session (opened in ``resume``).
-        self.hop_end = HopEnd(durable=False)
 
     async def resume(self) -> None:
         """Load the registry; start every job that is not settled (done, cancelled or
