@@ -71,31 +71,14 @@ def configure_logging(
     """
     stream = sys.stderr if stream is None else stream
     resolved = resolve_log_format(fmt, stream)
-    level_no = logging.getLevelName(level.upper()) if isinstance(level, str) else level
-    if not isinstance(level_no, int):
-        raise ValueError(f"unknown log level {level!r}")
+    level_no = _level_number(level)
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         _utc_timestamp,
         _add_logger_name,
     ]
-    renderer: list[Processor]
-    out: TextIO = stream
-    if resolved == "json":
-        renderer = [_TRACEBACKS, _first_keys, _json_renderer()]
-        if stream is sys.stderr:
-            out = _coalescing_stderr()
-    else:
-        renderer = [
-            structlog.dev.ConsoleRenderer(
-                colors=is_terminal(stream), exception_formatter=structlog.dev.plain_traceback
-            )
-        ]
-        if is_terminal(stream):
-            # Shares the stream with the live progress line, which it redraws.
-            out = cast(TextIO, live_terminal(stream))
-    out = cast(TextIO, _Unfailing(out))
+    renderer, out = _renderer_and_output(resolved, stream)
     # JSON lines take one step that does what ``shared`` and ``renderer`` do:
     # the same line, without a call per processor (it runs once per rollout).
     chain = [json_line] if resolved == "json" else [*shared, *renderer]
@@ -112,6 +95,34 @@ def configure_logging(
     _route_stdlib(out, shared, renderer)
     set_console_stream(stream if resolved == "console" else None)
     return resolved
+
+
+def _level_number(level: int | str) -> int:
+    """A level's number, from its number or its name in any case."""
+    level_no = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    if not isinstance(level_no, int):
+        raise ValueError(f"unknown log level {level!r}")
+    return level_no
+
+
+def _renderer_and_output(resolved: LogFormat, stream: TextIO) -> tuple[list[Processor], TextIO]:
+    """The processors that render a line in ``resolved``, and the unfailing stream it goes to."""
+    renderer: list[Processor]
+    out: TextIO = stream
+    if resolved == "json":
+        renderer = [_TRACEBACKS, _first_keys, _json_renderer()]
+        if stream is sys.stderr:
+            out = _coalescing_stderr()
+    else:
+        renderer = [
+            structlog.dev.ConsoleRenderer(
+                colors=is_terminal(stream), exception_formatter=structlog.dev.plain_traceback
+            )
+        ]
+        if is_terminal(stream):
+            # Shares the stream with the live progress line, which it redraws.
+            out = cast(TextIO, live_terminal(stream))
+    return renderer, cast(TextIO, _Unfailing(out))
 
 
 # Tracebacks as data, without their frames' locals: those held agent URLs and the
