@@ -222,17 +222,11 @@ class AsyncClient:
         """
         body = submit_body(
             rows, input, job_id=job_id, num_repeats=num_repeats, default_agent=default_agent,
-            policy_version=policy_version, priority=priority,
-            metadata=dict(metadata) if metadata is not None else None,
-            responses_create_params=(
-                dict(responses_create_params) if responses_create_params is not None else None
-            ),
-            target_groups=target_groups, overprovision=overprovision, on_target=on_target,
-            group_filter=group_filter, max_attempts=max_attempts, target_tokens=target_tokens,
-            max_in_flight=max_in_flight, admit=admit,
-            target_groups_by_agent=(
-                dict(target_groups_by_agent) if target_groups_by_agent is not None else None
-            ),
+            policy_version=policy_version, priority=priority, metadata=metadata,
+            responses_create_params=responses_create_params, target_groups=target_groups,
+            overprovision=overprovision, on_target=on_target, group_filter=group_filter,
+            max_attempts=max_attempts, target_groups_by_agent=target_groups_by_agent,
+            target_tokens=target_tokens, max_in_flight=max_in_flight, admit=admit,
         )  # fmt: skip
         answer = await self._call("POST", "/v1/jobs", body, retry=job_id is not None)
         return JobStatus.from_json(answer)

@@ -122,13 +122,19 @@ def results_query(
     return urlencode(query)
 
 
+# Fields a caller may give as any mapping: the body holds a dict of each (a JSON object).
+_MAPPING_FIELDS = frozenset({"metadata", "responses_create_params", "target_groups_by_agent"})
+
+
 def submit_body(
     rows: Sequence[Mapping[str, Any]] | None,
     input: str | os.PathLike[str] | None,
     **fields: Any,
 ) -> dict[str, Any]:
     """The JSON body of ``POST /v1/jobs``: only the fields given (the daemon validates)."""
-    body: dict[str, Any] = {k: v for k, v in fields.items() if v is not None}
+    body: dict[str, Any] = {
+        k: dict(v) if k in _MAPPING_FIELDS else v for k, v in fields.items() if v is not None
+    }
     if rows is not None:
         body["rows"] = list(rows)
     if input is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -60,6 +61,16 @@ def test_submit_body_sends_only_what_was_given() -> None:
         "num_repeats": 4,
         "policy_version": 0,
     }
+
+
+def test_submit_body_holds_a_dict_of_each_mapping_it_is_given() -> None:
+    """Any mapping (not only a dict) for the object fields: the JSON encoder takes dicts."""
+    given = MappingProxyType({"a": 1})
+    body = submit_body(None, None, metadata=given, target_groups_by_agent=given)
+    assert type(body["metadata"]) is dict and body["metadata"] == {"a": 1}
+    assert type(body["target_groups_by_agent"]) is dict
+    body = submit_body(None, None, responses_create_params=given)
+    assert type(body["responses_create_params"]) is dict
 
 
 def test_error_message_is_the_daemons_one_line() -> None:
