@@ -255,11 +255,7 @@ class AgentClient:
             # A retry that would start past the deadline is not made.
             if self._clock() + delay_s >= deadline_at:
                 return self._deadline_attempt(replicas, replica, retry, missed)
-            self._observer.retrying(replica, rollout_id, missed.reason, delay_s, retry)
-            if missed.retry_after_s is not None:
-                await asyncio.sleep(delay_s)  # the agent said when: not a moment earlier
-            else:
-                await self._sleep(agent, delay_s)
+            await self._wait_to_retry(agent, rollout_id, replica, missed, delay_s, retry)
             last, retry = replica, retry + 1
 
     def _ready_now(self, replicas: ReplicaSet, last: Replica | None) -> Replica | None:
@@ -305,6 +301,22 @@ class AgentClient:
         if other is not None and other is not failed:
             return 0.0
         return self._policy.backoff.delay_s(retry, self._rng, missed.retry_after_s)
+
+    async def _wait_to_retry(
+        self,
+        agent: str,
+        rollout_id: str,
+        replica: Replica,
+        missed: NotDelivered,
+        delay_s: float,
+        retry: int,
+    ) -> None:
+        """Report the retry to come, then wait ``delay_s`` for it (the retry path only)."""
+        self._observer.retrying(replica, rollout_id, missed.reason, delay_s, retry)
+        if missed.retry_after_s is not None:
+            await asyncio.sleep(delay_s)  # the agent said when: not a moment earlier
+        else:
+            await self._sleep(agent, delay_s)
 
     async def _wait_for_replica(self, agent: str, deadline: float) -> bool:
         """Wait until a breaker may admit a probe or one closes; False past the deadline."""
