@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def both_epochs(
     return [one_epoch(folder, tasks, epoch, url, order, options) for epoch in (1, 2)]
 
 
-def main() -> None:
+def parse_options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=8)
@@ -87,8 +88,60 @@ def main() -> None:
     if options.smoke:
         options.tasks, options.repeats, options.concurrency, options.rounds = 32, 4, 32, 1
         options.median_s = 0.02
-    ratios: dict[str, list[float]] = {"e1": [], "e2": [], "e1_wall": [], "e2_wall": []}
-    errors: list[float] = []
+    return options
+
+
+Runs = dict[str, list[dict[str, Any]]]  # each order's two epochs
+
+
+@dataclass
+class Figures:
+    """Each round's makespans in the start order over input order's, and epoch 2's error."""
+
+    ratios: dict[str, list[float]] = field(
+        default_factory=lambda: {"e1": [], "e2": [], "e1_wall": [], "e2_wall": []}
+    )
+    errors: list[float] = field(default_factory=list)
+
+    def add(self, runs: Runs) -> None:
+        for epoch in (1, 2):
+            base, ordered = runs["input"][epoch - 1], runs["longest"][epoch - 1]
+            self.ratios[f"e{epoch}"].append(ordered["dispatch_s"] / base["dispatch_s"])
+            self.ratios[f"e{epoch}_wall"].append(ordered["wall_s"] / base["wall_s"])
+        if runs["longest"][1]["error"] is not None:
+            self.errors.append(runs["longest"][1]["error"])
+
+    def print_medians(self, options: argparse.Namespace) -> None:
+        med = {k: statistics.median(v) for k, v in self.ratios.items()}
+        print(
+            f"{options.tasks} tasks x {options.repeats} repeats, "
+            f"concurrency {options.concurrency}, median {options.median_s} s, "
+            f"sigma {options.task_sigma} between tasks and "
+            f"{options.repeat_sigma} between repeats; medians over {options.rounds} rounds"
+        )
+        for epoch, goal in ((1, 0.9), (2, 0.8)):
+            print(
+                f"epoch {epoch} makespan, longest first / input order: {med[f'e{epoch}']:.3f} "
+                f"(whole process {med[f'e{epoch}_wall']:.3f}; goal <= {goal})"
+            )
+        if self.errors:
+            print(
+                "epoch 2 estimate error, median |ln(actual/expected)|: "
+                f"{statistics.median(self.errors):.3f}"
+            )
+
+
+def print_round(round_: int, runs: Runs) -> None:
+    print(
+        f"round {round_ + 1}: dispatch s input {runs['input'][0]['dispatch_s']:.2f}"
+        f"/{runs['input'][1]['dispatch_s']:.2f}, longest "
+        f"{runs['longest'][0]['dispatch_s']:.2f}/{runs['longest'][1]['dispatch_s']:.2f}"
+    )
+
+
+def main() -> None:
+    options = parse_options()
+    figures = Figures()
     with (
         tempfile.TemporaryDirectory() as tmp,
         dispatcher_server(
@@ -101,35 +154,9 @@ def main() -> None:
         for round_ in range(options.rounds):
             orders = ["input", "longest"] if round_ % 2 == 0 else ["longest", "input"]
             runs = {order: both_epochs(root, tasks, url, order, options) for order in orders}
-            for epoch in (1, 2):
-                base, ordered = runs["input"][epoch - 1], runs["longest"][epoch - 1]
-                ratios[f"e{epoch}"].append(ordered["dispatch_s"] / base["dispatch_s"])
-                ratios[f"e{epoch}_wall"].append(ordered["wall_s"] / base["wall_s"])
-            if runs["longest"][1]["error"] is not None:
-                errors.append(runs["longest"][1]["error"])
-            print(
-                f"round {round_ + 1}: dispatch s input {runs['input'][0]['dispatch_s']:.2f}"
-                f"/{runs['input'][1]['dispatch_s']:.2f}, longest "
-                f"{runs['longest'][0]['dispatch_s']:.2f}/{runs['longest'][1]['dispatch_s']:.2f}"
-            )
-    med = {k: statistics.median(v) for k, v in ratios.items()}
-    print(
-        f"{options.tasks} tasks x {options.repeats} repeats, concurrency {options.concurrency}, "
-        f"median {options.median_s} s, sigma {options.task_sigma} between tasks and "
-        f"{options.repeat_sigma} between repeats; medians over {options.rounds} rounds"
-    )
-    print(
-        f"epoch 1 makespan, longest first / input order: {med['e1']:.3f} "
-        f"(whole process {med['e1_wall']:.3f}; goal <= 0.9)"
-    )
-    print(
-        f"epoch 2 makespan, longest first / input order: {med['e2']:.3f} "
-        f"(whole process {med['e2_wall']:.3f}; goal <= 0.8)"
-    )
-    if errors:
-        print(
-            f"epoch 2 estimate error, median |ln(actual/expected)|: {statistics.median(errors):.3f}"
-        )
+            figures.add(runs)
+            print_round(round_, runs)
+    figures.print_medians(options)
 
 
 if __name__ == "__main__":
