@@ -245,16 +245,7 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
     p50, p99 = quantile(ordered, 0.5) or 0.0, quantile(ordered, 0.99) or 0.0
     answer_before = await archived_answers(daemon.url, "group-0", args.repeats)
     code = await asyncio.to_thread(daemon.stop)
-    if args.add_archived:
-        took = await asyncio.to_thread(add_archived, work / "state", args.add_archived, args.retain)
-        print(
-            f"added {args.add_archived:,} archived jobs (index rows of copies of group-0, "
-            f"their archives hard links) in {took:.1f} s"
-        )
-    daemon, restart_s = await restart_to_first_row(work, agent, args)
-    answer_after = await archived_answers(daemon.url, "group-0", args.repeats)
-    restart_rss = daemon.rss_mb()
-    await asyncio.to_thread(daemon.stop)
+    restart_s, restart_rss, answer_after = await time_the_restart(work, agent, args)
     report(args, seconds, rss, counts, (p50, p99), restart_s, restart_rss, code)
     print(f"daemon CPU (user + system, every thread) per job: {cpu_ms:.1f} ms")
     print("\n".join(view))
@@ -269,6 +260,24 @@ async def measure(work: Path, agent: str, args: argparse.Namespace) -> None:
           f"last answer took {max(trainer.first_burst) * 1000:.1f} ms")  # fmt: skip
     print(f"an archived job: {answer_before}")
     print(f"  after the restart: {answer_after}")
+
+
+async def time_the_restart(
+    work: Path, agent: str, args: argparse.Namespace
+) -> tuple[float, float, str]:
+    """Archived copies added (``--add-archived``), then a restart on the state directory:
+    its seconds to a new job's first row, its RSS then, and the first job read from it."""
+    if args.add_archived:
+        took = await asyncio.to_thread(add_archived, work / "state", args.add_archived, args.retain)
+        print(
+            f"added {args.add_archived:,} archived jobs (index rows of copies of group-0, "
+            f"their archives hard links) in {took:.1f} s"
+        )
+    daemon, restart_s = await restart_to_first_row(work, agent, args)
+    answer_after = await archived_answers(daemon.url, "group-0", args.repeats)
+    restart_rss = daemon.rss_mb()
+    await asyncio.to_thread(daemon.stop)
+    return restart_s, restart_rss, answer_after
 
 
 def add_archived(state: Path, count: int, window: int) -> float:
