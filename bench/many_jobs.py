@@ -351,7 +351,7 @@ def report(args: argparse.Namespace, seconds: float, rss: dict[str, float],
     print(f"dispatcher serve exit code after SIGTERM: {code}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=100_000)
     parser.add_argument("--first", type=int, default=1_000, help="RSS baseline after this job")
@@ -397,6 +397,11 @@ def main() -> None:
     if args.smoke:
         args.jobs, args.first, args.retain, args.clients, args.per_client = 300, 100, 50, 2, 4
         args.add_archived, args.every = 200, 100
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     # The restart is timed from a process's start: a tree not byte-compiled would
     # add the compiling of every module it imports.
     compile_package()
