@@ -210,33 +210,7 @@ def run_case(
     lags: dict[str, list[tuple[list[list[float]], list[list[float]]]]] = {}
     with dispatcher_server("sim-agent", "--row-bytes", str(row_bytes)) as url:
         for n in range(repeat):
-            # Interleaved, so the machine's other work weighs on each the same.
-            variants: dict[str, Callable[[], dict[str, Any]]] = {
-                "baseline (bytes to file)": lambda: baseline(work, tasks, url, concurrency, tag),
-                # What any reader that refuses a corrupt row must at least spend.
-                "  + validating each row": lambda: baseline(
-                    work, tasks, url, concurrency, tag, validate=True
-                ),
-                # The baseline does not fsync: compare like with like first.
-                "dispatcher --fsync never": lambda: daemon(
-                    work, tasks, url, concurrency, tag, "never"
-                ),
-                "  the same, thread worker": lambda: daemon(
-                    work, tasks, url, concurrency, tag, "never", worker="thread"
-                ),
-                "dispatcher (fsync batch)": lambda: daemon(
-                    work, tasks, url, concurrency, tag, "batch"
-                ),
-            }
-            this = {
-                name: run()
-                for i, (name, run) in enumerate(variants.items())
-                if i < 2 or (wanted is None or VARIANT_KEYS[i] in wanted)
-            }
-            if n == 0 and (wanted is None or "aggregate" in wanted):
-                this["  + end-of-run aggregate"] = daemon(
-                    work, tasks, url, concurrency, tag, "batch", aggregate=True
-                )
+            this = one_round(work, tasks, url, concurrency, tag, n == 0, wanted)
             keep_round(this, runs, lags)
     print(
         f"{row_bytes / MB:g} MB rows, concurrency {concurrency}, {rollouts} rollouts, median of"
@@ -248,6 +222,42 @@ def run_case(
         print(f"  {name.strip()}, loop lag over all its runs' samples:")
         for line in lag_lines(pairs):
             print(f"    {line}")
+
+
+def one_round(
+    work: Path,
+    tasks: Path,
+    url: str,
+    concurrency: int,
+    tag: str,
+    first: bool,
+    wanted: set[str] | None,
+) -> dict[str, dict[str, Any]]:
+    """Each variant wanted run once, by name; the aggregate one in the first round only."""
+    # Interleaved, so the machine's other work weighs on each the same.
+    variants: dict[str, Callable[[], dict[str, Any]]] = {
+        "baseline (bytes to file)": lambda: baseline(work, tasks, url, concurrency, tag),
+        # What any reader that refuses a corrupt row must at least spend.
+        "  + validating each row": lambda: baseline(
+            work, tasks, url, concurrency, tag, validate=True
+        ),
+        # The baseline does not fsync: compare like with like first.
+        "dispatcher --fsync never": lambda: daemon(work, tasks, url, concurrency, tag, "never"),
+        "  the same, thread worker": lambda: daemon(
+            work, tasks, url, concurrency, tag, "never", worker="thread"
+        ),
+        "dispatcher (fsync batch)": lambda: daemon(work, tasks, url, concurrency, tag, "batch"),
+    }
+    this = {
+        name: run()
+        for i, (name, run) in enumerate(variants.items())
+        if i < 2 or (wanted is None or VARIANT_KEYS[i] in wanted)
+    }
+    if first and (wanted is None or "aggregate" in wanted):
+        this["  + end-of-run aggregate"] = daemon(
+            work, tasks, url, concurrency, tag, "batch", aggregate=True
+        )
+    return this
 
 
 def keep_round(
