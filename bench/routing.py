@@ -192,6 +192,21 @@ def servers(
         yield agent, proxy, models
 
 
+def run_command(
+    args: argparse.Namespace, tasks: Path, out: Path, agent: str, proxy: str
+) -> list[str]:
+    """``dispatcher run`` of the job: ``tasks`` to ``out``, its model calls through ``proxy``."""
+    return [
+        sys.executable, "-m", "dispatcher", "run", "--input", str(tasks),
+        "--output", str(out / "rollouts.jsonl"), "--agent", f"sim={agent}",
+        "--default-agent", "sim", "--num-repeats", str(args.repeats),
+        "--concurrency", str(args.concurrency), "--capture-dir", str(out / "captures"),
+        "--capture-proxy-url", proxy, "--fsync", "never", "--metrics-listen", "off",
+        "--log-format", "json",
+        *(("--start-order", args.start_order) if args.start_order else ()),
+    ]  # fmt: skip
+
+
 def one_run(
     args: argparse.Namespace, policy: str, replicas: int, work: Path, slow: bool = False
 ) -> Figures:
@@ -210,16 +225,7 @@ def one_run(
             servers(args, policy, replicas, out, release_url, slow)
         )
         in_flight = stack.enter_context(in_flight_sampler(proxy))
-        command = [
-            sys.executable, "-m", "dispatcher", "run", "--input", str(tasks),
-            "--output", str(out / "rollouts.jsonl"), "--agent", f"sim={agent}",
-            "--default-agent", "sim", "--num-repeats", str(args.repeats),
-            "--concurrency", str(args.concurrency), "--capture-dir", str(out / "captures"),
-            "--capture-proxy-url", proxy, "--fsync", "never", "--metrics-listen", "off",
-            "--log-format", "json",
-            *(("--start-order", args.start_order) if args.start_order else ()),
-        ]  # fmt: skip
-        run = run_child(command, out / "run.log")
+        run = run_child(run_command(args, tasks, out, agent, proxy), out / "run.log")
         if run.returncode != 0:
             raise SystemExit(f"{policy}: dispatcher run exited {run.returncode}: see {out}/run.log")
         stats = [_stats(url) for url in models]
