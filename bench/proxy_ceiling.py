@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import orjson
@@ -73,8 +74,13 @@ async def _serve_bare(upstream: str) -> None:
     await asyncio.Event().wait()
 
 
+class Server(NamedTuple):
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
-def server_process(*command: str) -> Iterator[tuple[str, int]]:
+def server_process(*command: str) -> Iterator[Server]:
     """Run a server that prints "listening on URL" first; its URL and pid."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
@@ -82,7 +88,7 @@ def server_process(*command: str) -> Iterator[tuple[str, int]]:
         line = proc.stdout.readline().decode()
         if "listening on " not in line:
             raise SystemExit(f"{command[1:3]} did not start: {line!r}")
-        yield line.rsplit(" ", 1)[-1].strip(), proc.pid
+        yield Server(line.rsplit(" ", 1)[-1].strip(), proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -134,14 +140,12 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-ceiling-")))
         model = stack.enter_context(dispatcher_server("sim-model", "--completion-tokens", "64"))
-        bare, bare_pid = stack.enter_context(
-            server_process(sys.executable, __file__, "--bare-proxy", model)
-        )
+        bare = stack.enter_context(server_process(sys.executable, __file__, "--bare-proxy", model))
         capture_command = (
             sys.executable, "-m", "dispatcher", "capture-proxy", "--upstream", model,
             "--capture-dir", str(tmp), "--listen", "127.0.0.1:0",
         )  # fmt: skip
-        capture, capture_pid = stack.enter_context(server_process(*capture_command))
+        capture = stack.enter_context(server_process(*capture_command))
         print(
             f"{args.workers} clients, streamed answers, {args.seconds:g} s per run, "
             f"{args.rounds} rounds; one sim-model upstream; os.cpu_count()={os.cpu_count()}"
@@ -151,25 +155,30 @@ def main() -> int:
             f"{'bare cpu ms/call':>17} {'capture cpu ms/call':>20}"
         )
         for size in sizes:
-            body = request(size)
-            rates: dict[str, list[float]] = {"bare": [], "capture": []}
-            cpu: dict[str, list[float]] = {"bare": [], "capture": []}
-            for round_ in range(args.rounds):
-                for name, urls, pid in (
-                    ("bare", [f"{bare}/v1/chat/completions"], bare_pid),
-                    ("capture", _rollout_urls(capture, round_), capture_pid),
-                ):
-                    before = cpu_s(pid)
-                    calls = asyncio.run(load(urls, body, args.workers, args.seconds))
-                    rates[name].append(calls / args.seconds)
-                    cpu[name].append((cpu_s(pid) - before) * 1000 / max(1, calls))
-            b, c = statistics.median(rates["bare"]), statistics.median(rates["capture"])
-            print(
-                f"{size:>8} {b:>13.0f} {c:>16.0f} {c / b:>13.2f} "
-                f"{statistics.median(cpu['bare']):>17.2f} "
-                f"{statistics.median(cpu['capture']):>20.2f}"
-            )
+            one_size(size, args, bare, capture)
     return 0
+
+
+def one_size(size: int, args: argparse.Namespace, bare: Server, capture: Server) -> None:
+    """Bare and capture runs of one body size, alternating, ``--rounds`` times: its line."""
+    body = request(size)
+    rates: dict[str, list[float]] = {"bare": [], "capture": []}
+    cpu: dict[str, list[float]] = {"bare": [], "capture": []}
+    for round_ in range(args.rounds):
+        for name, urls, pid in (
+            ("bare", [f"{bare.url}/v1/chat/completions"], bare.pid),
+            ("capture", _rollout_urls(capture.url, round_), capture.pid),
+        ):
+            before = cpu_s(pid)
+            calls = asyncio.run(load(urls, body, args.workers, args.seconds))
+            rates[name].append(calls / args.seconds)
+            cpu[name].append((cpu_s(pid) - before) * 1000 / max(1, calls))
+    b, c = statistics.median(rates["bare"]), statistics.median(rates["capture"])
+    print(
+        f"{size:>8} {b:>13.0f} {c:>16.0f} {c / b:>13.2f} "
+        f"{statistics.median(cpu['bare']):>17.2f} "
+        f"{statistics.median(cpu['capture']):>20.2f}"
+    )
 
 
 def _rollout_urls(proxy: str, round_: int) -> list[str]:
