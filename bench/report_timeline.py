@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -51,46 +52,37 @@ def write_run(work: Path, opts: argparse.Namespace) -> Path:
         (work / "x_materialized_inputs.jsonl").open("wb") as inputs,
     ):
         for i in range(opts.rows):
-            agent = f"agent{i % opts.agents}"
-            replica = f"http://10.0.{i % opts.agents}.{rng.randrange(opts.replicas)}:8000"
-            started = T0 + span_s * i / opts.rows
-            # Latency rises and throughput falls in the middle hour: something to see.
-            slow = 3.0 if abs(i / opts.rows - 0.5) < 0.05 else 1.0
-            stamp = {
-                "replica": replica,
-                "started_at": started,
-                "duration_s": slow * rng.lognormvariate(2, 0.6),
-            }
-            row = {"agent_ref": {"name": agent}, "_ng_task_index": i, "_ng_rollout_index": 0}
+            row, stamp = attempt(i, rng, opts, span_s)
             inputs.write(
                 orjson.dumps({"responses_create_params": {"input": f"q{i}"}, **row}) + b"\n"
             )
             if rng.random() < opts.failure_share:
                 cls = CLASSES[rng.randrange(len(CLASSES))]
-                failed.write(
-                    orjson.dumps(
-                        {
-                            **row,
-                            "_ng_failure_class": cls,
-                            "_ng_failure_terminal": True,
-                            "_ng_dispatch": stamp,
-                        }
-                    )
-                    + b"\n"
-                )
+                failure = {**row, "_ng_failure_class": cls, "_ng_failure_terminal": True}
+                failed.write(orjson.dumps({**failure, "_ng_dispatch": stamp}) + b"\n")
             else:
-                ok.write(
-                    orjson.dumps(
-                        {
-                            "response": {"output_text": answer},
-                            "reward": 1.0,
-                            **row,
-                            "_ng_dispatch": stamp,
-                        }
-                    )
-                    + b"\n"
-                )
-    return output  # fmt: skip
+                answered = {"response": {"output_text": answer}, "reward": 1.0, **row}
+                ok.write(orjson.dumps({**answered, "_ng_dispatch": stamp}) + b"\n")
+    return output
+
+
+def attempt(
+    i: int, rng: random.Random, opts: argparse.Namespace, span_s: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Attempt ``i``'s row (its agent, task, rollout) and its ``_ng_dispatch`` stamp
+    (a replica of the agent, its start in the span, its duration)."""
+    agent = f"agent{i % opts.agents}"
+    replica = f"http://10.0.{i % opts.agents}.{rng.randrange(opts.replicas)}:8000"
+    started = T0 + span_s * i / opts.rows
+    # Latency rises and throughput falls in the middle hour: something to see.
+    slow = 3.0 if abs(i / opts.rows - 0.5) < 0.05 else 1.0
+    stamp = {
+        "replica": replica,
+        "started_at": started,
+        "duration_s": slow * rng.lognormvariate(2, 0.6),
+    }
+    row = {"agent_ref": {"name": agent}, "_ng_task_index": i, "_ng_rollout_index": 0}
+    return row, stamp
 
 
 def timed(args: list[str], stderr_path: Path) -> tuple[float, float, float]:
