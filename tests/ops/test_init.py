@@ -4,6 +4,7 @@ the README's flag table and its links into docs/contracts.md."""
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import os
@@ -465,6 +466,19 @@ def test_no_module_is_over_500_lines() -> None:
         for p in sources
         if (n := len(p.read_bytes().splitlines())) > 500
     }
+    assert not long, long
+
+
+def test_no_function_is_over_50_lines() -> None:
+    """A function does one thing: past 50 lines, def to end, it is two."""
+    sources = [*(ROOT / "dispatcher").rglob("*.py"), *(ROOT / "bench").glob("*.py")]
+    long = [
+        f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({size} lines)"
+        for p in sources
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (size := (node.end_lineno or node.lineno) - node.lineno + 1) > 50
+    ]
     assert not long, long
 
 
