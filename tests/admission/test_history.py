@@ -13,6 +13,8 @@ import pytest
 
 import dispatcher.admission.history as history_module
 from dispatcher.admission.history import ALPHA, TaskHistory, line_key, task_digest, task_key
+from dispatcher.tasks.materialize import materialize
+from tests.tasks.test_materialize import spec_for
 
 
 def test_the_digest_ignores_the_dispatchers_keys_and_key_order() -> None:
@@ -253,3 +255,17 @@ def test_observations_applied_in_batches_move_and_forget_as_one_at_a_time(
     history.flush()
     again = TaskHistory.load(tmp_path / "h.jsonl", max_tasks=max_tasks)
     assert {k: again.estimate(k) for k in model} == {k: v[0] for k, v in model.items()}
+
+
+def test_a_history_written_before_is_found_from_a_materialized_line(tmp_path: Path) -> None:
+    # A history line as every earlier tree wrote it for this row: the digest of a task
+    # (its row's canonical JSON, blake2b) must stay, or every history on disk is lost.
+    path = tmp_path / "task_history.jsonl"
+    path.write_bytes(b'{"t":"3e4e4bdf50064e73f3196db2985ad0d9","s":2.5}\n')
+    row = b'{"responses_create_params":{"input":"question 0"},"agent_ref":{"name":"sim"}}\n'
+    (tmp_path / "tasks.jsonl").write_bytes(row)
+    spec = spec_for(tmp_path / "tasks.jsonl", agents=frozenset({"sim"}), num_repeats=2)
+    materialize(spec, tmp_path / "m.jsonl")
+    lines = (tmp_path / "m.jsonl").read_bytes().splitlines(keepends=True)
+    history = TaskHistory.load(path)
+    assert [history.find(line_key(line))[0] for line in lines] == [2.5, 2.5]
