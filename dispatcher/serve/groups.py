@@ -14,6 +14,16 @@ group) is never a reason to fail the job: the file is cut before it and the
 rest rebuilt from the rows (the output, the failures sidecar and the
 materialized inputs); the lines before it keep their numbers.
 
+Durability (``durable``: an ``--fsync`` other than ``never``): a line is
+written on the loop at once, but shown on the stream (its ``_ng_seq`` handed
+out) and told to ``on_group`` only once an fsync covers it, so a power cut
+cannot renumber what a consumer or the step's tally (saved in ``job.json``)
+has seen. One fsync at a time runs in the loop's default executor, covering
+every line written before it started; lines written meanwhile wait for the
+next. On open, what is read back (the groups file and the rows it is rebuilt
+from: a kill may have left them in the page cache only) is fsynced before
+anything is told. An fsync that fails stops the job as a failed write does.
+
 Step control (contracts §13): with a group filter, a complete group whose rows
 the filter finds teach nothing is logged all the same, with
 ``"filtered": true``. Whoever counts groups (``step.py``) hears of every line
@@ -25,6 +35,9 @@ tokens, so the tally is the same after a restart.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import os
 import time
 from collections import Counter, defaultdict
@@ -34,7 +47,9 @@ from typing import Any, TypedDict
 
 import structlog
 
-from dispatcher.files.resume import RunState, repair_torn_tail
+from dispatcher.errors import OutputWriteError
+from dispatcher.files.atomic import fsync_file
+from dispatcher.files.resume import OutputPaths, RunState, repair_torn_tail
 from dispatcher.files.writer import LineIndex
 from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import GENERATED_TOKENS, RESPONSE, TOKENS_SHAPES, generated_tokens
@@ -68,14 +83,15 @@ class Groups:
     def __init__(
         self,
         path: Path,
-        on_error: Callable[[OSError], None] | None = None,
+        on_error: Callable[[OutputWriteError], None] | None = None,
         group_filter: GroupFilter | None = None,
         on_group: OnGroup | None = None,
         details: bool = False,
         surplus: Callable[[str], bool] | None = None,
+        durable: bool = False,
     ) -> None:
         self.path = path
-        # A group line that cannot be written: the owner stops the job, naming it.
+        # A group line that cannot be written or fsynced: the owner stops the job, naming it.
         self._on_error = on_error
         self._filter = group_filter
         self._on_group = on_group
@@ -101,7 +117,11 @@ class Groups:
         self.completed_at: dict[int, float] = {}
         self.index = LineIndex()
         self._fd: int | None = None
-        self._size = 0
+        self._durable = durable
+        # Lines written and not shown yet, in file order: each group and its line's bytes.
+        self._unshown: list[tuple[GroupLine, int]] = []
+        # The fsync in flight, one at most; the descriptor stays open until it returns.
+        self._syncing: asyncio.Future[None] | None = None
 
     def load(self, materialized: Path, output: Path, state: RunState) -> list[int]:
         """Read back what earlier hops did (blocking); the complete tasks not yet logged."""
@@ -119,6 +139,8 @@ class Groups:
             if state.is_final(key) and key not in state.successes:
                 self.failures[task_of(key)] += 1
                 self.final[task_of(key)] += 1
+        if self._durable:
+            _sync_rows(output)
         repair_torn_tail(self.path)
         self._read_logged()
         self.index.load(self.path)
@@ -148,7 +170,8 @@ class Groups:
                     self.tokens[task] += generated_tokens(row) or 0
 
     def _read_logged(self) -> None:
-        """The groups already logged; the file is cut at its first damaged line."""
+        """The groups already logged, durable before ``open`` tells them (a kill may have
+        left them in the page cache only); the file is cut at its first damaged line."""
         good = 0
         with self.path.open("ab+") as f:
             f.seek(0)
@@ -157,10 +180,12 @@ class Groups:
                 if group is None:
                     log.warning("groups_rebuilt", path=str(self.path), damaged_line=line_no)
                     f.truncate(good)
-                    return
+                    break
                 self.logged.add(group.task_index)
                 self._read_back.append((group, line_no))
                 good += len(line)
+            if self._durable and good:
+                os.fsync(f.fileno())
 
     def _group_of(self, line: bytes) -> GroupLine | None:
         """The group of a line that is whole and sound; None for a damaged one."""
@@ -178,7 +203,6 @@ class Groups:
     async def open(self, missing: list[int]) -> None:
         """Tell ``on_group`` of the lines read back, then log the groups missing."""
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._size = os.fstat(self._fd).st_size
         read_back, self._read_back = self._read_back, []
         if self._on_group is not None:
             for group, seq in read_back:
@@ -212,8 +236,7 @@ class Groups:
 
     def _log(self, task: int) -> None:
         """Append the group's line, here on the loop: one small write(2) to the page
-        cache, never fsynced (the file is derived data, rebuilt from the rows on open),
-        so a waiting stream sees the group without a thread hop."""
+        cache, shown at once without ``durable``, else once an fsync covers it."""
         assert self._fd is not None
         filtered = self._filter is not None and self._filter(self.rewards.pop(task, []))
         group = GroupLine(task, sorted(self.rows[task]), self.failures[task], filtered)
@@ -226,27 +249,91 @@ class Groups:
         try:
             written = os.write(self._fd, line)
         except OSError as exc:
-            self._refuse(exc)
+            self._refuse("write", exc)
             return
         if written != len(line):
-            self._refuse(OSError(0, f"short write ({written} of {len(line)} bytes)"))
+            self._refuse("write", OSError(0, f"short write ({written} of {len(line)} bytes)"))
             return
         self.logged.add(task)
-        seq = self.index.add(self._size, [len(line)])
-        self._size += len(line)
-        if self._on_group is not None:
-            self._on_group(group, seq)
+        self._unshown.append((group, len(line)))
+        if not self._durable:
+            self._show(1)
+        elif self._syncing is None:
+            self._sync()
 
-    def _refuse(self, exc: OSError) -> None:
-        """Cut what a failed write left and write no more: the next open rebuilds the rest."""
+    def _sync(self) -> None:
+        """fsync the lines written so far, in a thread; they are shown when it returns."""
         assert self._fd is not None
-        os.ftruncate(self._fd, self._size)
-        os.close(self._fd)
-        self._fd = None
+        loop = asyncio.get_running_loop()
+        self._syncing = loop.run_in_executor(None, os.fsync, self._fd)
+        self._syncing.add_done_callback(
+            functools.partial(self._synced, self._fd, len(self._unshown))
+        )
+
+    def _synced(self, fd: int, covered: int, done: asyncio.Future[None]) -> None:
+        """An fsync returned: show the ``covered`` lines it made durable, then fsync the
+        lines written meanwhile, if any."""
+        self._syncing = None
+        if self._fd is None:  # refused meanwhile: its lines are cut, the file is ours to close
+            os.close(fd)
+            return
+        error = asyncio.CancelledError() if done.cancelled() else done.exception()
+        if error is not None:
+            self._refuse("fsync", error)
+            return
+        try:
+            self._show(covered)
+        except Exception as exc:  # a listener's bug, here in a callback: stop, not hang
+            self._refuse("telling a group", exc)
+            return
+        if self._unshown and self._fd is not None:
+            self._sync()
+
+    def _show(self, count: int) -> None:
+        """Show the first ``count`` lines not shown on the stream, and tell ``on_group``
+        of each, in file order."""
+        shown, self._unshown = self._unshown[:count], self._unshown[count:]
+        seq = self.index.add(self.index.end, [length for _, length in shown])
+        for group, _ in shown:
+            if self._on_group is not None:
+                self._on_group(group, seq)
+            seq += 1
+
+    def _refuse(self, what: str, exc: BaseException) -> None:
+        """Cut what is not shown (a failed write's part, lines no fsync covered) and
+        write no more: the next open rebuilds the rest. The owner stops the job."""
+        assert self._fd is not None
+        fd, self._fd = self._fd, None
+        self._unshown.clear()
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, self.index.end)
+        if self._syncing is None:
+            os.close(fd)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        error = OutputWriteError(f"{self.path}: {what} failed: {reason}")
+        log.error("groups_write_failed", path=str(self.path), error=str(error))
         if self._on_error is not None:
-            self._on_error(exc)
+            self._on_error(error)
+
+    async def flush(self) -> None:
+        """Until every line written is shown (or the file refused)."""
+        while self._syncing is not None:
+            # Its done callback (``_synced``) runs before this wait's, and may start the next.
+            await asyncio.wait([self._syncing])
 
     async def close(self) -> None:
+        """Show what is written (its fsync awaited), then close."""
+        await self.flush()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _sync_rows(output: Path) -> None:
+    """A hop's rows files as read back, durable (blocking): a kill may have left their
+    last lines in the page cache only, and group lines name them."""
+    paths = OutputPaths.for_output(output)
+    for path in (paths.output, paths.failures):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size:
+                fsync_file(path)

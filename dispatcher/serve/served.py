@@ -96,8 +96,7 @@ class ServedJob:
         # Its rows are in its folder (submitted inline) or in the file it named.
         tasks = folder / record.rows_file if record.rows_file else Path(str(spec.input))
         self.settings = spec.settings(service.base, tasks, self.output)
-        self.paced = False
-        self.finished = False
+        self.paced = self.finished = False
         self.task: asyncio.Task[None] | None = None
         self.policy = policy = policy_of(spec)
         self.step = StepControl(policy.target, spec.on_target)
@@ -112,6 +111,7 @@ class ServedJob:
             on_group=self.step.on_group,
             details=policy.needs_details,
             surplus=self.step.surplus,
+            durable=self.settings.fsync != "never",
         )
         self.output_index = LineIndex()
         # Its failure rows, read by a stream that asked for them (contracts §12); one
@@ -289,6 +289,7 @@ class ServedJob:
             job.fail(DispatcherError(f"job {self.job_id} failed: {one_line(exc)}"))
         finally:
             await job.close()
+            await self.groups.flush()  # its last groups told: what ends the hop reads the step
             # Its files are closed: the daemon's figures (remaining, the budget's end)
             # are the running jobs'. A run's one job stays: its last scrape shows it.
             job.daemon.jobs.discard(job)
@@ -297,9 +298,8 @@ class ServedJob:
             self.service.disk_fault(job.fatal)
         return job.state.state, str(error) if error else None
 
-    def _groups_failed(self, exc: OSError) -> None:
-        """``groups.jsonl`` could not be written: the job stops, naming it."""
-        error = OutputWriteError(f"{self.groups_path}: write failed: {exc.strerror or exc}")
+    def _groups_failed(self, error: OutputWriteError) -> None:
+        """``groups.jsonl`` could not be written or fsynced: the job stops, naming it."""
         if self.job is not None:
             self.job.fail(error)
 

@@ -11,9 +11,10 @@ repeats, its retries) until the job is satisfied; after that nothing of the
 job starts, not after a restart either, since the groups file it is counted
 from is read back first.
 
-It is told two things: a group line was written (``Groups`` calls
-``on_group``, for lines of earlier daemons too, in file order) and a task
-was found open in the files on resume (``reopen``).
+It is told two things: a group line was written and is durable by the
+fsync policy (``Groups`` calls ``on_group``, for lines of earlier daemons
+too, in file order) and a task was found open in the files on resume
+(``reopen``).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class StepControl:
         self.tally.open[agent] += 1
 
     def on_group(self, group: GroupLine, seq: int) -> None:
-        """A group line was written (or read back): its group is complete."""
+        """A group line was written and made durable (or read back): its group is complete."""
         task = group.task_index
         agent = self.open.pop(task, None)
         if agent is not None:

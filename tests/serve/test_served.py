@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -338,15 +338,15 @@ async def test_the_threads_a_burst_of_submits_uses_run_before_the_daemon_listens
 async def test_a_served_job_fsyncs_each_of_its_files_once_its_manifest_twice_its_folder_thrice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a served job makes durable, by file, beyond its journal line and its rows'
-    group commits. None of them is covered by another: at its start (beside its first
-    rollouts, before its first row) the materialized rows, the manifest and the folder
-    (the names of both and of the rows files: a durable row needs them, and its run's
-    identity), and one reservation line and its file's name (before a rollout is
-    sent; the folder's fsync at the start may come after it); at its end the
-    files its hop wrote without fsync (manifest again, with ``last_run``; status;
-    coverage), its rows file (its journal line goes after) and its final record
-    (temporary file, then the folder: the renames of all four)."""
+    """What a served job makes durable, by file, beyond its journal line and the commits
+    of its rows and its groups' lines. None of them is covered by another: at its start
+    (beside its first rollouts, before its first row) the materialized rows, the
+    manifest and the folder (the names of both and of the rows files: a durable row
+    needs them, and its run's identity), and one reservation line and its file's name
+    (before a rollout is sent; the folder's fsync at the start may come after it); at
+    its end the files its hop wrote without fsync (manifest again, with ``last_run``;
+    status; coverage), its rows file (its journal line goes after) and its final
+    record (temporary file, then the folder: the renames of all four)."""
     import os
     import threading
     from collections import Counter
@@ -378,8 +378,11 @@ async def test_a_served_job_fsyncs_each_of_its_files_once_its_manifest_twice_its
             service.daemon.stop_requested.set()
     finally:
         await agent.close()
-    # Its rows' group commits: one at least, each a batch of new rows.
+    # Its rows' group commits: one at least, each a batch of new rows; its groups' lines,
+    # each streamed once an fsync covers it: one at most at a time, the lines written
+    # while it runs covered by the next (its two groups: one fsync or two).
     assert synced.pop("rollouts.jsonl") >= 1
+    assert 1 <= synced.pop("groups.jsonl") <= 2
     assert synced == {
         "rollouts_materialized_inputs.jsonl": 1,
         "rollouts_attempt_reservations.jsonl": 1,
@@ -390,3 +393,117 @@ async def test_a_served_job_fsyncs_each_of_its_files_once_its_manifest_twice_its
         "input.jsonl": 1,
         "job.json": 1,
     }, synced
+
+
+def groups_fsync(monkeypatch: pytest.MonkeyPatch, job_id: str, then: Callable[[], None]) -> None:
+    """``os.fsync`` of the job's ``groups.jsonl`` calls ``then`` first (to hold or fail it)."""
+    import os
+
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f"/{job_id}/groups.jsonl"):
+            then()
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+async def test_a_served_jobs_group_is_streamed_only_once_its_line_is_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--fsync batch`` a complete group's line is written at once but streamed (its
+    ``_ng_seq`` handed out) and counted only once an fsync of ``groups.jsonl`` covers it:
+    a power cut cannot give its number to another group."""
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(60)
+
+    groups_fsync(monkeypatch, "g", hold)
+    agent = FakeAgent(respond=echo_result)
+    await agent.start()
+    try:
+        async with serving_batch(tmp_path, agent) as (service, api):
+            assert await api.submit("g", count=1) == 201
+            await wait_until(held.is_set)
+            path = tmp_path / "state" / "jobs" / "g" / "groups.jsonl"
+            assert path.read_bytes().count(b"\n") == 1
+            assert await api.results("g", group="true") == b""
+            assert (await api.status("g"))["groups_complete"] == 0
+            release.set()
+            stream = (await api.results("g", group="true", wait="true")).splitlines()
+            assert [orjson.loads(line).get("_ng_seq") for line in stream] == [1, None]
+            service.daemon.stop_requested.set()
+    finally:
+        release.set()
+        await agent.close()
+
+
+async def test_a_served_job_whose_groups_fsync_fails_ends_failed_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    def fail() -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    groups_fsync(monkeypatch, "g", fail)
+    agent = FakeAgent(respond=echo_result)
+    await agent.start()
+    try:
+        async with serving_batch(tmp_path, agent) as (service, api):
+            assert await api.submit("g", count=1) == 201
+            end = orjson.loads((await api.results("g", wait="true")).splitlines()[-1])
+            status = await api.status("g")
+            service.daemon.stop_requested.set()
+    finally:
+        await agent.close()
+    path = tmp_path / "state" / "jobs" / "g" / "groups.jsonl"
+    assert status["state"] == "failed" and end["end"] == "failed"
+    assert status["error"] == end["error"] == f"{path}: fsync failed: Input/output error"
+    assert path.read_bytes() == b""
+
+
+async def test_a_job_whose_last_group_reaches_its_target_ends_satisfied_however_late_its_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups' fsyncs are held until the hop's files are closed: the hop's end waits
+    for its last groups to be told, so the job ends satisfied, as ``job.json`` says."""
+    import threading
+
+    from dispatcher.run.job import Job
+    from tests.serve.test_archive import JSON
+    from tests.serve.test_service_e2e import rows
+
+    closed = threading.Event()
+    real_close = Job.close
+
+    async def close(job: Job) -> None:
+        await real_close(job)
+        closed.set()
+
+    monkeypatch.setattr(Job, "close", close)
+    groups_fsync(monkeypatch, "s", lambda: closed.wait(60) and None)
+    agent = FakeAgent(respond=echo_result)
+    await agent.start()
+    try:
+        async with serving_batch(tmp_path, agent) as (service, api):
+            body = orjson.dumps({"job_id": "s", "rows": rows(2), "target_groups": 2})
+            async with api.http.post(api.url, data=body, headers=JSON) as r:
+                assert r.status == 201, await r.text()
+            stream = (await api.results("s", group="true", wait="true")).splitlines()
+            await api.results("s", wait="true")  # to the job's end
+            status = await api.status("s")
+            service.daemon.stop_requested.set()
+    finally:
+        closed.set()
+        await agent.close()
+    assert orjson.loads(stream[-1]) == {"end": "satisfied"}
+    assert status["state"] == "satisfied" and status["satisfied_seq"] == 2
+    record = orjson.loads((tmp_path / "state" / "jobs" / "s" / "job.json").read_bytes())
+    assert record["state"] == "satisfied" and record["step"]["satisfied_seq"] == 2
