@@ -343,6 +343,40 @@ async def test_a_damaged_groups_line_is_rebuilt_from_the_rows_and_counts_cover_e
     assert status["outcomes"] == {"success": 4}
 
 
+async def test_groups_streamed_before_a_kill_keep_their_numbers_and_come_once_after_it(
+    tmp_path: Path, gated_agent: FakeAgent
+) -> None:
+    """With ``--fsync batch``: the groups a stream showed before a kill -9 are the same
+    groups at the same ``_ng_seq`` after the restart (read back and fsynced before they
+    are shown), and the rest follow, each once."""
+    state = tmp_path / "state"
+    serve = await Serve.start(state, gated_agent.url, "--concurrency", "1", "--fsync", "batch")
+    await serve.submit(job_id="g", rows=rows(4))
+    for _ in range(2):
+        await wait_until(lambda: gated_agent.holding == 1)
+        gated_agent.release_next()
+
+    async def two_shown() -> bool:
+        return len(row_lines(await serve.results("g", group=True))) == 2
+
+    await wait_until(two_shown)
+    before = row_lines(await serve.results("g", group=True))
+    assert await serve.stop(signal.SIGKILL) == -signal.SIGKILL
+    gated_agent.open()
+
+    again = await Serve.start(state, gated_agent.url, "--fsync", "batch")
+    try:
+        stream = await ended(again, "g", group=True)
+        tail = await ended(again, "g", group=True, after=2)
+    finally:
+        assert await again.stop() == 0
+    complete = row_lines(stream)
+    assert complete[:2] == before
+    assert [g["_ng_seq"] for g in complete] == [1, 2, 3, 4]
+    assert sorted(g["task_index"] for g in complete) == [0, 1, 2, 3]
+    assert row_lines(tail) == complete[2:]
+
+
 # ---- counts across passes ---------------------------------------------------------------------
 
 
