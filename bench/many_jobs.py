@@ -19,6 +19,8 @@ grouped results stream read to its end line, then the next. Printed:
   times it and as the daemon does (``/status``: from its handler's start to its
   answer), and the trainer's own event-loop lag: what of a submit's time is
   the daemon's, and what the trainer's loop, busy reading streams, adds;
+- the delay from a group's last row being durable to the group on its stream
+  (the daemon's own, ``/status``): its line's write and fsync, and the stream;
 - a restart on the same state directory (SIGTERM, then the same command): the
   seconds from the new process's start to the first row of a new job read
   back (goal ≤ 5 s), an upper bound on the time to its first dispatch;
@@ -157,8 +159,8 @@ async def folds_done(url: str, archived: int, timeout_s: float = 300) -> None:
 
 async def daemon_view(url: str) -> list[str]:
     """The daemon's ``/status``: its event-loop lag (how late a task that slept woke:
-    the longest loop steps, which every submit waits behind) and its own submit
-    times (its handler's start to its answer)."""
+    the longest loop steps, which every submit waits behind), its own submit
+    times (its handler's start to its answer) and its grouped streams' delay."""
     async with aiohttp.ClientSession() as http, http.get(f"{url}/status") as r:
         status = await r.json()
     p99, top = status.get("event_loop_lag_p99_s"), status.get("event_loop_lag_max_s")
@@ -170,6 +172,12 @@ async def daemon_view(url: str) -> list[str]:
         lines.append(
             f"submit latency, the daemon's own (handler to answer, last 10,000): p50 "
             f"{submit['p50'] * 1000:.1f} ms, p99 {submit['p99'] * 1000:.1f} ms"
+        )
+    delay = status.get("results_delay_s") or {}
+    if delay.get("p99") is not None:
+        lines.append(
+            f"group durable (its last row) -> on its stream, the daemon's (last 10,000): p50 "
+            f"{delay['p50'] * 1000:.1f} ms, p99 {delay['p99'] * 1000:.1f} ms"
         )
     return lines
 
