@@ -95,6 +95,8 @@ class Trainer:
         self.at_first: asyncio.Event = asyncio.Event()
         # (jobs done, the daemon's RSS in MB) at every ``--every`` jobs: the curve.
         self.curve: list[tuple[int, float]] = []
+        # Where the submits since the last progress line start in ``submit_s``.
+        self.window_start = 0
         # No job is submitted after this instant (``--stop-after-s``).
         self.stop_at = self.started + (args.stop_after_s or float("inf"))
 
@@ -137,12 +139,23 @@ class Trainer:
             if self.done == self.args.first:
                 self.at_first.set()
             if self.done % self.args.every == 0:
-                rate = self.done / (time.perf_counter() - self.started)
-                self.curve.append((self.done, self.rss()))
-                print(f"  ... {self.done:,} jobs done, {rate:,.0f} jobs/s, daemon RSS "
-                      f"{self.curve[-1][1]:.1f} MB", flush=True)  # fmt: skip
+                self._progress()
         if self.done < self.args.first:
             self.at_first.set()
+
+    def _progress(self) -> None:
+        """A progress line: the rate and RSS so far, and the submits since the last line
+        (their p99 and how many missed the goal) beside the machine's load."""
+        rate = self.done / (time.perf_counter() - self.started)
+        self.curve.append((self.done, self.rss()))
+        window = sorted(self.submit_s[self.window_start :])
+        self.window_start = len(self.submit_s)
+        p99 = (quantile(window, 0.99) or 0.0) * 1000
+        over = sum(s > GOAL_SUBMIT_P99_S for s in window)
+        print(f"  ... {self.done:,} jobs done, {rate:,.0f} jobs/s, daemon RSS "
+              f"{self.curve[-1][1]:.1f} MB; since the last line: submit p99 {p99:.1f} ms, "
+              f"{over:,} of {len(window):,} over 20 ms, load {os.getloadavg()[0]:.1f}",
+              flush=True)  # fmt: skip
 
 
 async def folds_done(url: str, archived: int, timeout_s: float = 300) -> None:
