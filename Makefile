@@ -67,6 +67,7 @@ bench-smoke: $(STAMP)
 	$(BIN)/python bench/burst_submits.py --smoke
 	$(BIN)/python bench/latency_window.py --smoke
 	$(BIN)/python bench/step_control.py --smoke
+	$(BIN)/python bench/answer_paths.py --smoke
 	$(BIN)/python bench/ordering.py --smoke
 	$(BIN)/python bench/report_timeline.py --smoke
 	$(BIN)/python bench/service_hostile.py --smoke
