@@ -293,10 +293,10 @@ class ServedJob:
             # Its files are closed: the daemon's figures (remaining, the budget's end)
             # are the running jobs'. A run's one job stays: its last scrape shows it.
             job.daemon.jobs.discard(job)
-        error = job.fatal or job.daemon.fatal
-        if job.fatal is not None:
-            self.service.disk_fault(job.fatal)
-        return job.state.state, str(error) if error else None
+        if job.fatal is None:
+            return job.state.state, str(job.daemon.fatal) if job.daemon.fatal else None
+        self.service.disk_fault(job.fatal)  # failed, if only by its last groups' fsync
+        return JobState.FAILED, str(job.fatal)
 
     def _groups_failed(self, error: OutputWriteError) -> None:
         """``groups.jsonl`` could not be written or fsynced: the job stops, naming it."""

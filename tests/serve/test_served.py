@@ -507,3 +507,43 @@ async def test_a_job_whose_last_group_reaches_its_target_ends_satisfied_however_
     assert status["state"] == "satisfied" and status["satisfied_seq"] == 2
     record = orjson.loads((tmp_path / "state" / "jobs" / "s" / "job.json").read_bytes())
     assert record["state"] == "satisfied" and record["step"]["satisfied_seq"] == 2
+
+
+async def test_a_job_whose_last_groups_fsync_fails_after_its_hop_closed_ends_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group fsync the hop's end waits for fails once the hop's files are closed:
+    the job ends failed, naming the file, not done with an error beside it."""
+    import errno
+    import os
+    import threading
+
+    from dispatcher.run.job import Job
+
+    closed = threading.Event()
+    real_close = Job.close
+
+    async def close(job: Job) -> None:
+        await real_close(job)
+        closed.set()
+
+    def fail_once_closed() -> None:
+        closed.wait(60)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Job, "close", close)
+    groups_fsync(monkeypatch, "g", fail_once_closed)
+    agent = FakeAgent(respond=echo_result)
+    await agent.start()
+    try:
+        async with serving_batch(tmp_path, agent) as (service, api):
+            assert await api.submit("g", count=1) == 201
+            end = orjson.loads((await api.results("g", wait="true")).splitlines()[-1])
+            status = await api.status("g")
+            service.daemon.stop_requested.set()
+    finally:
+        closed.set()
+        await agent.close()
+    path = tmp_path / "state" / "jobs" / "g" / "groups.jsonl"
+    assert status["state"] == "failed" and end["end"] == "failed"
+    assert status["error"] == f"{path}: fsync failed: Input/output error"
