@@ -187,19 +187,28 @@ class Told:
         self.told.append((group.task_index, seq))
 
 
-def fresh_job(tmp_path: Path, tasks: int, told: Told, *, durable: bool = True) -> Groups:
-    """A served job's groups as its first hop opens them: ``tasks`` tasks of one repeat."""
+def task_files(tmp_path: Path, tasks: int) -> tuple[Path, Path]:
+    """A hop's materialized file of ``tasks`` tasks of one repeat, and its output's path."""
     materialized, output = tmp_path / "m.jsonl", tmp_path / "out.jsonl"
     materialized.write_text(
         "".join(f'{{"_ng_task_index":{t},"_ng_rollout_index":0}}\n' for t in range(tasks))
     )
+    return materialized, output
+
+
+def fresh_job(
+    tmp_path: Path, tasks: int, spy: FsyncSpy, *, durable: bool = True
+) -> tuple[Told, Groups]:
+    """A served job's groups as its first hop opens them, and what they tell."""
+    materialized, output = task_files(tmp_path, tasks)
     output.touch()
+    told = Told(spy)
     groups = Groups(
         tmp_path / "groups.jsonl", on_error=told.errors.append, on_group=told, durable=durable
     )
     told.groups = groups
     assert groups.load(materialized, output, RunState(max_attempts=1)) == []
-    return groups
+    return told, groups
 
 
 def complete(groups: Groups, task: int) -> None:
@@ -214,8 +223,7 @@ async def test_a_group_is_shown_and_told_only_once_an_fsync_covering_its_line_re
     """Written at once, shown later: one fsync at a time, the lines written while it
     runs covered by the next, then shown in file order."""
     spy = FsyncSpy(monkeypatch)
-    told = Told(spy)
-    groups = fresh_job(tmp_path, 3, told)
+    told, groups = fresh_job(tmp_path, 3, spy)
     await groups.open([])
     complete(groups, 0)
     await wait_until(lambda: spy.groups_synced() == 1)
@@ -236,8 +244,7 @@ async def test_without_fsync_a_group_is_shown_and_told_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = FsyncSpy(monkeypatch)
-    told = Told(spy)
-    groups = fresh_job(tmp_path, 2, told, durable=False)
+    told, groups = fresh_job(tmp_path, 2, spy, durable=False)
     spy.covered.append(1 << 30)  # nothing is fsynced, nothing is waited for
     await groups.open([])
     complete(groups, 1)
@@ -250,8 +257,7 @@ async def test_a_group_whose_fsync_fails_is_cut_and_stops_the_job_naming_the_fil
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = FsyncSpy(monkeypatch, fail=OSError(errno.EIO, os.strerror(errno.EIO)))
-    told = Told(spy)
-    groups = fresh_job(tmp_path, 2, told)
+    told, groups = fresh_job(tmp_path, 2, spy)
     await groups.open([])
     complete(groups, 0)
     await wait_until(lambda: bool(told.errors))
@@ -268,8 +274,7 @@ async def test_close_shows_the_lines_whose_fsync_is_in_flight_before_it_closes_t
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = FsyncSpy(monkeypatch)
-    told = Told(spy)
-    groups = fresh_job(tmp_path, 1, told)
+    told, groups = fresh_job(tmp_path, 1, spy)
     await groups.open([])
     complete(groups, 0)
     await wait_until(lambda: spy.groups_synced() == 1)
@@ -286,10 +291,7 @@ async def test_groups_and_rows_read_back_are_fsynced_before_any_is_told(
     """A kill may leave a line in the page cache only: what a restart reads back is
     made durable before its groups are told, and a group rebuilt from the rows is
     shown once its own fsync returned."""
-    materialized, output = tmp_path / "m.jsonl", tmp_path / "out.jsonl"
-    materialized.write_text(
-        "".join(f'{{"_ng_task_index":{t},"_ng_rollout_index":0}}\n' for t in range(2))
-    )
+    materialized, output = task_files(tmp_path, 2)
     output.write_bytes(line_of(0, {}) + line_of(1, {}))
     path = tmp_path / "groups.jsonl"
     path.write_bytes(b'{"task_index":0,"rows":[1],"failures":0}\n')
@@ -314,8 +316,7 @@ async def test_a_listener_that_fails_on_a_durable_group_stops_the_job_rather_tha
     """``on_group`` runs in the fsync's done callback there, where nobody awaits a crash."""
     spy = FsyncSpy(monkeypatch)
     spy.release.set()
-    told = Told(spy)
-    groups = fresh_job(tmp_path, 1, told)
+    told, groups = fresh_job(tmp_path, 1, spy)
 
     def broken(group: GroupLine, seq: int) -> None:
         raise ValueError("a bug")
