@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -228,7 +229,6 @@ async def test_a_served_jobs_first_rollout_is_sent_before_its_files_are_fsynced(
     """The job's materialized rows and manifest are made durable beside its first
     rollout, and before its first row (they were fsynced before it was sent)."""
     import os
-    import threading
 
     synced: list[str] = []
     held, release = threading.Event(), threading.Event()
@@ -269,7 +269,6 @@ async def test_a_job_cancelled_before_it_starts_ends_cancelled_with_nothing_sent
     """A job's hop is made as it starts (its folder written), not as it is accepted: a
     burst's answers wait for no hop. Until then its status is its first hop's before it
     opens, and a cancel ends it cancelled, nothing of it at an agent."""
-    import threading
 
     from dispatcher.serve.registry import JobRecord, Registry
     from dispatcher.serve.served import ServedJob
@@ -348,7 +347,6 @@ async def test_a_served_job_fsyncs_each_of_its_files_once_its_manifest_twice_its
     status; coverage), its rows file (its journal line goes after) and its final
     record (temporary file, then the folder: the renames of all four)."""
     import os
-    import threading
     from collections import Counter
 
     synced: Counter[str] = Counter()
@@ -409,13 +407,27 @@ def groups_fsync(monkeypatch: pytest.MonkeyPatch, job_id: str, then: Callable[[]
     monkeypatch.setattr(os, "fsync", fsync)
 
 
+def hops_closed(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once a hop's ``Job.close`` returned (its files closed)."""
+    from dispatcher.run.job import Job
+
+    closed = threading.Event()
+    real_close = Job.close
+
+    async def close(job: Job) -> None:
+        await real_close(job)
+        closed.set()
+
+    monkeypatch.setattr(Job, "close", close)
+    return closed
+
+
 async def test_a_served_jobs_group_is_streamed_only_once_its_line_is_fsynced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``--fsync batch`` a complete group's line is written at once but streamed (its
     ``_ng_seq`` handed out) and counted only once an fsync of ``groups.jsonl`` covers it:
     a power cut cannot give its number to another group."""
-    import threading
 
     held, release = threading.Event(), threading.Event()
 
@@ -474,20 +486,11 @@ async def test_a_job_whose_last_group_reaches_its_target_ends_satisfied_however_
 ) -> None:
     """The groups' fsyncs are held until the hop's files are closed: the hop's end waits
     for its last groups to be told, so the job ends satisfied, as ``job.json`` says."""
-    import threading
 
-    from dispatcher.run.job import Job
     from tests.serve.test_archive import JSON
     from tests.serve.test_service_e2e import rows
 
-    closed = threading.Event()
-    real_close = Job.close
-
-    async def close(job: Job) -> None:
-        await real_close(job)
-        closed.set()
-
-    monkeypatch.setattr(Job, "close", close)
+    closed = hops_closed(monkeypatch)
     groups_fsync(monkeypatch, "s", lambda: closed.wait(60) and None)
     agent = FakeAgent(respond=echo_result)
     await agent.start()
@@ -516,22 +519,13 @@ async def test_a_job_whose_last_groups_fsync_fails_after_its_hop_closed_ends_fai
     the job ends failed, naming the file, not done with an error beside it."""
     import errno
     import os
-    import threading
 
-    from dispatcher.run.job import Job
-
-    closed = threading.Event()
-    real_close = Job.close
-
-    async def close(job: Job) -> None:
-        await real_close(job)
-        closed.set()
+    closed = hops_closed(monkeypatch)
 
     def fail_once_closed() -> None:
         closed.wait(60)
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(Job, "close", close)
     groups_fsync(monkeypatch, "g", fail_once_closed)
     agent = FakeAgent(respond=echo_result)
     await agent.start()
