@@ -251,7 +251,9 @@ async def test_a_worker_out_of_memory_is_our_fault_and_a_bug_is_too() -> None:
 
 
 @pytest.mark.parametrize(
-    "row_bytes", [300_000, 3_000_000], ids=["through-the-parser", "read-into-its-own-buffer"]
+    "row_bytes",
+    [32_000, 300_000, 3_000_000],
+    ids=["split-on-the-loop", "through-the-parser", "read-into-its-own-buffer"],
 )
 async def test_big_rows_round_trip_through_the_cli(tmp_path: Path, row_bytes: int) -> None:
     # Over http1.DIRECT_BODY_BYTES, the body is a bytearray read by the socket
@@ -288,7 +290,9 @@ async def test_big_rows_round_trip_through_the_cli(tmp_path: Path, row_bytes: in
 
 
 @pytest.mark.parametrize(
-    "row_bytes", [300_000, 3_000_000], ids=["through-the-parser", "read-into-its-own-buffer"]
+    "row_bytes",
+    [32_000, 300_000, 3_000_000],
+    ids=["split-on-the-loop", "through-the-parser", "read-into-its-own-buffer"],
 )
 async def test_a_big_body_that_is_not_json_is_a_terminal_failure_row(
     tmp_path: Path, row_bytes: int
