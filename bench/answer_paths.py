@@ -19,7 +19,9 @@ Instructions come from valgrind, set-up subtracted (the same run, ``--count 0``)
     valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file=/dev/null \\
         python bench/answer_paths.py --path big --size 65536 --count 128
 
-``--table`` runs those pairs for ``--sizes``; ``--smoke`` checks the paths' rows agree.
+``--table`` runs those pairs for ``--sizes``; ``--time`` times the parse and the
+split in one process, in turn (instructions are not time); ``--smoke`` checks the
+paths' rows agree.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import asyncio
 import os
 import pickle
 import re
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,6 +153,36 @@ def table(sizes: list[int]) -> None:
               f"{got['child']:>11,}")  # fmt: skip
 
 
+def timed(work: Callable[[], object], count: int) -> float:
+    """Microseconds an answer over ``count`` calls of ``work``."""
+    started = time.perf_counter()
+    for _ in range(count):
+        work()
+    return (time.perf_counter() - started) / count * 1e6
+
+
+def time_table(sizes: list[int], rounds: int) -> None:
+    """The loop's two paths timed in turn, ``rounds`` times a size: medians and ratio.
+
+    ``big`` here is the whole split path in one thread (what an answer from
+    ``SPLIT_BYTES`` to ``--offload-bytes`` costs the loop); the worker hops are
+    not in it."""
+    print("body B | parsed whole us | split us | split/whole (median of rounds, min-max)")
+    for size in sizes:
+        raw = sim_body(size)
+        works = {path: path_work(path, raw) for path in ("small", "big")}
+        count = min(2000, max(20, (4 << 20) // max(size, 1)))
+        got: dict[str, list[float]] = {"small": [], "big": []}
+        for turn in range(rounds):
+            order = ("small", "big") if turn % 2 == 0 else ("big", "small")
+            for path in order:
+                got[path].append(timed(works[path], count))
+        ratios = sorted(b / a for a, b in zip(got["small"], got["big"], strict=True))
+        print(f"{len(raw):>7,} | {statistics.median(got['small']):>15,.1f} | "
+              f"{statistics.median(got['big']):>8,.1f} | {statistics.median(ratios):.2f} "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f})")  # fmt: skip
+
+
 def line_bytes(line: object) -> bytes:
     assert isinstance(line, bytes | Pieces)
     if isinstance(line, Pieces):
@@ -177,12 +211,17 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="each path once per size, checked")
     parser.add_argument("--table", action="store_true", help="run valgrind, print per answer")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="for --table")
+    parser.add_argument("--time", action="store_true", help="time the loop's two paths in turn")
+    parser.add_argument("--rounds", type=int, default=9, help="for --time: alternated rounds")
     args = parser.parse_args()
     if args.smoke:
         smoke()
         return
     if args.table:
         table(args.sizes)
+        return
+    if args.time:
+        time_table(args.sizes, args.rounds)
         return
     if args.path == "hop":
         asyncio.run(hops(args.count))
