@@ -106,7 +106,11 @@ def prepare_and_open(
     """A hop's files in one thread hop (blocking): ``prepare_run``; the output's and
     failures' ``indexes`` loaded when still empty (once per process: a later hop's
     already holds every line); their files opened for appending (the descriptors
-    returned); then ``then``. A failure releases what was taken."""
+    returned); then ``then``. A failure releases what was taken.
+
+    A loaded index is what streams show, and a stream shows only durable lines
+    (contracts §12): unless ``settings.fsync`` is never, the file is fsynced before
+    its index is loaded, since a kill may have left its last lines in the page cache only."""
     prepared = prepare_run(settings, shard_filter, durable=durable)
     fds: list[int] = []
     try:
@@ -114,6 +118,8 @@ def prepare_and_open(
             indexes, (prepared.paths.output, prepared.paths.failures), strict=True
         ):
             if index is not None and not len(index):
+                if settings.fsync != "never":
+                    sync_if_written(path)
                 index.load(path)
             fds.append(open_for_append(path))
         then(prepared)
@@ -123,6 +129,13 @@ def prepare_and_open(
         prepared.lock.release()
         raise
     return prepared, (fds[0], fds[1])
+
+
+def sync_if_written(path: Path) -> None:
+    """``path`` durable when it holds anything (blocking)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.stat().st_size:
+            fsync_file(path)
 
 
 def prepare_run(

@@ -20,9 +20,10 @@ out) and told to ``on_group`` only once an fsync covers it, so a power cut
 cannot renumber what a consumer or the step's tally (saved in ``job.json``)
 has seen. One fsync at a time runs in the loop's default executor, covering
 every line written before it started; lines written meanwhile wait for the
-next. On open, what is read back (the groups file and the rows it is rebuilt
+next. On open, what is read back (the groups file, and the rows it is rebuilt
 from: a kill may have left them in the page cache only) is fsynced before
-anything is told. An fsync that fails stops the job as a failed write does.
+anything is told; the rows were, before their line indexes were loaded
+(``run/prepare.py``). An fsync that fails stops the job as a failed write does.
 
 Step control (contracts §13): with a group filter, a complete group whose rows
 the filter finds teach nothing is logged all the same, with
@@ -48,8 +49,7 @@ from typing import Any, TypedDict
 import structlog
 
 from dispatcher.errors import OutputWriteError
-from dispatcher.files.atomic import fsync_file
-from dispatcher.files.resume import OutputPaths, RunState, repair_torn_tail
+from dispatcher.files.resume import RunState, repair_torn_tail
 from dispatcher.files.writer import LineIndex
 from dispatcher.outcome import Outcome
 from dispatcher.rows.finalize import GENERATED_TOKENS, RESPONSE, TOKENS_SHAPES, generated_tokens
@@ -139,8 +139,6 @@ class Groups:
             if state.is_final(key) and key not in state.successes:
                 self.failures[task_of(key)] += 1
                 self.final[task_of(key)] += 1
-        if self._durable:
-            _sync_rows(output)
         repair_torn_tail(self.path)
         self._read_logged()
         self.index.load(self.path)
@@ -327,13 +325,3 @@ class Groups:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _sync_rows(output: Path) -> None:
-    """A hop's rows files as read back, durable (blocking): a kill may have left their
-    last lines in the page cache only, and group lines name them."""
-    paths = OutputPaths.for_output(output)
-    for path in (paths.output, paths.failures):
-        with contextlib.suppress(FileNotFoundError):
-            if path.stat().st_size:
-                fsync_file(path)

@@ -9,7 +9,10 @@ import pytest
 
 from dispatcher.errors import ConfigError
 from dispatcher.files.resume import OutputPaths
-from dispatcher.run.prepare import check_run_paths
+from dispatcher.files.writer import LineIndex
+from dispatcher.run import prepare
+from dispatcher.run.prepare import check_run_paths, prepare_and_open
+from dispatcher.settings.config import RunSettings
 
 
 def test_a_run_file_that_is_the_task_file_through_a_symlinked_folder_is_refused(
@@ -50,3 +53,45 @@ def test_the_paths_check_takes_a_stat_a_file(
     monkeypatch.setattr(os, "lstat", lstat)
     check_run_paths(tasks, paths)
     assert len(calls) <= len(paths.all()) + 1, calls
+
+
+@pytest.mark.parametrize("fsync", ["batch", "never"])
+def test_a_rows_file_is_fsynced_before_its_index_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str
+) -> None:
+    """What an index holds, a stream shows, and a stream shows only durable lines
+    (contracts §12): a kill may have left a hop's last rows in the page cache only."""
+    tasks, output = tmp_path / "tasks.jsonl", tmp_path / "out" / "rows.jsonl"
+    tasks.write_text(
+        '{"agent_ref": {"name": "sim"}, "q": 0}\n{"agent_ref": {"name": "sim"}, "q": 1}\n'
+    )
+    output.parent.mkdir()
+    agents = {"sim": ["http://127.0.0.1:9"]}
+    settings = RunSettings(input=tasks, output=output, agents=agents, fsync=fsync)  # type: ignore[arg-type]
+    first, fds = prepare_and_open(settings, None, True, (None, None), lambda _: None)
+    first.lock.release()
+    for fd in fds:
+        os.close(fd)
+    output.write_text('{"_ng_task_index": 0, "_ng_rollout_index": 0, "reward": 1.0}\n')
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        prepare, "fsync_file", lambda path: events.append(("fsync", Path(path).name))
+    )
+    real_load = LineIndex.load
+
+    def load(index: LineIndex, path: Path) -> None:
+        events.append(("load", Path(path).name))
+        real_load(index, path)
+
+    monkeypatch.setattr(LineIndex, "load", load)
+    indexes = (LineIndex(), LineIndex())
+    again, fds = prepare_and_open(settings, None, True, indexes, lambda _: None)
+    again.lock.release()
+    for fd in fds:
+        os.close(fd)
+    loads = [event for event in events if event[0] == "load"]
+    assert loads == [("load", "rows.jsonl"), ("load", "rows_failures.jsonl")]
+    synced = [("fsync", "rows.jsonl")] if fsync != "never" else []
+    at = events.index(("load", "rows.jsonl"))
+    assert [e for e in events[:at] if e == ("fsync", "rows.jsonl")] == synced
+    assert len(indexes[0]) == 1
