@@ -104,9 +104,10 @@ def split_here(status: int, raw: Body) -> Classified:
 
 
 # From this size a 2xx body is split on the loop (its values kept as bytes), not
-# parsed whole. ``bench/answer_paths.py --table``: the split, the row and its line
-# cost 0.84x the full parse's instructions at 16 KiB and 0.52x at 256 KiB, but
-# 1.65x at 4 KiB, where its fixed costs (the number guard, the spans) outweigh it.
+# parsed whole. ``bench/answer_paths.py --time``: the split, the row and its line
+# take 0.89x the full parse's time at 16 KiB and 0.51x at 256 KiB, but 1.87x at
+# 4 KiB, where its fixed costs (the number guard, the spans) outweigh it; the
+# instruction counts (``--table``) agree.
 SPLIT_BYTES = 16 * 1024
 
 
