@@ -15,7 +15,10 @@ def test_every_id_added_or_loaded_is_a_maybe_few_others_are() -> None:
     assert all(ids.may_hold(f"old-{n}") for n in range(5000))
     assert all(ids.may_hold(f"new-{n}") for n in range(3 * FIRST_CAPACITY))
     wrong = sum(ids.may_hold(f"never-{n}") for n in range(10_000))
-    assert wrong < 100  # about 0.25 % a filter, three filters
+    # About 0.25 % a full filter, three full filters: some 73 expected, the spread
+    # about 9 (which ids changes with the process's string hash). 100 was 3 spreads
+    # off, a failure in a few hundred runs; 150 is 9.
+    assert wrong < 150
 
 
 def test_before_the_start_s_ids_are_loaded_every_id_is_a_maybe() -> None:
