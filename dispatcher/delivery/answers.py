@@ -104,10 +104,13 @@ async def classify_on_loop(status: int, raw: Body) -> Classified:
     return classify_here(status, raw)
 
 
-def classify_here(status: int, raw: Body) -> Classified:
-    """``classify_response`` in place; running out of memory there is our fault (§11)."""
+def classify_here(
+    status: int, raw: Body, classify: Callable[[int, Body], Classified] | None = None
+) -> Classified:
+    """``classify`` (``classify_response`` when None) in place; running out of memory
+    there is our fault (§11)."""
     try:
-        return classify_response(status, raw)
+        return (classify or classify_response)(status, raw)
     except MemoryError as exc:
         raise LocalFault("MemoryError", "out of memory reading an answer") from exc
 

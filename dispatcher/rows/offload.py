@@ -95,14 +95,6 @@ def classify_in_process(status: int, raw: Body) -> Classified:
     return answer
 
 
-def split_here(status: int, raw: Body) -> Classified:
-    """``classify_big`` in place; running out of memory there is our fault (§11)."""
-    try:
-        return classify_big(status, raw)
-    except MemoryError as exc:
-        raise LocalFault("MemoryError", "out of memory reading an answer") from exc
-
-
 # From this size a 2xx body is split on the loop (its values kept as bytes), not
 # parsed whole. ``bench/answer_paths.py --time``: the split, the row and its line
 # take 0.89x the full parse's time at 16 KiB and 0.51x at 256 KiB, but 1.87x at
@@ -133,7 +125,7 @@ class AnswerClassifier:
         if not 200 <= status < 300 or size <= min(self.split_bytes, self.offload_bytes):
             return classify_here(status, raw)
         if size <= self.offload_bytes:
-            return split_here(status, raw)
+            return classify_here(status, raw, classify_big)
         if self.worker == "thread":
             return await off_loop(classify_big, status, raw)
         return await _run_in(_feeding_pool(), functools.partial(classify_in_process, status, raw))
