@@ -119,7 +119,7 @@ def prepare_and_open(
         ):
             if index is not None and not len(index):
                 if settings.fsync != "never":
-                    sync_if_written(path)
+                    _sync_if_written(path)
                 index.load(path)
             fds.append(open_for_append(path))
         then(prepared)
@@ -131,7 +131,7 @@ def prepare_and_open(
     return prepared, (fds[0], fds[1])
 
 
-def sync_if_written(path: Path) -> None:
+def _sync_if_written(path: Path) -> None:
     """``path`` durable when it holds anything (blocking)."""
     with contextlib.suppress(FileNotFoundError):
         if path.stat().st_size:
