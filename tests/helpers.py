@@ -47,6 +47,19 @@ async def wait_until(
 _HELD_PORTS: list[socket.socket] = []
 
 
+def set_after(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, event: Any) -> None:
+    """``owner.name``, an async method, sets ``event`` (asyncio's or threading's) each
+    time it has returned."""
+    real = getattr(owner, name)
+
+    async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await real(self, *args, **kwargs)
+        event.set()
+        return result
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
 def free_port() -> int:
     """A 127.0.0.1 port nothing listens on, for an address that refuses.
 

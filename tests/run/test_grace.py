@@ -12,7 +12,7 @@ import pytest
 from dispatcher.errors import ExitCode
 from dispatcher.lifecycle import Stage
 from dispatcher.run.job import Job
-from tests.helpers import FakeAgent, in_process_run, read_jsonl, wait_until
+from tests.helpers import FakeAgent, in_process_run, read_jsonl, set_after, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,13 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 def settled(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     """Set once a job's grace has decided what it cancels."""
     event = asyncio.Event()
-    original = Job.settle
-
-    async def settle(self: Job, grace_s: float, reason: str) -> None:
-        await original(self, grace_s, reason)
-        event.set()
-
-    monkeypatch.setattr(Job, "settle", settle)
+    set_after(monkeypatch, Job, "settle", event)
     return event
 
 

@@ -21,7 +21,7 @@ from dispatcher.admission.history import TaskHistory, task_digest
 from dispatcher.run import daemon as daemon_module
 from dispatcher.serve import command as serve_module
 from dispatcher.settings.serve import ServeLimits
-from tests.helpers import FakeAgent, echo_result, serve_arguments, wait_until
+from tests.helpers import FakeAgent, echo_result, serve_arguments, set_after, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -412,13 +412,7 @@ def hops_closed(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     from dispatcher.run.job import Job
 
     closed = threading.Event()
-    real_close = Job.close
-
-    async def close(job: Job) -> None:
-        await real_close(job)
-        closed.set()
-
-    monkeypatch.setattr(Job, "close", close)
+    set_after(monkeypatch, Job, "close", closed)
     return closed
 
 
