@@ -449,16 +449,16 @@ async def test_a_served_jobs_group_is_streamed_only_once_its_line_is_fsynced(
         await agent.close()
 
 
-async def test_a_served_job_whose_groups_fsync_fails_ends_failed_naming_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def fail_eio() -> None:
     import errno
     import os
 
-    def fail() -> None:
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    groups_fsync(monkeypatch, "g", fail)
+
+async def one_group_to_its_end(tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A job "g" of one group served (``--fsync batch``) to its end: its status and the
+    end line of its stream."""
     agent = FakeAgent(respond=echo_result)
     await agent.start()
     try:
@@ -469,6 +469,14 @@ async def test_a_served_job_whose_groups_fsync_fails_ends_failed_naming_the_file
             service.daemon.stop_requested.set()
     finally:
         await agent.close()
+    return status, end
+
+
+async def test_a_served_job_whose_groups_fsync_fails_ends_failed_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    groups_fsync(monkeypatch, "g", fail_eio)
+    status, end = await one_group_to_its_end(tmp_path)
     path = tmp_path / "state" / "jobs" / "g" / "groups.jsonl"
     assert status["state"] == "failed" and end["end"] == "failed"
     assert status["error"] == end["error"] == f"{path}: fsync failed: Input/output error"
@@ -511,27 +519,17 @@ async def test_a_job_whose_last_groups_fsync_fails_after_its_hop_closed_ends_fai
 ) -> None:
     """The group fsync the hop's end waits for fails once the hop's files are closed:
     the job ends failed, naming the file, not done with an error beside it."""
-    import errno
-    import os
-
     closed = hops_closed(monkeypatch)
 
     def fail_once_closed() -> None:
         closed.wait(60)
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
+        fail_eio()
 
     groups_fsync(monkeypatch, "g", fail_once_closed)
-    agent = FakeAgent(respond=echo_result)
-    await agent.start()
     try:
-        async with serving_batch(tmp_path, agent) as (service, api):
-            assert await api.submit("g", count=1) == 201
-            end = orjson.loads((await api.results("g", wait="true")).splitlines()[-1])
-            status = await api.status("g")
-            service.daemon.stop_requested.set()
+        status, end = await one_group_to_its_end(tmp_path)
     finally:
         closed.set()
-        await agent.close()
     path = tmp_path / "state" / "jobs" / "g" / "groups.jsonl"
     assert status["state"] == "failed" and end["end"] == "failed"
     assert status["error"] == f"{path}: fsync failed: Input/output error"
