@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import orjson
 import pytest
@@ -47,9 +47,16 @@ async def wait_until(
 _HELD_PORTS: list[socket.socket] = []
 
 
-def set_after(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, event: Any) -> None:
+class _Settable(Protocol):
+    def set(self) -> None: ...
+
+
+E = TypeVar("E", bound=_Settable)
+
+
+def set_after(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, event: E) -> E:
     """``owner.name``, an async method, sets ``event`` (asyncio's or threading's) each
-    time it has returned."""
+    time it has returned; returns ``event``."""
     real = getattr(owner, name)
 
     async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -58,6 +65,7 @@ def set_after(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, event: An
         return result
 
     monkeypatch.setattr(owner, name, wrapped)
+    return event
 
 
 def free_port() -> int:

@@ -20,9 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 def settled(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     """Set once a job's grace has decided what it cancels."""
-    event = asyncio.Event()
-    set_after(monkeypatch, Job, "settle", event)
-    return event
+    return set_after(monkeypatch, Job, "settle", asyncio.Event())
 
 
 async def test_an_answered_rollout_is_written_at_shutdown_when_the_commit_queue_is_full(

@@ -411,9 +411,7 @@ def hops_closed(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Set once a hop's ``Job.close`` returned (its files closed)."""
     from dispatcher.run.job import Job
 
-    closed = threading.Event()
-    set_after(monkeypatch, Job, "close", closed)
-    return closed
+    return set_after(monkeypatch, Job, "close", threading.Event())
 
 
 async def test_a_served_jobs_group_is_streamed_only_once_its_line_is_fsynced(
