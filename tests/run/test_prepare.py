@@ -13,6 +13,7 @@ from dispatcher.files.writer import LineIndex
 from dispatcher.run import prepare
 from dispatcher.run.prepare import check_run_paths, prepare_and_open
 from dispatcher.settings.config import RunSettings
+from tests.helpers import write_tasks
 
 
 def test_a_run_file_that_is_the_task_file_through_a_symlinked_folder_is_refused(
@@ -61,17 +62,18 @@ def test_a_rows_file_is_fsynced_before_its_index_is_loaded(
 ) -> None:
     """What an index holds, a stream shows, and a stream shows only durable lines
     (contracts §12): a kill may have left a hop's last rows in the page cache only."""
-    tasks, output = tmp_path / "tasks.jsonl", tmp_path / "out" / "rows.jsonl"
-    tasks.write_text(
-        '{"agent_ref": {"name": "sim"}, "q": 0}\n{"agent_ref": {"name": "sim"}, "q": 1}\n'
-    )
+    tasks, output = write_tasks(tmp_path / "tasks.jsonl", 2), tmp_path / "out" / "rows.jsonl"
     output.parent.mkdir()
     agents = {"sim": ["http://127.0.0.1:9"]}
     settings = RunSettings(input=tasks, output=output, agents=agents, fsync=fsync)  # type: ignore[arg-type]
-    first, fds = prepare_and_open(settings, None, True, (None, None), lambda _: None)
-    first.lock.release()
-    for fd in fds:
-        os.close(fd)
+
+    def open_and_close(indexes: tuple[LineIndex | None, LineIndex | None]) -> None:
+        prepared, fds = prepare_and_open(settings, None, True, indexes, lambda _: None)
+        prepared.lock.release()
+        for fd in fds:
+            os.close(fd)
+
+    open_and_close((None, None))
     output.write_text('{"_ng_task_index": 0, "_ng_rollout_index": 0, "reward": 1.0}\n')
     events: list[tuple[str, str]] = []
     monkeypatch.setattr(
@@ -85,10 +87,7 @@ def test_a_rows_file_is_fsynced_before_its_index_is_loaded(
 
     monkeypatch.setattr(LineIndex, "load", load)
     indexes = (LineIndex(), LineIndex())
-    again, fds = prepare_and_open(settings, None, True, indexes, lambda _: None)
-    again.lock.release()
-    for fd in fds:
-        os.close(fd)
+    open_and_close(indexes)
     loads = [event for event in events if event[0] == "load"]
     assert loads == [("load", "rows.jsonl"), ("load", "rows_failures.jsonl")]
     synced = [("fsync", "rows.jsonl")] if fsync != "never" else []
