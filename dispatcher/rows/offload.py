@@ -112,7 +112,8 @@ class AnswerClassifier:
         self, offload_bytes: int, worker: str | None = None, split_bytes: int = SPLIT_BYTES
     ) -> None:
         self.offload_bytes = offload_bytes
-        self.split_bytes = split_bytes
+        # Parsed whole up to here: never past ``offload_bytes``, where the worker takes over.
+        self.parse_bytes = min(split_bytes, offload_bytes)
         self.worker = worker or WORKER_KIND
         if self.worker not in WORKER_KINDS:
             raise ValueError(f"worker must be one of {WORKER_KINDS}, got {self.worker!r}")
@@ -122,7 +123,7 @@ class AnswerClassifier:
         # ``offload_bytes`` is handled faster here than with a hop to a worker and
         # back. (In place, not through ``classify_on_loop``: one coroutine less per answer.)
         size = len(raw)
-        if not 200 <= status < 300 or size <= min(self.split_bytes, self.offload_bytes):
+        if not 200 <= status < 300 or size <= self.parse_bytes:
             return classify_here(status, raw)
         if size <= self.offload_bytes:
             return classify_here(status, raw, classify_big)
